@@ -1,0 +1,2 @@
+"""Quickstart (placeholder until inspect() lands)."""
+print("memtorch quickstart")

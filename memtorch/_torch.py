@@ -1,0 +1,21 @@
+"""Lazy access to torch: imported on first use, types handed to _C once."""
+
+import threading
+
+_lock = threading.Lock()
+_ready = False
+
+
+def torch():
+    """Return the torch module, importing it (and registering its types with _C) on first use."""
+    global _ready
+    import torch as _t
+
+    if not _ready:
+        with _lock:
+            if not _ready:
+                from . import _C
+
+                _C._set_types(_t.Tensor, _t.nn.Parameter, _t.nn.Module, _t.optim.Optimizer)
+                _ready = True
+    return _t

@@ -1,0 +1,40 @@
+/* compat.h: backports of newer C-API functions for Python 3.9-3.12. */
+#ifndef MT_COMPAT_H
+#define MT_COMPAT_H
+
+#include <Python.h>
+
+#if PY_VERSION_HEX < 0x030D0000
+/* PyDict_GetItemRef (3.13): *result is a new reference or NULL.
+ * Returns 1 if found, 0 if not, -1 on error. */
+static inline int
+mt_PyDict_GetItemRef(PyObject *d, PyObject *key, PyObject **result)
+{
+    PyObject *item = PyDict_GetItemWithError(d, key); /* borrowed */
+    if (item != NULL) {
+        Py_INCREF(item);
+        *result = item;
+        return 1;
+    }
+    *result = NULL;
+    return PyErr_Occurred() ? -1 : 0;
+}
+#define PyDict_GetItemRef mt_PyDict_GetItemRef
+#endif
+
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *
+Py_NewRef(PyObject *o)
+{
+    Py_INCREF(o);
+    return o;
+}
+static inline PyObject *
+Py_XNewRef(PyObject *o)
+{
+    Py_XINCREF(o);
+    return o;
+}
+#endif
+
+#endif /* MT_COMPAT_H */

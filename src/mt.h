@@ -1,0 +1,53 @@
+/* mt.h: shared declarations of memtorch._C (module state, method tables, macros). */
+#ifndef MT_H
+#define MT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* One NumPy C-API table for the whole extension: module.c imports it, every
+ * other file includes this header after defining NO_IMPORT_ARRAY. */
+#define PY_ARRAY_UNIQUE_SYMBOL MT_ARRAY_API
+#ifndef MT_IMPORT_ARRAY_HERE
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "compat.h"
+
+/* Per-module state (PEP 489). The torch types are handed over once by
+ * memtorch/_torch.py through _C._set_types(); until then they are NULL and
+ * the walker refuses to run. All references here are strong (owned). */
+typedef struct {
+    PyObject *tensor_type;     /* torch.Tensor */
+    PyObject *parameter_type;  /* torch.nn.Parameter */
+    PyObject *module_type;     /* torch.nn.Module */
+    PyObject *optimizer_type;  /* torch.optim.Optimizer */
+    PyObject *row_dtype;       /* numpy dtype of a walker row (PyArray_Descr) */
+    PyObject *extra;           /* dict: further objects the walker needs */
+} mt_state;
+
+/* Borrowed pointer to the state of memtorch._C, from the module object. */
+static inline mt_state *
+mt_get_state(PyObject *module)
+{
+    return (mt_state *)PyModule_GetState(module);
+}
+
+/* Method tables, one per mechanism file; module.c adds each to the module. */
+extern PyMethodDef mt_walker_methods[];
+extern PyMethodDef mt_counters_methods[];
+
+/* Per-file hooks called from module.c's exec slot, traverse and clear.
+ * Each returns 0 on success, -1 with an exception set. */
+int mt_walker_exec(PyObject *module, mt_state *st);
+int mt_counters_exec(PyObject *module);
+
+#ifdef MT_DEBUG
+#include <stdio.h>
+#define MT_DPRINT(...) fprintf(stderr, "memtorch: " __VA_ARGS__)
+#else
+#define MT_DPRINT(...) ((void)0)
+#endif
+
+#endif /* MT_H */

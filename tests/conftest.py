@@ -1,0 +1,45 @@
+"""Shared fixtures. The autouse check fails any test that leaves memtorch state behind."""
+
+import sys
+import threading
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+
+def _leftovers():
+    """What memtorch or torch still holds that a finished test should have released."""
+    found = []
+    # Every memtorch module with process-wide state reports what is still open.
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("memtorch.") and hasattr(mod, "_debug_leftovers"):
+            found += [f"{name}: {item}" for item in mod._debug_leftovers()]
+    torch_mod = sys.modules.get("torch.nn.modules.module")
+    if torch_mod is not None:
+        for attr in dir(torch_mod):
+            if attr.startswith("_global_") and attr.endswith("hooks"):
+                hooks = getattr(torch_mod, attr)
+                if hooks:
+                    found.append(f"torch.nn.modules.module.{attr} holds {len(hooks)} hook(s)")
+    optim_mod = sys.modules.get("torch.optim.optimizer")
+    if optim_mod is not None:
+        for attr in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+            hooks = getattr(optim_mod, attr, None)
+            if hooks:
+                found.append(f"torch.optim.optimizer.{attr} holds {len(hooks)} hook(s)")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_state_left_behind(request):
+    threads_before = {t.ident for t in threading.enumerate()}
+    before = _leftovers()
+    yield
+    after = [x for x in _leftovers() if x not in before]
+    new_threads = [
+        t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive() and not t.daemon
+    ]
+    problems = after + [f"thread {n!r} still running" for n in new_threads]
+    if problems:
+        pytest.fail("test left state behind:\n  " + "\n  ".join(problems), pytrace=False)

@@ -1,0 +1,79 @@
+"""memtorch.units: parsing and formatting sizes, binary vs decimal."""
+
+import pytest
+
+from memtorch import units
+from memtorch.errors import UnitError
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("64 MiB", 64 * 1024 * 1024),
+        ("1.5GB", 1_500_000_000),
+        ("512 kB", 512_000),
+        ("512 KB", 512_000),
+        ("512 KiB", 512 * 1024),
+        ("0 B", 0),
+        ("4096", 4096),
+        ("1 TiB", 1024**4),
+        ("2 tb", 2 * 1000**4),
+        (" 3 mib ", 3 * 1024**2),
+        ("1e3 B", 1000),
+        ("0.5 KiB", 512),
+        ("7 bytes", 7),
+        (1024**2, 1024**2),
+        (0, 0),
+    ],
+)
+def test_parse(text, expected):
+    assert units.parse(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "MiB", "64 MiBs", "-1 MiB", "1..5 GB", "64 Mb/s", "ten MB", None, [1], True])
+def test_parse_rejects_with_accepted_forms(bad):
+    with pytest.raises(ValueError) as info:
+        units.parse(bad)
+    assert isinstance(info.value, UnitError)
+    message = str(info.value)
+    assert "KiB" in message and "kB" in message, message
+
+
+def test_parse_negative_int():
+    with pytest.raises(UnitError, match="negative"):
+        units.parse(-5)
+
+
+@pytest.mark.parametrize(
+    "nbytes, kwargs, expected",
+    [
+        (0, {}, "0 B"),
+        (1023, {}, "1023 B"),
+        (1024, {}, "1.0 KiB"),
+        (1536, {}, "1.5 KiB"),
+        (407_080, {}, "397.5 KiB"),  # 407080 / 1024 = 397.539...
+        (3 * 1024**3, {}, "3.0 GiB"),
+        (1_500_000, {"binary": False}, "1.5 MB"),
+        (1_500_000, {"unit": "MiB", "precision": 3}, "1.431 MiB"),  # 1.5e6 / 2**20 = 1.4305...
+        (-2048, {}, "-2.0 KiB"),
+    ],
+)
+def test_format(nbytes, kwargs, expected):
+    assert units.format(nbytes, **kwargs) == expected
+
+
+def test_format_delta_sign():
+    assert units.format_delta(2048) == "+2.0 KiB"
+    assert units.format_delta(-12) == "-12 B"
+    assert units.format_delta(0) == "+0 B"
+
+
+def test_format_unknown_unit():
+    with pytest.raises(UnitError, match="unknown unit"):
+        units.format(1, unit="MiBs")
+
+
+def test_roundtrip_binary():
+    for n in (1, 1023, 1024, 10**6, 2**30 + 7):
+        text = units.format(n, precision=12)
+        assert abs(units.parse(text) - n) <= 1
