@@ -67,8 +67,8 @@ def model_memory_text(mm):
     if mm.module_table:
         head, body, more = _module_lines(mm)
         widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-        line = "  ".join(h.ljust(widths[0]) if i < 2 else h.rjust(widths[i]) for i, h in enumerate(head))
-        out += ["", line.replace(head[0], head[0], 1), "-" * len(line)]
+        line = "  ".join(h.ljust(widths[i]) if i < 2 else h.rjust(widths[i]) for i, h in enumerate(head))
+        out += ["", line, "-" * len(line)]
         for r in body:
             out.append(
                 "  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip()
