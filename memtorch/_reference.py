@@ -144,8 +144,11 @@ class _Walk:
             self.tensor(part, self.join(path, name), module, category, depth + 1, owner)
 
     def param(self, p, path, module, category):
+        first_row = len(self.rows)
         self.tensor(p, path, module, category)
-        self.params.setdefault(id(p), (path, module))
+        if len(self.rows) > first_row:
+            row = self.rows[first_row]
+            self.params.setdefault(id(p), (self.paths[row[5]], row[6]))
         if type(p) is not self.torch.nn.Parameter:
             if not (p.requires_grad and p.is_leaf):
                 return
@@ -226,11 +229,9 @@ class _Walk:
                 f"optimizer {type(opt).__name__} has no list param_groups and dict state in its __dict__ "
                 "(was Optimizer.__init__ called?)"
             )
-        pairs = []
         for g, group in enumerate(groups):
             if not isinstance(group, dict):
                 raise TypeError(f"optimizer {type(opt).__name__}: param_groups[{g}] is a {type(group).__name__}")
-            gpath = f"{prefix}.param_groups[{g}]"
             params = group.get("params")
             if params is not None and not isinstance(params, (list, tuple)):
                 raise TypeError(f"optimizer {type(opt).__name__}: param_groups[{g}]['params'] is not a list")
@@ -241,20 +242,22 @@ class _Walk:
                         f"{type(p).__name__}, not a tensor"
                     )
                 if id(p) not in self.params:
-                    self.param(p, f"{gpath}.params[{j}]", -1, PARAMETER)
-            for key, value in group.items():
-                if not isinstance(key, str) or key == "params":
-                    continue
-                pairs.append((value, self.join(gpath, key)))
+                    self.param(p, f"{prefix}.param_groups[{g}].params[{j}]", -1, PARAMETER)
+        items = []
         for i, (key, value) in enumerate(state.items()):
             rec = self.params.get(id(key))
             if rec is not None:
                 path, module = f"{prefix}.state[{rec[0]}]", rec[1]
             else:
                 path, module = f"{prefix}.state[{i}]", -1
-            self.stack.append(("any", value, path, module, OPTIMIZER_STATE))
-        for value, path in reversed(pairs):
-            self.stack.append(("any", value, path, -1, OPTIMIZER_STATE))
+            items.append(("any", value, path, module, OPTIMIZER_STATE))
+        self.stack.extend(reversed(items))
+        items = []
+        for g, group in enumerate(groups):
+            for key, value in group.items():
+                if isinstance(key, str) and key != "params":
+                    items.append(("any", value, f"{prefix}.param_groups[{g}].{key}", -1, OPTIMIZER_STATE))
+        self.stack.extend(reversed(items))
 
     # -- containers
     def any(self, obj, path, module, category):

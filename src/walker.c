@@ -166,33 +166,16 @@ push_item(mt_walk *w, int kind, PyObject *obj, PyObject *path, int32_t module,
     return 0;
 }
 
-/* Pushes (obj, path) pairs of `pairs` (a list of 2-tuples, borrowed) in
- * reverse, so that they are popped in their natural order. */
-static int
-push_pairs_reversed(mt_walk *w, PyObject *pairs, int kind, int32_t module,
-                    uint8_t category)
+/* Reverses the items pushed since `base`, so that items pushed in their
+ * natural order are popped in it. */
+static void
+reverse_from(mt_walk *w, Py_ssize_t base)
 {
-    for (Py_ssize_t i = PyList_GET_SIZE(pairs) - 1; i >= 0; i--) {
-        PyObject *pair = PyList_GET_ITEM(pairs, i); /* borrowed */
-        if (push_item(w, kind, PyTuple_GET_ITEM(pair, 0),
-                      PyTuple_GET_ITEM(pair, 1), module, category) < 0) {
-            return -1;
-        }
+    for (Py_ssize_t i = base, j = w->sn - 1; i < j; i++, j--) {
+        mt_item tmp = w->stack[i];
+        w->stack[i] = w->stack[j];
+        w->stack[j] = tmp;
     }
-    return 0;
-}
-
-/* Appends (obj, path) to the list `pairs`; both borrowed. Returns 0 or -1. */
-static int
-add_pair(PyObject *pairs, PyObject *obj, PyObject *path)
-{
-    PyObject *pair = PyTuple_Pack(2, obj, path);
-    if (pair == NULL) {
-        return -1;
-    }
-    int rc = PyList_Append(pairs, pair);
-    Py_DECREF(pair);
-    return rc;
 }
 
 /* Appends path (borrowed) to the paths table; returns its index or -1. */
@@ -627,18 +610,24 @@ walk_param(mt_walk *w, PyObject *p, PyObject *path, int32_t module,
     PyObject *py_id = NULL, *py_rec = NULL, *py_grad = NULL, *py_path = NULL,
              *py_o = NULL;
     int r;
+    Py_ssize_t first_row;
 
+    first_row = w->rows.n;
     if (walk_tensor(w, p, NULL, path, module, category, 0) < 0) {
         goto error;
     }
-    py_id = id_of(p);
-    if (py_id == NULL || (r = PyDict_Contains(w->params, py_id)) < 0) {
-        goto error;
-    }
-    if (!r) {
-        py_rec = Py_BuildValue("(Oi)", path, (int)module);
-        if (py_rec == NULL || PyDict_SetItem(w->params, py_id, py_rec) < 0) {
+    if (w->rows.n > first_row) {
+        /* Remember the parameter's first row: its path and module name the
+         * optimizer's state later. */
+        py_id = id_of(p);
+        if (py_id == NULL || (r = PyDict_Contains(w->params, py_id)) < 0) {
             goto error;
+        }
+        if (!r) {
+            py_rec = PyLong_FromSsize_t(first_row);
+            if (py_rec == NULL || PyDict_SetItem(w->params, py_id, py_rec) < 0) {
+                goto error;
+            }
         }
     }
     if (Py_TYPE(p) != (PyTypeObject *)w->st->parameter_type) {
@@ -784,9 +773,9 @@ static int
 walk_module(mt_walk *w, mt_item *it)
 {
     PyObject *mod = it->obj, *py_id = NULL, *py_found, *py_entry = NULL,
-             *py_d = NULL, *py_i = NULL, *py_path = NULL, *py_pairs = NULL;
+             *py_d = NULL, *py_i = NULL, *py_path = NULL;
     PyObject *key, *value, *tab;
-    Py_ssize_t pos;
+    Py_ssize_t pos, base;
     int32_t idx, alias = -1;
 
     py_id = id_of(mod);
@@ -871,10 +860,7 @@ walk_module(mt_walk *w, mt_item *it)
     if ((tab = module_dict_entry(py_d, w->s._modules, mod, it->path)) == NULL) {
         goto error;
     }
-    py_pairs = PyList_New(0);
-    if (py_pairs == NULL) {
-        goto error;
-    }
+    base = w->sn;
     pos = 0;
     while (PyDict_Next(tab, &pos, &key, &value)) {
         if (value == Py_None) {
@@ -890,20 +876,18 @@ walk_module(mt_walk *w, mt_item *it)
             goto error;
         }
         py_path = join_name(it->path, key);
-        if (py_path == NULL || add_pair(py_pairs, value, py_path) < 0) {
+        if (py_path == NULL || push_item(w, MT_ITEM_MODULE, value, py_path, idx,
+                                         MT_CAT_PARAMETER) < 0) {
             goto error;
         }
         Py_CLEAR(py_path);
     }
-    if (push_pairs_reversed(w, py_pairs, MT_ITEM_MODULE, idx, MT_CAT_PARAMETER) < 0) {
-        goto error;
-    }
+    reverse_from(w, base);
 done:
     Py_XDECREF(py_id);
     Py_XDECREF(py_entry);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
-    Py_XDECREF(py_pairs);
     return 0;
 error:
     Py_XDECREF(py_id);
@@ -911,7 +895,6 @@ error:
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
     Py_XDECREF(py_path);
-    Py_XDECREF(py_pairs);
     return -1;
 }
 
@@ -924,9 +907,9 @@ error:
 static int
 walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
 {
-    PyObject *py_d = NULL, *py_pairs = NULL, *py_path = NULL, *py_gpath = NULL,
-             *py_id = NULL, *groups, *state, *key, *value;
-    Py_ssize_t pos;
+    PyObject *py_d = NULL, *py_path = NULL, *py_gpath = NULL, *py_id = NULL,
+             *groups, *state, *key, *value;
+    Py_ssize_t pos, base, i;
     int r;
 
     if ((r = mark_seen(w, opt)) != 0) {
@@ -949,10 +932,7 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
                      Py_TYPE(opt)->tp_name);
         goto error;
     }
-    py_pairs = PyList_New(0);
-    if (py_pairs == NULL) {
-        goto error;
-    }
+    /* 1. Parameters the module walk did not meet, with their grads. */
     for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
         PyObject *group = PyList_GET_ITEM(groups, g); /* borrowed */
         PyObject *params;
@@ -960,10 +940,6 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
             PyErr_Format(PyExc_TypeError,
                          "optimizer %s: param_groups[%zd] is a %s, not a dict",
                          Py_TYPE(opt)->tp_name, g, Py_TYPE(group)->tp_name);
-            goto error;
-        }
-        py_gpath = PyUnicode_FromFormat("%U.param_groups[%zd]", prefix, g);
-        if (py_gpath == NULL) {
             goto error;
         }
         params = PyDict_GetItemWithError(group, w->s.params); /* borrowed */
@@ -991,7 +967,8 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
             }
             Py_CLEAR(py_id);
             if (!r) {
-                py_path = PyUnicode_FromFormat("%U.params[%zd]", py_gpath, j);
+                py_path = PyUnicode_FromFormat("%U.param_groups[%zd].params[%zd]",
+                                               prefix, g, j);
                 if (py_path == NULL ||
                     walk_param(w, p, py_path, -1, MT_CAT_PARAMETER) < 0) {
                     goto error;
@@ -999,26 +976,14 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
                 Py_CLEAR(py_path);
             }
         }
-        pos = 0;
-        while (PyDict_Next(group, &pos, &key, &value)) {
-            if (key == w->s.params || !PyUnicode_Check(key) ||
-                PyUnicode_Compare(key, w->s.params) == 0) {
-                continue;
-            }
-            py_path = join_name(py_gpath, key);
-            if (py_path == NULL || add_pair(py_pairs, value, py_path) < 0) {
-                goto error;
-            }
-            Py_CLEAR(py_path);
-        }
-        Py_CLEAR(py_gpath);
     }
-    /* State: {param: {name: tensor or number}}; rows named after the
-     * parameter and owned by its module. */
+    /* 2. State {param: {name: tensor or number}}: named after the parameter
+     * and owned by its module. */
+    base = w->sn;
     pos = 0;
-    Py_ssize_t i = 0;
+    i = 0;
     while (PyDict_Next(state, &pos, &key, &value)) {
-        PyObject *rec = NULL; /* borrowed */
+        PyObject *rec; /* borrowed: index of the parameter's first row */
         int32_t module = -1;
         py_id = id_of(key);
         if (py_id == NULL) {
@@ -1030,9 +995,10 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
             goto error;
         }
         if (rec != NULL) {
-            module = (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(rec, 1));
+            mt_row *row = &w->rows.rows[PyLong_AsSsize_t(rec)];
+            module = row->module;
             py_path = PyUnicode_FromFormat("%U.state[%U]", prefix,
-                                           PyTuple_GET_ITEM(rec, 0));
+                                           PyList_GET_ITEM(w->paths, row->path));
         }
         else {
             py_path = PyUnicode_FromFormat("%U.state[%zd]", prefix, i);
@@ -1044,17 +1010,29 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
         Py_CLEAR(py_path);
         i++;
     }
-    /* Group entries (e.g. a tensor lr) come after the state: pushed last,
-     * popped first. */
-    if (push_pairs_reversed(w, py_pairs, MT_ITEM_ANY, -1, MT_CAT_OPTIMIZER_STATE) < 0) {
-        goto error;
+    reverse_from(w, base);
+    /* 3. Other group entries (e.g. a tensor lr): pushed last, walked first. */
+    base = w->sn;
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+        PyObject *group = PyList_GET_ITEM(groups, g); /* borrowed, a dict */
+        pos = 0;
+        while (PyDict_Next(group, &pos, &key, &value)) {
+            if (!PyUnicode_Check(key) || PyUnicode_Compare(key, w->s.params) == 0) {
+                continue;
+            }
+            py_path = PyUnicode_FromFormat("%U.param_groups[%zd].%U", prefix, g, key);
+            if (py_path == NULL || push_item(w, MT_ITEM_ANY, value, py_path, -1,
+                                             MT_CAT_OPTIMIZER_STATE) < 0) {
+                goto error;
+            }
+            Py_CLEAR(py_path);
+        }
     }
+    reverse_from(w, base);
     Py_DECREF(py_d);
-    Py_DECREF(py_pairs);
     return 0;
 error:
     Py_XDECREF(py_d);
-    Py_XDECREF(py_pairs);
     Py_XDECREF(py_path);
     Py_XDECREF(py_gpath);
     Py_XDECREF(py_id);
@@ -1078,9 +1056,9 @@ is_atom(PyObject *obj)
 static int
 walk_any(mt_walk *w, mt_item *it)
 {
-    PyObject *obj = it->obj, *py_pairs = NULL, *py_path = NULL, *py_fields = NULL,
+    PyObject *obj = it->obj, *py_path = NULL, *py_fields = NULL,
              *py_iter = NULL, *py_v = NULL, *key, *value;
-    Py_ssize_t pos, i;
+    Py_ssize_t pos, i, base;
     int r;
 
     if (is_atom(obj)) {
@@ -1137,10 +1115,7 @@ walk_any(mt_walk *w, mt_item *it)
         Py_XDECREF(py_fields);
         return r < 0 ? -1 : 0;
     }
-    py_pairs = PyList_New(0);
-    if (py_pairs == NULL) {
-        goto error;
-    }
+    base = w->sn;
     if (py_fields != NULL) {
         pos = 0;
         while (PyDict_Next(py_fields, &pos, &key, &value)) {
@@ -1152,7 +1127,8 @@ walk_any(mt_walk *w, mt_item *it)
                 goto error;
             }
             py_path = join_name(it->path, key);
-            if (py_path == NULL || add_pair(py_pairs, py_v, py_path) < 0) {
+            if (py_path == NULL || push_item(w, MT_ITEM_ANY, py_v, py_path, it->module,
+                                             it->category) < 0) {
                 goto error;
             }
             Py_CLEAR(py_v);
@@ -1172,7 +1148,8 @@ walk_any(mt_walk *w, mt_item *it)
             else {
                 py_path = join_index(it->path, i);
             }
-            if (py_path == NULL || add_pair(py_pairs, value, py_path) < 0) {
+            if (py_path == NULL || push_item(w, MT_ITEM_ANY, value, py_path, it->module,
+                                             it->category) < 0) {
                 goto error;
             }
             Py_CLEAR(py_path);
@@ -1209,7 +1186,8 @@ walk_any(mt_walk *w, mt_item *it)
             else {
                 py_path = join_index(it->path, i);
             }
-            if (py_path == NULL || add_pair(py_pairs, value, py_path) < 0) {
+            if (py_path == NULL || push_item(w, MT_ITEM_ANY, value, py_path, it->module,
+                                             it->category) < 0) {
                 Py_XDECREF(fields);
                 goto error;
             }
@@ -1226,7 +1204,8 @@ walk_any(mt_walk *w, mt_item *it)
         i = 0;
         while ((py_v = PyIter_Next(py_iter)) != NULL) {
             py_path = PyUnicode_FromFormat("%U{%zd}", it->path, i);
-            if (py_path == NULL || add_pair(py_pairs, py_v, py_path) < 0) {
+            if (py_path == NULL || push_item(w, MT_ITEM_ANY, py_v, py_path, it->module,
+                                             it->category) < 0) {
                 goto error;
             }
             Py_CLEAR(py_v);
@@ -1237,17 +1216,13 @@ walk_any(mt_walk *w, mt_item *it)
             goto error;
         }
     }
-    if (push_pairs_reversed(w, py_pairs, MT_ITEM_ANY, it->module, it->category) < 0) {
-        goto error;
-    }
+    reverse_from(w, base);
     Py_XDECREF(py_fields);
     Py_XDECREF(py_iter);
-    Py_DECREF(py_pairs);
     return 0;
 error:
     Py_XDECREF(py_fields);
     Py_XDECREF(py_iter);
-    Py_XDECREF(py_pairs);
     Py_XDECREF(py_path);
     Py_XDECREF(py_v);
     return -1;
@@ -1381,6 +1356,7 @@ walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mt_walk w;
     PyObject *py_rows = NULL, *py_prefix = NULL, *result = NULL;
+    int gc_was_enabled = 0;
 
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "_walk() takes 2 arguments (%zd given)", nargs);
@@ -1389,6 +1365,12 @@ walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (walk_init(&w, module) < 0) {
         goto error;
     }
+#if PY_VERSION_HEX >= 0x030A0000
+    /* The walk makes many small tracked objects (tuples, dicts) and no
+     * cycles; collections triggered by them would traverse the whole heap
+     * (the model's) again and again. Restored below. */
+    gc_was_enabled = PyGC_Disable();
+#endif
     if (push_item(&w, MT_ITEM_ANY, args[0], w.empty, -1, MT_CAT_TENSOR) < 0 ||
         drain(&w) < 0) {
         goto error;
@@ -1412,6 +1394,11 @@ walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     result = PyTuple_Pack(5, py_rows, w.paths, w.dtypes, w.devices, w.modules);
 error:
+#if PY_VERSION_HEX >= 0x030A0000
+    if (gc_was_enabled) {
+        PyGC_Enable();
+    }
+#endif
     Py_XDECREF(py_rows);
     Py_XDECREF(py_prefix);
     walk_clear(&w);
