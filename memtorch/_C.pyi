@@ -20,9 +20,10 @@ import numpy as np
 #   requires_grad ?
 row_dtype: np.dtype
 
-# One module met by the walk, in pre-order: (path, type name, parent index or -1,
-# index of the entry this module was first met under, or -1).
-ModuleEntry = tuple[str, str, int, int]
+# The modules met by the walk, in pre-order: (paths, type names, links) where links is an
+# int32 array (n, 2): each entry's parent index and the index of the entry the same module
+# was first met under (a submodule registered under two names), -1 for none.
+Modules = tuple[list[str], list[str], np.ndarray]
 
 def _set_types(tensor: type, parameter: type, module: type, optimizer: type, /) -> None: ...
 def _walker_setup(info: dict[str, Any], /) -> None:
@@ -32,6 +33,6 @@ def _walker_setup(info: dict[str, Any], /) -> None:
 
 def _walk(
     obj: Any, optimizer: Optional[Any], /
-) -> tuple[np.ndarray, list[str], list[str], list[str], list[ModuleEntry]]:
+) -> tuple[np.ndarray, list[str], list[str], list[str], Modules]:
     """(rows, paths, dtypes, devices, modules): one row per tensor occurrence of obj
     (a module or any nest of containers), then of optimizer (a torch.optim.Optimizer or None)."""

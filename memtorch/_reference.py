@@ -333,7 +333,9 @@ class _Walk:
         from . import _C
 
         rows = np.array(self.rows, dtype=_C.row_dtype) if self.rows else np.zeros(0, dtype=_C.row_dtype)
-        return rows, self.paths, self.dtypes, self.devices, self.modules
+        links = np.array([(m[2], m[3]) for m in self.modules], dtype=np.int32).reshape(-1, 2)
+        modules = ([m[0] for m in self.modules], [m[1] for m in self.modules], links)
+        return rows, self.paths, self.dtypes, self.devices, modules
 
 
 def walk(obj, optimizer=None):

@@ -55,7 +55,8 @@ class ModelMemory:
         self.paths = list(paths)
         self.dtypes = list(dtypes)
         self.devices = list(devices)
-        self.module_table = list(modules)
+        self._mod_paths, self._mod_types, self._links = modules
+        self._module_table = None
         self.root_type = root_type
         self._modules = None
         self._shared = None
@@ -76,6 +77,15 @@ class ModelMemory:
         else:
             self._first = np.zeros(0, dtype=np.intp)
             self._first_size = np.zeros(0, dtype=np.int64)
+
+    @property
+    def module_table(self):
+        """[(path, type name, parent index, alias-of index)] of the walk, -1 for none."""
+        if self._module_table is None:
+            self._module_table = list(
+                zip(self._mod_paths, self._mod_types, self._links[:, 0].tolist(), self._links[:, 1].tolist())
+            )
+        return self._module_table
 
     # ------------------------------------------------------------ totals
     @property
@@ -194,7 +204,7 @@ class ModelMemory:
         n = len(table)
         if n == 0:
             return []
-        parent = np.array([m[2] for m in table], dtype=np.int64)
+        parent = self._links[:, 0].astype(np.int64)
         end = np.arange(1, n + 1)
         for i in range(n - 1, -1, -1):
             p = parent[i]

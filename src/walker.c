@@ -2,6 +2,7 @@
 #include "rows.h"
 
 #include <stdint.h>
+#include <string.h>
 
 /* Facts about PyTorch relied on here:
  * - Every strided tensor (meta ones included) answers untyped_storage(); the
@@ -65,7 +66,11 @@ typedef struct {
     uint8_t quantized[MT_MAX_DTYPES];
     PyObject *devices;      /* list[str] */
     PyObject *device_index; /* dict: torch.device -> int */
-    PyObject *modules;      /* list[(path, type name, parent, alias_of)] */
+    PyObject *mod_paths;    /* list[str]: path of each module entry */
+    PyObject *mod_types;    /* list[str]: type name of each module entry */
+    PyObject *type_names;   /* dict: type -> its name (str), a cache */
+    int32_t *links;         /* per module entry: parent index, alias-of index */
+    Py_ssize_t nlinks, caplinks;
     PyObject *module_ids;   /* dict: id(module) -> index */
     PyObject *seen;         /* set: id of containers and optimizers walked */
     PyObject *params;       /* dict: id(parameter) -> (path, module index) */
@@ -90,10 +95,29 @@ static int walk_tensor(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
 static PyObject *
 join_name(PyObject *prefix, PyObject *name)
 {
-    if (PyUnicode_GET_LENGTH(prefix) == 0) {
+    Py_ssize_t n1 = PyUnicode_GET_LENGTH(prefix), n2 = PyUnicode_GET_LENGTH(name);
+    Py_UCS4 maxc = PyUnicode_MAX_CHAR_VALUE(prefix);
+    PyObject *r;
+
+    if (n1 == 0) {
         return Py_NewRef(name);
     }
-    return PyUnicode_FromFormat("%U.%U", prefix, name);
+    /* Built by hand: PyUnicode_FromFormat parses its format on every call
+     * and this runs once per tensor. */
+    if (PyUnicode_MAX_CHAR_VALUE(name) > maxc) {
+        maxc = PyUnicode_MAX_CHAR_VALUE(name);
+    }
+    r = PyUnicode_New(n1 + 1 + n2, maxc);
+    if (r == NULL) {
+        return NULL;
+    }
+    if (PyUnicode_CopyCharacters(r, 0, prefix, 0, n1) < 0 ||
+        PyUnicode_WriteChar(r, n1, '.') < 0 ||
+        PyUnicode_CopyCharacters(r, n1 + 1, name, 0, n2) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    return r;
 }
 
 /* Returns a new reference: prefix + "." + suffix (a C string). */
@@ -747,6 +771,52 @@ error:
 
 /* ---------------------------------------------------------------- modules */
 
+/* Appends a module entry: path (borrowed), the name of mod's type, parent
+ * and alias-of indices. Returns 0 or -1. */
+static int
+add_module_entry(mt_walk *w, PyObject *mod, PyObject *path, int32_t parent,
+                 int32_t alias)
+{
+    PyObject *tp = (PyObject *)Py_TYPE(mod);
+    PyObject *name = PyDict_GetItemWithError(w->type_names, tp); /* borrowed */
+
+    if (name == NULL) {
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+        name = PyUnicode_FromString(Py_TYPE(mod)->tp_name);
+        if (name == NULL) {
+            return -1;
+        }
+        int rc = PyDict_SetItem(w->type_names, tp, name);
+        Py_DECREF(name); /* the cache holds it */
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    if (w->nlinks == w->caplinks) {
+        Py_ssize_t cap = w->caplinks ? w->caplinks * 2 : 64;
+        int32_t *grown = PyMem_Realloc(w->links, (size_t)cap * 2 * sizeof(int32_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->links = grown;
+        w->caplinks = cap;
+    }
+    if (w->nlinks >= INT32_MAX || PyList_Append(w->mod_paths, path) < 0 ||
+        PyList_Append(w->mod_types, name) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_OverflowError, "too many modules to walk");
+        }
+        return -1;
+    }
+    w->links[2 * w->nlinks] = parent;
+    w->links[2 * w->nlinks + 1] = alias;
+    w->nlinks++;
+    return 0;
+}
+
 /* Borrowed reference to the dict d[name] of a module, or NULL with an error
  * naming the module and what is wrong. */
 static PyObject *
@@ -772,7 +842,7 @@ module_dict_entry(PyObject *d, PyObject *name, PyObject *module, PyObject *path)
 static int
 walk_module(mt_walk *w, mt_item *it)
 {
-    PyObject *mod = it->obj, *py_id = NULL, *py_found, *py_entry = NULL,
+    PyObject *mod = it->obj, *py_id = NULL, *py_found,
              *py_d = NULL, *py_i = NULL, *py_path = NULL;
     PyObject *key, *value, *tab;
     Py_ssize_t pos, base;
@@ -786,13 +856,11 @@ walk_module(mt_walk *w, mt_item *it)
     if (py_found == NULL && PyErr_Occurred()) {
         goto error;
     }
-    idx = (int32_t)PyList_GET_SIZE(w->modules);
+    idx = (int32_t)w->nlinks;
     if (py_found != NULL) {
         alias = (int32_t)PyLong_AsLong(py_found);
     }
-    py_entry = Py_BuildValue("(Osii)", it->path, Py_TYPE(mod)->tp_name,
-                             (int)it->module, (int)alias);
-    if (py_entry == NULL || PyList_Append(w->modules, py_entry) < 0) {
+    if (add_module_entry(w, mod, it->path, it->module, alias) < 0) {
         goto error;
     }
     if (alias >= 0) {
@@ -885,13 +953,11 @@ walk_module(mt_walk *w, mt_item *it)
     reverse_from(w, base);
 done:
     Py_XDECREF(py_id);
-    Py_XDECREF(py_entry);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
     return 0;
 error:
     Py_XDECREF(py_id);
-    Py_XDECREF(py_entry);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
     Py_XDECREF(py_path);
@@ -1266,7 +1332,11 @@ walk_clear(mt_walk *w)
     Py_CLEAR(w->dtype_index);
     Py_CLEAR(w->devices);
     Py_CLEAR(w->device_index);
-    Py_CLEAR(w->modules);
+    Py_CLEAR(w->mod_paths);
+    Py_CLEAR(w->mod_types);
+    Py_CLEAR(w->type_names);
+    PyMem_Free(w->links);
+    w->links = NULL;
     Py_CLEAR(w->module_ids);
     Py_CLEAR(w->seen);
     Py_CLEAR(w->params);
@@ -1333,7 +1403,9 @@ walk_init(mt_walk *w, PyObject *module)
         (w->dtype_index = PyDict_New()) == NULL ||
         (w->devices = PyList_New(0)) == NULL ||
         (w->device_index = PyDict_New()) == NULL ||
-        (w->modules = PyList_New(0)) == NULL ||
+        (w->mod_paths = PyList_New(0)) == NULL ||
+        (w->mod_types = PyList_New(0)) == NULL ||
+        (w->type_names = PyDict_New()) == NULL ||
         (w->module_ids = PyDict_New()) == NULL || (w->seen = PySet_New(NULL)) == NULL ||
         (w->params = PyDict_New()) == NULL || (w->keepalive = PyList_New(0)) == NULL ||
         (w->empty = PyUnicode_FromString("")) == NULL ||
@@ -1346,16 +1418,18 @@ walk_init(mt_walk *w, PyObject *module)
 PyDoc_STRVAR(walk_doc,
 "_walk($module, obj, optimizer, /)\n--\n\n"
 "Walk obj (a module or any nest of containers) and then optimizer (or None)\n"
-"into rows. Returns (rows, paths, dtypes, devices, modules): rows a NumPy\n"
-"structured array, one row per tensor occurrence, whose path/dtype/device/\n"
-"module fields index the lists beside it; modules holds\n"
-"(path, type name, parent index, alias-of index or -1) in walk order.");
+"into rows. Returns (rows, paths, dtypes, devices, (module_paths,\n"
+"module_types, links)): rows a NumPy structured array, one row per tensor\n"
+"occurrence, whose path/dtype/device/module fields index the lists beside\n"
+"it; links an int32 array (n, 2) of each module entry's parent index and\n"
+"the index it was first met under (-1 for none), in walk (pre-)order.");
 
 static PyObject *
 walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     mt_walk w;
-    PyObject *py_rows = NULL, *py_prefix = NULL, *result = NULL;
+    PyObject *py_rows = NULL, *py_prefix = NULL, *py_links = NULL, *result = NULL;
+    npy_intp dims[2];
     int gc_was_enabled = 0;
 
     if (nargs != 2) {
@@ -1388,11 +1462,22 @@ walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
     }
+    dims[0] = (npy_intp)w.nlinks;
+    dims[1] = 2;
     py_rows = mt_rows_to_array(&w.rows, w.st->row_dtype);
     if (py_rows == NULL) {
         goto error;
     }
-    result = PyTuple_Pack(5, py_rows, w.paths, w.dtypes, w.devices, w.modules);
+    py_links = PyArray_SimpleNew(2, dims, NPY_INT32);
+    if (py_links == NULL) {
+        goto error;
+    }
+    if (w.nlinks > 0) {
+        memcpy(PyArray_DATA((PyArrayObject *)py_links), w.links,
+               (size_t)w.nlinks * 2 * sizeof(int32_t));
+    }
+    result = Py_BuildValue("(OOOO(OOO))", py_rows, w.paths, w.dtypes, w.devices,
+                           w.mod_paths, w.mod_types, py_links);
 error:
 #if PY_VERSION_HEX >= 0x030A0000
     if (gc_was_enabled) {
@@ -1400,6 +1485,7 @@ error:
     }
 #endif
     Py_XDECREF(py_rows);
+    Py_XDECREF(py_links);
     Py_XDECREF(py_prefix);
     walk_clear(&w);
     return result;

@@ -22,7 +22,11 @@ def assert_same_walk(obj, optimizer=None):
     assert len(rows_c) == len(rows_py)
     for field in rows_c.dtype.names:
         np.testing.assert_array_equal(rows_c[field], rows_py[field], err_msg=field)
-    assert c[1:] == py[1:]
+    assert c[1:4] == py[1:4]
+    (cp, ct, cl), (pp, pt, pl) = c[4], py[4]
+    assert (cp, ct) == (pp, pt)
+    assert cl.dtype == pl.dtype == np.int32 and cl.shape == pl.shape == (len(cp), 2)
+    np.testing.assert_array_equal(cl, pl)
     return c
 
 
