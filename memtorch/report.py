@@ -63,17 +63,15 @@ class ModelMemory:
         keys = rows["storage"]
         snb = rows["storage_nbytes"]
         if len(rows):
-            # First occurrence of each storage (walk order) -> its attribution.
-            _, first = np.unique(keys, return_index=True)
-            first.sort()
-            self._first = first
-            # A storage's size: the largest figure among its rows (an ndarray
-            # over a foreign buffer only knows the extent it sees).
-            size = {}
-            for k, n in zip(keys.tolist(), snb.tolist()):
-                if n > size.get(k, -1):
-                    size[k] = n
-            self._first_size = np.array([size[k] for k in keys[first].tolist()], dtype=np.int64)
+            # First occurrence of each storage (walk order) -> its attribution;
+            # its size: the largest figure among its rows (an ndarray over a
+            # foreign buffer only knows the extent it sees).
+            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+            size = np.zeros(len(first), dtype=np.int64)
+            np.maximum.at(size, inverse.ravel(), snb)
+            order = np.argsort(first, kind="stable")
+            self._first = first[order]
+            self._first_size = size[order]
         else:
             self._first = np.zeros(0, dtype=np.intp)
             self._first_size = np.zeros(0, dtype=np.int64)
