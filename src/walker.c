@@ -73,7 +73,9 @@ typedef struct {
     Py_ssize_t nlinks, caplinks;
     PyObject *module_ids;   /* dict: id(module) -> index */
     PyObject *seen;         /* set: id of containers and optimizers walked */
-    PyObject *params;       /* dict: id(parameter) -> (path, module index) */
+    PyObject *params;       /* dict: id(parameter) -> index of its first row,
+                               filled from the rows when an optimizer asks */
+    Py_ssize_t params_scanned; /* rows already entered in params */
     PyObject *keepalive;    /* list: tensors made during the walk, kept so
                                that no StorageImpl address is reused */
     PyObject *empty;        /* "" */
@@ -626,33 +628,16 @@ error:
 }
 
 /* Emits the rows of a parameter-like tensor p (borrowed) and of its .grad.
- * Records the first path of p for the optimizer's state. Returns 0 or -1. */
+ * Returns 0 or -1. */
 static int
 walk_param(mt_walk *w, PyObject *p, PyObject *path, int32_t module,
            uint8_t category)
 {
-    PyObject *py_id = NULL, *py_rec = NULL, *py_grad = NULL, *py_path = NULL,
-             *py_o = NULL;
+    PyObject *py_grad = NULL, *py_path = NULL, *py_o = NULL;
     int r;
-    Py_ssize_t first_row;
 
-    first_row = w->rows.n;
     if (walk_tensor(w, p, NULL, path, module, category, 0) < 0) {
         goto error;
-    }
-    if (w->rows.n > first_row) {
-        /* Remember the parameter's first row: its path and module name the
-         * optimizer's state later. */
-        py_id = id_of(p);
-        if (py_id == NULL || (r = PyDict_Contains(w->params, py_id)) < 0) {
-            goto error;
-        }
-        if (!r) {
-            py_rec = PyLong_FromSsize_t(first_row);
-            if (py_rec == NULL || PyDict_SetItem(w->params, py_id, py_rec) < 0) {
-                goto error;
-            }
-        }
     }
     if (Py_TYPE(p) != (PyTypeObject *)w->st->parameter_type) {
         /* Reading .grad of a non-leaf warns: look only where one can be. */
@@ -684,14 +669,10 @@ walk_param(mt_walk *w, PyObject *p, PyObject *path, int32_t module,
         }
     }
 done:
-    Py_XDECREF(py_id);
-    Py_XDECREF(py_rec);
     Py_XDECREF(py_grad);
     Py_XDECREF(py_path);
     return 0;
 error:
-    Py_XDECREF(py_id);
-    Py_XDECREF(py_rec);
     Py_XDECREF(py_grad);
     Py_XDECREF(py_path);
     Py_XDECREF(py_o);
@@ -966,6 +947,36 @@ error:
 
 /* ------------------------------------------------------------- optimizers */
 
+/* Enters the parameter-like rows (categories parameter and tensor: the rows
+ * walk_param makes) emitted since the last call into w->params, keyed by the
+ * tensor's id, first row kept. Done lazily: only an optimizer needs it.
+ * Returns 0 or -1. */
+static int
+scan_params(mt_walk *w)
+{
+    PyObject *py_id = NULL, *py_i = NULL;
+
+    for (; w->params_scanned < w->rows.n; w->params_scanned++) {
+        mt_row *row = &w->rows.rows[w->params_scanned];
+        if (row->category != MT_CAT_PARAMETER && row->category != MT_CAT_TENSOR) {
+            continue;
+        }
+        py_id = PyLong_FromVoidPtr((void *)(uintptr_t)row->tensor);
+        py_i = PyLong_FromSsize_t(w->params_scanned);
+        if (py_id == NULL || py_i == NULL ||
+            PyDict_SetDefault(w->params, py_id, py_i) == NULL) {
+            goto error;
+        }
+        Py_CLEAR(py_id);
+        Py_CLEAR(py_i);
+    }
+    return 0;
+error:
+    Py_XDECREF(py_id);
+    Py_XDECREF(py_i);
+    return -1;
+}
+
 /* Walks an optimizer (borrowed) at prefix: parameters of its groups that the
  * module walk did not meet (with their grads) now; other group entries and
  * the per-parameter state pushed on the stack, named after the parameter's
@@ -1028,7 +1039,8 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
                 goto error;
             }
             py_id = id_of(p);
-            if (py_id == NULL || (r = PyDict_Contains(w->params, py_id)) < 0) {
+            if (py_id == NULL || scan_params(w) < 0 ||
+                (r = PyDict_Contains(w->params, py_id)) < 0) {
                 goto error;
             }
             Py_CLEAR(py_id);
@@ -1045,6 +1057,9 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
     }
     /* 2. State {param: {name: tensor or number}}: named after the parameter
      * and owned by its module. */
+    if (scan_params(w) < 0) {
+        goto error;
+    }
     base = w->sn;
     pos = 0;
     i = 0;

@@ -240,6 +240,20 @@ def test_optimizer_params_outside_the_model():
     assert "optimizer.param_groups[1].params[0]" in mm.paths
 
 
+def test_optimizer_over_plain_leaf_tensors():
+    model = zoo.seed_model()
+    w = torch.zeros(3, requires_grad=True)  # a plain leaf tensor, not a Parameter
+    opt = torch.optim.Adam([*model.parameters(), w])
+    (model(torch.randn(2, 784)).sum() + w.sum()).backward()
+    opt.step()
+    rows, paths = assert_same_walk(model, opt)[:2]
+    assert "optimizer.param_groups[0].params[4]" in paths
+    assert "optimizer.state[optimizer.param_groups[0].params[4]].exp_avg" in paths
+    assert "optimizer.state[fc1.weight].exp_avg" in paths
+    # w 12 B, its grad 12 B, exp_avg + exp_avg_sq 24 B, its step 4 B; the model as before
+    assert memtorch.inspect(model, opt).total == 4 * 407_080 + 16 + 12 + 12 + 24 + 4
+
+
 # ---------------------------------------------------------------- unmodified
 def test_inputs_unmodified():
     model = zoo.tied_transformer()
