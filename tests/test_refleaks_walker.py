@@ -127,7 +127,10 @@ def test_leak_check_catches_a_leak():
     with warnings.catch_warnings():
         deltas = leak_deltas(lambda: kept.append(t), [t], rounds=3, inner=5)
     assert all(d[1] == 5 for d in deltas)
-    # and a leak of memory blocks: one object kept per call
+    # and a leak of memory blocks: one object kept per call (blocks are only
+    # counted by pymalloc: not under PYTHONMALLOC=malloc, as in the ASan run)
+    if sys.getallocatedblocks() == 0:
+        return
     objs = []
     deltas = leak_deltas(lambda: objs.append(object()), [], rounds=3, inner=INNER)
     assert all(d[0] >= INNER for d in deltas[1:])
