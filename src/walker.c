@@ -327,8 +327,13 @@ device_slot(mt_walk *w, PyObject *device)
 
 /* ---------------------------------------------------------------- tensors */
 
+/* Modes of walk_dense. */
+enum { MT_DENSE_PLAIN = 0, MT_DENSE_CHECK_DATA = 1, MT_DENSE_TRY = 2 };
+
 /* Emits one row for a strided tensor t (borrowed), and the rows of a
- * per-channel quantized tensor's scales and zero points. Returns 0 or -1. */
+ * per-channel quantized tensor's scales and zero points. Returns 0, or -1
+ * with an exception set; in mode MT_DENSE_TRY, 1 (no exception) when t has
+ * no storage. */
 static int
 walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
            int32_t module, uint8_t category, int check_data)
@@ -340,9 +345,17 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
 
     py_storage = PyObject_CallMethodNoArgs(t, w->s.untyped_storage);
     if (py_storage == NULL) {
+        if (check_data == MT_DENSE_TRY &&
+            (PyErr_ExceptionMatches(PyExc_NotImplementedError) ||
+             PyErr_ExceptionMatches(PyExc_RuntimeError))) {
+            /* No storage: a sparse or other non-strided tensor. The caller
+             * checks the layout (and reproduces the error if strided). */
+            PyErr_Clear();
+            return 1;
+        }
         goto error;
     }
-    if (check_data) {
+    if (check_data == MT_DENSE_CHECK_DATA) {
         /* A wrapper subclass has a storage object with a size but no data:
          * its bytes live in tensors it holds. data_ptr() raises on it. */
         py_o = PyObject_CallMethodNoArgs(py_storage, w->s.data_ptr);
@@ -438,7 +451,8 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
                 }
                 py_path = join_cstr(path, aux[k]);
                 if (py_path == NULL ||
-                    walk_dense(w, py_o, owner, py_path, module, category, 0) < 0) {
+                    walk_dense(w, py_o, owner, py_path, module, category,
+                                   MT_DENSE_PLAIN) < 0) {
                     goto error;
                 }
                 Py_CLEAR(py_o);
@@ -580,13 +594,21 @@ walk_tensor(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
         Py_DECREF(py_flat);
         return 0;
     }
+    if (cls == MT_TYPE_PLAIN) {
+        /* Most tensors are strided: try that first and save a layout read. */
+        int rc = walk_dense(w, t, owner, path, module, category, MT_DENSE_TRY);
+        if (rc <= 0) {
+            return rc;
+        }
+    }
     py_layout = PyObject_GetAttr(t, w->s.layout);
     if (py_layout == NULL) {
         goto error;
     }
     if (py_layout == PyTuple_GET_ITEM(w->layouts, 0)) {
         if (walk_dense(w, t, owner, path, module, category,
-                       cls == MT_TYPE_CHECK_DATA) < 0) {
+                       cls == MT_TYPE_CHECK_DATA ? MT_DENSE_CHECK_DATA
+                                                 : MT_DENSE_PLAIN) < 0) {
             goto error;
         }
     }
@@ -1554,7 +1576,11 @@ mt_walker_exec(PyObject *module, mt_state *st)
         return -1;
     }
     Py_XSETREF(st->row_dtype, descr);
-    if (PyModule_AddObjectRef(module, "row_dtype", descr) < 0) {
+    /* PyModule_AddObject steals a reference on success only (3.9-compatible
+     * spelling of PyModule_AddObjectRef). */
+    Py_INCREF(descr);
+    if (PyModule_AddObject(module, "row_dtype", descr) < 0) {
+        Py_DECREF(descr);
         return -1;
     }
     return 0;

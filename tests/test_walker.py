@@ -207,6 +207,17 @@ def test_submodule_under_two_names():
     assert second.alias_of == "first"
 
 
+def test_module_containing_itself_terminates():
+    model = zoo.seed_model()
+    model._modules["again"] = model  # a cycle through _modules
+    mm = memtorch.inspect(model)
+    assert mm.total == 407_080
+    again = [m for m in mm.modules if m.name == "again"][0]
+    assert again.alias_of == ""
+    assert ("fc1.weight", "again.fc1.weight") in mm.shared
+    assert_same_walk(model)
+
+
 def test_two_devices():
     mm = memtorch.inspect(zoo.two_devices())
     assert mm.by_device == {"cpu": (256 + 16) * 4, "meta": (256 + 16) * 4}
