@@ -134,3 +134,22 @@ def test_numel():
     assert memtorch.inspect(zoo.seed_model()).numel == 784 * 128 + 128 + 128 * 10 + 10
     rows = memtorch.inspect(zoo.tied_transformer()).to_numpy()
     assert np.count_nonzero(rows["path"] == "head.weight") == 1
+
+
+def test_quickstart_example_runs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "quickstart.py")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    # seed model: (784*128 + 128 + 128*10 + 10) * 4 = 407,080 B; after one Adam
+    # step: params + grads + 2 x params of state + four 4-byte steps
+    assert "(407,080 B, each storage once)" in out.stdout
+    assert f"({4 * 407_080 + 16:,} B, each storage once)" in out.stdout
+    assert "optimizer_state" in out.stdout
