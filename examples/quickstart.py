@@ -1,2 +1,43 @@
-"""Quickstart (placeholder until inspect() lands)."""
-print("memtorch quickstart")
+"""memtorch quickstart: what a small model holds, then after one Adam step.
+
+    python examples/quickstart.py
+
+The model is the seed model 784 -> 128 -> 10 with ReLU: its float32 weights
+and biases take (784*128 + 128 + 128*10 + 10) * 4 = 407,080 bytes. After one
+Adam step the gradients take as much again, and the optimizer state twice
+that plus one 4-byte `step` per parameter tensor.
+"""
+
+import torch
+from torch import nn
+
+import memtorch
+
+
+class SeedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def main():
+    torch.manual_seed(0)
+    model = SeedModel()
+    print(memtorch.inspect(model))
+    print()
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    print("after one Adam step:")
+    print(memtorch.inspect(model, optimizer=opt))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Type stubs for memtorch._C (the C core). Walker part; the counters add theirs."""
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+# NumPy dtype of a walker row (src/rows.h mt_row), fields in this order:
+#   numel i8          elements
+#   nbytes i8         logical bytes: numel * element size
+#   storage u8        storage key: the c10::StorageImpl address (untyped_storage()._cdata);
+#                     for an ndarray: id of the base array owning the memory (or of the
+#                     foreign owner; or the tensor storage key for tensor.numpy())
+#   storage_nbytes i8 bytes of the whole storage the occurrence keeps alive
+#   tensor u8         id of the tensor met (of the whole tensor for sparse / quantized parts)
+#   path i4           index into `paths`
+#   module i4         index into `modules` (owning module), -1 for none
+#   dtype i2          index into `dtypes` (torch dtypes without the "torch." prefix; numpy's str)
+#   device i2         index into `devices` (str(torch.device); "cpu" for ndarrays)
+#   category u1       0 parameter, 1 buffer, 2 gradient, 3 optimizer_state, 4 tensor, 5 array
+#   requires_grad ?
+row_dtype: np.dtype
+
+# The modules met by the walk, in pre-order: (paths, type names, links) where links is an
+# int32 array (n, 2): each entry's parent index and the index of the entry the same module
+# was first met under (a submodule registered under two names), -1 for none.
+Modules = tuple[list[str], list[str], np.ndarray]
+
+def _set_types(tensor: type, parameter: type, module: type, optimizer: type, /) -> None: ...
+def _walker_setup(info: dict[str, Any], /) -> None:
+    """info: 'dtypes' {torch.dtype: (name, itemsize, quantized)}, 'layouts' (strided,
+    sparse_coo, sparse_csr, sparse_csc, sparse_bsr, sparse_bsc), 'per_channel' (qschemes),
+    'classify' (callable(type) -> 0 plain, 1 __tensor_flatten__, 2 check the storage has data)."""
+
+def _walk(
+    obj: Any, optimizer: Optional[Any], /
+) -> tuple[np.ndarray, list[str], list[str], list[str], Modules]:
+    """(rows, paths, dtypes, devices, modules): one row per tensor occurrence of obj
+    (a module or any nest of containers), then of optimizer (a torch.optim.Optimizer or None)."""

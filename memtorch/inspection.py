@@ -1,0 +1,131 @@
+"""inspect() and sizeof(): what a model, an optimizer or any nest of tensors holds.
+
+The C walker (memtorch._C._walk) records one row per tensor occurrence; this
+module hands it what it needs to know about torch once, calls it, and builds a
+ModelMemory (memtorch/report.py) from the rows.
+"""
+
+import threading
+
+from . import _torch
+from .report import ModelMemory
+
+__all__ = ["inspect", "sizeof"]
+
+_setup_lock = threading.Lock()
+_setup_done = False
+
+# Type classes the walker understands (src/walker.c MT_TYPE_*).
+TYPE_PLAIN, TYPE_FLATTEN, TYPE_CHECK_DATA = 0, 1, 2
+
+
+def _dtype_table(torch):
+    """{torch.dtype: (name, itemsize, quantized)} for every dtype torch has."""
+    table = {}
+    for name in dir(torch):
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype) and dt not in table:
+            short = str(dt).replace("torch.", "", 1)
+            table[dt] = (short, int(dt.itemsize), bool(dt in _quantized_dtypes(torch)))
+    return table
+
+
+def _quantized_dtypes(torch):
+    return {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+
+
+def classify_type(tp):
+    """How the walker should read a tensor subclass (cached per type by the walker).
+
+    A subclass that keeps torch's own __torch_dispatch__ stores its data in its
+    storage like a plain tensor. One that overrides it may be a wrapper whose
+    storage holds nothing: if it implements __tensor_flatten__ the walker reads
+    the tensors it names; otherwise the walker checks that the storage has data
+    and raises a clear TypeError if it has none.
+    """
+    torch = _torch.torch()
+    if getattr(tp, "__torch_dispatch__", None) is torch._C._disabled_torch_dispatch_impl:
+        return TYPE_PLAIN
+    if callable(getattr(tp, "__tensor_flatten__", None)):
+        return TYPE_FLATTEN
+    return TYPE_CHECK_DATA
+
+
+_info = None
+
+
+def setup_info(torch):
+    """The dict handed to _C._walker_setup (also read by memtorch._reference); built once."""
+    global _info
+    if _info is None:
+        _info = _build_setup_info(torch)
+    return _info
+
+
+def _build_setup_info(torch):
+    layouts = tuple(
+        getattr(torch, n, object())
+        for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+    )
+    per_channel = tuple(
+        getattr(torch, n)
+        for n in ("per_channel_affine", "per_channel_symmetric", "per_channel_affine_float_qparams")
+        if hasattr(torch, n)
+    )
+    return {
+        "dtypes": _dtype_table(torch),
+        "layouts": layouts,
+        "per_channel": per_channel,
+        "classify": classify_type,
+    }
+
+
+def _ensure_setup():
+    global _setup_done
+    torch = _torch.torch()
+    if not _setup_done:
+        with _setup_lock:
+            if not _setup_done:
+                from . import _C
+
+                _C._walker_setup(setup_info(torch))
+                _setup_done = True
+    return torch
+
+
+def walk(obj, optimizer=None):
+    """Raw walker output: (rows, paths, dtypes, devices, modules); see memtorch/_C.pyi."""
+    torch = _ensure_setup()
+    from . import _C
+
+    # A subclass's __torch_function__ is user code: keep it out of the walk.
+    with torch._C.DisableTorchFunctionSubclass():
+        return _C._walk(obj, optimizer)
+
+
+def inspect(model, optimizer=None):
+    """What `model` (an nn.Module) and `optimizer` (or None) hold in memory.
+
+    Returns a ModelMemory: each storage counted once (tied weights, views,
+    a submodule under two names), with per-dtype, per-device, per-category
+    and per-module figures, in bytes.
+    """
+    torch = _torch.torch()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"inspect() takes a torch.nn.Module (and optionally optimizer=torch.optim.Optimizer), "
+            f"not {type(model).__name__}; for tensors, dicts, lists or a state_dict use memtorch.sizeof()"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}")
+    return ModelMemory(*walk(model, optimizer), root_type=type(model).__name__)
+
+
+def sizeof(obj):
+    """Bytes held by any nest of dicts, lists, tuples, sets, namedtuples and
+    dataclasses holding tensors, NumPy arrays, modules or optimizers.
+
+    Returns a ModelMemory (``.total`` is the bytes of the unique storages).
+    Objects of other types hold nothing memtorch can see and count 0.
+    """
+    return ModelMemory(*walk(obj, None), root_type=type(obj).__name__)
