@@ -78,17 +78,8 @@ static int mt_install_count;          /* under the GIL and all stripe locks */
 static _Thread_local int mt_in_hook;
 
 static void
-mt_init_locks(void)
+mt_take_all(void)
 {
-    for (int i = 0; i < MT_NSTRIPES; i++) {
-        pthread_mutex_init(&mt_stripes[i].lock, NULL);
-    }
-}
-
-static void
-mt_lock_all(void)
-{
-    pthread_once(&mt_once, mt_init_locks);
     for (int i = 0; i < MT_NSTRIPES; i++) {
         pthread_mutex_lock(&mt_stripes[i].lock);
     }
@@ -100,6 +91,24 @@ mt_unlock_all(void)
     for (int i = MT_NSTRIPES - 1; i >= 0; i--) {
         pthread_mutex_unlock(&mt_stripes[i].lock);
     }
+}
+
+static void
+mt_init_locks(void)
+{
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        pthread_mutex_init(&mt_stripes[i].lock, NULL);
+    }
+    /* fork() (DataLoader workers) while another thread holds a stripe lock
+     * would leave the child's copy locked forever: hold them all across it. */
+    pthread_atfork(mt_take_all, mt_unlock_all, mt_unlock_all);
+}
+
+static void
+mt_lock_all(void)
+{
+    pthread_once(&mt_once, mt_init_locks);
+    mt_take_all();
 }
 
 /* Mix the address (murmur3's finalizer): the low bits of aligned pointers
@@ -485,11 +494,12 @@ scope_open(PyObject *module, PyObject *arg)
     int64_t start = 0;
     uint64_t gen = 0;
     if (timeline < 0) {
-        return NULL;
+        goto error;
     }
     /* Started before taking the locks: it may allocate the ring buffer. */
     if (timeline && mt_eventlog_start() < 0) {
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto error;
     }
     mt_lock_all();
     uint64_t mask = atomic_load(&mt_scope_mask);
@@ -516,10 +526,12 @@ scope_open(PyObject *module, PyObject *arg)
             mt_eventlog_stop();
         }
         PyErr_SetString(PyExc_RuntimeError, problem);
-        return NULL;
+        goto error;
     }
     return Py_BuildValue("(iKLLK)", id, (unsigned long long)gen, (long long)start,
                          (long long)mt_monotonic_ns(), (unsigned long long)head);
+error:
+    return NULL;
 }
 
 /* Parse (id, generation); 0 or -1 with an exception set. */
@@ -527,25 +539,29 @@ static int
 mt_parse_scope(PyObject *const *args, Py_ssize_t nargs, const char *fname,
                int *id, uint64_t *gen)
 {
+    long v = -1;
+    unsigned long long g = 0;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (%zd given)", fname, nargs);
-        return -1;
+        goto error;
     }
-    long v = PyLong_AsLong(args[0]);
+    v = PyLong_AsLong(args[0]);
     if (v == -1 && PyErr_Occurred()) {
-        return -1;
+        goto error;
     }
-    unsigned long long g = PyLong_AsUnsignedLongLong(args[1]);
+    g = PyLong_AsUnsignedLongLong(args[1]);
     if (g == (unsigned long long)-1 && PyErr_Occurred()) {
-        return -1;
+        goto error;
     }
     if (v < 0 || v >= MT_NSCOPES) {
         PyErr_Format(PyExc_ValueError, "%s(): no scope %ld", fname, v);
-        return -1;
+        goto error;
     }
     *id = (int)v;
     *gen = (uint64_t)g;
     return 0;
+error:
+    return -1;
 }
 
 /* 1 if scope id of generation gen is open; caller holds all locks. */
@@ -568,7 +584,7 @@ scope_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long long start = 0, current = 0, peak = 0;
     int open;
     if (mt_parse_scope(args, nargs, "scope_read", &id, &gen) < 0) {
-        return NULL;
+        goto error;
     }
     mt_lock_all();
     open = mt_scope_is_open(id, gen);
@@ -580,9 +596,11 @@ scope_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     mt_unlock_all();
     if (!open) {
         PyErr_SetString(PyExc_RuntimeError, "scope_read(): this scope is closed");
-        return NULL;
+        goto error;
     }
     return Py_BuildValue("(LLL)", start, current, peak);
+error:
+    return NULL;
 }
 
 PyDoc_STRVAR(scope_close_doc,
@@ -598,7 +616,7 @@ scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int open, timeline = 0;
     uint64_t head;
     if (mt_parse_scope(args, nargs, "scope_close", &id, &gen) < 0) {
-        return NULL;
+        goto error;
     }
     mt_lock_all();
     open = mt_scope_is_open(id, gen);
@@ -614,13 +632,15 @@ scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     mt_unlock_all();
     if (!open) {
         PyErr_SetString(PyExc_RuntimeError, "scope_close(): this scope is already closed");
-        return NULL;
+        goto error;
     }
     if (timeline) {
         mt_eventlog_stop();
     }
     return Py_BuildValue("(LLLLK)", start, end, peak, (long long)mt_monotonic_ns(),
                          (unsigned long long)head);
+error:
+    return NULL;
 }
 
 PyDoc_STRVAR(open_scopes_doc,
@@ -655,16 +675,18 @@ static PyObject *
 counters_slot_info(PyObject *module, PyObject *arg)
 {
     uintptr_t vals[4] = {0, 0, 0, 0};
-    const char *name = PyUnicode_AsUTF8(arg);
+    const char *name = PyUnicode_AsUTF8(arg); /* borrowed buffer */
     if (name == NULL) {
-        return NULL;
+        goto error;
     }
     if (mt_interpose_slot_info(name, vals) < 0) {
         PyErr_Format(PyExc_ValueError, "_counters_slot_info(): no import slot for %R", arg);
-        return NULL;
+        goto error;
     }
     return Py_BuildValue("(KKKK)", (unsigned long long)vals[0], (unsigned long long)vals[1],
                          (unsigned long long)vals[2], (unsigned long long)vals[3]);
+error:
+    return NULL;
 }
 
 PyDoc_STRVAR(inject_doc,
@@ -675,21 +697,23 @@ PyDoc_STRVAR(inject_doc,
 static PyObject *
 counters_inject(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    unsigned long long addr = 0;
+    long long size = 0;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "_counters_inject() takes 2 arguments (%zd given)", nargs);
-        return NULL;
+        goto error;
     }
-    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
+    addr = PyLong_AsUnsignedLongLong(args[0]);
     if (addr == (unsigned long long)-1 && PyErr_Occurred()) {
-        return NULL;
+        goto error;
     }
-    long long size = PyLong_AsLongLong(args[1]);
+    size = PyLong_AsLongLong(args[1]);
     if (size == -1 && PyErr_Occurred()) {
-        return NULL;
+        goto error;
     }
     if (addr == 0) {
         PyErr_SetString(PyExc_ValueError, "_counters_inject(): address must not be 0");
-        return NULL;
+        goto error;
     }
     if (size >= 0) {
         mt_counters_on_alloc((void *)(uintptr_t)addr, (size_t)size);
@@ -698,6 +722,8 @@ counters_inject(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         mt_counters_on_free((void *)(uintptr_t)addr);
     }
     Py_RETURN_NONE;
+error:
+    return NULL;
 }
 
 extern PyMethodDef mt_eventlog_methods[];

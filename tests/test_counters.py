@@ -20,10 +20,6 @@ from memtorch import _C, cpu
 from memtorch.errors import MemtorchError
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact mechanism is Linux-only")
-needs_exact = pytest.mark.skipif(
-    cpu.fallback_reason() is not None and not cpu.fallback_reason().startswith("forced"),
-    reason="exact CPU counting unavailable here",
-)
 
 MiB = 1024 * 1024
 
@@ -496,3 +492,36 @@ def test_exports():
         assert callable(getattr(cpu, name))
     assert isinstance(cpu.exact(), bool)
     assert cpu.mechanism() in ("libc10-got", "rss-fallback")
+
+
+@linux_only
+def test_fork_while_counting_leaves_a_working_child(exact_mode):
+    """fork() (DataLoader workers) with threads allocating must not deadlock the child's hooks."""
+    import os
+    import warnings
+
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            torch.empty(100)
+
+    with cpu.Scope() as s:
+        t = threading.Thread(target=churn)
+        t.start()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+                pid = os.fork()
+            if pid == 0:  # child: allocate through the (inherited) hooks, report by exit code
+                before = _C.counters_current()
+                x = torch.empty(1000)
+                ok = _C.counters_current() - before == 4000
+                del x
+                os._exit(0 if ok else 1)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            stop.set()
+            t.join()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert s.delta == 0
