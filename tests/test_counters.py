@@ -525,3 +525,33 @@ def test_fork_while_counting_leaves_a_working_child(exact_mode):
             t.join()
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         assert s.delta == 0
+
+
+@linux_only
+def test_transparent_huge_page_path_and_bind_now():
+    """c10's other allocation path (THP_MEM_ALLOC_ENABLE: page alignment + madvise), with eager binding."""
+    import os
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from memtorch import cpu
+        with cpu.Scope() as s:
+            x = torch.empty(4 * 1024 * 1024 // 4)  # 4 MiB >= c10's 2 MiB THP threshold
+            print(s.delta, x.untyped_storage().nbytes(), x.data_ptr() % 4096)
+            del x
+            print(s.delta)
+        """
+    )
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1", LD_BIND_NOW="1", MEMTORCH_CPU_MECHANISM="libc10-got")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.split("\n")[:2]
+    delta, nbytes, misalign = map(int, first.split())
+    assert delta == nbytes == 4 * MiB
+    assert misalign == 0  # page-aligned: the THP path was taken
+    assert int(second) == 0
