@@ -163,13 +163,13 @@ mt_locate(mt_lib *lib, char *err, size_t errlen)
 {
     if (!MT_ARCH_OK) {
         snprintf(err, errlen, "GOT patching is not implemented for this CPU architecture");
-        return -1;
+        goto error;
     }
     memset(lib, 0, sizeof(*lib));
     dl_iterate_phdr(mt_find_cb, lib);
     if (!lib->found) {
         snprintf(err, errlen, "libc10 is not loaded in this process (import torch first)");
-        return -1;
+        goto error;
     }
     const ElfW(Dyn) *dyn = NULL;
     uintptr_t relro_lo = 0, relro_hi = 0;
@@ -184,7 +184,7 @@ mt_locate(mt_lib *lib, char *err, size_t errlen)
     }
     if (dyn == NULL) {
         snprintf(err, errlen, "%s has no dynamic section", lib->path);
-        return -1;
+        goto error;
     }
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
@@ -220,7 +220,7 @@ mt_locate(mt_lib *lib, char *err, size_t errlen)
     }
     if (symtab == NULL || strtab == NULL || pltrel != DT_RELA) {
         snprintf(err, errlen, "%s: unexpected dynamic section layout", lib->path);
-        return -1;
+        goto error;
     }
     for (int t = 0; t < 2; t++) {
         mt_targets[t].nslots = 0;
@@ -257,10 +257,12 @@ mt_locate(mt_lib *lib, char *err, size_t errlen)
         if (mt_targets[t].nslots == 0) {
             snprintf(err, errlen, "%s does not import %s (unusual build)", lib->path,
                      mt_targets[t].name);
-            return -1;
+            goto error;
         }
     }
     return 0;
+error:
+    return -1;
 }
 
 /* Write one GOT slot, making a RELRO page writable for the time of the
@@ -317,10 +319,10 @@ mt_interpose_patch(char *err, size_t errlen)
     mt_lib lib;
     if (mt_patched) {
         snprintf(err, errlen, "already installed");
-        return -1;
+        goto error;
     }
     if (mt_locate(&lib, err, errlen) < 0) {
-        return -1;
+        goto error;
     }
     for (int t = 0; t < 2; t++) {
         mt_target *tg = &mt_targets[t];
@@ -330,7 +332,7 @@ mt_interpose_patch(char *err, size_t errlen)
                 /* Refuse double installation (e.g. a second copy of the
                  * counters state): we would forward to ourselves. */
                 snprintf(err, errlen, "libc10's %s is already patched by memtorch", tg->name);
-                return -1;
+                goto error;
             }
         }
     }
@@ -338,7 +340,7 @@ mt_interpose_patch(char *err, size_t errlen)
     void *real_free = mt_resolve_real(&lib, &mt_targets[1]);
     if (real_pm == NULL || real_free == NULL) {
         snprintf(err, errlen, "cannot resolve the real posix_memalign/free");
-        return -1;
+        goto error;
     }
     atomic_store_explicit(&mt_real_posix_memalign, (mt_posix_memalign_fn)real_pm,
                           memory_order_release);
@@ -357,12 +359,14 @@ mt_interpose_patch(char *err, size_t errlen)
                     }
                 }
                 snprintf(err, errlen, "mprotect of libc10's GOT failed: %s", strerror(e));
-                return -1;
+                goto error;
             }
         }
     }
     mt_patched = 1;
     return 0;
+error:
+    return -1;
 }
 
 void

@@ -5,6 +5,7 @@ derivation written out), from the tensors' own untyped_storage().nbytes(), or
 from the profiler's memory events of the same run.
 """
 
+import gc
 import random
 import sys
 import threading
@@ -144,15 +145,22 @@ def test_counters_agree_with_profiler_memory_events(exact_mode):
     model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(20, 48)
-    with cpu.Scope(timeline=True) as s:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            for _ in range(2):
-                loss = model(x).square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                del loss
-        delta, peak = s.delta, s.peak_above_start
+    # No cycle collection inside the window: it could free a tensor from
+    # before the scope, which the profiler reports and the counters ignore.
+    gc.collect()
+    gc.disable()
+    try:
+        with cpu.Scope(timeline=True) as s:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                for _ in range(2):
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    del loss
+            delta, peak = s.delta, s.peak_above_start
+    finally:
+        gc.enable()
     prof_deltas = _profiler_memory_events(prof)
     _, b = s.timeline()
     ours = [int(d) for d in np.diff(b)]
