@@ -252,8 +252,8 @@ def test_counts_outside_scopes_only_while_installed(exact_mode):
 # ---------------------------------------------------------------------------
 # Threads.
 
-_THREAD_N = 200
-_THREAD_ELEMS = 1000
+_THREAD_N = 2000
+_THREAD_ELEMS = 250
 
 
 def _script_fns():
@@ -266,55 +266,59 @@ def _script_fns():
 
     @torch.jit.script
     def fork_two(n: int, size: int) -> List[torch.Tensor]:
-        # torch.jit.fork runs each call on PyTorch's inter-op thread pool: C++
-        # threads that never hold the GIL.
+        # torch.jit.fork runs `fill` on PyTorch's inter-op thread pool (a C++
+        # thread that never holds the GIL) while the caller, running
+        # TorchScript without the GIL too, fills its own list at the same time.
         f1 = torch.jit.fork(fill, n, size)
-        f2 = torch.jit.fork(fill, n, size)
-        return torch.jit.wait(f1) + torch.jit.wait(f2)
+        mine = fill(n, size)
+        return torch.jit.wait(f1) + mine
 
     return fork_two
 
 
 @linux_only
 def test_threads_lose_nothing(exact_mode):
-    """Two Python threads and two C++ worker tasks allocate at once, with 2 intra-op threads.
+    """Python threads and PyTorch's own C++ threads allocate at once, with 2 intra-op threads.
 
-    In torch 2.13 the CPU kernels allocate their outputs on the calling thread
-    (the profiler's memory events of 18 parallel ops all came from the caller),
-    so PyTorch's own C++ threads are exercised through the inter-op pool.
+    Two Python threads allocate through torch.empty; two more run TorchScript
+    (without the GIL), each filling a list while a forked task fills another
+    on the inter-op pool. In torch 2.13 the CPU kernels allocate their outputs
+    on the calling thread (the profiler's memory events of 18 parallel ops all
+    came from the caller), so PyTorch's C++ threads are exercised through the
+    inter-op pool instead of intra-op kernels.
     """
     fork_two = _script_fns()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     kept = {}
-    barrier = threading.Barrier(3)
+    barrier = threading.Barrier(4)
 
     def python_worker(name):
         barrier.wait()
         mine = []
         for i in range(_THREAD_N):
             mine.append(torch.empty(_THREAD_ELEMS))
-            if i % 10 == 0:
+            if i % 100 == 0:
                 tmp = torch.randn(64, 64) @ torch.randn(64, 64)  # intra-op parallel, freed
                 del tmp
         kept[name] = mine
 
-    def cpp_workers():
+    def cpp_workers(name):
         barrier.wait()
-        kept["jit"] = fork_two(_THREAD_N, _THREAD_ELEMS)
+        kept[name] = fork_two(_THREAD_N, _THREAD_ELEMS)
 
     try:
         with cpu.Scope() as s:
             threads = [threading.Thread(target=python_worker, args=(f"py{i}",)) for i in range(2)]
-            threads.append(threading.Thread(target=cpp_workers))
+            threads += [threading.Thread(target=cpp_workers, args=(f"jit{i}",)) for i in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             n_tensors = sum(len(v) for v in kept.values())
-            assert n_tensors == 4 * _THREAD_N
-            # each kept tensor: 1000 float32 = 4000 bytes; the temporaries are all freed
-            assert s.delta == 4 * _THREAD_N * _THREAD_ELEMS * 4
+            assert n_tensors == 6 * _THREAD_N
+            # each kept tensor: 250 float32 = 1000 bytes; the temporaries are all freed
+            assert s.delta == 6 * _THREAD_N * _THREAD_ELEMS * 4
             assert s.delta == sum(t.untyped_storage().nbytes() for v in kept.values() for t in v)
             kept.clear()
             # An inter-op worker drops its own reference to the list it
@@ -337,8 +341,9 @@ def test_jit_fork_allocations_come_from_another_thread():
         r = fork_two(5, 10)
     events = prof.profiler.kineto_results.events()
     mem_tids = {e.start_thread_id() for e in events if e.name() == "[memory]"}
-    # the profiler numbers threads from 1, the profiling (Python) thread first
-    assert len(r) == 10 and mem_tids and 1 not in mem_tids
+    # the profiler numbers threads from 1, the profiling (Python) thread first:
+    # half the tensors come from the caller, half from an inter-op thread
+    assert len(r) == 10 and 1 in mem_tids and len(mem_tids) == 2
     del r
 
 
