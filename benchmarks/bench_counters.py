@@ -129,6 +129,19 @@ def hook_cost(n, rounds):
     return statistics.median(plain), statistics.median(extra), statistics.median(extra_tl)
 
 
+def c_hook_cost(rounds, n=200_000):
+    """Median ns of posix_memalign(64, 256) + free direct and through the hooks (timed in C)."""
+    from memtorch import _C
+
+    direct, extra = [], []
+    with cpu.Scope():
+        for _ in range(rounds):
+            d, h = _C._counters_bench(n, 256)
+            direct.append(d)
+            extra.append(h - d)
+    return statistics.median(direct), statistics.median(extra)
+
+
 def allocations_per_call(fn):
     from memtorch import _C
 
@@ -151,6 +164,8 @@ def main():
     plain_ns, extra_ns, extra_tl_ns = hook_cost(n_alloc, 5 if args.quick else 41)
     print(f"torch.empty(256): plain {plain_ns:.0f} ns, +{extra_ns:.0f} ns counting, +{extra_tl_ns:.0f} ns timeline",
           flush=True)
+    c_direct_ns, c_extra_ns = c_hook_cost(5 if args.quick else 21)
+    print(f"C: posix_memalign+free {c_direct_ns:.0f} ns, hooks add {c_extra_ns:.0f} ns", flush=True)
     work = [
         ("MLP 256-512-512-10, batch 64, Adam step", mlp_step(), 5 if args.quick else 10),
         ("Transformer encoder 2x(d=64, ff=128), batch 4x32, AdamW step", transformer_step(),
@@ -160,7 +175,7 @@ def main():
     for name, fn, number in work:
         med, ratio = compare(fn, number, rounds)
         n = allocations_per_call(fn)
-        est = n * extra_ns * 1e-9 / med["plain"] * 100
+        est = n * c_extra_ns * 1e-9 / med["plain"] * 100
         rows.append(
             f"| {name} | {med['plain'] * 1e3:.3f} ms | {n} | {est:.2f}% | {ratio['count']:.3f}x | "
             f"{ratio['timeline']:.3f}x | {ratio['profiler']:.3f}x |"
@@ -174,16 +189,19 @@ def main():
             "",
             "Command: `python benchmarks/bench_counters.py`",
             "",
-            "Hook cost, from the median over interleaved rounds of a `torch.empty(256)` loop "
-            f"({n_alloc:,} calls a round) run plain and inside `memtorch.cpu.Scope()`: plain "
-            f"{plain_ns:.0f} ns per allocation + free, counting adds **{extra_ns:.0f} ns**, "
-            f"counting with `timeline=True` adds {extra_tl_ns:.0f} ns.",
+            "Hook cost, timed in C (`_C._counters_bench`: `posix_memalign(64, 256)` + `free` called "
+            "directly and through the hooks while counting, median of 200,000-call rounds): direct "
+            f"{c_direct_ns:.0f} ns, the hooks add **{c_extra_ns:.0f} ns** per allocation + free. "
+            "The same seen from Python, median over interleaved rounds of a `torch.empty(256)` loop "
+            f"({n_alloc:,} calls a round) plain and inside `memtorch.cpu.Scope()`: plain {plain_ns:.0f} ns, "
+            f"counting adds {extra_ns:.0f} ns, counting with `timeline=True` adds {extra_tl_ns:.0f} ns "
+            "(noisier: a shared machine).",
             "",
             "Training steps: plain vs inside `Scope()`, `Scope(timeline=True)` and "
             "`torch.profiler.profile(profile_memory=True)`. Ratios: median over "
             f"{rounds} rounds of each run against the mean of the plain runs just before and after it "
-            "(one intra-op thread). \"estimated\" = allocations per step x the hook cost above / plain "
-            "step time: the cost the hooks add, free of the timing noise of a shared machine.",
+            "(one intra-op thread). \"estimated\" = CPU allocations per step x the C hook cost above / "
+            "plain step time: the cost the hooks add, free of the timing noise of a shared machine.",
             "",
             "| step | plain | CPU allocations per step | estimated counting cost | counting / plain | "
             "timeline / plain | profiler / plain |",

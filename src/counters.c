@@ -49,6 +49,10 @@ typedef struct {
     mt_entry *slots;
     size_t cap; /* 0 or a power of two */
     size_t count;
+    /* Statistics, per stripe so that the hooks need no shared atomic for
+     * them: allocations with no room in the table (out of memory), counted
+     * allocations and frees since installation. */
+    int64_t lost, nallocs, nfrees;
 } mt_stripe;
 
 typedef struct {
@@ -65,9 +69,6 @@ static _Atomic int mt_active;         /* 1 while counting */
 static _Atomic int64_t mt_current;    /* bytes live, counted */
 static _Atomic int64_t mt_peak;       /* global peak since install/reset */
 static _Atomic uint64_t mt_scope_mask; /* bit i: scope i is open */
-static _Atomic int64_t mt_lost;       /* allocations the table had no room for */
-static _Atomic int64_t mt_nallocs;    /* counted allocations since install */
-static _Atomic int64_t mt_nfrees;     /* counted frees since install */
 static mt_scope mt_scopes[MT_NSCOPES];
 static uint64_t mt_scope_generation;  /* under all stripe locks */
 static int mt_install_count;          /* under the GIL and all stripe locks */
@@ -226,6 +227,7 @@ mt_table_clear(void)
         mt_stripes[i].slots = NULL;
         mt_stripes[i].cap = 0;
         mt_stripes[i].count = 0;
+        mt_stripes[i].lost = mt_stripes[i].nallocs = mt_stripes[i].nfrees = 0;
     }
 }
 
@@ -271,13 +273,13 @@ mt_counters_on_alloc(void *ptr, size_t size)
     if (atomic_load_explicit(&mt_active, memory_order_relaxed)) {
         int64_t old = mt_stripe_put(s, (uintptr_t)ptr, size, h);
         if (old < 0) {
-            atomic_fetch_add_explicit(&mt_lost, 1, memory_order_relaxed);
+            s->lost++;
         }
         else {
             int64_t delta = (int64_t)size - old;
             int64_t now = atomic_fetch_add_explicit(
                               &mt_current, delta, memory_order_relaxed) + delta;
-            atomic_fetch_add_explicit(&mt_nallocs, 1, memory_order_relaxed);
+            s->nallocs++;
             mt_after_change(now, delta > 0);
         }
     }
@@ -302,7 +304,7 @@ mt_counters_on_free(void *ptr)
         if (size >= 0) {
             int64_t now = atomic_fetch_sub_explicit(
                               &mt_current, size, memory_order_relaxed) - size;
-            atomic_fetch_add_explicit(&mt_nfrees, 1, memory_order_relaxed);
+            s->nfrees++;
             mt_after_change(now, 0);
         }
     }
@@ -319,9 +321,6 @@ mt_reset_counts(void)
     mt_table_clear();
     atomic_store(&mt_current, 0);
     atomic_store(&mt_peak, 0);
-    atomic_store(&mt_lost, 0);
-    atomic_store(&mt_nallocs, 0);
-    atomic_store(&mt_nfrees, 0);
 }
 
 PyDoc_STRVAR(install_doc,
@@ -468,14 +467,14 @@ PyDoc_STRVAR(stats_doc,
 static PyObject *
 counters_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    long long live = 0;
+    long long live = 0, lost = 0, na = 0, nf = 0;
     mt_lock_all();
     for (int i = 0; i < MT_NSTRIPES; i++) {
         live += (long long)mt_stripes[i].count;
+        lost += (long long)mt_stripes[i].lost;
+        na += (long long)mt_stripes[i].nallocs;
+        nf += (long long)mt_stripes[i].nfrees;
     }
-    long long lost = (long long)atomic_load(&mt_lost);
-    long long na = (long long)atomic_load(&mt_nallocs);
-    long long nf = (long long)atomic_load(&mt_nfrees);
     mt_unlock_all();
     return Py_BuildValue("(LLLL)", live, lost, na, nf);
 }
@@ -726,6 +725,55 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(bench_doc,
+"_counters_bench($module, n, size, /)\n--\n\n"
+"Benchmark helper: (direct_ns, hooked_ns), the mean time of one\n"
+"posix_memalign(64, size) + free called directly and through the hooks.\n"
+"Needs the counters installed (the hooks then count, as they would).");
+
+static PyObject *
+counters_bench(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long n = 0;
+    Py_ssize_t size = 0;
+    double direct = 0.0, hooked = 0.0;
+    int installed;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_counters_bench() takes 2 arguments (%zd given)", nargs);
+        goto error;
+    }
+    n = PyLong_AsLong(args[0]);
+    if (n == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    size = PyLong_AsSsize_t(args[1]);
+    if (size == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    if (n <= 0 || size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "_counters_bench(): n and size must be positive");
+        goto error;
+    }
+    mt_lock_all();
+    installed = mt_install_count > 0;
+    mt_unlock_all();
+    if (!installed) {
+        PyErr_SetString(PyExc_RuntimeError, "the CPU allocation counters are not installed");
+        goto error;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_interpose_bench(n, (size_t)size, &direct, &hooked);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_counters_bench(): no hooks on this platform");
+        goto error;
+    }
+    return Py_BuildValue("(dd)", direct, hooked);
+error:
+    return NULL;
+}
+
 extern PyMethodDef mt_eventlog_methods[];
 
 PyMethodDef mt_counters_methods[] = {
@@ -746,6 +794,7 @@ PyMethodDef mt_counters_methods[] = {
     {"_counters_slot_info", counters_slot_info, METH_O, slot_info_doc},
     {"_counters_inject", (PyCFunction)(void (*)(void))counters_inject, METH_FASTCALL,
      inject_doc},
+    {"_counters_bench", (PyCFunction)(void (*)(void))counters_bench, METH_FASTCALL, bench_doc},
     {NULL, NULL, 0, NULL},
 };
 

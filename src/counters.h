@@ -29,6 +29,10 @@ void mt_interpose_unpatch(void);
 /* Test helper: fill vals with (slot now, saved original, real function, hook)
  * for the first import slot of `name`; 0 on success, -1 if unknown. */
 int mt_interpose_slot_info(const char *name, uintptr_t vals[4]);
+/* Benchmark helper: mean ns of posix_memalign(64, size) + free called
+ * directly and through the hooks, n times each; 0 or -1 where there are no
+ * hooks. */
+int mt_interpose_bench(long n, size_t size, double *direct_ns, double *hooked_ns);
 /* Resident set size now and its high-water mark, in bytes (-1 if unknown). */
 void mt_platform_rss(int64_t *current, int64_t *hwm);
 

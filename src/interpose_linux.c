@@ -414,6 +414,33 @@ mt_interpose_slot_info(const char *name, uintptr_t vals[4])
     return 0;
 }
 
+int
+mt_interpose_bench(long n, size_t size, double *direct_ns, double *hooked_ns)
+{
+    mt_posix_memalign_fn real_pm = atomic_load(&mt_real_posix_memalign);
+    mt_free_fn real_free = atomic_load(&mt_real_free);
+    void *p = NULL;
+    if (real_pm == NULL || real_free == NULL) {
+        return -1;  /* never installed: nothing resolved yet */
+    }
+    int64_t t0 = mt_monotonic_ns();
+    for (long i = 0; i < n; i++) {
+        if (real_pm(&p, 64, size) == 0) {
+            real_free(p);
+        }
+    }
+    int64_t t1 = mt_monotonic_ns();
+    for (long i = 0; i < n; i++) {
+        if (mt_hook_posix_memalign(&p, 64, size) == 0) {
+            mt_hook_free(p);
+        }
+    }
+    int64_t t2 = mt_monotonic_ns();
+    *direct_ns = (double)(t1 - t0) / (double)n;
+    *hooked_ns = (double)(t2 - t1) / (double)n;
+    return 0;
+}
+
 void
 mt_platform_rss(int64_t *current, int64_t *hwm)
 {

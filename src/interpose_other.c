@@ -53,6 +53,12 @@ mt_interpose_slot_info(const char *name, uintptr_t vals[4])
     return -1;
 }
 
+int
+mt_interpose_bench(long n, size_t size, double *direct_ns, double *hooked_ns)
+{
+    return -1;
+}
+
 void
 mt_platform_rss(int64_t *current, int64_t *hwm)
 {

@@ -396,6 +396,21 @@ def test_c_level_misuse_is_refused(exact_mode):
         _C.scope_close(sid, gen)
     with pytest.raises(ValueError, match="no import slot"):
         _C._counters_slot_info("malloc")
+    with pytest.raises(RuntimeError, match="not installed"):
+        _C._counters_bench(10, 64)
+    with pytest.raises(ValueError, match="positive"):
+        _C._counters_bench(0, 64)
+
+
+@linux_only
+def test_bench_helper_goes_through_the_hooks(exact_mode):
+    with cpu.Scope() as s:
+        n0 = _C.counters_stats()[2]
+        direct, hooked = _C._counters_bench(1000, 256)
+        # 1000 hooked allocations counted (and freed); the direct ones not
+        assert _C.counters_stats()[2] - n0 == 1000
+        assert s.delta == 0 and s.peak_above_start == 256
+        assert direct > 0 and hooked > 0
 
 
 @linux_only

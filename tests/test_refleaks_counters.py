@@ -50,6 +50,8 @@ def _calls(handle):
         "_counters_inject": lambda: (_C._counters_inject(0x7A00_0000_0040, 100),
                                      _C._counters_inject(0x7A00_0000_0040, -1),
                                      raises(_C._counters_inject, 0, 1)()),
+        "_counters_bench": lambda: (_C._counters_bench(10, 64), raises(_C._counters_bench, 0, 64)(),
+                                    raises(_C._counters_bench, 1)()),
         "eventlog_read": lambda: (_C.eventlog_read(0, _C.eventlog_head()), raises(_C.eventlog_read, -1, 0)()),
         "eventlog_head": _C.eventlog_head,
         "monotonic_ns": _C.monotonic_ns,
