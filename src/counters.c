@@ -3,6 +3,7 @@
 #include "counters.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,7 +26,7 @@
  *   - A scope keeps its own start (current when opened) and peak (highest
  *     current while it was open); reset_peak() never touches scopes.
  *
- * Locking: the table is split in MT_NSTRIPES stripes, each with a mutex; a
+ * Locking: the table is split in MT_NSTRIPES stripes, each with a spinlock; a
  * hook holds the lock of its pointer's stripe for the whole update (table,
  * current, peaks, event log). Rare operations (install, uninstall, opening and
  * closing scopes, reset_peak) take every stripe lock in order ("stop the
@@ -45,7 +46,7 @@ typedef struct {
  * deletion, grown at half load. Memory from the real calloc/free of this
  * extension, which are not interposed. */
 typedef struct {
-    _Alignas(64) pthread_mutex_t lock;
+    _Alignas(64) atomic_flag lock;
     mt_entry *slots;
     size_t cap; /* 0 or a power of two */
     size_t count;
@@ -78,11 +79,32 @@ static int mt_install_count;          /* under the GIL and all stripe locks */
  * guard is the model). */
 static _Thread_local int mt_in_hook;
 
+/* A stripe lock: a test-and-set spinlock that yields the CPU after a few
+ * turns (a holder may be preempted on a busy machine). Critical sections
+ * are a few dozen instructions and never block. */
+static inline void
+mt_stripe_lock(mt_stripe *s)
+{
+    int turns = 0;
+    while (atomic_flag_test_and_set_explicit(&s->lock, memory_order_acquire)) {
+        if (++turns >= 64) {
+            sched_yield();
+            turns = 0;
+        }
+    }
+}
+
+static inline void
+mt_stripe_unlock(mt_stripe *s)
+{
+    atomic_flag_clear_explicit(&s->lock, memory_order_release);
+}
+
 static void
 mt_take_all(void)
 {
     for (int i = 0; i < MT_NSTRIPES; i++) {
-        pthread_mutex_lock(&mt_stripes[i].lock);
+        mt_stripe_lock(&mt_stripes[i]);
     }
 }
 
@@ -90,7 +112,7 @@ static void
 mt_unlock_all(void)
 {
     for (int i = MT_NSTRIPES - 1; i >= 0; i--) {
-        pthread_mutex_unlock(&mt_stripes[i].lock);
+        mt_stripe_unlock(&mt_stripes[i]);
     }
 }
 
@@ -98,7 +120,7 @@ static void
 mt_init_locks(void)
 {
     for (int i = 0; i < MT_NSTRIPES; i++) {
-        pthread_mutex_init(&mt_stripes[i].lock, NULL);
+        atomic_flag_clear(&mt_stripes[i].lock);
     }
     /* fork() (DataLoader workers) while another thread holds a stripe lock
      * would leave the child's copy locked forever: hold them all across it. */
@@ -268,7 +290,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
     mt_in_hook = 1;
     uint64_t h = mt_hash((uintptr_t)ptr);
     mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
-    pthread_mutex_lock(&s->lock);
+    mt_stripe_lock(s);
     /* Checked again under the lock: uninstall clears with every lock held. */
     if (atomic_load_explicit(&mt_active, memory_order_relaxed)) {
         int64_t old = mt_stripe_put(s, (uintptr_t)ptr, size, h);
@@ -283,7 +305,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
             mt_after_change(now, delta > 0);
         }
     }
-    pthread_mutex_unlock(&s->lock);
+    mt_stripe_unlock(s);
     mt_in_hook = 0;
 }
 
@@ -296,7 +318,7 @@ mt_counters_on_free(void *ptr)
     mt_in_hook = 1;
     uint64_t h = mt_hash((uintptr_t)ptr);
     mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
-    pthread_mutex_lock(&s->lock);
+    mt_stripe_lock(s);
     if (atomic_load_explicit(&mt_active, memory_order_relaxed)) {
         /* Unknown pointers (made before installation, or by libc10 for other
          * reasons than tensors) are not in the table: ignored. */
@@ -308,7 +330,7 @@ mt_counters_on_free(void *ptr)
             mt_after_change(now, 0);
         }
     }
-    pthread_mutex_unlock(&s->lock);
+    mt_stripe_unlock(s);
     mt_in_hook = 0;
 }
 
