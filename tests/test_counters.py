@@ -583,3 +583,13 @@ def test_transparent_huge_page_path_and_bind_now():
     assert delta == nbytes == 4 * MiB
     assert misalign == 0  # page-aligned: the THP path was taken
     assert int(second) == 0
+
+
+@linux_only
+def test_a_dropped_open_scope_is_closed(exact_mode):
+    s = cpu.Scope().open()
+    assert _C.counters_open_scopes() == 1 and cpu.installed()
+    del s  # no reference left: closed by its finalizer, installation released
+    gc.collect()
+    assert _C.counters_open_scopes() == 0 and not cpu.installed()
+    assert cpu._debug_leftovers() == []
