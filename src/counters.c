@@ -1,12 +1,831 @@
-/* counters.c: process-wide CPU allocation counters and scopes (stub). */
+/* counters.c: process-wide CPU allocation counters: pointer -> size table, atomic current/peak, scopes. */
 #include "mt.h"
+#include "counters.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/*
+ * PROCESS-WIDE STATE. Everything in this file is global on purpose: the
+ * allocator that is interposed is one per process, so are its counters.
+ * (STYLE.md: the one process-wide resource of memtorch._C; installation is
+ * refcounted and a second patching of the same entries is refused.)
+ *
+ * Semantics, exactly:
+ *   - Counting runs while installed (refcount > 0). Installing (0 -> 1) empties
+ *     the table and sets current and peak to 0; uninstalling (1 -> 0) restores
+ *     the original import entries, then empties the table and zeroes current.
+ *   - current = bytes requested from PyTorch's CPU allocator while installed
+ *     and not freed yet. An allocation made before installation is not in the
+ *     table, so its free is ignored: current never goes negative.
+ *   - peak = highest current since installation or the last reset_peak().
+ *   - A scope keeps its own start (current when opened) and peak (highest
+ *     current while it was open); reset_peak() never touches scopes.
+ *
+ * Locking: the table is split in MT_NSTRIPES stripes, each with a spinlock; a
+ * hook holds the lock of its pointer's stripe for the whole update (table,
+ * current, peaks, event log). Rare operations (install, uninstall, opening and
+ * closing scopes, reset_peak) take every stripe lock in order ("stop the
+ * world"), so they never see a half-done update and a hook never sees a
+ * half-opened scope. The hooks never call Python and never take the GIL.
+ */
+
+#define MT_NSTRIPES 64
+#define MT_NSCOPES 64
+
+typedef struct {
+    uintptr_t key; /* 0: empty */
+    size_t size;
+} mt_entry;
+
+/* One stripe of the table: open addressing, linear probing, backward-shift
+ * deletion, grown at half load. Memory from the real calloc/free of this
+ * extension, which are not interposed. */
+typedef struct {
+    _Alignas(64) atomic_flag lock;
+    mt_entry *slots;
+    size_t cap; /* 0 or a power of two */
+    size_t count;
+    /* Statistics, per stripe so that the hooks need no shared atomic for
+     * them: allocations with no room in the table (out of memory), counted
+     * allocations and frees since installation. */
+    int64_t lost, nallocs, nfrees;
+} mt_stripe;
+
+typedef struct {
+    int64_t start;          /* current when opened */
+    _Atomic int64_t peak;   /* highest current while open */
+    int timeline;           /* 1 if it keeps the event log running */
+    uint64_t generation;    /* tells a reused slot from the one a caller holds */
+} mt_scope;
+
+static mt_stripe mt_stripes[MT_NSTRIPES];
+static pthread_once_t mt_once = PTHREAD_ONCE_INIT;
+
+static _Atomic int mt_active;         /* 1 while counting */
+static _Atomic int64_t mt_current;    /* bytes live, counted */
+static _Atomic int64_t mt_peak;       /* global peak since install/reset */
+static _Atomic uint64_t mt_scope_mask; /* bit i: scope i is open */
+static mt_scope mt_scopes[MT_NSCOPES];
+static uint64_t mt_scope_generation;  /* under all stripe locks */
+static int mt_install_count;          /* under the GIL and all stripe locks */
+
+/* Re-entrancy guard: set while this thread is inside a hook, so that
+ * anything the hook itself allocates is never counted (memray's recursion
+ * guard is the model). */
+static _Thread_local int mt_in_hook;
+
+/* A stripe lock: a test-and-set spinlock that yields the CPU after a few
+ * turns (a holder may be preempted on a busy machine). Critical sections
+ * are a few dozen instructions and never block. */
+static inline void
+mt_stripe_lock(mt_stripe *s)
+{
+    int turns = 0;
+    while (atomic_flag_test_and_set_explicit(&s->lock, memory_order_acquire)) {
+        if (++turns >= 64) {
+            sched_yield();
+            turns = 0;
+        }
+    }
+}
+
+static inline void
+mt_stripe_unlock(mt_stripe *s)
+{
+    atomic_flag_clear_explicit(&s->lock, memory_order_release);
+}
+
+static void
+mt_take_all(void)
+{
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        mt_stripe_lock(&mt_stripes[i]);
+    }
+}
+
+static void
+mt_unlock_all(void)
+{
+    for (int i = MT_NSTRIPES - 1; i >= 0; i--) {
+        mt_stripe_unlock(&mt_stripes[i]);
+    }
+}
+
+static void
+mt_init_locks(void)
+{
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        atomic_flag_clear(&mt_stripes[i].lock);
+    }
+    /* fork() (DataLoader workers) while another thread holds a stripe lock
+     * would leave the child's copy locked forever: hold them all across it. */
+    pthread_atfork(mt_take_all, mt_unlock_all, mt_unlock_all);
+}
+
+static void
+mt_lock_all(void)
+{
+    pthread_once(&mt_once, mt_init_locks);
+    mt_take_all();
+}
+
+/* Mix the address (murmur3's finalizer): the low bits of aligned pointers
+ * are all zero. */
+static inline uint64_t
+mt_hash(uintptr_t p)
+{
+    uint64_t h = (uint64_t)p;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+static inline size_t
+mt_home(const mt_stripe *s, uint64_t h)
+{
+    return (size_t)(h >> 6) & (s->cap - 1);
+}
+
+/* Grow the stripe to twice its size; 0 or -1 on out-of-memory. */
+static int
+mt_stripe_grow(mt_stripe *s)
+{
+    size_t ncap = s->cap ? s->cap * 2 : 256;
+    mt_entry *nslots = calloc(ncap, sizeof(mt_entry));
+    if (nslots == NULL) {
+        return -1;
+    }
+    mt_entry *old = s->slots;
+    size_t ocap = s->cap;
+    s->slots = nslots;
+    s->cap = ncap;
+    for (size_t i = 0; i < ocap; i++) {
+        if (old[i].key != 0) {
+            size_t j = mt_home(s, mt_hash(old[i].key));
+            while (nslots[j].key != 0) {
+                j = (j + 1) & (ncap - 1);
+            }
+            nslots[j] = old[i];
+        }
+    }
+    free(old);
+    return 0;
+}
+
+/* Insert or replace; returns the size it replaced (0 if new), or -1 when
+ * there was no room. */
+static int64_t
+mt_stripe_put(mt_stripe *s, uintptr_t key, size_t size, uint64_t h)
+{
+    if ((s->count + 1) * 2 > s->cap && mt_stripe_grow(s) < 0) {
+        return -1;
+    }
+    size_t j = mt_home(s, h);
+    while (s->slots[j].key != 0) {
+        if (s->slots[j].key == key) {
+            /* Cannot happen while every free is seen; kept exact anyway. */
+            int64_t old = (int64_t)s->slots[j].size;
+            s->slots[j].size = size;
+            return old;
+        }
+        j = (j + 1) & (s->cap - 1);
+    }
+    s->slots[j].key = key;
+    s->slots[j].size = size;
+    s->count++;
+    return 0;
+}
+
+/* Remove key; returns its size, or -1 if it was not there. */
+static int64_t
+mt_stripe_take(mt_stripe *s, uintptr_t key, uint64_t h)
+{
+    if (s->count == 0) {
+        return -1;
+    }
+    size_t mask = s->cap - 1;
+    size_t i = mt_home(s, h);
+    while (s->slots[i].key != key) {
+        if (s->slots[i].key == 0) {
+            return -1;
+        }
+        i = (i + 1) & mask;
+    }
+    int64_t size = (int64_t)s->slots[i].size;
+    /* Backward-shift deletion: move later entries of the probe run into the
+     * hole when the hole lies cyclically between their home and them. */
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (s->slots[j].key == 0) {
+            break;
+        }
+        size_t k = mt_home(s, mt_hash(s->slots[j].key));
+        int between = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (!between) {
+            s->slots[i] = s->slots[j];
+            i = j;
+        }
+    }
+    s->slots[i].key = 0;
+    s->slots[i].size = 0;
+    s->count--;
+    return size;
+}
+
+static void
+mt_table_clear(void)
+{
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        free(mt_stripes[i].slots);
+        mt_stripes[i].slots = NULL;
+        mt_stripes[i].cap = 0;
+        mt_stripes[i].count = 0;
+        mt_stripes[i].lost = mt_stripes[i].nallocs = mt_stripes[i].nfrees = 0;
+    }
+}
+
+static inline void
+mt_raise_to(_Atomic int64_t *peak, int64_t now)
+{
+    int64_t seen = atomic_load_explicit(peak, memory_order_relaxed);
+    while (now > seen &&
+           !atomic_compare_exchange_weak_explicit(
+               peak, &seen, now, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+/* The new value of current after a counted change: raise the global peak
+ * and the peak of every open scope, log the event. Caller holds a stripe
+ * lock, so the scope set cannot change under it. */
+static inline void
+mt_after_change(int64_t now, int grew)
+{
+    if (grew) {
+        mt_raise_to(&mt_peak, now);
+        uint64_t mask = atomic_load_explicit(&mt_scope_mask, memory_order_relaxed);
+        while (mask) {
+            int i = __builtin_ctzll(mask);
+            mt_raise_to(&mt_scopes[i].peak, now);
+            mask &= mask - 1;
+        }
+    }
+    mt_eventlog_record(now);
+}
+
+void
+mt_counters_on_alloc(void *ptr, size_t size)
+{
+    if (mt_in_hook || !atomic_load_explicit(&mt_active, memory_order_relaxed)) {
+        return;
+    }
+    mt_in_hook = 1;
+    uint64_t h = mt_hash((uintptr_t)ptr);
+    mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
+    mt_stripe_lock(s);
+    /* Checked again under the lock: uninstall clears with every lock held. */
+    if (atomic_load_explicit(&mt_active, memory_order_relaxed)) {
+        int64_t old = mt_stripe_put(s, (uintptr_t)ptr, size, h);
+        if (old < 0) {
+            s->lost++;
+        }
+        else {
+            int64_t delta = (int64_t)size - old;
+            int64_t now = atomic_fetch_add_explicit(
+                              &mt_current, delta, memory_order_relaxed) + delta;
+            s->nallocs++;
+            mt_after_change(now, delta > 0);
+        }
+    }
+    mt_stripe_unlock(s);
+    mt_in_hook = 0;
+}
+
+void
+mt_counters_on_free(void *ptr)
+{
+    if (mt_in_hook || !atomic_load_explicit(&mt_active, memory_order_relaxed)) {
+        return;
+    }
+    mt_in_hook = 1;
+    uint64_t h = mt_hash((uintptr_t)ptr);
+    mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
+    mt_stripe_lock(s);
+    if (atomic_load_explicit(&mt_active, memory_order_relaxed)) {
+        /* Unknown pointers (made before installation, or by libc10 for other
+         * reasons than tensors) are not in the table: ignored. */
+        int64_t size = mt_stripe_take(s, (uintptr_t)ptr, h);
+        if (size >= 0) {
+            int64_t now = atomic_fetch_sub_explicit(
+                              &mt_current, size, memory_order_relaxed) - size;
+            s->nfrees++;
+            mt_after_change(now, 0);
+        }
+    }
+    mt_stripe_unlock(s);
+    mt_in_hook = 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Python entry points (called with the GIL held).                           */
+
+static void
+mt_reset_counts(void)
+{
+    mt_table_clear();
+    atomic_store(&mt_current, 0);
+    atomic_store(&mt_peak, 0);
+}
+
+PyDoc_STRVAR(install_doc,
+"counters_install($module, /)\n--\n\n"
+"Start counting (refcounted). The first call patches the allocator's imports\n"
+"and zeroes the counters; raises OSError where that is impossible.");
+
+static PyObject *
+counters_install(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    char err[256] = "";
+    int rc = 0;
+    mt_lock_all();
+    if (mt_install_count == 0) {
+        mt_reset_counts();
+        atomic_store(&mt_active, 1);
+        rc = mt_interpose_patch(err, sizeof(err));
+        if (rc < 0) {
+            atomic_store(&mt_active, 0);
+        }
+    }
+    if (rc == 0) {
+        mt_install_count++;
+    }
+    mt_unlock_all();
+    if (rc < 0) {
+        PyErr_Format(PyExc_OSError, "cannot install the CPU allocation counters: %s", err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(uninstall_doc,
+"counters_uninstall($module, /)\n--\n\n"
+"Undo one counters_install(); the last one restores the original imports\n"
+"and zeroes the counters. Raises RuntimeError if not installed, or if\n"
+"scopes are still open at the last one.");
+
+static PyObject *
+counters_uninstall(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    const char *problem = NULL;
+    mt_lock_all();
+    if (mt_install_count == 0) {
+        problem = "the CPU allocation counters are not installed";
+    }
+    else if (mt_install_count == 1 && atomic_load(&mt_scope_mask) != 0) {
+        problem = "cannot uninstall the CPU allocation counters while scopes are open";
+    }
+    else if (--mt_install_count == 0) {
+        mt_interpose_unpatch();
+        atomic_store(&mt_active, 0);
+        mt_reset_counts();
+    }
+    mt_unlock_all();
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, problem);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(installed_doc,
+"counters_installed($module, /)\n--\n\n"
+"The installation refcount (0: not counting).");
+
+static PyObject *
+counters_installed(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    int n;
+    mt_lock_all();
+    n = mt_install_count;
+    mt_unlock_all();
+    return PyLong_FromLong(n);
+}
+
+PyDoc_STRVAR(probe_doc,
+"counters_probe($module, /)\n--\n\n"
+"None if the exact mechanism can be installed now, else the reason (str).");
+
+static PyObject *
+counters_probe(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    char err[256] = "";
+    if (mt_interpose_probe(err, sizeof(err)) == 0) {
+        Py_RETURN_NONE;
+    }
+    return PyUnicode_FromString(err);
+}
+
+PyDoc_STRVAR(mechanism_doc,
+"counters_mechanism($module, /)\n--\n\n"
+"Name of this build's exact mechanism (e.g. 'libc10-got'), or None.");
+
+static PyObject *
+counters_mechanism(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    const char *name = mt_interpose_mechanism();
+    if (name == NULL) {
+        Py_RETURN_NONE;
+    }
+    return PyUnicode_FromString(name);
+}
+
+PyDoc_STRVAR(current_doc,
+"counters_current($module, /)\n--\n\n"
+"Bytes counted live now (0 when not installed).");
+
+static PyObject *
+counters_current(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLongLong(atomic_load(&mt_current));
+}
+
+PyDoc_STRVAR(peak_doc,
+"counters_peak($module, /)\n--\n\n"
+"Highest current since installation or the last counters_reset_peak().");
+
+static PyObject *
+counters_peak(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLongLong(atomic_load(&mt_peak));
+}
+
+PyDoc_STRVAR(reset_peak_doc,
+"counters_reset_peak($module, /)\n--\n\n"
+"Set the global peak to current; open scopes keep their own peaks.");
+
+static PyObject *
+counters_reset_peak(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    mt_lock_all();
+    atomic_store(&mt_peak, atomic_load(&mt_current));
+    mt_unlock_all();
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(stats_doc,
+"counters_stats($module, /)\n--\n\n"
+"(live_entries, lost, allocations, frees) since installation: entries in the\n"
+"table, allocations that could not be recorded (out of memory), counted\n"
+"allocations and frees.");
+
+static PyObject *
+counters_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    long long live = 0, lost = 0, na = 0, nf = 0;
+    mt_lock_all();
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        live += (long long)mt_stripes[i].count;
+        lost += (long long)mt_stripes[i].lost;
+        na += (long long)mt_stripes[i].nallocs;
+        nf += (long long)mt_stripes[i].nfrees;
+    }
+    mt_unlock_all();
+    return Py_BuildValue("(LLLL)", live, lost, na, nf);
+}
+
+PyDoc_STRVAR(scope_open_doc,
+"scope_open($module, timeline, /)\n--\n\n"
+"Open a scope; returns (id, generation, start, time_ns, event_index).\n"
+"Needs the counters installed. timeline: also run the event log.");
+
+static PyObject *
+scope_open(PyObject *module, PyObject *arg)
+{
+    int timeline = PyObject_IsTrue(arg);
+    const char *problem = NULL;
+    int id = -1;
+    int64_t start = 0;
+    uint64_t gen = 0;
+    if (timeline < 0) {
+        goto error;
+    }
+    /* Started before taking the locks: it may allocate the ring buffer. */
+    if (timeline && mt_eventlog_start() < 0) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    mt_lock_all();
+    uint64_t mask = atomic_load(&mt_scope_mask);
+    if (mt_install_count == 0) {
+        problem = "the CPU allocation counters are not installed";
+    }
+    else if (mask == UINT64_MAX) {
+        problem = "too many open CPU counter scopes (64)";
+    }
+    else {
+        id = __builtin_ctzll(~mask);
+        start = atomic_load(&mt_current);
+        gen = ++mt_scope_generation;
+        mt_scopes[id].start = start;
+        atomic_store(&mt_scopes[id].peak, start);
+        mt_scopes[id].timeline = timeline;
+        mt_scopes[id].generation = gen;
+        atomic_store(&mt_scope_mask, mask | (1ULL << id));
+    }
+    uint64_t head = mt_eventlog_head();
+    mt_unlock_all();
+    if (problem != NULL) {
+        if (timeline) {
+            mt_eventlog_stop();
+        }
+        PyErr_SetString(PyExc_RuntimeError, problem);
+        goto error;
+    }
+    return Py_BuildValue("(iKLLK)", id, (unsigned long long)gen, (long long)start,
+                         (long long)mt_monotonic_ns(), (unsigned long long)head);
+error:
+    return NULL;
+}
+
+/* Parse (id, generation); 0 or -1 with an exception set. */
+static int
+mt_parse_scope(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+               int *id, uint64_t *gen)
+{
+    long v = -1;
+    unsigned long long g = 0;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (%zd given)", fname, nargs);
+        goto error;
+    }
+    v = PyLong_AsLong(args[0]);
+    if (v == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    g = PyLong_AsUnsignedLongLong(args[1]);
+    if (g == (unsigned long long)-1 && PyErr_Occurred()) {
+        goto error;
+    }
+    if (v < 0 || v >= MT_NSCOPES) {
+        PyErr_Format(PyExc_ValueError, "%s(): no scope %ld", fname, v);
+        goto error;
+    }
+    *id = (int)v;
+    *gen = (uint64_t)g;
+    return 0;
+error:
+    return -1;
+}
+
+/* 1 if scope id of generation gen is open; caller holds all locks. */
+static int
+mt_scope_is_open(int id, uint64_t gen)
+{
+    return (atomic_load(&mt_scope_mask) & (1ULL << id)) &&
+           mt_scopes[id].generation == gen;
+}
+
+PyDoc_STRVAR(scope_read_doc,
+"scope_read($module, id, generation, /)\n--\n\n"
+"(start, current, peak) of an open scope.");
+
+static PyObject *
+scope_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int id;
+    uint64_t gen;
+    long long start = 0, current = 0, peak = 0;
+    int open;
+    if (mt_parse_scope(args, nargs, "scope_read", &id, &gen) < 0) {
+        goto error;
+    }
+    mt_lock_all();
+    open = mt_scope_is_open(id, gen);
+    if (open) {
+        start = mt_scopes[id].start;
+        current = atomic_load(&mt_current);
+        peak = atomic_load(&mt_scopes[id].peak);
+    }
+    mt_unlock_all();
+    if (!open) {
+        PyErr_SetString(PyExc_RuntimeError, "scope_read(): this scope is closed");
+        goto error;
+    }
+    return Py_BuildValue("(LLL)", start, current, peak);
+error:
+    return NULL;
+}
+
+PyDoc_STRVAR(scope_close_doc,
+"scope_close($module, id, generation, /)\n--\n\n"
+"Close a scope; returns (start, end, peak, time_ns, event_index).");
+
+static PyObject *
+scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int id;
+    uint64_t gen;
+    long long start = 0, end = 0, peak = 0;
+    int open, timeline = 0;
+    uint64_t head;
+    if (mt_parse_scope(args, nargs, "scope_close", &id, &gen) < 0) {
+        goto error;
+    }
+    mt_lock_all();
+    open = mt_scope_is_open(id, gen);
+    if (open) {
+        start = mt_scopes[id].start;
+        end = atomic_load(&mt_current);
+        peak = atomic_load(&mt_scopes[id].peak);
+        timeline = mt_scopes[id].timeline;
+        mt_scopes[id].timeline = 0;
+        atomic_fetch_and(&mt_scope_mask, ~(1ULL << id));
+    }
+    head = mt_eventlog_head();
+    mt_unlock_all();
+    if (!open) {
+        PyErr_SetString(PyExc_RuntimeError, "scope_close(): this scope is already closed");
+        goto error;
+    }
+    if (timeline) {
+        mt_eventlog_stop();
+    }
+    return Py_BuildValue("(LLLLK)", start, end, peak, (long long)mt_monotonic_ns(),
+                         (unsigned long long)head);
+error:
+    return NULL;
+}
+
+PyDoc_STRVAR(open_scopes_doc,
+"counters_open_scopes($module, /)\n--\n\n"
+"Number of scopes open now.");
+
+static PyObject *
+counters_open_scopes(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLong(__builtin_popcountll(atomic_load(&mt_scope_mask)));
+}
+
+PyDoc_STRVAR(rss_doc,
+"counters_rss($module, /)\n--\n\n"
+"(resident set size, its high-water mark) of the process in bytes; -1 where\n"
+"unknown. The approximate fallback mechanism.");
+
+static PyObject *
+counters_rss(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    int64_t cur = -1, hwm = -1;
+    mt_platform_rss(&cur, &hwm);
+    return Py_BuildValue("(LL)", (long long)cur, (long long)hwm);
+}
+
+PyDoc_STRVAR(slot_info_doc,
+"_counters_slot_info($module, name, /)\n--\n\n"
+"Test helper: (slot value now, saved original, real function, hook) as ints\n"
+"for libc10's import of `name` ('posix_memalign' or 'free').");
+
+static PyObject *
+counters_slot_info(PyObject *module, PyObject *arg)
+{
+    uintptr_t vals[4] = {0, 0, 0, 0};
+    const char *name = PyUnicode_AsUTF8(arg); /* borrowed buffer */
+    if (name == NULL) {
+        goto error;
+    }
+    if (mt_interpose_slot_info(name, vals) < 0) {
+        PyErr_Format(PyExc_ValueError, "_counters_slot_info(): no import slot for %R", arg);
+        goto error;
+    }
+    return Py_BuildValue("(KKKK)", (unsigned long long)vals[0], (unsigned long long)vals[1],
+                         (unsigned long long)vals[2], (unsigned long long)vals[3]);
+error:
+    return NULL;
+}
+
+PyDoc_STRVAR(inject_doc,
+"_counters_inject($module, address, size, /)\n--\n\n"
+"Test helper: feed one allocation (size >= 0) or free (size < 0) of\n"
+"`address` through the hook path, as the interposer would.");
+
+static PyObject *
+counters_inject(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long long addr = 0;
+    long long size = 0;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_counters_inject() takes 2 arguments (%zd given)", nargs);
+        goto error;
+    }
+    addr = PyLong_AsUnsignedLongLong(args[0]);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred()) {
+        goto error;
+    }
+    size = PyLong_AsLongLong(args[1]);
+    if (size == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    if (addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "_counters_inject(): address must not be 0");
+        goto error;
+    }
+    if (size >= 0) {
+        mt_counters_on_alloc((void *)(uintptr_t)addr, (size_t)size);
+    }
+    else {
+        mt_counters_on_free((void *)(uintptr_t)addr);
+    }
+    Py_RETURN_NONE;
+error:
+    return NULL;
+}
+
+PyDoc_STRVAR(bench_doc,
+"_counters_bench($module, n, size, /)\n--\n\n"
+"Benchmark helper: (direct_ns, hooked_ns), the mean time of one\n"
+"posix_memalign(64, size) + free called directly and through the hooks.\n"
+"Needs the counters installed (the hooks then count, as they would).");
+
+static PyObject *
+counters_bench(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    long n = 0;
+    Py_ssize_t size = 0;
+    double direct = 0.0, hooked = 0.0;
+    int installed;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_counters_bench() takes 2 arguments (%zd given)", nargs);
+        goto error;
+    }
+    n = PyLong_AsLong(args[0]);
+    if (n == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    size = PyLong_AsSsize_t(args[1]);
+    if (size == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    if (n <= 0 || size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "_counters_bench(): n and size must be positive");
+        goto error;
+    }
+    mt_lock_all();
+    installed = mt_install_count > 0;
+    mt_unlock_all();
+    if (!installed) {
+        PyErr_SetString(PyExc_RuntimeError, "the CPU allocation counters are not installed");
+        goto error;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_interpose_bench(n, (size_t)size, &direct, &hooked);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_counters_bench(): no hooks on this platform");
+        goto error;
+    }
+    return Py_BuildValue("(dd)", direct, hooked);
+error:
+    return NULL;
+}
+
+extern PyMethodDef mt_eventlog_methods[];
 
 PyMethodDef mt_counters_methods[] = {
+    {"counters_install", counters_install, METH_NOARGS, install_doc},
+    {"counters_uninstall", counters_uninstall, METH_NOARGS, uninstall_doc},
+    {"counters_installed", counters_installed, METH_NOARGS, installed_doc},
+    {"counters_probe", counters_probe, METH_NOARGS, probe_doc},
+    {"counters_mechanism", counters_mechanism, METH_NOARGS, mechanism_doc},
+    {"counters_current", counters_current, METH_NOARGS, current_doc},
+    {"counters_peak", counters_peak, METH_NOARGS, peak_doc},
+    {"counters_reset_peak", counters_reset_peak, METH_NOARGS, reset_peak_doc},
+    {"counters_stats", counters_stats, METH_NOARGS, stats_doc},
+    {"counters_open_scopes", counters_open_scopes, METH_NOARGS, open_scopes_doc},
+    {"counters_rss", counters_rss, METH_NOARGS, rss_doc},
+    {"scope_open", scope_open, METH_O, scope_open_doc},
+    {"scope_read", (PyCFunction)(void (*)(void))scope_read, METH_FASTCALL, scope_read_doc},
+    {"scope_close", (PyCFunction)(void (*)(void))scope_close, METH_FASTCALL, scope_close_doc},
+    {"_counters_slot_info", counters_slot_info, METH_O, slot_info_doc},
+    {"_counters_inject", (PyCFunction)(void (*)(void))counters_inject, METH_FASTCALL,
+     inject_doc},
+    {"_counters_bench", (PyCFunction)(void (*)(void))counters_bench, METH_FASTCALL, bench_doc},
     {NULL, NULL, 0, NULL},
 };
 
 int
 mt_counters_exec(PyObject *module)
 {
+    pthread_once(&mt_once, mt_init_locks);
+    if (PyModule_AddFunctions(module, mt_eventlog_methods) < 0) {
+        return -1;
+    }
     return 0;
 }

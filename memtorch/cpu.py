@@ -1,0 +1,415 @@
+"""CPU memory counters: exact current and peak bytes of live CPU tensor memory.
+
+PyTorch has no ``memory_allocated`` for the CPU; this module gives it one.
+
+Mechanisms (``mechanism()`` says which one this process uses):
+
+``"libc10-got"`` (Linux, exact)
+    The C core patches the two import-table (GOT) entries through which
+    PyTorch's CPU allocator in libc10 calls ``posix_memalign`` and ``free``
+    (``c10::alloc_cpu`` / ``c10::free_cpu``), as memory profilers do. Every CPU
+    storage allocation and free, from any thread, goes through a C hook that
+    keeps a pointer -> size table and atomic counters; it never takes the GIL.
+    Counted bytes are the bytes PyTorch asked for (a storage's ``nbytes()``),
+    not malloc's rounded block sizes.
+
+``"rss-fallback"`` (elsewhere, or forced, approximate)
+    The process's resident set size. It counts everything the process holds,
+    not only tensors, and peaks are sampled (on every read, at open and close)
+    unless the process-wide high-water mark rose meanwhile, in which case that
+    mark is the peak. Every figure from it is labelled approximate:
+    ``exact()`` is False and so is ``Scope.exact``.
+
+Counting runs while installed: inside a :class:`Scope` (``memtorch.track()``
+opens one) or between :func:`install` and :func:`uninstall`. Installation is
+refcounted; the first install zeroes the counters and the last uninstall
+restores the original import entries. Exact semantics while installed:
+
+* ``allocated()`` is the bytes of CPU storages allocated since installation
+  and not freed yet. Storages allocated before installation are not seen at
+  all: freeing them later changes nothing (never counted negative).
+* ``peak()`` is the highest ``allocated()`` since installation or the last
+  ``reset_peak()``; ``reset_peak()`` never disturbs the peaks of open scopes.
+* Outside any installation ``allocated()`` and ``peak()`` are 0 (exact
+  mechanism) or the resident set size (fallback).
+* Not seen: memory PyTorch does not allocate through libc10's CPU allocator
+  (``torch.from_numpy`` buffers, ``mmap``-ed or shared-memory storages,
+  oneDNN/MKL scratch space).
+
+The environment variable ``MEMTORCH_CPU_MECHANISM`` chooses: ``auto``
+(default: exact where possible, else the fallback), ``libc10-got`` (exact or
+an error) or ``rss`` (always the fallback).
+"""
+
+import os
+import threading
+
+from . import _C, _torch
+from .errors import MemtorchError
+
+__all__ = [
+    "allocated",
+    "peak",
+    "reset_peak",
+    "exact",
+    "mechanism",
+    "fallback_reason",
+    "install",
+    "uninstall",
+    "installed",
+    "Scope",
+]
+
+EXACT = "libc10-got"
+FALLBACK = "rss-fallback"
+ENV = "MEMTORCH_CPU_MECHANISM"
+_CHOICES = ("auto", "libc10-got", "rss")
+
+_lock = threading.RLock()
+# Fallback state (the exact mechanism keeps its state in C).
+_rss_installs = 0
+_rss_open = 0
+_rss_hwm0 = -1  # high-water mark at the last reset_peak()
+_rss_seen = 0  # highest RSS sampled since then
+
+
+def _choice():
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise MemtorchError(f"{ENV}={value!r} is not one of {', '.join(_CHOICES)}")
+    return value
+
+
+def _resolve():
+    """(mechanism, reason the exact one is not used or None)."""
+    if _C.counters_installed():
+        return EXACT, None
+    choice = _choice()
+    if choice == "rss":
+        return FALLBACK, f"forced by {ENV}=rss"
+    _torch.torch()  # libc10 must be loaded to be found
+    reason = _C.counters_probe()
+    if reason is None:
+        return EXACT, None
+    if choice == EXACT:
+        raise MemtorchError(f"exact CPU counting is unavailable ({ENV}=libc10-got): {reason}")
+    return FALLBACK, reason
+
+
+def mechanism():
+    """"libc10-got" (exact) or "rss-fallback" (approximate): what this process counts with."""
+    return _resolve()[0]
+
+
+def fallback_reason():
+    """Why the exact mechanism is not used (str), or None when it is."""
+    return _resolve()[1]
+
+
+def exact():
+    """True if CPU figures are exact bytes of tensor storage in this process."""
+    return mechanism() == EXACT
+
+
+def _rss():
+    """Sample the resident set size; raise the fallback peak. Returns bytes."""
+    global _rss_seen
+    now, _ = _C.counters_rss()
+    with _lock:
+        if now > _rss_seen:
+            _rss_seen = now
+    return now
+
+
+def _rss_peak(hwm0, seen):
+    """Peak RSS since the high-water mark was hwm0 and `seen` the highest sample."""
+    _, hwm = _C.counters_rss()
+    # The process-wide high-water mark only moves on a new all-time high: if it
+    # rose, that high happened after hwm0 was read and is the exact peak.
+    return max(seen, hwm) if hwm > hwm0 else seen
+
+
+def install():
+    """Start counting (refcounted). Exact mechanism: patch libc10's imports on the first call."""
+    global _rss_installs
+    with _lock:
+        if mechanism() == EXACT:
+            _C.counters_install()
+        else:
+            _rss_installs += 1
+
+
+def uninstall():
+    """Undo one install(); the last one restores libc10's original import entries."""
+    global _rss_installs
+    with _lock:
+        if _C.counters_installed():
+            try:
+                _C.counters_uninstall()
+            except RuntimeError as e:
+                raise MemtorchError(str(e)) from None
+        elif _rss_installs:
+            _rss_installs -= 1
+        else:
+            raise MemtorchError("memtorch.cpu.uninstall() without a matching install()")
+
+
+def installed():
+    """True while counting (some install() or Scope is open)."""
+    return bool(_C.counters_installed() or _rss_installs)
+
+
+def allocated():
+    """Bytes of live CPU tensor memory counted now (see the module docstring for exactly what)."""
+    if _C.counters_installed():
+        return _C.counters_current()
+    if mechanism() == FALLBACK:
+        return _rss()
+    return 0
+
+
+def peak():
+    """Highest allocated() since installation or the last reset_peak(), process-wide."""
+    if _C.counters_installed():
+        return _C.counters_peak()
+    if mechanism() == FALLBACK:
+        now = _rss()
+        with _lock:
+            return max(now, _rss_peak(_rss_hwm0, _rss_seen))
+    return 0
+
+
+def reset_peak():
+    """Set the process-wide peak to allocated(); open Scopes keep their own peaks."""
+    global _rss_hwm0, _rss_seen
+    if _C.counters_installed():
+        _C.counters_reset_peak()
+        return
+    with _lock:
+        _rss_seen, _rss_hwm0 = _C.counters_rss()
+        _rss_seen = max(_rss_seen, 0)
+
+
+class Scope:
+    """One counting window with its own start and peak; any number may be open at once.
+
+    ``with Scope() as s: ...`` installs counting (refcounted) and opens the
+    window; leaving closes it. ``s.start`` is allocated() when opened,
+    ``s.current`` allocated() now (frozen at the close once closed), ``s.peak``
+    the highest allocated() while open (absolute, unaffected by other scopes
+    and by reset_peak()), ``s.peak_above_start`` = peak - start. With
+    ``timeline=True`` every allocation and free while open is logged:
+    ``s.timeline()`` returns (times_ns, bytes) int64 arrays, starting with
+    (open time, start) and, once closed, ending with (close time, end).
+    """
+
+    def __init__(self, timeline=False):
+        if not isinstance(timeline, bool):
+            raise TypeError(f"Scope(timeline=...) must be a bool, not {type(timeline).__name__}")
+        self._want_timeline = timeline
+        self._state = "new"
+        self._mechanism = None
+        self._handle = None
+        self._start = self._end = self._peak = 0
+        self._t0 = self._t1 = 0
+        self._ev0 = 0
+        self._events = None
+        self._samples = None
+        self._hwm0 = -1
+        self._exact = False
+        self.timeline_dropped = 0
+
+    # -- opening and closing -------------------------------------------------
+    def open(self):
+        """Open the scope (what ``with`` does); returns self."""
+        global _rss_open, _rss_installs
+        with _lock:
+            if self._state != "new":
+                raise MemtorchError("a memtorch.cpu.Scope can be opened only once")
+            mech = mechanism()
+            if mech == EXACT:
+                _C.counters_install()
+                try:
+                    sid, gen, start, t0, ev0 = _C.scope_open(self._want_timeline)
+                except BaseException:
+                    _C.counters_uninstall()
+                    raise
+                self._handle = (sid, gen)
+                self._start, self._peak = start, start
+                self._t0, self._ev0 = t0, ev0
+            else:
+                _rss_installs += 1
+                _rss_open += 1
+                now = _rss()
+                self._start = self._peak = now
+                self._hwm0 = _C.counters_rss()[1]
+                self._t0 = _C.monotonic_ns()
+                self._samples = [(self._t0, now)] if self._want_timeline else None
+            self._mechanism = mech
+            self._state = "open"
+        return self
+
+    def close(self):
+        """Close the scope and release its share of the installation. Idempotent."""
+        global _rss_open, _rss_installs
+        with _lock:
+            if self._state != "open":
+                return
+            if self._mechanism == EXACT:
+                sid, gen = self._handle
+                self._start, self._end, self._peak, self._t1, ev1 = _C.scope_close(sid, gen)
+                if self._want_timeline:
+                    t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
+                    self._events = (t, b)
+                self._exact = _C.counters_stats()[1] == 0
+                _C.counters_uninstall()
+            else:
+                self._end = self._sample()
+                self._peak = _rss_peak(self._hwm0, self._peak)
+                self._t1 = _C.monotonic_ns()
+                if self._samples is not None:
+                    self._samples.append((self._t1, self._end))
+                _rss_open -= 1
+                _rss_installs -= 1
+            self._state = "closed"
+
+    def __enter__(self):
+        return self.open()
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        # A scope dropped while open must not keep its C slot (and the
+        # interposer) forever.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- figures -------------------------------------------------------------
+    def _need_opened(self):
+        if self._state == "new":
+            raise MemtorchError("this memtorch.cpu.Scope has not been opened yet")
+
+    def _sample(self):
+        """Fallback: sample RSS now and raise this scope's sampled peak."""
+        now = _rss()
+        if now > self._peak:
+            self._peak = now
+        if self._samples is not None:
+            self._samples.append((_C.monotonic_ns(), now))
+        return now
+
+    @property
+    def mechanism(self):
+        self._need_opened()
+        return self._mechanism
+
+    @property
+    def exact(self):
+        """True if this scope's figures are exact bytes of tensor storage."""
+        self._need_opened()
+        if self._mechanism != EXACT:
+            return False
+        if self._state == "closed":
+            return self._exact
+        return _C.counters_stats()[1] == 0
+
+    @property
+    def is_open(self):
+        return self._state == "open"
+
+    @property
+    def start(self):
+        """allocated() when the scope was opened (bytes)."""
+        self._need_opened()
+        return self._start
+
+    @property
+    def current(self):
+        """allocated() now while open; at the close once closed (bytes)."""
+        self._need_opened()
+        if self._state == "closed":
+            return self._end
+        if self._mechanism == EXACT:
+            return _C.scope_read(*self._handle)[1]
+        return self._sample()
+
+    end = current
+
+    @property
+    def peak(self):
+        """Highest allocated() while the scope was open (absolute bytes)."""
+        self._need_opened()
+        if self._state == "closed":
+            return self._peak
+        if self._mechanism == EXACT:
+            return _C.scope_read(*self._handle)[2]
+        self._sample()
+        return _rss_peak(self._hwm0, self._peak)
+
+    @property
+    def peak_above_start(self):
+        """peak - start: what the scope itself added at its highest (bytes)."""
+        return self.peak - self.start
+
+    @property
+    def delta(self):
+        """current - start (bytes)."""
+        return self.current - self.start
+
+    def timeline(self):
+        """(times_ns, bytes) as int64 NumPy arrays; needs Scope(timeline=True).
+
+        Times are CLOCK_MONOTONIC nanoseconds (time.monotonic_ns() on Linux);
+        bytes are allocated() after each event. Events from several threads
+        are sorted by time. ``timeline_dropped`` counts events lost to the
+        ring buffer's wrap-around (it keeps the latest 131072).
+        """
+        import numpy as np
+
+        self._need_opened()
+        if not self._want_timeline:
+            raise MemtorchError("this Scope was opened without timeline=True")
+        if self._mechanism != EXACT:
+            arr = np.array(self._samples, dtype=np.int64).reshape(-1, 2)
+            return arr[:, 0].copy(), arr[:, 1].copy()
+        if self._state == "closed":
+            t, b = self._events
+            ends = [(self._t0, self._start)], [(self._t1, self._end)]
+        else:
+            t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, _C.eventlog_head())
+            ends = [(self._t0, self._start)], []
+        order = np.argsort(t, kind="stable")
+        t, b = t[order], b[order]
+        head = np.array(ends[0], dtype=np.int64)
+        tail = np.array(ends[1], dtype=np.int64).reshape(-1, 2)
+        times = np.concatenate([head[:, 0], t, tail[:, 0]])
+        values = np.concatenate([head[:, 1], b, tail[:, 1]])
+        return times, values
+
+    def __repr__(self):
+        if self._state == "new":
+            return "<memtorch.cpu.Scope (not opened)>"
+        return (
+            f"<memtorch.cpu.Scope {self._state} {self._mechanism}: start={self.start} "
+            f"current={self.current} peak={self.peak}>"
+        )
+
+
+def _debug_leftovers():
+    """What is still open process-wide (empty when clean)."""
+    found = []
+    n = _C.counters_open_scopes()
+    if n:
+        found.append(f"{n} CPU counter scope(s) still open")
+    k = _C.counters_installed()
+    if k:
+        found.append(f"CPU allocation interposer still installed (refcount {k})")
+    if _rss_open:
+        found.append(f"{_rss_open} fallback CPU scope(s) still open")
+    if _rss_installs:
+        found.append(f"fallback CPU counting still installed (refcount {_rss_installs})")
+    return found

@@ -1,0 +1,111 @@
+"""Reference-leak loops over the counters' _C functions (in the manner of CPython's refleak.py).
+
+Each call is warmed up, then run in rounds; a leak is a growth of
+sys.getallocatedblocks() that stays positive in every round after warm-up.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from memtorch import _C, cpu
+
+WARMUP, ROUNDS, CALLS = 3, 4, 200
+
+def _calls(handle):
+    """Every counters / event-log function of _C -> a call exercising its success and error paths."""
+    sid, gen = handle
+
+    def raises(fn, *args):
+        def call():
+            try:
+                fn(*args)
+            except (RuntimeError, ValueError, TypeError, OverflowError):
+                pass
+            else:
+                raise AssertionError(f"{fn.__name__}{args} did not raise")
+
+        return call
+
+    return {
+        "counters_install": lambda: (_C.counters_install(), _C.counters_uninstall()),
+        # refcount 1 with a scope open: refused (the success path is in counters_install's call)
+        "counters_uninstall": raises(_C.counters_uninstall),
+        "counters_installed": _C.counters_installed,
+        "counters_probe": _C.counters_probe,
+        "counters_mechanism": _C.counters_mechanism,
+        "counters_current": _C.counters_current,
+        "counters_peak": _C.counters_peak,
+        "counters_reset_peak": _C.counters_reset_peak,
+        "counters_stats": _C.counters_stats,
+        "counters_open_scopes": _C.counters_open_scopes,
+        "counters_rss": _C.counters_rss,
+        "scope_open": lambda: _C.scope_close(*_C.scope_open(True)[:2]),
+        "scope_read": lambda: (_C.scope_read(sid, gen), raises(_C.scope_read, sid, gen + 99)(),
+                               raises(_C.scope_read, -1, gen)(), raises(_C.scope_read, sid)()),
+        "scope_close": raises(_C.scope_close, sid, gen + 99),
+        "_counters_slot_info": lambda: (_C._counters_slot_info("free"),
+                                        raises(_C._counters_slot_info, "malloc")()),
+        "_counters_inject": lambda: (_C._counters_inject(0x7A00_0000_0040, 100),
+                                     _C._counters_inject(0x7A00_0000_0040, -1),
+                                     raises(_C._counters_inject, 0, 1)()),
+        "_counters_bench": lambda: (_C._counters_bench(10, 64), raises(_C._counters_bench, 0, 64)(),
+                                    raises(_C._counters_bench, 1)()),
+        "eventlog_read": lambda: (_C.eventlog_read(0, _C.eventlog_head()), raises(_C.eventlog_read, -1, 0)()),
+        "eventlog_head": _C.eventlog_head,
+        "monotonic_ns": _C.monotonic_ns,
+        "torch_alloc": lambda: torch.empty(100),  # the hook path itself
+    }
+
+
+def _counters_functions():
+    prefixes = ("counters_", "scope_", "eventlog_", "_counters_", "monotonic_ns")
+    return sorted(n for n in dir(_C) if n.startswith(prefixes) and callable(getattr(_C, n)))
+
+
+def _leaks(fn):
+    deltas = []
+    for i in range(WARMUP + ROUNDS):
+        before = sys.getallocatedblocks()
+        for _ in range(CALLS):
+            fn()
+        after = sys.getallocatedblocks()
+        if i >= WARMUP:
+            deltas.append(after - before)
+    return deltas
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact mechanism is Linux-only")
+def test_counters_functions_do_not_leak(monkeypatch):
+    monkeypatch.setenv(cpu.ENV, "libc10-got")
+    with cpu.Scope() as s:
+        calls = _calls(s._handle)
+        # the meta-test: every counters function of _C is in this suite
+        missing = [n for n in _counters_functions() if n not in calls]
+        assert missing == [], f"not covered by the refleak loop: {missing}"
+        leaking = {}
+        for name, fn in calls.items():
+            deltas = _leaks(fn)
+            if all(d > 0 for d in deltas):
+                leaking[name] = deltas
+        assert leaking == {}
+    # counters_uninstall's error path, outside any installation
+    def uninstall_error():
+        try:
+            _C.counters_uninstall()
+        except RuntimeError:
+            pass
+
+    assert not all(d > 0 for d in _leaks(uninstall_error))
+
+
+def test_fallback_scope_does_not_leak(monkeypatch):
+    monkeypatch.setenv(cpu.ENV, "rss")
+
+    def one():
+        with cpu.Scope() as s:
+            s.current
+        s.peak
+
+    assert not all(d > 0 for d in _leaks(one))
