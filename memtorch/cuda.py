@@ -81,7 +81,7 @@ def _index(device):
     """The CUDA device index for ``device`` (None: current device). Raises DeviceUnavailable."""
     _require()
     if device is None:
-        return int(_torch().cuda.current_device())
+        return _current_device()
     if isinstance(device, bool):
         raise ValueError(f"not a CUDA device: {device!r}")
     if isinstance(device, int):
@@ -94,11 +94,15 @@ def _index(device):
             raise ValueError(f"not a CUDA device: {device!r} ({e})") from None
         if dev.type != "cuda":
             raise ValueError(f"not a CUDA device: {device!r} (type {dev.type!r}); use memtorch.cpu for the CPU")
-        index = int(torch.cuda.current_device()) if dev.index is None else dev.index
+        index = _current_device() if dev.index is None else dev.index
     count = _device_count()
     if not 0 <= index < count:
         raise DeviceUnavailable(f"CUDA device {index} does not exist: this process sees {count} device(s)")
     return index
+
+
+def _current_device():
+    return int(_torch().cuda.current_device())
 
 
 def _device_count():
@@ -142,7 +146,11 @@ def reset_peak(device=None):
     reader of torch's peak. memtorch.track() never calls it, and blocks that are
     open when it is called report their peak as a lower bound from then on.
     """
-    _torch().cuda.reset_peak_memory_stats(_index(device))
+    _reset_peak(_index(device))
+
+
+def _reset_peak(index):
+    _torch().cuda.reset_peak_memory_stats(index)
 
 
 def mem_info(device=None):
@@ -151,8 +159,12 @@ def mem_info(device=None):
     ``total - free`` includes the CUDA context (hundreds of MiB), libraries'
     workspaces and other processes: memory that torch's counters never count.
     """
-    free, total = _torch().cuda.mem_get_info(_index(device))
+    free, total = _mem_get_info(_index(device))
     return int(free), int(total)
+
+
+def _mem_get_info(index):
+    return _torch().cuda.mem_get_info(index)
 
 
 def outside_torch(device=None):

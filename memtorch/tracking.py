@@ -50,6 +50,7 @@ __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "Leak
 
 PHASES = ("forward", "backward", "optimizer")
 
+_HERE = __file__.rsplit("/", 1)[0].rsplit("\\", 1)[0]  # memtorch's own folder: frames to skip
 _lock = threading.Lock()
 _active = []  # open Trackers, process-wide (for _debug_leftovers)
 
@@ -373,7 +374,8 @@ def _live_tensors(device_type):
 def _graph_bytes(t, limit=200_000):
     """Bytes of unique storages saved for backward in the graph behind ``t`` (0 without a graph).
 
-    Leaves that require grad (parameters) are left out: the graph does not keep them alive.
+    Leaves that require grad (parameters), and views of them saved by an op, are
+    left out: the graph does not keep them alive.
     """
     Tensor = _torch().Tensor
     root = t.grad_fn
@@ -381,10 +383,13 @@ def _graph_bytes(t, limit=200_000):
         return 0
     seen_nodes = {id(root)}
     stack = [root]
-    keys = set()
-    total = 0
+    keys = {}
+    leaves = set()
     while stack and len(seen_nodes) < limit:
         node = stack.pop()
+        var = getattr(node, "variable", None)  # AccumulateGrad: the leaf (a parameter)
+        if isinstance(var, Tensor):
+            leaves.add(_storage_key(var))
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue
@@ -397,28 +402,55 @@ def _graph_bytes(t, limit=200_000):
                 if isinstance(v, Tensor) and not (v.is_leaf and v.requires_grad):
                     k = _storage_key(v)
                     if k not in keys:
-                        keys.add(k)
-                        total += _storage_nbytes(v)
+                        keys[k] = _storage_nbytes(v)
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen_nodes:
                 seen_nodes.add(id(nxt))
                 stack.append(nxt)
-    return total
+    return sum(n for k, n in keys.items() if k not in leaves)
+
+
+def _local_name(frame, t):
+    """The name of a local of ``frame`` bound to ``t``, or None; leaves no reference behind.
+
+    Before Python 3.13, reading a function frame's f_locals stores a snapshot
+    dict on the frame that would keep ``t`` alive after the user deletes it: that
+    snapshot is emptied again (the interpreter refills it from the real locals
+    before any use). From 3.13 f_locals is a live view that holds nothing.
+    """
+    import sys
+
+    optimized = bool(frame.f_code.co_flags & 0x1)  # CO_OPTIMIZED: a function's fast locals
+    try:
+        snapshot = frame.f_locals
+    except Exception:
+        return None
+    try:
+        for k, v in snapshot.items():
+            if v is t:
+                return f"{k} (in {frame.f_code.co_name})"
+        return None
+    finally:
+        if optimized and sys.version_info < (3, 13) and isinstance(snapshot, dict):
+            snapshot.clear()
+        del snapshot
 
 
 def _name_of(t):
-    """A variable name referring to ``t`` (local, global or attribute), or None."""
-    import types
+    """A variable name referring to ``t`` (a local of a calling frame, a global, an attribute), or None."""
+    import sys
 
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < 50:  # running frames are not gc-tracked objects: walk the stack
+        if not frame.f_code.co_filename.startswith(_HERE):
+            name = _local_name(frame, t)
+            if name is not None:
+                return name
+        frame = frame.f_back
+        depth += 1
     for ref in gc.get_referrers(t):
-        if isinstance(ref, types.FrameType):
-            try:
-                for k, v in ref.f_locals.items():
-                    if v is t:
-                        return f"{k} (in {ref.f_code.co_name})"
-            except Exception:
-                continue
-        elif isinstance(ref, dict):
+        if isinstance(ref, dict):
             for k, v in ref.items():
                 if v is t and isinstance(k, str):
                     return k
@@ -440,7 +472,7 @@ def _parse_device(device, model):
         from . import cuda
 
         if cuda.is_available() and torch.cuda.is_initialized():
-            return "cuda", int(torch.cuda.current_device())
+            return "cuda", cuda._index(None)
         return "cpu", None
     try:
         dev = torch.device(device)
