@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 
-from . import units
+from . import cpu, cuda, units
 from .errors import DeviceUnavailable, MemtorchError
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
@@ -55,10 +55,16 @@ _lock = threading.Lock()
 _active = []  # open Trackers, process-wide (for _debug_leftovers)
 
 
-def _torch():
-    from ._torch import torch
+_torch_mod = None
 
-    return torch()
+
+def _torch():
+    global _torch_mod
+    if _torch_mod is None:
+        from ._torch import torch
+
+        _torch_mod = torch()
+    return _torch_mod
 
 
 def _debug_leftovers():
@@ -469,8 +475,6 @@ def _parse_device(device, model):
                 return _parse_device(p.device, None)
             for b in model.buffers():
                 return _parse_device(b.device, None)
-        from . import cuda
-
         if cuda.is_available() and torch.cuda.is_initialized():
             return "cuda", cuda._index(None)
         return "cpu", None
@@ -483,8 +487,6 @@ def _parse_device(device, model):
     if dev.type == "cpu":
         return "cpu", None
     if dev.type == "cuda":
-        from . import cuda
-
         return "cuda", cuda._index(dev)
     raise DeviceUnavailable(f"memtorch.track cannot count device type {dev.type!r}: only 'cpu' and 'cuda'")
 
@@ -521,12 +523,8 @@ class Tracker:
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
         if self._kind == "cpu":
-            from . import cpu
-
             s = cpu.Scope(timeline=timeline)
         else:
-            from . import cuda
-
             s = cuda.Scope(self._index, timeline=timeline)
         s.__enter__()
         if self._kind == "cuda":
@@ -539,8 +537,6 @@ class Tracker:
             end = s.current
             s.close()
             return s.start, end, s.peak, bool(s.exact)
-        from . import cuda
-
         r = cuda._read(self._index)
         for o in self._cuda_open:
             o.see(r)
@@ -552,8 +548,6 @@ class Tracker:
     def _sample(self):
         """Feed one reading to every open CUDA scope (CPU scopes count every allocation)."""
         if self._kind == "cuda" and self._cuda_open:
-            from . import cuda
-
             r = cuda._read(self._index)
             for o in self._cuda_open:
                 o.see(r)
@@ -561,8 +555,6 @@ class Tracker:
     def _current(self):
         if self._kind == "cpu":
             return self._scope.current
-        from . import cuda
-
         return cuda._read(self._index).allocated
 
     # -- phases ------------------------------------------------------------
@@ -723,8 +715,6 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         extra = {}
         if self._kind == "cpu":
-            from . import cpu
-
             mechanism = cpu.mechanism()
             exact = exact and cpu.exact()
             device = "cpu"
