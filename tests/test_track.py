@@ -507,3 +507,52 @@ def test_check_delegates_to_budget():
     with pytest.raises(memtorch.BudgetExceeded):
         t.report.check(peak="1 kB")
     assert keep.numel() == 1_000_000
+
+
+def test_open_tracker_is_reported_as_leftover():
+    t = memtorch.track()
+    t.__enter__()
+    try:
+        assert any("still open" in item for item in tracking._debug_leftovers())
+    finally:
+        t.__exit__(None, None, None)
+    assert tracking._debug_leftovers() == []
+
+
+def _profiler_peak_above_start(prof):
+    """Peak of the running sum of the profiler's own CPU [memory] events: an independent measurement."""
+    from torch.autograd import DeviceType
+
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    run = peak = 0
+    for _, n in events:
+        run += n
+        peak = max(peak, run)
+    return peak, run, len(events)
+
+
+def test_training_step_peak_matches_the_profilers_memory_events(capfd):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(B, D_IN)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memtorch.track(model, optimizer=opt) as t:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    capfd.readouterr()  # the profiler prints its start/stop lines
+    peak, net, n_events = _profiler_peak_above_start(prof)
+    r = t.report
+    assert n_events > 0 and peak >= net
+    # the Adam state (2 per parameter) is what the step keeps, per the profiler's own events
+    assert net >= 2 * P_BYTES
+    assert r.peak_above_start >= 0 and r.peak >= r.end
+    if EXACT:
+        assert r.delta == net
+        assert r.peak_above_start == peak
