@@ -19,7 +19,6 @@ minus its current total at entry.
 
 import argparse
 import contextlib
-import io
 import os
 import statistics
 import sys
@@ -60,9 +59,20 @@ def sync(device):
 
 @contextlib.contextmanager
 def quiet():
-    """Silence the profiler's start/stop lines on stdout/stderr (kineto prints them)."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    """Silence the profiler's start/stop lines, which kineto writes to file descriptors 1 and 2."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
         yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [devnull]:
+            os.close(fd)
 
 
 def profiler_peak(events, device_type):

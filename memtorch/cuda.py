@@ -275,11 +275,15 @@ class Scope:
         self._r0 = None
 
     def __enter__(self):
+        return self.open()
+
+    def open(self, reading=None):
+        """Enter the scope, from ``reading`` (a _Reading shared with other scopes) or a fresh read."""
         if self._open or self._closed:
             raise RuntimeError("a Scope can be entered only once")
         import time
 
-        r = _read(self.index)
+        r = _read(self.index) if reading is None else reading
         self._r0 = r
         self._open = True
         self.start = self.peak = self._seen = r.allocated

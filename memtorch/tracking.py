@@ -524,11 +524,14 @@ class Tracker:
     def _open_scope(self, timeline=False):
         if self._kind == "cpu":
             s = cpu.Scope(timeline=timeline)
-        else:
-            s = cuda.Scope(self._index, timeline=timeline)
-        s.__enter__()
-        if self._kind == "cuda":
-            self._cuda_open.append(s)
+            s.__enter__()
+            return s
+        r = cuda._read(self._index)
+        for o in self._cuda_open:  # the opening read is a sample for the enclosing scopes
+            o.see(r)
+        s = cuda.Scope(self._index, timeline=timeline)
+        s.open(r)
+        self._cuda_open.append(s)
         return s
 
     def _close_scope(self, s):
