@@ -405,7 +405,7 @@ def test_no_strong_reference_to_user_tensors():
 def test_tracking_does_not_change_the_figures():
     def work():
         a = torch.ones(1000, 1000)
-        b = a * 2  # 4,000,000 bytes each
+        b = a + a  # 4,000,000 bytes each (a * 2 would add a wrapped-scalar tensor of its own)
         del a
         return b
 
