@@ -574,13 +574,13 @@ class Tracker:
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
 
-    def _root_pre(self, module, args):
+    def _root_pre(self):
         self._root_depth += 1
         if self._root_depth == 1:
             self._forwards += 1
             self._begin_phase("forward")
 
-    def _root_post(self, module, args, output):
+    def _root_post(self):
         self._root_depth -= 1
         if self._root_depth == 0:
             self._end_phase()
@@ -594,20 +594,30 @@ class Tracker:
         self._end_phase()
 
     # -- modules -----------------------------------------------------------
-    def _make_module_hooks(self, i):
-        stack = self._mod_stack
+    # Two global module hooks per block (torch.nn.modules.module.register_module_forward_*)
+    # instead of two per module: registering and removing ~50 handles per block cost more
+    # than the block's own counting. They filter the model's modules by id.
 
-        def pre(module, args):
-            stack.append((i, self._open_scope()))
+    def _pre(self, module, args):
+        k = id(module)
+        if k == self._root_id:
+            self._root_pre()
+        i = self._ids.get(k)
+        if i is not None:
+            self._mod_stack.append((i, self._open_scope()))
 
-        def post(module, args, output):  # never keeps ``output``
+    def _post(self, module, args, output):  # never keeps ``output``
+        k = id(module)
+        i = self._ids.get(k)
+        if i is not None:
+            stack = self._mod_stack
             for j in range(len(stack) - 1, -1, -1):
                 if stack[j][0] == i:
                     _, s = stack.pop(j)
                     self._record_module(i, s)
-                    return
-
-        return pre, post
+                    break
+        if k == self._root_id:
+            self._root_post()
 
     def _record_module(self, i, s):
         start, end, peak, exact = self._close_scope(s)
@@ -618,18 +628,19 @@ class Tracker:
         row.exact = row.exact and exact
 
     def _install_hooks(self):
+        from torch.nn.modules import module as torch_module
+
         h = self._handles
         model = None if self._model is None else self._model()
         if model is not None:
-            h.append(model.register_forward_pre_hook(self._root_pre))
+            self._root_id = id(model)
             if self._modules_on:
                 for i, (name, mod) in enumerate(model.named_modules()):
                     self._mod_rows.append(ModuleStats(name, type(mod).__name__))
-                    pre, post = self._make_module_hooks(i)
-                    h.append(mod.register_forward_pre_hook(pre))
-                    h.append(mod.register_forward_hook(post, always_call=True))
-            # registered last so that the root's own row closes before the phase
-            h.append(model.register_forward_hook(self._root_post, always_call=True))
+                    self._ids[id(mod)] = i
+            h.append(torch_module.register_module_forward_pre_hook(self._pre))
+            h.append(torch_module.register_module_forward_hook(self._post, always_call=True))
+        del model
         opt = None if self._optimizer is None else self._optimizer()
         if opt is not None:
             h.append(opt.register_step_pre_hook(self._opt_pre))
@@ -651,6 +662,8 @@ class Tracker:
         self._phases = {name: PhaseStats(name) for name in PHASES}
         self._mod_rows = []
         self._mod_stack = []
+        self._ids = {}  # id(module) -> row index, for the model's modules
+        self._root_id = None
         self._root_depth = 0
         self._forwards = 0
         self._boundaries = []
@@ -697,6 +710,7 @@ class Tracker:
             for s in scopes:
                 s.close()
             self._cuda_open = []
+            self._ids = {}
             self._scope = None
             self._snap = None
             self._open = False

@@ -37,6 +37,9 @@ def no_hooks(model, optimizer=None):
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
         assert not m._backward_hooks and not m._backward_pre_hooks
+    from torch.nn.modules import module as torch_module
+
+    assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
     if optimizer is not None:
         assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     assert tracking._debug_leftovers() == []
