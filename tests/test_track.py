@@ -559,3 +559,29 @@ def test_training_step_peak_matches_the_profilers_memory_events(capfd):
     if EXACT:
         assert r.delta == net
         assert r.peak_above_start == peak
+
+
+def test_other_modules_are_not_counted_as_the_model():
+    model = mlp()
+    other = nn.Linear(4, 4)
+    with memtorch.track(model) as t:
+        other(torch.ones(2, 4))  # not the tracked model: no phase, no row
+    assert t.report.phases == {}
+    assert all(m.calls == 0 for m in t.report.modules)
+    assert [m.name for m in t.report.modules] == ["", "0", "1", "2"]
+    no_hooks(model)
+
+
+def test_decorator_with_model_holds_it_weakly():
+    model = mlp()
+    x = torch.ones(B, D_IN)
+    wrapped = memtorch.track(model)(lambda m: m(x))
+    out = wrapped(model)
+    assert wrapped.tracker.report.phases["forward"].calls == 1
+    assert out.shape == (B, D_OUT)
+    wm = weakref.ref(model)
+    del model
+    gc.collect()
+    assert wm() is None  # the decorator and its report keep only a weakref
+    with pytest.raises(MemtorchError, match="no longer exists"):
+        wrapped(None)
