@@ -7,9 +7,10 @@ One process, interleaved rounds; each round times K steps of every configuration
   torch.profiler             profile(activities=[CPU], profile_memory=True) around the K steps
   MemTracker                 torch.distributed._tools.mem_tracker, `with mt:` around the K steps
                              (mt.reset_mod_stats() after each step, else step 2 raises)
-Each round times every configuration once, in turn; a configuration's ratio is
-the median over rounds of (its time / the plain time of the same round), which
-cancels most of the drift of a shared machine. torch runs on --threads threads
+Each round times every configuration once, in an order rotated from round to
+round; a configuration's ratio is the median over rounds of (its time / the
+plain time of the same round), which cancels most of the drift of a shared
+machine. torch runs on --threads threads
 (default 1) to keep other processes' load from dominating the figures.
 
 Peaks: one warmed-up step measured by each tool: memtorch's peak above start,
@@ -166,8 +167,9 @@ def main():
         notes.append(f"MemTracker could not be imported: {mt_error}")
 
     times = {name: [] for name, _ in configs}
-    for _ in range(args.rounds):
-        for name, fn in configs:
+    for rnd in range(args.rounds):
+        # rotate the order each round, so that no configuration always follows the same one
+        for name, fn in configs[rnd % len(configs):] + configs[: rnd % len(configs)]:
             sync(device)
             t0 = time.perf_counter()
             fn()
