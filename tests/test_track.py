@@ -247,8 +247,7 @@ def test_tracker_reused_sequentially():
 # --- steps and leaks -------------------------------------------------------
 
 
-def _train_steps(model, opt, t, n):
-    x = torch.ones(B, D_IN)
+def _train_steps(model, opt, t, n, x):
     for _ in range(n):
         loss = model(x).sum()
         loss.backward()
@@ -260,8 +259,9 @@ def _train_steps(model, opt, t, n):
 def test_clean_loop_does_not_leak():
     model = mlp()
     opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(B, D_IN)  # before the block: not part of step 1
     with memtorch.track(model, optimizer=opt) as t:
-        _train_steps(model, opt, t, 4)
+        _train_steps(model, opt, t, 4, x)
     leak = t.report.leak
     assert t.report.steps == 4 and len(leak.steps) == 4 and leak.warmup == 1
     # the first step creates the optimizer state: 2 per parameter
