@@ -96,6 +96,10 @@ class FakeDevice:
             "num_alloc_retries": 0,
         }
 
+    def counters(self, index):
+        assert index == 0
+        return self.allocated, self.peak, self.reserved, self.reserved_peak
+
     def reset(self, index):
         raise AssertionError("memtorch reset torch's global peak")
 
@@ -107,6 +111,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(mcuda, "_device_count", lambda: 1)
     monkeypatch.setattr(mcuda, "_current_device", lambda: 0)
     monkeypatch.setattr(mcuda, "_memory_stats", dev.stats)
+    monkeypatch.setattr(mcuda, "_counters", dev.counters)
     monkeypatch.setattr(mcuda, "_mem_get_info", lambda i: (dev.free_bytes, dev.total))
     return dev
 

@@ -95,3 +95,19 @@ def test_training_step_phases_on_cuda():
     assert r.leak.steps[0] >= 2 * p_bytes
     assert r.leak.steps[1:] == [0, 0]
     assert r.reserved_peak >= r.peak
+
+
+def test_fast_counters_equal_memory_stats():
+    x = torch.empty(MiB, device="cuda")  # 4 MiB
+    from memtorch import cuda as mcuda
+
+    idx = torch.cuda.current_device()
+    st = torch.cuda.memory_stats(idx)
+    fast = mcuda._counters(idx)
+    assert tuple(fast) == (
+        st["allocated_bytes.all.current"],
+        st["allocated_bytes.all.peak"],
+        st["reserved_bytes.all.current"],
+        st["reserved_bytes.all.peak"],
+    )
+    assert x.numel() == MiB
