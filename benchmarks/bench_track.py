@@ -271,6 +271,12 @@ def main():
         verdict = "" if target is None else f"<= {target:.2f}: {'met' if ratio <= target else 'MISSED'}"
         fastest = min(times[name]) / min(times["plain"])
         lines.append(f"| {name} | {med[name] * 1e3:.3f} | {ratio:.3f} | {fastest:.3f} | {verdict} |")
+    if clock_name == "thread":
+        lines += [
+            "",
+            "With the thread clock, work a tool does in threads of its own (the profiler's collection) "
+            "is not counted: run with `--clock wall` for its full cost.",
+        ]
     lines += [
         "",
         "Fixed cost of opening and closing an empty block (fastest of 200): "
