@@ -475,8 +475,8 @@ def _parse_device(device, model):
                 return _parse_device(p.device, None)
             for b in model.buffers():
                 return _parse_device(b.device, None)
-        if cuda.is_available() and torch.cuda.is_initialized():
-            return "cuda", cuda._index(None)
+        # deliberately not "CUDA if initialised": what a block counts must not depend on
+        # whether some earlier code happened to touch the GPU
         return "cpu", None
     try:
         dev = torch.device(device)
@@ -868,9 +868,9 @@ def track(model=None, optimizer=None, device="auto", timeline=False, modules=Tru
     Also a decorator: ``@memtorch.track()`` tracks each call, the report of the
     last call at ``f.tracker.report``. After the block, ``t.report`` is a
     TrackReport. model/optimizer add phases (forward, backward, optimizer) and,
-    with modules=True, per-module figures; device is "auto" (the model's
-    device, else the current CUDA device if CUDA is initialised, else the CPU),
-    "cpu", "cuda", "cuda:N" or a torch.device; timeline=True records (time,
+    with modules=True, per-module figures; device is "auto" (the device of the
+    model's first parameter or buffer; the CPU without a model), "cpu", "cuda",
+    "cuda:N" or a torch.device; timeline=True records (time,
     bytes); leaks=True judges per-step growth after ``warmup`` steps marked
     with t.step(); largest=N lists the N largest live tensors at the end (a
     scan of all live objects: about 0.1 s).

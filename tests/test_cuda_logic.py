@@ -222,12 +222,15 @@ def test_cuda_timeline_from_samples(fake):
     assert nbytes[0] == 0 and nbytes[-1] == 512
 
 
-def test_track_auto_picks_cuda_only_when_initialised(fake, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+def test_track_auto_without_model_is_the_cpu_even_with_cuda(fake, monkeypatch):
+    # what a block counts must not depend on whether earlier code touched the GPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with memtorch.track() as t:
         pass
     assert t.report.device == "cpu"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with memtorch.track() as t:
+    with memtorch.track(nn.Linear(2, 2)) as t:  # a model on the CPU
+        pass
+    assert t.report.device == "cpu"
+    with memtorch.track(device="cuda") as t:
         pass
     assert t.report.device == "cuda:0"
