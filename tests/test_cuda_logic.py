@@ -1,0 +1,236 @@
+"""memtorch.cuda on a CPU machine: the error without CUDA, and the peak logic with faked counters.
+
+FakeDevice plays torch's caching allocator counters: allocated / its peak,
+reserved / its peak; its reset raises, so any test passes only if memtorch
+never resets torch's (global) peak.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import memtorch  # noqa: E402
+from memtorch import cuda as mcuda  # noqa: E402
+from memtorch.cuda import block_peak  # noqa: E402
+from memtorch.errors import DeviceUnavailable  # noqa: E402
+
+# --- without CUDA ------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("fn", ["allocated", "reserved", "peak", "reserved_peak", "reset_peak", "mem_info", "stats",
+                                "outside_torch"])  # fmt: skip
+def test_without_cuda_every_counter_says_so(fn):
+    with pytest.raises(DeviceUnavailable, match="CUDA is not available: .*memtorch.cuda needs a CUDA device"):
+        getattr(memtorch.cuda, fn)()
+    assert memtorch.cuda.is_available() is False
+
+
+# --- block_peak: the pure rule -------------------------------------------------
+
+
+def test_block_peak_rose_in_block_is_exact():
+    # device peak 100 before; block from 50 rose to 300: the block's peak is 300
+    p = block_peak(start=50, start_peak=100, end=60, end_peak=300)
+    assert (p.peak, p.exact, p.upper) == (300, True, 300)
+
+
+def test_block_peak_started_at_peak_is_exact():
+    # block started at the running peak (200) and never passed it
+    p = block_peak(start=200, start_peak=200, end=120, end_peak=200)
+    assert (p.peak, p.exact) == (200, True)
+
+
+def test_block_peak_below_older_peak_is_a_bounded_guess():
+    # an older peak of 1000; the block went from 10 to 20 and was sampled at 80
+    p = block_peak(start=10, start_peak=1000, end=20, end_peak=1000, seen_max=80)
+    assert (p.peak, p.exact, p.upper) == (80, False, 1000)
+    p = block_peak(start=10, start_peak=1000, end=20, end_peak=1000)
+    assert (p.peak, p.exact, p.upper) == (20, False, 1000)
+    # a sample that reached the older peak proves it
+    p = block_peak(start=10, start_peak=1000, end=20, end_peak=1000, seen_max=1000)
+    assert (p.peak, p.exact) == (1000, True)
+
+
+def test_block_peak_after_a_reset_inside():
+    # someone reset torch's peak inside the block: end_peak (40) was reached inside it
+    p = block_peak(start=30, start_peak=500, end=10, end_peak=40, seen_max=35)
+    assert (p.peak, p.exact, p.upper) == (40, False, None)
+
+
+# --- faked device ------------------------------------------------------------
+
+
+class FakeDevice:
+    """Counters like torch's caching allocator; blocks rounded up to 512 B, segments of 2 MiB."""
+
+    def __init__(self):
+        self.allocated = 0
+        self.peak = 0
+        self.reserved = 0
+        self.reserved_peak = 0
+        self.free_bytes = 80 * 2**30
+        self.total = 80 * 2**30 + 500 * 2**20  # 500 MiB of context outside torch
+
+    def alloc(self, n):
+        n = -(-n // 512) * 512
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        while self.reserved < self.allocated:
+            self.reserved += 2 * 2**20
+            self.free_bytes -= 2 * 2**20
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        return n
+
+    def free(self, n):
+        self.allocated -= -(-n // 512) * 512
+
+    def stats(self, index):
+        assert index == 0
+        return {
+            mcuda.ALLOCATED: self.allocated,
+            mcuda.ALLOCATED_PEAK: self.peak,
+            mcuda.RESERVED: self.reserved,
+            mcuda.RESERVED_PEAK: self.reserved_peak,
+            "num_alloc_retries": 0,
+        }
+
+    def counters(self, index):
+        assert index == 0
+        return self.allocated, self.peak, self.reserved, self.reserved_peak
+
+    def reset(self, index):
+        raise AssertionError("memtorch reset torch's global peak")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    dev = FakeDevice()
+    monkeypatch.setattr(mcuda, "_available", lambda: True)
+    monkeypatch.setattr(mcuda, "_device_count", lambda: 1)
+    monkeypatch.setattr(mcuda, "_current_device", lambda: 0)
+    monkeypatch.setattr(mcuda, "_memory_stats", dev.stats)
+    monkeypatch.setattr(mcuda, "_counters", dev.counters)
+    monkeypatch.setattr(mcuda, "_mem_get_info", lambda i: (dev.free_bytes, dev.total))
+    return dev
+
+
+def test_counters_read_torch(fake, monkeypatch):
+    fake.alloc(1000)  # rounded to 1024
+    fake.alloc(3 * 2**20)  # 3 MiB: two 2 MiB segments
+    assert mcuda.allocated() == 1024 + 3 * 2**20
+    assert mcuda.allocated("cuda:0") == mcuda.allocated(0) == mcuda.allocated(torch.device("cuda"))
+    assert mcuda.reserved() == 4 * 2**20
+    assert mcuda.peak() == 1024 + 3 * 2**20
+    assert mcuda.stats()["num_alloc_retries"] == 0
+    assert mcuda.mem_info() == (fake.free_bytes, fake.total)
+    # total - free - reserved: the 500 MiB the fake puts outside torch
+    assert mcuda.outside_torch() == 500 * 2**20
+    calls = []
+    monkeypatch.setattr(mcuda, "_reset_peak", lambda i: calls.append(i))
+    mcuda.reset_peak()
+    assert calls == [0]
+
+
+def test_bad_cuda_devices(fake):
+    with pytest.raises(DeviceUnavailable, match="CUDA device 3 does not exist: this process sees 1 device"):
+        mcuda.allocated(3)
+    with pytest.raises(ValueError, match="not a CUDA device: 'cpu'"):
+        mcuda.allocated("cpu")
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        mcuda.allocated("nonsense")
+
+
+class Allocating(nn.Module):
+    """A module whose forward allocates `keep` bytes (kept) and `temp` bytes (freed) on the fake device."""
+
+    def __init__(self, dev, keep, temp):
+        super().__init__()
+        self.dev, self.keep, self.temp = dev, keep, temp
+        self.lin = nn.Identity()
+
+    def forward(self, x):
+        self.dev.alloc(self.temp)
+        self.dev.free(self.temp)
+        self.dev.alloc(self.keep)
+        return self.lin(x)
+
+
+def test_nested_cuda_blocks_keep_their_peaks(fake):
+    fake.alloc(10 * 2**20)  # 10 MiB before anything
+    with memtorch.track(device="cuda") as outer:
+        fake.alloc(4 * 2**20)  # outer: 14 MiB
+        with memtorch.track(device="cuda:0") as inner:
+            fake.alloc(2 * 2**20)  # 16 MiB: the running peak rises
+            fake.free(2 * 2**20)
+        fake.free(4 * 2**20)
+    i, o = inner.report, outer.report
+    assert i.device == o.device == "cuda:0"
+    assert i.exact and i.peak == 16 * 2**20 and i.peak_above_start == 2 * 2**20 and i.delta == 0
+    assert o.exact and o.peak == 16 * 2**20 and o.peak_above_start == 6 * 2**20 and o.delta == 0
+    assert o.reserved_peak == 16 * 2**20
+    assert fake.peak == 16 * 2**20  # torch's own counter untouched
+
+
+def test_cuda_block_below_an_older_peak_is_flagged(fake):
+    fake.alloc(100 * 2**20)
+    fake.free(100 * 2**20)  # the device's peak is 100 MiB from before
+    model = nn.Sequential(Allocating(fake, keep=1024, temp=8192), Allocating(fake, keep=512, temp=0))
+    with memtorch.track(model, device="cuda") as t:
+        model(torch.ones(2))
+    r = t.report
+    assert not r.exact
+    assert r.peak_upper == 100 * 2**20
+    assert r.delta == 1024 + 512
+    # the temporaries (8192) happened between samples: only what the hooks saw is claimed
+    assert r.peak_above_start == 1024 + 512
+    assert "peak at most" in str(r) and "(at least)" in str(r)
+    rows = {m.name: m for m in r.modules}
+    assert rows["0"].activation_bytes == 1024 and rows["1"].activation_bytes == 512
+    assert not rows["0"].exact
+
+
+def test_cuda_phases_and_modules_with_rising_peak(fake):
+    model = nn.Sequential(Allocating(fake, keep=4096, temp=1 << 20), Allocating(fake, keep=1024, temp=0))
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    with memtorch.track(model, optimizer=opt, device="cuda") as t:
+        model(torch.ones(2))  # a forward with grad enabled: a backward phase follows
+        fake.alloc(2048)  # "backward"
+        opt.step()
+        t.step()
+    r = t.report
+    assert r.exact  # every peak rose to a new device peak: exact
+    assert r.phases["forward"].delta == 4096 + 1024
+    # forward peak: module 0's temporary 1 MiB on top of nothing
+    assert r.phases["forward"].peak_above_start == 1 << 20
+    assert r.phases["backward"].delta == 2048
+    assert r.phases["optimizer"].delta == 0
+    rows = {m.name: m for m in r.modules}
+    assert rows["0"].peak_above_start == 1 << 20 and rows["0"].exact
+    assert rows[""].activation_bytes == 4096 + 1024
+    assert r.leak.steps == [4096 + 1024 + 2048]
+    assert r.reserved_peak == 2 * 2**20
+
+
+def test_cuda_timeline_from_samples(fake):
+    model = nn.Sequential(Allocating(fake, keep=512, temp=0))
+    with memtorch.track(model, device="cuda", timeline=True) as t:
+        model(torch.ones(2))
+    times, nbytes = t.report.timeline
+    assert len(times) == len(nbytes) >= 3
+    assert nbytes[0] == 0 and nbytes[-1] == 512
+
+
+def test_track_auto_without_model_is_the_cpu_even_with_cuda(fake, monkeypatch):
+    # what a block counts must not depend on whether earlier code touched the GPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with memtorch.track() as t:
+        pass
+    assert t.report.device == "cpu"
+    with memtorch.track(nn.Linear(2, 2)) as t:  # a model on the CPU
+        pass
+    assert t.report.device == "cpu"
+    with memtorch.track(device="cuda") as t:
+        pass
+    assert t.report.device == "cuda:0"

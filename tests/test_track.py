@@ -1,0 +1,588 @@
+"""memtorch.track(): block figures, phases, modules, nesting, steps and leaks, safety, threads.
+
+Expected figures are hand counts (float32: 4 bytes an element), written next to
+each assertion. Assertions that need exact counters (memtorch.cpu.exact()) run
+only there; every test also asserts what holds with any counter.
+"""
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import memtorch  # noqa: E402
+from memtorch import tracking  # noqa: E402
+from memtorch.errors import DeviceUnavailable, MemtorchError  # noqa: E402
+
+EXACT = memtorch.cpu.exact()
+exact_only = pytest.mark.skipif(not EXACT, reason="needs exact CPU counters")
+
+# The MLP used below: B x D_IN -> D_H -> ReLU -> D_OUT, float32.
+B, D_IN, D_H, D_OUT = 64, 256, 512, 10
+P_BYTES = (D_H * D_IN + D_H + D_OUT * D_H + D_OUT) * 4  # weights and biases: 546,856 bytes
+N_PARAMS = 4
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_H), nn.ReLU(), nn.Linear(D_H, D_OUT))
+
+
+def no_hooks(model, optimizer=None):
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+        assert not m._backward_hooks and not m._backward_pre_hooks
+    from torch.nn.modules import module as torch_module
+
+    assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+    if optimizer is not None:
+        assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert tracking._debug_leftovers() == []
+    assert memtorch.cpu._debug_leftovers() == []
+
+
+def test_p_bytes_hand_count_matches_tensors():
+    # the hand count above, against the tensors' own sizes
+    assert P_BYTES == sum(p.untyped_storage().nbytes() for p in mlp().parameters())
+
+
+# --- block figures ---------------------------------------------------------
+
+
+def test_block_start_end_delta_peak():
+    with memtorch.track() as t:
+        a = torch.ones(1000, 1000)  # 4,000,000 bytes
+        del a
+        b = torch.ones(250, 1000)  # 1,000,000 bytes, kept
+    r = t.report
+    assert r.device == "cpu"
+    assert r.delta == r.end - r.start
+    assert r.peak_above_start == r.peak - r.start
+    assert r.peak >= max(r.start, r.end)
+    assert r.delta >= 900_000  # b is alive at the end, whatever the counter
+    if EXACT:
+        assert r.exact
+        assert r.delta == 1_000_000
+        assert r.peak_above_start == 4_000_000  # a alone; b came after a was freed
+    assert b.numel() == 250_000
+
+
+@exact_only
+def test_block_peak_of_a_freed_tensor_is_exact():
+    with memtorch.track() as t:
+        torch.empty(1000, 1000)  # 4,000,000 bytes, freed at once
+    assert t.report.peak_above_start == 4_000_000
+    assert t.report.delta == 0
+
+
+def test_report_text_and_html():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(B, D_IN)
+    with memtorch.track(model, optimizer=opt) as t:
+        model(x).sum().backward()
+        opt.step()
+    r = t.report
+    text = str(r)
+    assert "forward" in text and "backward" in text and "optimizer" in text
+    assert memtorch.units.format(r.peak) in text
+    assert "Linear" in text and "(model)" in text
+    page = r._repr_html_()
+    assert page.startswith("<div>") and "<table>" in page and "Linear" in page
+    assert "TrackReport(" in repr(r)
+
+
+def test_timeline_arrays():
+    with memtorch.track(timeline=True) as t:
+        keep = torch.ones(1000, 1000)  # 4,000,000 bytes
+    times, nbytes = t.report.timeline
+    assert isinstance(times, np.ndarray) and isinstance(nbytes, np.ndarray)
+    assert times.dtype == np.int64 and nbytes.dtype == np.int64
+    assert len(times) == len(nbytes) >= 1
+    assert np.all(np.diff(times) >= 0) and times[0] == 0
+    assert nbytes.max() <= t.report.peak
+    if EXACT:
+        assert nbytes.max() == t.report.peak == t.report.start + 4_000_000
+    assert keep.numel() == 1_000_000
+    with memtorch.track() as t2:
+        pass
+    assert t2.report.timeline is None
+
+
+# --- phases and modules ----------------------------------------------------
+
+
+def test_phases_and_modules():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(B, D_IN)
+    with memtorch.track(model, optimizer=opt) as t:
+        out = model(x)
+        loss = out.sum()
+        loss.backward()
+        opt.step()
+    r = t.report
+    assert set(r.phases) == {"forward", "backward", "optimizer"}
+    for p in r.phases.values():
+        assert p.calls == 1
+        assert p.peak_above_start >= p.delta
+        assert p.seconds >= 0
+    rows = {m.name: m for m in r.modules}
+    assert list(rows) == ["", "0", "1", "2"]
+    assert [rows[k].type for k in rows] == ["Sequential", "Linear", "ReLU", "Linear"]
+    assert all(m.calls == 1 for m in r.modules)
+    h = B * D_H * 4  # 131,072: a hidden activation
+    o = B * D_OUT * 4  # 2,560: the output
+    # the forward leaves the ReLU output (saved for backward) and the model's output alive
+    assert r.phases["forward"].delta >= 0.9 * (h + o)
+    if EXACT:
+        assert rows["0"].activation_bytes == h  # Linear 0's output (its input x existed before)
+        assert rows["1"].activation_bytes == h  # ReLU's output, saved by ReluBackward
+        assert rows["2"].activation_bytes == o
+        # Linear 0's output is freed once ReLU has run: the ReLU output and the model output stay
+        assert rows[""].activation_bytes == r.phases["forward"].delta == h + o
+        # peak during the forward: Linear 0's output and ReLU's output together
+        assert rows[""].peak_above_start == r.phases["forward"].peak_above_start == 2 * h
+        assert rows["1"].peak_above_start == h
+        # backward: + loss (4 B) + gradients (P_BYTES); the graph frees the ReLU output
+        assert r.phases["backward"].delta == 4 + P_BYTES - h
+        # Adam's first step: exp_avg and exp_avg_sq per parameter, plus a float32 `step` each
+        assert r.phases["optimizer"].delta == 2 * P_BYTES + 4 * N_PARAMS
+        assert r.delta == sum(p.delta for p in r.phases.values())
+    assert out.shape == (B, D_OUT)
+
+
+def test_no_backward_phase_under_no_grad():
+    model = mlp()
+    with memtorch.track(model) as t, torch.no_grad():
+        model(torch.ones(B, D_IN))
+    assert set(t.report.phases) == {"forward"}
+
+
+def test_modules_off_keeps_phases():
+    model = mlp()
+    with memtorch.track(model, modules=False) as t:
+        model(torch.ones(B, D_IN)).sum().backward()
+    assert t.report.modules == []
+    assert set(t.report.phases) == {"forward", "backward"}
+    no_hooks(model)
+
+
+def test_activation_bytes_are_per_forward():
+    model = mlp()
+    x = torch.ones(B, D_IN)
+    with memtorch.track(model) as t, torch.no_grad():
+        outs = [model(x) for _ in range(3)]  # three forwards, each output kept
+    rows = {m.name: m for m in t.report.modules}
+    assert rows["2"].calls == 3
+    assert rows["2"].activation_total == 3 * rows["2"].activation_bytes or not EXACT
+    if EXACT:
+        assert rows["2"].activation_bytes == B * D_OUT * 4
+        assert rows[""].activation_bytes == B * D_OUT * 4  # under no_grad only the output stays
+    assert len(outs) == 3
+
+
+# --- nesting ---------------------------------------------------------------
+
+
+def test_nested_blocks_have_their_own_peaks():
+    with memtorch.track() as outer:
+        a = torch.ones(1_000_000)  # 4,000,000 bytes
+        with memtorch.track() as inner:
+            b = torch.ones(250_000)  # 1,000,000 bytes
+            del b
+        with memtorch.track() as inner2:
+            c = torch.ones(500_000)  # 2,000,000 bytes, kept
+        del a
+    for r in (outer.report, inner.report, inner2.report):
+        assert r.peak_above_start >= r.delta
+    assert outer.report.peak >= inner.report.peak
+    assert inner2.report.delta >= 1_800_000
+    if EXACT:
+        assert inner.report.peak_above_start == 1_000_000 and inner.report.delta == 0
+        assert inner2.report.peak_above_start == inner2.report.delta == 2_000_000
+        assert outer.report.peak_above_start == 4_000_000 + 2_000_000  # a and c together
+        assert outer.report.delta == 2_000_000
+    assert c.numel() == 500_000
+
+
+def test_track_never_resets_the_global_peak():
+    with memtorch.cpu.Scope():  # counting is on for the whole test
+        memtorch.cpu.reset_peak()
+        big = torch.ones(2_000_000)  # 8,000,000 bytes
+        high = memtorch.cpu.peak()  # read while `big` is alive
+        del big
+        with memtorch.track():
+            with memtorch.track():
+                small = torch.ones(1000)
+        assert memtorch.cpu.peak() >= high
+        assert high - memtorch.cpu.allocated() >= 0.9 * 8_000_000 or not EXACT
+    assert small.numel() == 1000
+
+
+def test_same_tracker_cannot_be_reentered():
+    t = memtorch.track()
+    with t:
+        with pytest.raises(MemtorchError, match="already open"):
+            t.__enter__()
+    assert tracking._debug_leftovers() == []
+
+
+def test_tracker_reused_sequentially():
+    t = memtorch.track()
+    with t:
+        x = torch.ones(1000)
+    first = t.report
+    with t:
+        del x
+    assert t.report is not first
+    if EXACT:
+        assert first.delta == 4000 and t.report.delta == -4000
+
+
+# --- steps and leaks -------------------------------------------------------
+
+
+def _train_steps(model, opt, t, n, x):
+    for _ in range(n):
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t.step()
+
+
+def test_clean_loop_does_not_leak():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(B, D_IN)  # before the block: not part of step 1
+    with memtorch.track(model, optimizer=opt) as t:
+        _train_steps(model, opt, t, 4, x)
+    leak = t.report.leak
+    assert t.report.steps == 4 and len(leak.steps) == 4 and leak.warmup == 1
+    # the first step creates the optimizer state: 2 per parameter
+    assert leak.steps[0] >= 2 * P_BYTES * 0.9
+    if EXACT:
+        # step 1 keeps Adam's state and `step` tensors and the loss (4 B); zero_grad frees the grads
+        assert leak.steps[0] == 2 * P_BYTES + 4 * N_PARAMS + 4
+        assert leak.steps[1:] == [0, 0, 0]
+        assert leak.per_step == 0 and not leak.leaking and leak.survivors == []
+    no_hooks(model, opt)
+
+
+def test_summed_loss_with_graph_is_named():
+    model = mlp()
+    b = 256
+    per_step = (b * D_IN + b * D_H) * 4  # the graph keeps each step's x (saved by addmm) and ReLU output
+    n = 4
+    with memtorch.track(model) as t:
+        total = 0
+        for _ in range(n):
+            x = torch.ones(b, D_IN)
+            total = total + model(x).sum()  # no .item(), no backward: the graph stays attached
+            t.step()
+    leak = t.report.leak
+    assert leak.leaking and leak.per_step >= 0.5 * per_step
+    if EXACT:
+        assert leak.steps[1:] == [per_step] * (n - 1)
+        assert leak.per_step == per_step
+    holders = [s for s in leak.survivors if s.has_graph and s.graph_bytes]
+    assert holders, str(leak)
+    top = holders[0]
+    assert top.name is not None and top.name.startswith("total"), str(leak)
+    assert top.shape == () and top.dtype == "float32" and top.nbytes == 4
+    # measured from the saved tensors themselves: n steps of x and ReLU output
+    assert top.graph_bytes == n * per_step
+    assert "total" in str(t.report) and "autograd graph" in str(t.report)
+    # survivors are held by weakref only
+    del total, x
+    gc.collect()
+    assert top.ref() is None
+
+
+def test_step_outside_block_and_report_too_early():
+    t = memtorch.track()
+    with pytest.raises(MemtorchError, match="no report"):
+        t.report
+    with pytest.raises(MemtorchError, match="outside its block"):
+        t.step()
+    with t:
+        with pytest.raises(MemtorchError, match="when the track\\(\\) block ends"):
+            t.report
+
+
+def test_leaks_off_and_not_judged():
+    with memtorch.track(leaks=False, warmup=2) as t:
+        t.step()
+        t.step()
+    assert t.report.leak.per_step is None and "not judged" in str(t.report.leak)
+    with memtorch.track() as t:
+        pass
+    assert t.report.leak is None
+
+
+# --- safety ----------------------------------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+class Exploding(nn.Module):
+    def __init__(self, err):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.err = err
+
+    def forward(self, x):
+        x = self.inner(x)
+        raise self.err
+
+
+def test_exception_in_forward_propagates_and_cleans_up():
+    err = Boom("inside forward")
+    model = Exploding(err)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(Boom) as info:
+        with memtorch.track(model, optimizer=opt, timeline=True) as t:
+            model(torch.ones(2, 8))
+    assert info.value is err
+    assert info.traceback[-1].name == "forward"  # the traceback still ends where it was raised
+    no_hooks(model, opt)
+    assert t.report.phases["forward"].calls == 1  # the interrupted forward is still reported
+
+
+def test_exception_in_optimizer_step_cleans_up():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    err = Boom("inside step")
+
+    def bad_hook(optimizer, args, kwargs):
+        raise err
+
+    handle = opt.register_step_pre_hook(bad_hook)
+    try:
+        with pytest.raises(Boom) as info:
+            with memtorch.track(model, optimizer=opt):
+                model(torch.ones(B, D_IN)).sum().backward()
+                opt.step()
+    finally:
+        handle.remove()
+    assert info.value is err
+    no_hooks(model, opt)
+
+
+def test_exception_as_decorator():
+    err = Boom()
+
+    @memtorch.track()
+    def f():
+        raise err
+
+    with pytest.raises(Boom) as info:
+        f()
+    assert info.value is err
+    assert tracking._debug_leftovers() == []
+
+
+def test_no_strong_reference_to_user_tensors():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memtorch.track(model, optimizer=opt, timeline=True) as t:
+        y = model(torch.ones(B, D_IN))
+        wy = weakref.ref(y)
+        del y
+        assert wy() is None  # hooks did not keep the output
+        t.step()
+    wm, wo = weakref.ref(model), weakref.ref(opt)
+    del model, opt
+    gc.collect()
+    assert wm() is None and wo() is None  # neither the tracker nor its report keeps them
+    assert t.report.phases["forward"].calls == 1
+
+
+def test_tracking_does_not_change_the_figures():
+    def work():
+        a = torch.ones(1000, 1000)
+        b = a + a  # 4,000,000 bytes each (a * 2 would add a wrapped-scalar tensor of its own)
+        del a
+        return b
+
+    with memtorch.cpu.Scope() as s:  # the counters' own scope, without track()
+        kept = work()
+        plain = s.current - s.start
+    with memtorch.track() as t:
+        kept2 = work()
+    assert t.report.delta >= 0.9 * 4_000_000
+    if EXACT:
+        assert plain == t.report.delta == 4_000_000
+        assert t.report.peak_above_start == 8_000_000
+    assert kept.shape == kept2.shape
+
+
+# --- threads ---------------------------------------------------------------
+
+
+def test_block_counts_other_threads():
+    """CPU counters are process-wide: a block counts what every thread allocates while it is open."""
+    held = []
+
+    def worker():
+        held.append(torch.ones(1_000_000))  # 4,000,000 bytes, kept
+        tmp = torch.ones(500_000)  # 2,000,000 bytes, freed
+        del tmp
+
+    with memtorch.track() as t:
+        th = threading.Thread(target=worker)
+        th.start()
+        th.join()
+    assert t.report.delta >= 0.9 * 4_000_000
+    if EXACT:
+        assert t.report.delta == 4_000_000
+        assert t.report.peak_above_start == 6_000_000
+    assert len(held) == 1
+
+
+# --- decorator and arguments -----------------------------------------------
+
+
+def test_decorator_tracks_each_call():
+    @memtorch.track()
+    def make(n):
+        return torch.ones(n)
+
+    a = make(250_000)  # 1,000,000 bytes
+    first = make.tracker.report
+    b = make(500_000)  # 2,000,000 bytes
+    second = make.tracker.report
+    assert first is not second
+    assert first.delta >= 900_000 and second.delta >= 1_800_000
+    if EXACT:
+        assert first.delta == 1_000_000 and second.delta == 2_000_000
+    assert make.__name__ == "make"
+    assert a.numel() + b.numel() == 750_000
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got int"):
+        memtorch.track(model=3)
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
+        memtorch.track(optimizer=[1])
+    with pytest.raises(ValueError, match="unknown device 'tpu0'"):
+        memtorch.track(device="tpu0")
+    with pytest.raises(DeviceUnavailable, match="only 'cpu' and 'cuda'"):
+        memtorch.track(device="meta")
+    with pytest.raises(ValueError, match="warmup"):
+        memtorch.track(warmup=-1)
+    with pytest.raises(ValueError, match="largest"):
+        memtorch.track(largest=True)
+    with pytest.raises(TypeError, match="decorates a callable"):
+        memtorch.track()(3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(DeviceUnavailable, match="CUDA is not available"):
+        memtorch.track(device="cuda")
+
+
+def test_largest_lists_live_tensors():
+    with memtorch.track(largest=3) as t:
+        big = torch.ones(3_000_000)  # 12,000,000 bytes: larger than any other live tensor here
+        view = big[:10]
+    top = t.report.largest[0]
+    assert top.nbytes == big.untyped_storage().nbytes() == 12_000_000
+    assert top.shape in ((3_000_000,), (10,))  # the storage once, seen through either tensor
+    assert len(t.report.largest) <= 3
+    assert "largest live tensors" in str(t.report)
+    assert view.numel() == 10
+
+
+def test_check_delegates_to_budget():
+    pytest.importorskip("memtorch.budget")
+    with memtorch.track() as t:
+        keep = torch.ones(1_000_000)  # 4,000,000 bytes
+    t.report.check(peak="1 GiB")
+    with pytest.raises(memtorch.BudgetExceeded):
+        t.report.check(peak="1 kB")
+    assert keep.numel() == 1_000_000
+
+
+def test_open_tracker_is_reported_as_leftover():
+    t = memtorch.track()
+    t.__enter__()
+    try:
+        assert any("still open" in item for item in tracking._debug_leftovers())
+    finally:
+        t.__exit__(None, None, None)
+    assert tracking._debug_leftovers() == []
+
+
+def _profiler_peak_above_start(prof):
+    """Peak of the running sum of the profiler's own CPU [memory] events: an independent measurement."""
+    from torch.autograd import DeviceType
+
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    run = peak = 0
+    for _, n in events:
+        run += n
+        peak = max(peak, run)
+    return peak, run, len(events)
+
+
+def test_training_step_peak_matches_the_profilers_memory_events(capfd):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(B, D_IN)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memtorch.track(model, optimizer=opt) as t:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    capfd.readouterr()  # the profiler prints its start/stop lines
+    peak, net, n_events = _profiler_peak_above_start(prof)
+    r = t.report
+    assert n_events > 0 and peak >= net
+    # the Adam state (2 per parameter) is what the step keeps, per the profiler's own events
+    assert net >= 2 * P_BYTES
+    assert r.peak_above_start >= 0 and r.peak >= r.end
+    if EXACT:
+        assert r.delta == net
+        assert r.peak_above_start == peak
+
+
+def test_other_modules_are_not_counted_as_the_model():
+    model = mlp()
+    other = nn.Linear(4, 4)
+    with memtorch.track(model) as t:
+        other(torch.ones(2, 4))  # not the tracked model: no phase, no row
+    assert t.report.phases == {}
+    assert all(m.calls == 0 for m in t.report.modules)
+    assert [m.name for m in t.report.modules] == ["", "0", "1", "2"]
+    no_hooks(model)
+
+
+def test_decorator_with_model_holds_it_weakly():
+    model = mlp()
+    x = torch.ones(B, D_IN)
+    wrapped = memtorch.track(model)(lambda m: m(x))
+    out = wrapped(model)
+    assert wrapped.tracker.report.phases["forward"].calls == 1
+    assert out.shape == (B, D_OUT)
+    wm = weakref.ref(model)
+    del model
+    gc.collect()
+    assert wm() is None  # the decorator and its report keep only a weakref
+    with pytest.raises(MemtorchError, match="no longer exists"):
+        wrapped(None)
