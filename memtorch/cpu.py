@@ -36,6 +36,17 @@ restores the original import entries. Exact semantics while installed:
   (``torch.from_numpy`` buffers, ``mmap``-ed or shared-memory storages,
   oneDNN/MKL scratch space).
 
+Counting keeps going after the first Scope closes. Frees are only seen for
+storages allocated while counting, so a block that frees memory allocated
+before counting began (the last step's gradients, say) would otherwise report
+too high a delta and peak. memtorch therefore holds one installation of its
+own from the first Scope on (``keep_counting()``, the default), released by
+``stop()`` or at interpreter exit; each Scope still counts the frees it could
+not see (``Scope.unseen_frees``/``unseen_bytes``), and reports flag them. Call
+``install()`` at start-up to see every storage from the start;
+``keep_counting(False)`` (or ``MEMTORCH_CPU_KEEP=0``) restores the original
+import entries when the last Scope closes.
+
 The environment variable ``MEMTORCH_CPU_MECHANISM`` chooses: ``auto``
 (default: exact where possible, else the fallback), ``libc10-got`` (exact or
 an error) or ``rss`` (always the fallback).
@@ -58,11 +69,14 @@ __all__ = [
     "uninstall",
     "installed",
     "Scope",
+    "keep_counting",
+    "stop",
 ]
 
 EXACT = "libc10-got"
 FALLBACK = "rss-fallback"
 ENV = "MEMTORCH_CPU_MECHANISM"
+KEEP_ENV = "MEMTORCH_CPU_KEEP"
 _CHOICES = ("auto", "libc10-got", "rss")
 
 _lock = threading.RLock()
@@ -71,6 +85,10 @@ _rss_installs = 0
 _rss_open = 0
 _rss_hwm0 = -1  # high-water mark at the last reset_peak()
 _rss_seen = 0  # highest RSS sampled since then
+# memtorch's own installation, held from the first Scope on (keep_counting()).
+_keep = os.environ.get(KEEP_ENV, "1").strip() not in ("0", "false", "no", "off")
+_held = False
+_atexit_registered = False
 
 
 def _choice():
@@ -154,6 +172,51 @@ def uninstall():
             raise MemtorchError("memtorch.cpu.uninstall() without a matching install()")
 
 
+def keep_counting(on=True):
+    """Keep counting between Scopes (default on): see the module docstring.
+
+    Turning it off releases memtorch's own installation now (restoring the
+    original import entries unless something else still counts).
+    """
+    global _keep
+    if not isinstance(on, bool):
+        raise TypeError(f"keep_counting() takes a bool, not {type(on).__name__}")
+    with _lock:
+        _keep = on
+        if not on:
+            stop()
+
+
+def stop():
+    """Release memtorch's own installation (held since the first Scope). Idempotent."""
+    global _held
+    with _lock:
+        if _held:
+            _held = False
+            if _C.counters_installed():
+                _C.counters_uninstall()
+
+
+def _hold():
+    """Take memtorch's own installation if the policy says so (exact mechanism, under _lock)."""
+    global _held, _atexit_registered
+    if _keep and not _held:
+        _C.counters_install()
+        _held = True
+        if not _atexit_registered:
+            import atexit
+
+            atexit.register(_release_at_exit)
+            _atexit_registered = True
+
+
+def _release_at_exit():
+    global _held
+    if _held and _C.counters_installed() and not _C.counters_open_scopes():
+        _held = False
+        _C.counters_uninstall()
+
+
 def installed():
     """True while counting (some install() or Scope is open)."""
     return bool(_C.counters_installed() or _rss_installs)
@@ -218,6 +281,12 @@ class Scope:
         self._hwm0 = -1
         self._exact = False
         self.timeline_dropped = 0
+        # Frees the exact counters saw of storages they never saw allocated
+        # (made before counting began) while this scope was open, and their
+        # usable bytes: when non-zero, delta and peak may be too high.
+        self.unseen_frees = 0
+        self.unseen_bytes = 0
+        self._unseen0 = (0, 0)
 
     # -- opening and closing -------------------------------------------------
     def open(self):
@@ -235,6 +304,8 @@ class Scope:
                     _C.counters_uninstall()
                     raise
                 self._handle = (sid, gen)
+                self._unseen0 = _C.counters_stats()[4:6]
+                _hold()
                 self._start, self._peak = start, start
                 self._t0, self._ev0 = t0, ev0
             else:
@@ -261,7 +332,10 @@ class Scope:
                 if self._want_timeline:
                     t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
                     self._events = (t, b)
-                self._exact = _C.counters_stats()[1] == 0
+                stats = _C.counters_stats()
+                self._exact = stats[1] == 0
+                self.unseen_frees = stats[4] - self._unseen0[0]
+                self.unseen_bytes = stats[5] - self._unseen0[1]
                 _C.counters_uninstall()
             else:
                 self._end = self._sample()
@@ -405,7 +479,7 @@ def _debug_leftovers():
     n = _C.counters_open_scopes()
     if n:
         found.append(f"{n} CPU counter scope(s) still open")
-    k = _C.counters_installed()
+    k = _C.counters_installed() - (1 if _held else 0)
     if k:
         found.append(f"CPU allocation interposer still installed (refcount {k})")
     if _rss_open:

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <malloc.h>
 
 /*
  * PROCESS-WIDE STATE. Everything in this file is global on purpose: the
@@ -54,6 +55,10 @@ typedef struct {
      * them: allocations with no room in the table (out of memory), counted
      * allocations and frees since installation. */
     int64_t lost, nallocs, nfrees;
+    /* Frees of pointers not in the table (allocated before counting began,
+     * or libc10's own non-tensor memory) and their usable sizes: what the
+     * counters could not see leave. */
+    int64_t unseen, unseen_bytes;
 } mt_stripe;
 
 typedef struct {
@@ -250,6 +255,7 @@ mt_table_clear(void)
         mt_stripes[i].cap = 0;
         mt_stripes[i].count = 0;
         mt_stripes[i].lost = mt_stripes[i].nallocs = mt_stripes[i].nfrees = 0;
+        mt_stripes[i].unseen = mt_stripes[i].unseen_bytes = 0;
     }
 }
 
@@ -310,7 +316,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
 }
 
 void
-mt_counters_on_free(void *ptr)
+mt_counters_on_free(void *ptr, int real)
 {
     if (mt_in_hook || !atomic_load_explicit(&mt_active, memory_order_relaxed)) {
         return;
@@ -328,6 +334,13 @@ mt_counters_on_free(void *ptr)
                               &mt_current, size, memory_order_relaxed) - size;
             s->nfrees++;
             mt_after_change(now, 0);
+        }
+        else if (ptr != NULL) {
+            /* malloc_usable_size() is libc's (or ASan's) and allocates
+             * nothing; it may exceed the size once requested. Only a real
+             * pointer (not a test's fake one) may be asked. */
+            s->unseen++;
+            s->unseen_bytes += real ? (int64_t)malloc_usable_size(ptr) : 0;
         }
     }
     mt_stripe_unlock(s);
@@ -482,23 +495,26 @@ counters_reset_peak(PyObject *module, PyObject *Py_UNUSED(ignored))
 
 PyDoc_STRVAR(stats_doc,
 "counters_stats($module, /)\n--\n\n"
-"(live_entries, lost, allocations, frees) since installation: entries in the\n"
-"table, allocations that could not be recorded (out of memory), counted\n"
-"allocations and frees.");
+"(live_entries, lost, allocations, frees, unseen_frees, unseen_bytes) since\n"
+"installation: entries in the table, allocations that could not be recorded\n"
+"(out of memory), counted allocations and frees, frees of pointers the table\n"
+"does not hold and their usable bytes.");
 
 static PyObject *
 counters_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    long long live = 0, lost = 0, na = 0, nf = 0;
+    long long live = 0, lost = 0, na = 0, nf = 0, nu = 0, ub = 0;
     mt_lock_all();
     for (int i = 0; i < MT_NSTRIPES; i++) {
         live += (long long)mt_stripes[i].count;
         lost += (long long)mt_stripes[i].lost;
         na += (long long)mt_stripes[i].nallocs;
         nf += (long long)mt_stripes[i].nfrees;
+        nu += (long long)mt_stripes[i].unseen;
+        ub += (long long)mt_stripes[i].unseen_bytes;
     }
     mt_unlock_all();
-    return Py_BuildValue("(LLLL)", live, lost, na, nf);
+    return Py_BuildValue("(LLLLLL)", live, lost, na, nf, nu, ub);
 }
 
 PyDoc_STRVAR(scope_open_doc,
@@ -740,7 +756,7 @@ counters_inject(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         mt_counters_on_alloc((void *)(uintptr_t)addr, (size_t)size);
     }
     else {
-        mt_counters_on_free((void *)(uintptr_t)addr);
+        mt_counters_on_free((void *)(uintptr_t)addr, 0);
     }
     Py_RETURN_NONE;
 error:

@@ -12,7 +12,7 @@
 void mt_counters_on_alloc(void *ptr, size_t size);
 /* `ptr` is about to be freed (called before the real free, so that the
  * address cannot be handed out again while it is still in the table). */
-void mt_counters_on_free(void *ptr);
+void mt_counters_on_free(void *ptr, int real);
 
 /* ---- interpose_linux.c / interpose_other.c: the platform mechanism ---- */
 

@@ -76,7 +76,7 @@ mt_hook_free(void *ptr)
     mt_free_fn real = atomic_load_explicit(&mt_real_free, memory_order_acquire);
     if (ptr != NULL) {
         /* Before the real free: the address cannot be reused meanwhile. */
-        mt_counters_on_free(ptr);
+        mt_counters_on_free(ptr, 1);
     }
     real(ptr);
 }

@@ -31,6 +31,17 @@ def _leftovers():
     return found
 
 
+@pytest.fixture
+def raw_counters():
+    """Release memtorch's own held CPU-counter installation (keep_counting) around
+    a test that checks the installation mechanism itself."""
+    from memtorch import cpu
+
+    cpu.keep_counting(False)
+    yield
+    cpu.keep_counting(True)
+
+
 @pytest.fixture(autouse=True)
 def no_state_left_behind(request):
     threads_before = {t.ident for t in threading.enumerate()}

@@ -25,6 +25,10 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ex
 MiB = 1024 * 1024
 
 
+# These tests check the installation mechanism itself.
+pytestmark = pytest.mark.usefixtures("raw_counters")
+
+
 @pytest.fixture
 def exact_mode(monkeypatch):
     monkeypatch.setenv(cpu.ENV, "libc10-got")
@@ -593,3 +597,37 @@ def test_a_dropped_open_scope_is_closed(exact_mode):
     gc.collect()
     assert _C.counters_open_scopes() == 0 and not cpu.installed()
     assert cpu._debug_leftovers() == []
+
+
+@linux_only
+def test_keep_counting_sees_frees_across_scopes(exact_mode):
+    """With memtorch's own installation held (the default), a later scope sees
+    the free of a tensor allocated in an earlier one: 1000 float32 = 4000 B."""
+    cpu.keep_counting(True)
+    with cpu.Scope() as s1:
+        x = torch.ones(1000)
+    assert s1.delta == 4000
+    assert _C.counters_installed() == 1  # held, no scope open
+    with cpu.Scope() as s2:
+        del x
+    assert s2.delta == -4000 and s2.unseen_frees == 0
+    cpu.stop()
+    assert _C.counters_installed() == 0
+    cpu.stop()  # idempotent
+
+
+@linux_only
+def test_unseen_frees_are_counted(exact_mode):
+    """Without the held installation, a tensor made before the scope and freed
+    inside it is invisible to delta, but counted as an unseen free of at least
+    its 4000 bytes (malloc's usable size may be larger)."""
+    x = torch.ones(1000)
+    with cpu.Scope() as s:
+        del x
+    assert s.delta == 0
+    assert s.unseen_frees == 1 and s.unseen_bytes >= 4000
+
+
+def test_keep_counting_rejects_non_bool():
+    with pytest.raises(TypeError, match="bool"):
+        cpu.keep_counting("yes")

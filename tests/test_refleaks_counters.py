@@ -7,6 +7,8 @@ sys.getallocatedblocks() that stays positive in every round after warm-up.
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.usefixtures("raw_counters")
 import torch
 
 from memtorch import _C, cpu
