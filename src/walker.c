@@ -219,8 +219,8 @@ path_slot(mt_walk *w, PyObject *path)
     return (int32_t)n;
 }
 
-/* Index of `key` (borrowed) in a side table, adding `name` (a new reference
- * the function makes through make_name when the key is new). */
+/* Index of `key` (borrowed) in a side-table index dict: >= 0 if found, -1
+ * if absent, -2 with an exception set. */
 static int
 lookup_slot(PyObject *index, PyObject *key)
 {
