@@ -219,8 +219,8 @@ path_slot(mt_walk *w, PyObject *path)
     return (int32_t)n;
 }
 
-/* Index of `key` (borrowed) in a side table, adding `name` (a new reference
- * the function makes through make_name when the key is new). */
+/* Index of `key` (borrowed) in a side-table index dict: >= 0 if found, -1
+ * if absent, -2 with an exception set. */
 static int
 lookup_slot(PyObject *index, PyObject *key)
 {
@@ -847,9 +847,10 @@ walk_module(mt_walk *w, mt_item *it)
 {
     PyObject *mod = it->obj, *py_id = NULL, *py_found,
              *py_d = NULL, *py_i = NULL, *py_path = NULL;
-    PyObject *key, *value, *tab;
+    PyObject *key, *value, *tab, *py_tab = NULL;
     Py_ssize_t pos, base;
     int32_t idx, alias = -1;
+    int r;
 
     py_id = id_of(mod);
     if (py_id == NULL) {
@@ -881,6 +882,7 @@ walk_module(mt_walk *w, mt_item *it)
     if ((tab = module_dict_entry(py_d, w->s._parameters, mod, it->path)) == NULL) {
         goto error;
     }
+    Py_XSETREF(py_tab, Py_NewRef(tab)); /* held while user code may run */
     pos = 0;
     while (PyDict_Next(tab, &pos, &key, &value)) {
         if (value == Py_None) {
@@ -896,8 +898,12 @@ walk_module(mt_walk *w, mt_item *it)
             goto error;
         }
         py_path = join_name(it->path, key);
-        if (py_path == NULL ||
-            walk_param(w, value, py_path, idx, MT_CAT_PARAMETER) < 0) {
+        /* Strong references while user code may run (a wrapper subclass's
+         * __tensor_flatten__ could change the module). */
+        Py_INCREF(value);
+        r = py_path == NULL ? -1 : walk_param(w, value, py_path, idx, MT_CAT_PARAMETER);
+        Py_DECREF(value);
+        if (r < 0) {
             goto error;
         }
         Py_CLEAR(py_path);
@@ -906,6 +912,7 @@ walk_module(mt_walk *w, mt_item *it)
     if ((tab = module_dict_entry(py_d, w->s._buffers, mod, it->path)) == NULL) {
         goto error;
     }
+    Py_XSETREF(py_tab, Py_NewRef(tab)); /* held while user code may run */
     pos = 0;
     while (PyDict_Next(tab, &pos, &key, &value)) {
         if (value == Py_None) {
@@ -921,8 +928,11 @@ walk_module(mt_walk *w, mt_item *it)
             goto error;
         }
         py_path = join_name(it->path, key);
-        if (py_path == NULL ||
-            walk_tensor(w, value, NULL, py_path, idx, MT_CAT_BUFFER, 0) < 0) {
+        Py_INCREF(value);
+        r = py_path == NULL ? -1
+                            : walk_tensor(w, value, NULL, py_path, idx, MT_CAT_BUFFER, 0);
+        Py_DECREF(value);
+        if (r < 0) {
             goto error;
         }
         Py_CLEAR(py_path);
@@ -931,6 +941,7 @@ walk_module(mt_walk *w, mt_item *it)
     if ((tab = module_dict_entry(py_d, w->s._modules, mod, it->path)) == NULL) {
         goto error;
     }
+    Py_XSETREF(py_tab, Py_NewRef(tab)); /* held while user code may run */
     base = w->sn;
     pos = 0;
     while (PyDict_Next(tab, &pos, &key, &value)) {
@@ -955,11 +966,13 @@ walk_module(mt_walk *w, mt_item *it)
     }
     reverse_from(w, base);
 done:
+    Py_XDECREF(py_tab);
     Py_XDECREF(py_id);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
     return 0;
 error:
+    Py_XDECREF(py_tab);
     Py_XDECREF(py_id);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
@@ -1006,8 +1019,8 @@ error:
 static int
 walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
 {
-    PyObject *py_d = NULL, *py_path = NULL, *py_gpath = NULL, *py_id = NULL,
-             *groups, *state, *key, *value;
+    PyObject *py_d = NULL, *py_path = NULL, *py_id = NULL, *py_groups = NULL,
+             *py_state = NULL, *py_group = NULL, *py_params = NULL, *key, *value;
     Py_ssize_t pos, base, i;
     int r;
 
@@ -1018,13 +1031,14 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
     if (py_d == NULL) {
         goto error;
     }
-    groups = PyDict_GetItemWithError(py_d, w->s.param_groups); /* borrowed */
-    state = PyDict_GetItemWithError(py_d, w->s.state);         /* borrowed */
-    if (PyErr_Occurred()) {
+    /* Strong references throughout: user code may run during the walk (a
+     * wrapper subclass's __tensor_flatten__) and could change the optimizer. */
+    if (PyDict_GetItemRef(py_d, w->s.param_groups, &py_groups) < 0 ||
+        PyDict_GetItemRef(py_d, w->s.state, &py_state) < 0) {
         goto error;
     }
-    if (groups == NULL || !PyList_Check(groups) || state == NULL ||
-        !PyDict_Check(state)) {
+    if (py_groups == NULL || !PyList_Check(py_groups) || py_state == NULL ||
+        !PyDict_Check(py_state)) {
         PyErr_Format(PyExc_TypeError,
                      "optimizer %s has no list param_groups and dict state in "
                      "its __dict__ (was Optimizer.__init__ called?)",
@@ -1032,27 +1046,25 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
         goto error;
     }
     /* 1. Parameters the module walk did not meet, with their grads. */
-    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
-        PyObject *group = PyList_GET_ITEM(groups, g); /* borrowed */
-        PyObject *params;
-        if (!PyDict_Check(group)) {
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(py_groups); g++) {
+        py_group = Py_NewRef(PyList_GET_ITEM(py_groups, g));
+        if (!PyDict_Check(py_group)) {
             PyErr_Format(PyExc_TypeError,
                          "optimizer %s: param_groups[%zd] is a %s, not a dict",
-                         Py_TYPE(opt)->tp_name, g, Py_TYPE(group)->tp_name);
+                         Py_TYPE(opt)->tp_name, g, Py_TYPE(py_group)->tp_name);
             goto error;
         }
-        params = PyDict_GetItemWithError(group, w->s.params); /* borrowed */
-        if (params == NULL && PyErr_Occurred()) {
+        if (PyDict_GetItemRef(py_group, w->s.params, &py_params) < 0) {
             goto error;
         }
-        if (params != NULL && !PyList_Check(params) && !PyTuple_Check(params)) {
+        if (py_params != NULL && !PyList_Check(py_params) && !PyTuple_Check(py_params)) {
             PyErr_Format(PyExc_TypeError,
                          "optimizer %s: param_groups[%zd]['params'] is a %s, not a list",
-                         Py_TYPE(opt)->tp_name, g, Py_TYPE(params)->tp_name);
+                         Py_TYPE(opt)->tp_name, g, Py_TYPE(py_params)->tp_name);
             goto error;
         }
-        for (Py_ssize_t j = 0; params != NULL && j < PySequence_Fast_GET_SIZE(params); j++) {
-            PyObject *p = PySequence_Fast_GET_ITEM(params, j); /* borrowed */
+        for (Py_ssize_t j = 0; py_params != NULL && j < PySequence_Fast_GET_SIZE(py_params); j++) {
+            PyObject *p = PySequence_Fast_GET_ITEM(py_params, j); /* borrowed */
             if (!PyObject_TypeCheck(p, (PyTypeObject *)w->st->tensor_type)) {
                 PyErr_Format(PyExc_TypeError,
                              "optimizer %s: param_groups[%zd]['params'][%zd] is a %s, "
@@ -1069,13 +1081,17 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
             if (!r) {
                 py_path = PyUnicode_FromFormat("%U.param_groups[%zd].params[%zd]",
                                                prefix, g, j);
-                if (py_path == NULL ||
-                    walk_param(w, p, py_path, -1, MT_CAT_PARAMETER) < 0) {
+                Py_INCREF(p);
+                r = py_path == NULL ? -1 : walk_param(w, p, py_path, -1, MT_CAT_PARAMETER);
+                Py_DECREF(p);
+                if (r < 0) {
                     goto error;
                 }
                 Py_CLEAR(py_path);
             }
         }
+        Py_CLEAR(py_params);
+        Py_CLEAR(py_group);
     }
     /* 2. State {param: {name: tensor or number}}: named after the parameter
      * and owned by its module. */
@@ -1085,7 +1101,7 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
     base = w->sn;
     pos = 0;
     i = 0;
-    while (PyDict_Next(state, &pos, &key, &value)) {
+    while (PyDict_Next(py_state, &pos, &key, &value)) {
         PyObject *rec; /* borrowed: index of the parameter's first row */
         int32_t module = -1;
         py_id = id_of(key);
@@ -1116,8 +1132,12 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
     reverse_from(w, base);
     /* 3. Other group entries (e.g. a tensor lr): pushed last, walked first. */
     base = w->sn;
-    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
-        PyObject *group = PyList_GET_ITEM(groups, g); /* borrowed, a dict */
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(py_groups); g++) {
+        /* No user code runs in this loop: push_item only takes references. */
+        PyObject *group = PyList_GET_ITEM(py_groups, g); /* borrowed */
+        if (!PyDict_Check(group)) {
+            continue; /* replaced during the walk; checked above */
+        }
         pos = 0;
         while (PyDict_Next(group, &pos, &key, &value)) {
             if (!PyUnicode_Check(key) || PyUnicode_Compare(key, w->s.params) == 0) {
@@ -1133,12 +1153,17 @@ walk_optimizer(mt_walk *w, PyObject *opt, PyObject *prefix)
     }
     reverse_from(w, base);
     Py_DECREF(py_d);
+    Py_DECREF(py_groups);
+    Py_DECREF(py_state);
     return 0;
 error:
     Py_XDECREF(py_d);
     Py_XDECREF(py_path);
-    Py_XDECREF(py_gpath);
     Py_XDECREF(py_id);
+    Py_XDECREF(py_groups);
+    Py_XDECREF(py_state);
+    Py_XDECREF(py_group);
+    Py_XDECREF(py_params);
     return -1;
 }
 

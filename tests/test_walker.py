@@ -429,3 +429,30 @@ def test_walker_not_set_up_errors_cleanly():
         c_walk(zoo.seed_model(), 5)
     with pytest.raises(TypeError, match="dict"):
         _C._walker_setup(5)
+
+
+def test_user_code_changing_the_model_during_the_walk_does_not_crash():
+    # A wrapper subclass's __tensor_flatten__ is user code the walker must call;
+    # here it replaces the dicts being walked. The walk keeps its own references.
+    model = nn.Module()
+    opt_holder = {}
+
+    class Mutating(FlatWrapper):
+        def __tensor_flatten__(self):
+            model.__dict__["_parameters"] = {}
+            model.__dict__["_buffers"] = {}
+            opt = opt_holder.get("opt")
+            if opt is not None:
+                opt.__dict__["param_groups"] = []
+                opt.__dict__["state"] = {}
+            return ["elem"], None
+
+    p = nn.Parameter(torch.ones(3))
+    model._parameters["w"] = Mutating(torch.ones(2))
+    model._parameters["p"] = p
+    model.register_buffer("b", torch.ones(4))
+    mm = memtorch.inspect(model)
+    assert mm.paths[0] == "w.elem"  # what was there when the walk began
+    opt = torch.optim.SGD([Mutating(torch.ones(5)), p], lr=0.1)
+    opt_holder["opt"] = opt
+    memtorch.inspect(nn.Module(), opt)
