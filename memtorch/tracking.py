@@ -85,7 +85,7 @@ def _ledger_mode_class():
                 del self.live[key]
                 self.current -= entry[0]
 
-        def _see(self, t):
+        def _see(self, t, inputs):
             if t.device.type != "cpu" or t.is_meta:
                 return
             st = t.untyped_storage()
@@ -93,6 +93,8 @@ def _ledger_mode_class():
             if key == 0 or nbytes == 0:
                 return
             entry = self.live.get(key)
+            if entry is None and key in inputs:
+                return  # a view or in-place result of a tensor from before the block
             if entry is None:
                 info = TensorInfo(tuple(t.shape), str(t.dtype).replace("torch.", ""), nbytes, t.grad_fn is not None)
                 entry = self.live[key] = [nbytes, 0, info]
@@ -104,10 +106,15 @@ def _ledger_mode_class():
             weakref.finalize(t, self._drop, key)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inputs = {
+                a.untyped_storage().data_ptr()
+                for a in tree_flatten((args, kwargs))[0]
+                if isinstance(a, torch.Tensor) and a.device.type == "cpu" and not a.is_meta
+            }
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    self._see(t)
+                    self._see(t, inputs)
             return out
 
     return _Ledger
