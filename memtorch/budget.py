@@ -14,6 +14,8 @@ kB/MB/GB 1000-based. A figure is over budget when it is strictly greater than
 its limit.
 """
 
+import re
+
 from . import units
 from .errors import BudgetExceeded, MemtorchError
 
@@ -37,9 +39,18 @@ def format_pair(measured, limit):
     return f"{measured} B", f"{limit} B"
 
 
-def verdict_line(name, measured, limit):
-    """The one-line verdict, e.g. 'peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB'."""
+_DECIMAL_UNIT = re.compile(r"(?i)[0-9.\s][kmgt]b\s*$")
+
+
+def verdict_line(name, measured, limit, spelled=None):
+    """The one-line verdict, e.g. 'peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB'.
+
+    Figures print in binary units; a limit the user wrote in decimal units is also
+    shown as written, so that "3 MB" reads 'budget 2.9 MiB (3 MB)'.
+    """
     m, lim = format_pair(measured, limit)
+    if isinstance(spelled, str) and _DECIMAL_UNIT.search(spelled):
+        lim += f" ({spelled.strip()})"
     return f"{name} {m} exceeds budget {lim} by {units.format(int(measured) - int(limit))}"
 
 
@@ -162,7 +173,8 @@ def assert_budget(report, peak=None, delta=None, leak=None):
     ``peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB``, then the breakdown;
     its ``failures`` are the (name, measured, limit) byte triples.
     """
+    spelled = {"peak": peak, "delta": delta, "leak": leak}
     failures = check_budget(report, peak=peak, delta=delta, leak=leak)
     if failures:
-        head = "\n".join(verdict_line(*f) for f in failures)
+        head = "\n".join(verdict_line(*f, spelled=spelled[f[0]]) for f in failures)
         raise BudgetExceeded(f"{head}\n\n{breakdown(report)}", failures=failures, report=report)

@@ -41,7 +41,9 @@ def memory_budget(peak=None, delta=None, leak=None, device="auto"):
     - report.start). leak: bytes kept per step (report.leak.per_step); the test marks
     its steps by requesting the memtorch_tracker fixture and calling .step() after
     each one. device: "cpu", "cuda", "cuda:N", or "auto" (the default): "cuda" when
-    torch.cuda.is_available(), else "cpu". A CUDA budget without CUDA skips the test.
+    torch.cuda.is_available(), else "cpu", like a test written with the usual
+    `"cuda" if torch.cuda.is_available() else "cpu"`; give device="cpu" to a test that
+    stays on the CPU everywhere. A CUDA budget without CUDA skips the test.
     One positional argument is read as peak.
     """
     return {"peak": peak, "delta": delta, "leak": leak, "device": device}
@@ -55,8 +57,9 @@ def _marker_help():
 class _Budget:
     """What one test asked for: limits in bytes (None = no limit) and the resolved device."""
 
-    def __init__(self, limits, device):
+    def __init__(self, limits, device, spelled=None):
         self.limits = limits
+        self.spelled = spelled or {}
         self.device = device
         self.tracker = None
 
@@ -140,7 +143,7 @@ def _budget_from_marker(mark):
             except UnitError as e:
                 raise _MarkerError(f"{name}={args[name]!r}: {e}") from None
     device = _resolve_device(args["device"], repr(args["device"]))
-    return _Budget(limits, device)
+    return _Budget(limits, device, {k: args[k] for k in limits})
 
 
 def _parse_margin(text):
@@ -245,9 +248,13 @@ class _Session:
         budget = item.stash.get(_BUDGET, None)
         if budget is None:
             return (yield)
-        with budget.make_tracker() as tracker:
-            result = yield  # the test body; an exception in it propagates and closes the tracker
-        self._judge(item, budget, tracker.report)
+        try:
+            with budget.make_tracker() as tracker:
+                result = yield  # the test body; an exception in it propagates and closes the tracker
+            self._judge(item, budget, tracker.report)
+        finally:
+            # Items live as long as the session: keep no tracker or report on them.
+            del item.stash[_BUDGET]
         return result
 
     def _judge(self, item, budget, report):
@@ -265,7 +272,8 @@ class _Session:
         try:
             from .budget import check_budget, verdict_line
 
-            lines += [verdict_line(*f) for f in check_budget(report, **budget.limits)]
+            failures = check_budget(report, **budget.limits)
+            lines += [verdict_line(*f, spelled=budget.spelled.get(f[0])) for f in failures]
         except MemtorchError as e:
             lines.append(str(e))
         figures["over_budget"] = lines[:]

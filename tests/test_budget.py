@@ -48,9 +48,16 @@ def test_decimal_and_binary_units_are_not_confused():
         assert_budget(r, peak="3 MB")
     # 4,000,000 / 2**20 = 3.81 -> "3.8 MiB"; 3,000,000 / 2**20 = 2.86 -> "2.9 MiB";
     # the excess 1,000,000 B / 1024 = 976.56 -> "976.6 KiB".
+    # The decimal budget is also shown as written.
     first = str(e.value).splitlines()[0]
-    assert first == "peak 3.8 MiB exceeds budget 2.9 MiB by 976.6 KiB"
-    assert first == f"peak {units.format(4_000_000)} exceeds budget {units.format(3_000_000)} by {units.format(1_000_000)}"
+    assert first == "peak 3.8 MiB exceeds budget 2.9 MiB (3 MB) by 976.6 KiB"
+    assert first == (
+        f"peak {units.format(4_000_000)} exceeds budget {units.format(3_000_000)} (3 MB) by {units.format(1_000_000)}"
+    )
+    # Given in bytes or binary units, the budget is shown in binary units only.
+    with pytest.raises(memtorch.BudgetExceeded) as e:
+        assert_budget(r, peak="3.5 MiB")  # 3,670,016 B; the excess 329,984 B = 322.25 KiB
+    assert str(e.value).splitlines()[0] == "peak 3.8 MiB exceeds budget 3.5 MiB by 322.2 KiB"
 
 
 def test_delta_and_leak_budgets():

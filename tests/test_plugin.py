@@ -108,11 +108,11 @@ def test_passing_and_failing_budgets(pytester, run):
         def test_within_binary():
             x = torch.empty(1000, 1000)
 
-        @pytest.mark.memory_budget(peak=4_000_000)
+        @pytest.mark.memory_budget(peak=4_000_000, device="cpu")
         def test_exactly_at_the_limit():
             x = torch.empty(1000, 1000)
 
-        @pytest.mark.memory_budget(peak="3 MB")
+        @pytest.mark.memory_budget(peak="3 MB", device="cpu")
         def test_over_decimal():
             x = torch.empty(1000, 1000)
 
@@ -124,9 +124,10 @@ def test_passing_and_failing_budgets(pytester, run):
     result = run("-v", "-rf")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=2, failed=2)
-    # 4,000,000 B vs 3,000,000 B: "3.8 MiB" and "2.9 MiB" already differ at one decimal.
+    # 4,000,000 B vs 3,000,000 B: "3.8 MiB" and "2.9 MiB" already differ at one decimal;
+    # a budget written in decimal units is also shown as written.
     over_decimal = (
-        f"peak {units.format(FOUR_MILLION)} exceeds budget {units.format(3_000_000)} "
+        f"peak {units.format(FOUR_MILLION)} exceeds budget {units.format(3_000_000)} (3 MB) "
         f"by {units.format(FOUR_MILLION - 3_000_000)}"
     )
     # 4,000,000 B vs 3,999,999 B agree to three decimals of MiB: exact bytes, 1 B over.
@@ -161,14 +162,16 @@ def test_delta_budget(pytester, run):
         import pytest, torch
         KEEP = []
 
-        @pytest.mark.memory_budget(delta="900 kB")
+        @pytest.mark.memory_budget(delta="900 kB", device="cpu")
         def test_keeps_a_megabyte():
             KEEP.append(torch.empty(250_000))  # float32: 1,000,000 B left behind
         """
     )
     result = run()
     result.assert_outcomes(failed=1)
-    expected = f"delta {units.format(1_000_000)} exceeds budget {units.format(900_000)} by {units.format(100_000)}"
+    expected = (
+        f"delta {units.format(1_000_000)} exceeds budget {units.format(900_000)} (900 kB) by {units.format(100_000)}"
+    )
     assert expected in result.outlines
 
 
@@ -178,28 +181,28 @@ def test_leak_budget_with_steps(pytester, run):
         import pytest, torch
         KEEP = []
 
-        @pytest.mark.memory_budget(leak="1 kB")
+        @pytest.mark.memory_budget(leak="1 kB", device="cpu")
         def test_leaks_every_step(memtorch_tracker):
             for _ in range(4):
                 y = torch.ones(1000) * 2            # temporary, freed each step
                 KEEP.append(torch.empty(1000))     # kept: 4,000 B per step
                 memtorch_tracker.step()
 
-        @pytest.mark.memory_budget(leak="0 B")
+        @pytest.mark.memory_budget(leak="0 B", device="cpu")
         def test_no_leak(memtorch_tracker):
             for _ in range(4):
                 y = torch.ones(1000) * 2
                 del y
                 memtorch_tracker.step()
 
-        @pytest.mark.memory_budget(leak="0 B")
+        @pytest.mark.memory_budget(leak="0 B", device="cpu")
         def test_leak_budget_without_steps():
             torch.empty(10)
         """
     )
     result = run("-v")
     result.assert_outcomes(passed=1, failed=2)
-    expected = f"leak {units.format(4000)} exceeds budget {units.format(1000)} by {units.format(3000)}"
+    expected = f"leak {units.format(4000)} exceeds budget {units.format(1000)} (1 kB) by {units.format(3000)}"
     assert expected in result.outlines
     result.stdout.fnmatch_lines(["*::test_no_leak PASSED*"])
     result.stdout.fnmatch_lines(["a leak budget needs a per-step leak figure*memtorch_tracker.step()*"])
@@ -259,13 +262,17 @@ def test_cuda_budget_without_cuda_is_skipped(pytester, run):
 
 
 def test_fixture_tracks_an_unmarked_test(pytester, run, tmp_path):
+    # Without a marker the fixture tracks on device "auto": CUDA where available, else CPU.
     pytester.makepyfile(
         test_fixture="""
         import torch, memtorch
 
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
         def test_asserts_itself(memtorch_tracker):
-            x = torch.empty(10)                      # float32: 40 B
-            assert memtorch_tracker.report.peak_above_start == 40
+            x = torch.empty(10, device=DEVICE)
+            # float32: 40 B on the CPU; CUDA's caching allocator rounds every block up to 512 B.
+            assert memtorch_tracker.report.peak_above_start == (512 if DEVICE == "cuda" else 40)
             assert memtorch_tracker.report.peak_above_start <= memtorch.units.parse("64 MiB")
 
         def test_untracked():
@@ -277,7 +284,40 @@ def test_fixture_tracks_an_unmarked_test(pytester, run, tmp_path):
     result.assert_outcomes(passed=2)
     data = json.loads(saved.read_text())
     assert list(data) == ["test_fixture.py::test_asserts_itself"]
-    assert data["test_fixture.py::test_asserts_itself"]["peak"] == 40
+    cuda = torch.cuda.is_available()
+    assert data["test_fixture.py::test_asserts_itself"]["device"] == ("cuda" if cuda else "cpu")
+    assert data["test_fixture.py::test_asserts_itself"]["peak"] == (512 if cuda else 40)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget(pytester, run, tmp_path):
+    # torch.empty(1000, 1000) float32 asks 4,000,000 B; the caching allocator rounds blocks
+    # up to a multiple of 512 B: 4,000,000 / 512 = 7812.5 -> 7813 * 512 = 4,000,256 B.
+    pytester.makepyfile(
+        test_gpu="""
+        import pytest, torch
+
+        @pytest.mark.memory_budget(peak="4 MiB", device="cuda")
+        def test_within():
+            x = torch.empty(1000, 1000, device="cuda")
+
+        @pytest.mark.memory_budget(peak="3 MB", device="cuda:0")
+        def test_over():
+            x = torch.empty(1000, 1000, device="cuda")
+        """
+    )
+    saved = tmp_path / "gpu.json"
+    result = run(f"--memtorch-save={saved}")
+    result.assert_outcomes(passed=1, failed=1)
+    over = (
+        f"peak {units.format(4_000_256)} exceeds budget {units.format(3_000_000)} (3 MB) "
+        f"by {units.format(1_000_256)}"
+    )
+    assert over in result.outlines
+    data = json.loads(saved.read_text())
+    assert data["test_gpu.py::test_within"]["peak"] == 4_000_256
+    assert data["test_gpu.py::test_within"]["device"].startswith("cuda")
 
 
 SAVE_COMPARE_TESTS = """
@@ -408,12 +448,12 @@ def test_xdist_workers_measure_their_own_tests(pytester, run, tmp_path):
         test_par="""
         import pytest, torch
 
-        @pytest.mark.memory_budget(peak="4 MiB")
+        @pytest.mark.memory_budget(peak="4 MiB", device="cpu")
         @pytest.mark.parametrize("rows", [1, 10, 100, 1000])
         def test_rows(rows):
             x = torch.empty(rows, 1000)      # 4,000 * rows B
 
-        @pytest.mark.memory_budget(peak="3 MB")
+        @pytest.mark.memory_budget(peak="3 MB", device="cpu")
         def test_over():
             x = torch.empty(1000, 1000)      # 4,000,000 B
         """
@@ -425,5 +465,8 @@ def test_xdist_workers_measure_their_own_tests(pytester, run, tmp_path):
     expected = {f"test_par.py::test_rows[{r}]": 4000 * r for r in (1, 10, 100, 1000)}
     expected["test_par.py::test_over"] = FOUR_MILLION
     assert {k: v["peak"] for k, v in data.items()} == expected
-    over = f"peak {units.format(FOUR_MILLION)} exceeds budget {units.format(3_000_000)} by {units.format(1_000_000)}"
+    over = (
+        f"peak {units.format(FOUR_MILLION)} exceeds budget {units.format(3_000_000)} (3 MB) "
+        f"by {units.format(1_000_000)}"
+    )
     result.stdout.fnmatch_lines(["*memtorch: tests over budget*", f"test_par.py::test_over: {over}"])
