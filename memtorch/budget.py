@@ -19,7 +19,7 @@ import re
 from . import units
 from .errors import BudgetExceeded, MemtorchError
 
-__all__ = ["assert_budget", "check_budget", "verdict_line", "breakdown", "format_pair"]
+__all__ = ["assert_budget", "breakdown", "check_budget", "format_pair", "verdict_line"]
 
 _FIGURES = ("peak", "delta", "leak")
 
@@ -129,7 +129,7 @@ def breakdown(report, modules=5, tensors=5):
         width = max(len(str(n)) for n in phases)
         for name, ph in phases.items():
             lines.append(
-                f"    {str(name):<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above its "
+                f"    {name!s:<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above its "
                 f"start, delta {_fmt(_get(ph, 'delta'), signed=True)}"
             )
     rows = list(_get(report, "modules") or [])

@@ -405,7 +405,7 @@ def _table(results, compared):
         status = "over budget" if f.get("over_budget") else "regression" if f.get("regression") else "ok"
         rows.append(row + [status])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    fmt = "  ".join("{:<%d}" % w if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
 
 

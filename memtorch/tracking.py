@@ -13,7 +13,7 @@ import weakref
 
 from . import _torch
 
-__all__ = ["track", "Tracker", "TrackReport", "LeakReport"]
+__all__ = ["LeakReport", "TrackReport", "Tracker", "track"]
 
 _open = []  # open trackers, for _debug_leftovers
 
@@ -96,7 +96,9 @@ def _ledger_mode_class():
             if entry is None and key in inputs:
                 return  # a view or in-place result of a tensor from before the block
             if entry is None:
-                info = TensorInfo(tuple(t.shape), str(t.dtype).replace("torch.", ""), nbytes, t.grad_fn is not None)
+                info = TensorInfo(
+                    tuple(t.shape), str(t.dtype).replace("torch.", ""), nbytes, t.grad_fn is not None
+                )
                 entry = self.live[key] = [nbytes, 0, info]
                 self.current += nbytes
                 if self.current > self.peak:

@@ -12,7 +12,7 @@ from memtorch.budget import assert_budget, breakdown, check_budget, format_pair,
 def fake_report(start=1000, peak=5000, end=1500, per_step=None, **extra):
     """A report with hand-chosen figures: peak_above_start = peak - start, delta = end - start."""
     leak = None if per_step is None else SimpleNamespace(per_step=per_step, survivors=[])
-    fields = dict(
+    report = SimpleNamespace(
         device="cpu",
         exact=True,
         start=start,
@@ -26,8 +26,8 @@ def fake_report(start=1000, peak=5000, end=1500, per_step=None, **extra):
         leak=leak,
         largest=[],
     )
-    fields.update(extra)
-    return SimpleNamespace(**fields)
+    vars(report).update(extra)
+    return report
 
 
 def test_peak_is_compared_with_peak_above_start_not_the_absolute_peak():

@@ -43,7 +43,7 @@ def _warm_up():
     torch = pytest.importorskip("torch")
     import memtorch
     import memtorch.budget
-    import memtorch.pytest_plugin  # noqa: F401
+    import memtorch.pytest_plugin
 
     with memtorch.track(device="cpu"):
         torch.nn.functional.relu(torch.ones(1))
@@ -85,7 +85,9 @@ def test_importing_the_plugin_imports_no_torch():
 def test_marker_help_and_options(run):
     result = run("--markers")
     result.stdout.fnmatch_lines(
-        ["@pytest.mark.memory_budget(peak=None, delta=None, leak=None, device='auto'): Run the test body inside*"]
+        [
+            "@pytest.mark.memory_budget(peak=None, delta=None, leak=None, device='auto'): Run the test body inside*"
+        ]
     )
     result = run("--help")
     result.stdout.fnmatch_lines(
@@ -169,9 +171,7 @@ def test_delta_budget(pytester, run):
     )
     result = run()
     result.assert_outcomes(failed=1)
-    expected = (
-        f"delta {units.format(1_000_000)} exceeds budget {units.format(900_000)} (900 kB) by {units.format(100_000)}"
-    )
+    expected = f"delta {units.format(1_000_000)} exceeds budget {units.format(900_000)} (900 kB) by {units.format(100_000)}"
     assert expected in result.outlines
 
 
@@ -211,9 +211,15 @@ def test_leak_budget_with_steps(pytester, run):
 BAD_MARKERS = {
     "test_unparsable_size": ('peak="lots"', "peak='lots': cannot parse size 'lots'"),
     "test_unknown_unit": ('peak="64 MiBs"', "peak='64 MiBs': unknown unit 'MiBs'"),
-    "test_unknown_device": ('peak="1 MiB", device="tpu"', "unknown device 'tpu': expected 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    "test_unknown_device": (
+        'peak="1 MiB", device="tpu"',
+        "unknown device 'tpu': expected 'auto', 'cpu', 'cuda' or 'cuda:N'",
+    ),
     "test_device_not_a_device": ("device=3", "device=3 is not a device"),
-    "test_unknown_keyword": ('peek="1 MiB"', "unknown keyword argument peek: expected peak, delta, leak, device"),
+    "test_unknown_keyword": (
+        'peek="1 MiB"',
+        "unknown keyword argument peek: expected peak, delta, leak, device",
+    ),
     "test_two_positionals": ('"1 MiB", "2 MiB"', "takes at most one positional argument (the peak), got 2"),
 }
 
@@ -361,7 +367,9 @@ def test_save_then_compare(pytester, run, tmp_path):
             }
         )
     )
-    result = run("-v", f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=5%", "--memtorch-report")
+    result = run(
+        "-v", f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=5%", "--memtorch-report"
+    )
     result.assert_outcomes(passed=2, failed=1)
     grew = (
         f"peak {units.format(FOUR_MILLION)} exceeds baseline {units.format(3_800_000)} "
