@@ -437,19 +437,40 @@ def test_training_step():
 """
 
 
+@pytest.mark.slow  # three pytest processes, each importing torch
 def test_same_test_same_peak_run_after_run(pytester, run, tmp_path):
     pytester.makepyfile(test_det=DETERMINISM_TESTS)
-    peaks = []
-    for i in range(3):
-        saved = tmp_path / f"run{i}.json"
-        run(f"--memtorch-save={saved}", subprocess=True).assert_outcomes(passed=1)
-        peaks.append(json.loads(saved.read_text())["test_det.py::test_training_step"]["peak"])
+    # Three separate pytest processes (started together to save time), each saving its figures.
+    saved = [tmp_path / f"run{i}.json" for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *PLUGIN_ARGS,
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                f"--memtorch-save={f}",
+            ],
+            cwd=pytester.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for f in saved
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    peaks = [json.loads(f.read_text())["test_det.py::test_training_step"]["peak"] for f in saved]
     # The step holds at least the Adam state: 2 x (784*128 + 128 + 128*10 + 10) float32
     # = 2 x 101,770 x 4 = 814,160 B, created inside the body.
     assert peaks[0] >= 814_160
     assert peaks == [peaks[0]] * 3
 
 
+@pytest.mark.slow  # a pytest process and two xdist workers, each importing torch
 def test_xdist_workers_measure_their_own_tests(pytester, run, tmp_path):
     pytest.importorskip("xdist")
     pytester.makepyfile(
