@@ -184,8 +184,9 @@ def test_leak_budget_with_steps(pytester, run):
         @pytest.mark.memory_budget(leak="1 kB", device="cpu")
         def test_leaks_every_step(memtorch_tracker):
             for _ in range(4):
-                y = torch.ones(1000) * 2            # temporary, freed each step
+                y = torch.ones(1000) * 2            # temporary, freed within the step
                 KEEP.append(torch.empty(1000))     # kept: 4,000 B per step
+                del y                              # so every step, the first too, keeps 4,000 B
                 memtorch_tracker.step()
 
         @pytest.mark.memory_budget(leak="0 B", device="cpu")
