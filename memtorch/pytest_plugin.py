@@ -268,18 +268,17 @@ class _Session:
         reserved = getattr(report, "reserved_peak", None)
         if reserved is not None:
             figures["reserved_peak"] = int(reserved)
-        lines = []
-        try:
-            from .budget import check_budget, verdict_line
+        from .budget import check_budget, verdict_line
 
+        lines, problem = [], None
+        try:
             failures = check_budget(report, **budget.limits)
             lines += [verdict_line(*f, spelled=budget.spelled.get(f[0])) for f in failures]
-        except MemtorchError as e:
-            lines.append(str(e))
+        except MemtorchError as e:  # e.g. a leak budget on a test that marked no steps
+            problem = str(e)
         figures["over_budget"] = lines[:]
         regression = self._regression(item.nodeid, figures)
-        if regression:
-            lines.append(regression)
+        lines += [x for x in (regression, problem) if x]
         item.user_properties.append((_PROPERTY, json.dumps(figures, sort_keys=True)))
         if lines:
             from .budget import breakdown
