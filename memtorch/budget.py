@@ -1,0 +1,180 @@
+"""Memory budgets: compare a tracked report with limits, say what went over and why.
+
+``assert_budget(report, peak="64 MiB")`` works anywhere (the pytest plugin, a
+script, a notebook); ``TrackReport.check`` delegates here. The figures compared:
+
+- ``peak``  with ``report.peak_above_start``: the most the block itself had
+  allocated at once, above what was live when it started;
+- ``delta`` with ``report.delta``: what the block left allocated (end - start);
+- ``leak``  with ``report.leak.per_step``: what each step kept, from the
+  tracker's step boundaries (``t.step()``).
+
+Sizes go through ``memtorch.units.parse``: KiB/MiB/GiB are 1024-based,
+kB/MB/GB 1000-based. A figure is over budget when it is strictly greater than
+its limit.
+"""
+
+import re
+
+from . import units
+from .errors import BudgetExceeded, MemtorchError
+
+__all__ = ["assert_budget", "breakdown", "check_budget", "format_pair", "verdict_line"]
+
+_FIGURES = ("peak", "delta", "leak")
+
+
+def format_pair(measured, limit):
+    """Format two byte counts so that they read differently whenever they differ.
+
+    One decimal is the default; when that rounds two different counts to the
+    same text (3,999,999 B and 4,000,000 B are both "3.8 MiB") more decimals are
+    used, and as a last resort the exact bytes.
+    """
+    measured, limit = int(measured), int(limit)
+    for precision in (1, 2, 3):
+        a, b = units.format(measured, precision=precision), units.format(limit, precision=precision)
+        if a != b or measured == limit:
+            return a, b
+    return f"{measured} B", f"{limit} B"
+
+
+_DECIMAL_UNIT = re.compile(r"(?i)[0-9.\s][kmgt]b\s*$")
+
+
+def verdict_line(name, measured, limit, spelled=None):
+    """The one-line verdict, e.g. 'peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB'.
+
+    Figures print in binary units; a limit the user wrote in decimal units is also
+    shown as written, so that "3 MB" reads 'budget 2.9 MiB (3 MB)'.
+    """
+    m, lim = format_pair(measured, limit)
+    if isinstance(spelled, str) and _DECIMAL_UNIT.search(spelled):
+        lim += f" ({spelled.strip()})"
+    return f"{name} {m} exceeds budget {lim} by {units.format(int(measured) - int(limit))}"
+
+
+def _measured(report, name):
+    """The figure of ``report`` that the budget ``name`` is compared with (bytes)."""
+    if name == "peak":
+        return int(report.peak_above_start)
+    if name == "delta":
+        return int(report.delta)
+    leak = getattr(report, "leak", None)
+    per_step = None if leak is None else getattr(leak, "per_step", None)
+    if per_step is None:
+        raise MemtorchError(
+            "a leak budget needs a per-step leak figure, and this report has none: "
+            "mark the step boundaries with t.step() (in pytest, request the memtorch_tracker "
+            "fixture and call memtorch_tracker.step() after each step)"
+        )
+    if isinstance(per_step, (list, tuple)):
+        # One figure per step: the budget holds for every step.
+        return max((int(x) for x in per_step), default=0)
+    return int(per_step)
+
+
+def check_budget(report, peak=None, delta=None, leak=None):
+    """Return the list of (name, measured_bytes, limit_bytes) over budget; empty when within.
+
+    Raises UnitError for an unparsable size and MemtorchError for a leak budget
+    on a report without steps.
+    """
+    limits = {"peak": peak, "delta": delta, "leak": leak}
+    failures = []
+    for name in _FIGURES:
+        if limits[name] is None:
+            continue
+        limit = units.parse(limits[name])
+        measured = _measured(report, name)
+        if measured > limit:
+            failures.append((name, measured, limit))
+    return failures
+
+
+def _get(obj, name, default=None):
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _fmt(value, signed=False):
+    if value is None:
+        return "n/a"
+    return units.format_delta(value) if signed else units.format(value)
+
+
+def breakdown(report, modules=5, tensors=5):
+    """Text breakdown of a report: totals, phases, top modules, largest live tensors, leak."""
+    lines = []
+    device = _get(report, "device", "?")
+    exact = _get(report, "exact", None)
+    how = "exact counters" if exact else "approximate counters" if exact is not None else "counters"
+    lines.append(f"memtorch breakdown (device {device}, {how})")
+    lines.append(
+        "  start {}, end {} (delta {}), peak {} ({} above start)".format(
+            _fmt(_get(report, "start")),
+            _fmt(_get(report, "end")),
+            _fmt(_get(report, "delta"), signed=True),
+            _fmt(_get(report, "peak")),
+            _fmt(_get(report, "peak_above_start"), signed=True),
+        )
+    )
+    reserved = _get(report, "reserved_peak")
+    if reserved is not None:
+        lines.append(f"  reserved peak {_fmt(reserved)} (CUDA caching allocator segments)")
+    phases = _get(report, "phases") or {}
+    if phases:
+        lines.append("  phases:")
+        width = max(len(str(n)) for n in phases)
+        for name, ph in phases.items():
+            lines.append(
+                f"    {name!s:<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above its "
+                f"start, delta {_fmt(_get(ph, 'delta'), signed=True)}"
+            )
+    rows = list(_get(report, "modules") or [])
+    if rows:
+
+        def held(row):
+            return max(int(_get(row, "activation_bytes") or 0), int(_get(row, "peak_above_start") or 0))
+
+        rows.sort(key=held, reverse=True)
+        lines.append(f"  modules that hold the most (top {min(modules, len(rows))} of {len(rows)}):")
+        for row in rows[:modules]:
+            label = f"{_get(row, 'name', '?') or '(root)'} ({_get(row, 'type', '?')})"
+            lines.append(
+                f"    {label}: activations {_fmt(_get(row, 'activation_bytes'))}, "
+                f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its start"
+            )
+    largest = list(_get(report, "largest") or [])
+    if largest:
+        lines.append(f"  largest live tensors at the peak (top {min(tensors, len(largest))}):")
+        for t in largest[:tensors]:
+            shape = tuple(_get(t, "shape", ()) or ())
+            graph = ", holds autograd graph" if _get(t, "has_graph") else ""
+            lines.append(f"    {_fmt(_get(t, 'nbytes'))}  {shape} {_get(t, 'dtype', '?')}{graph}")
+    leak = _get(report, "leak")
+    if leak is not None:
+        per_step = _get(leak, "per_step")
+        survivors = list(_get(leak, "survivors") or [])
+        if isinstance(per_step, (list, tuple)):
+            per_step = max(per_step, default=0)
+        lines.append(f"  leak: {_fmt(per_step, signed=True)} per step, {len(survivors)} surviving tensor(s)")
+    return "\n".join(lines)
+
+
+def assert_budget(report, peak=None, delta=None, leak=None):
+    """Raise memtorch.BudgetExceeded if ``report`` goes over any given limit.
+
+    ``peak`` is compared with ``report.peak_above_start``, ``delta`` with
+    ``report.delta``, ``leak`` with ``report.leak.per_step``; each is an int of
+    bytes or a size string ("64 MiB", "1.5 GB"). The error's ``str()`` starts
+    with one line per figure over budget, e.g.
+    ``peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB``, then the breakdown;
+    its ``failures`` are the (name, measured, limit) byte triples.
+    """
+    spelled = {"peak": peak, "delta": delta, "leak": leak}
+    failures = check_budget(report, peak=peak, delta=delta, leak=leak)
+    if failures:
+        head = "\n".join(verdict_line(*f, spelled=spelled[f[0]]) for f in failures)
+        raise BudgetExceeded(f"{head}\n\n{breakdown(report)}", failures=failures, report=report)

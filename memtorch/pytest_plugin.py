@@ -1,0 +1,427 @@
+"""pytest plugin (pytest11 entry point ``memtorch``): memory budgets on tests.
+
+    @pytest.mark.memory_budget(peak="64 MiB")
+    def test_train_step(): ...
+
+    def test_mine(memtorch_tracker):          # the running Tracker, to assert yourself
+        ...
+        assert memtorch_tracker.report.peak_above_start <= memtorch.units.parse("64 MiB")
+
+Options: --memtorch-save FILE, --memtorch-compare FILE, --memtorch-fail-on-increase=5%,
+--memtorch-report. Every pytest run in the environment loads this module, so it
+imports nothing heavy: torch is imported only when a test asks for tracking.
+"""
+
+import inspect
+import json
+import os
+import re
+from fractions import Fraction
+
+import pytest
+
+from . import units
+from .errors import MemtorchError, UnitError
+
+__all__ = ["memory_budget"]
+
+_PROPERTY = "memtorch"  # key of the figures in item.user_properties (xdist carries them)
+_BUDGET = pytest.StashKey()  # item -> _Budget
+_PLUGIN_NAME = "memtorch-session"
+
+
+def memory_budget(peak=None, delta=None, leak=None, device="auto"):
+    """Run the test body inside memtorch.track() and fail it when a limit is exceeded.
+
+    Sizes are ints of bytes or strings such as "64 MiB" or "1.5 GB" (KiB/MiB/GiB
+    are 1024-based, kB/MB/GB 1000-based); a figure is over budget when it is
+    strictly greater than its limit. Only the test body is measured, not fixtures.
+    peak: the most the body had allocated at once, above what was live when it
+    started (report.peak_above_start). delta: what the body left allocated (report.end
+    - report.start). leak: bytes kept per step (report.leak.per_step); the test marks
+    its steps by requesting the memtorch_tracker fixture and calling .step() after
+    each one. device: "cpu", "cuda", "cuda:N", or "auto" (the default): "cuda" when
+    torch.cuda.is_available(), else "cpu", like a test written with the usual
+    `"cuda" if torch.cuda.is_available() else "cpu"`; give device="cpu" to a test that
+    stays on the CPU everywhere. A CUDA budget without CUDA skips the test.
+    One positional argument is read as peak.
+    """
+    return {"peak": peak, "delta": delta, "leak": leak, "device": device}
+
+
+def _marker_help():
+    doc = inspect.getdoc(memory_budget) or ""
+    return f"memory_budget{inspect.signature(memory_budget)}: {' '.join(doc.split())}"
+
+
+class _Budget:
+    """What one test asked for: limits in bytes (None = no limit) and the resolved device."""
+
+    def __init__(self, limits, device, spelled=None):
+        self.limits = limits
+        self.spelled = spelled or {}
+        self.device = device
+        self.tracker = None
+
+    def make_tracker(self):
+        if self.tracker is None:
+            from .tracking import track
+
+            self.tracker = track(device=self.device)
+        return self.tracker
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+class _MarkerError(Exception):
+    pass
+
+
+def _resolve_device(device, spelled):
+    """Return "cpu" or "cuda[:N]" for ``device``; pytest.skip when CUDA is asked and absent."""
+    if isinstance(device, str):
+        text = device.strip()
+    elif type(device).__name__ == "device" and type(device).__module__.startswith("torch"):
+        text = str(device)
+    else:
+        raise _MarkerError(f"device={spelled} is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    m = re.fullmatch(r"(auto|cpu|cuda)(?::([0-9]+))?", text)
+    if m is None or (m.group(2) is not None and m.group(1) != "cuda"):
+        raise _MarkerError(f"unknown device {spelled}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    kind = m.group(1)
+    if kind == "cpu":
+        return "cpu"
+    from . import _torch
+
+    torch = _torch.torch()
+    available = torch.cuda.is_available()
+    if kind == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        _skip(f"memory_budget(device={spelled}) needs CUDA, which is not available here")
+    if m.group(2) is not None:
+        index, count = int(m.group(2)), torch.cuda.device_count()
+        if index >= count:
+            _skip(f"memory_budget(device={spelled}) needs CUDA device {index}; this machine has {count}")
+    return text
+
+
+def _skip(reason):
+    """Skip the current test, reported at the test's own location rather than this file's."""
+    try:
+        exc = pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:  # pytest without the keyword
+        exc = pytest.skip.Exception(reason)
+    raise exc
+
+
+def _budget_from_marker(mark):
+    """Validate the marker's arguments; raises _MarkerError with a user-facing sentence."""
+    if len(mark.args) > 1:
+        raise _MarkerError(
+            f"takes at most one positional argument (the peak), got {len(mark.args)}: {mark.args!r}"
+        )
+    kwargs = dict(mark.kwargs)
+    if mark.args:
+        if "peak" in kwargs:
+            raise _MarkerError("peak given both as the positional argument and as peak=")
+        kwargs["peak"] = mark.args[0]
+    names = list(inspect.signature(memory_budget).parameters)
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise _MarkerError(
+            f"unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+            f"expected {', '.join(names)}"
+        )
+    args = memory_budget(**kwargs)
+    limits = {}
+    for name in ("peak", "delta", "leak"):
+        if args[name] is not None:
+            try:
+                limits[name] = units.parse(args[name])
+            except UnitError as e:
+                raise _MarkerError(f"{name}={args[name]!r}: {e}") from None
+    device = _resolve_device(args["device"], repr(args["device"]))
+    return _Budget(limits, device, {k: args[k] for k in limits})
+
+
+def _parse_margin(text):
+    """'5%' -> ('%', Fraction(5)); '1 MiB' -> ('B', 1048576). Raises pytest.UsageError."""
+    try:
+        if text.strip().endswith("%"):
+            value = Fraction(text.strip()[:-1].strip())
+            if value < 0:
+                raise ValueError
+            return "%", value
+        return "B", units.parse(text)
+    except (ValueError, ZeroDivisionError):
+        raise pytest.UsageError(
+            f"--memtorch-fail-on-increase={text!r}: expected a percentage such as '5%' "
+            "or a size such as '1 MiB'"
+        ) from None
+
+
+# ---------------------------------------------------------------- hooks
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("memtorch", "memtorch memory budgets")
+    group.addoption(
+        "--memtorch-save",
+        metavar="FILE",
+        help="write every tracked test's figures (peak above start, delta, device) in bytes to FILE (JSON)",
+    )
+    group.addoption(
+        "--memtorch-compare",
+        metavar="FILE",
+        help="compare every tracked test's peak with FILE (written by --memtorch-save)",
+    )
+    group.addoption(
+        "--memtorch-fail-on-increase",
+        metavar="MARGIN",
+        help="with --memtorch-compare: fail the tests whose peak grew by more than MARGIN "
+        "('5%%' of the saved peak, or a size such as '1 MiB')",
+    )
+    group.addoption(
+        "--memtorch-report",
+        action="store_true",
+        help="print a table of every tracked test's memory at the end of the session",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", _marker_help())
+    config.pluginmanager.register(_Session(config), _PLUGIN_NAME)
+
+
+class _Session:
+    """Session-wide state: the baseline to compare with, the figures collected for save/report."""
+
+    def __init__(self, config):
+        self.config = config
+        self.save = config.getoption("memtorch_save")
+        self.compare = config.getoption("memtorch_compare")
+        margin = config.getoption("memtorch_fail_on_increase")
+        if margin is not None and not self.compare:
+            raise pytest.UsageError("--memtorch-fail-on-increase needs --memtorch-compare FILE")
+        self.margin = None if margin is None else (margin, _parse_margin(margin))
+        self.baseline = self._load(self.compare) if self.compare else {}
+        self.results = {}  # nodeid -> figures, in the order the reports arrive
+        self.is_worker = hasattr(config, "workerinput")
+
+    @staticmethod
+    def _load(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise pytest.UsageError(f"--memtorch-compare: cannot read {path}: {e.strerror}") from None
+        except ValueError as e:
+            raise pytest.UsageError(f"--memtorch-compare: {path} is not JSON: {e}") from None
+        if not isinstance(data, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("peak"), int) for v in data.values()
+        ):
+            raise pytest.UsageError(
+                f"--memtorch-compare: {path} is not a memtorch file ({{test id: {{'peak': bytes, ...}}}})"
+            )
+        return data
+
+    # ---- per test
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        # Before fixtures: a bad marker or an absent device stops the test here.
+        mark = item.get_closest_marker("memory_budget")
+        if mark is None:
+            return
+        try:
+            item.stash[_BUDGET] = _budget_from_marker(mark)
+            return
+        except _MarkerError as e:
+            problem = str(e)
+        # Raised outside the except block so that no "during handling" chain is shown.
+        pytest.fail(f"usage error: memory_budget marker on {item.nodeid}: {problem}", pytrace=False)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        budget = item.stash.get(_BUDGET, None)
+        if budget is None:
+            return (yield)
+        try:
+            with budget.make_tracker() as tracker:
+                result = yield  # the test body; an exception in it propagates and closes the tracker
+            self._judge(item, budget, tracker.report)
+        finally:
+            # Items live as long as the session: keep no tracker or report on them.
+            del item.stash[_BUDGET]
+        return result
+
+    def _judge(self, item, budget, report):
+        figures = {
+            "peak": int(report.peak_above_start),
+            "delta": int(report.delta),
+            "device": str(report.device),
+            "exact": bool(report.exact),
+            "budget": dict(budget.limits),
+        }
+        reserved = getattr(report, "reserved_peak", None)
+        if reserved is not None:
+            figures["reserved_peak"] = int(reserved)
+        from .budget import check_budget, verdict_line
+
+        lines, problem = [], None
+        try:
+            failures = check_budget(report, **budget.limits)
+            lines += [verdict_line(*f, spelled=budget.spelled.get(f[0])) for f in failures]
+        except MemtorchError as e:  # e.g. a leak budget on a test that marked no steps
+            problem = str(e)
+        figures["over_budget"] = lines[:]
+        regression = self._regression(item.nodeid, figures)
+        lines += [x for x in (regression, problem) if x]
+        item.user_properties.append((_PROPERTY, json.dumps(figures, sort_keys=True)))
+        if lines:
+            from .budget import breakdown
+
+            pytest.fail("\n".join(lines) + "\n\n" + breakdown(report), pytrace=False)
+
+    def _regression(self, nodeid, figures):
+        """Compare with the baseline: fill figures['baseline'], return the failure line or None."""
+        old = self.baseline.get(nodeid)
+        if old is None:
+            return None
+        if old.get("device", figures["device"]) != figures["device"]:
+            figures["baseline_note"] = f"baseline measured on {old['device']}, not compared"
+            return None
+        before, now = int(old["peak"]), figures["peak"]
+        figures["baseline"] = before
+        if self.margin is None or now <= before:
+            return None
+        spelled, (kind, value) = self.margin
+        allowed = before + value if kind == "B" else Fraction(before) * (100 + value) / 100
+        if now <= allowed:
+            return None
+        new_text, old_text = units.format(now), units.format(before)
+        if new_text == old_text:
+            from .budget import format_pair
+
+            new_text, old_text = format_pair(now, before)
+        growth = f", {_percent(now, before)}" if before else ""
+        figures["regression"] = (
+            f"peak {new_text} exceeds baseline {old_text} by {units.format(now - before)}{growth} "
+            f"(allowed +{spelled.strip()}, baseline from {self.compare})"
+        )
+        return figures["regression"]
+
+    # ---- reporting (runs on the xdist controller with the workers' reports)
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call":
+            return
+        figures = _figures(report)
+        if figures is not None:
+            self.results[report.nodeid] = figures
+
+    def pytest_report_teststatus(self, report, config):
+        if report.when == "call" and report.failed:
+            figures = _figures(report)
+            if figures and figures.get("over_budget"):
+                return "failed", "M", ("OVER BUDGET", {"red": True})
+            if figures and figures.get("regression"):
+                return "failed", "M", ("MEMORY REGRESSION", {"red": True})
+        return None
+
+    def pytest_sessionfinish(self, session):
+        if self.save and not self.is_worker:
+            data = {
+                nodeid: {k: f[k] for k in ("peak", "delta", "device", "exact", "reserved_peak") if k in f}
+                for nodeid, f in sorted(self.results.items())
+            }
+            directory = os.path.dirname(os.path.abspath(self.save))
+            os.makedirs(directory, exist_ok=True)
+            tmp = self.save + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, self.save)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        tr = terminalreporter
+        bad = [(n, f) for n, f in self.results.items() if f.get("over_budget") or f.get("regression")]
+        if bad:
+            tr.section("memtorch: tests over budget", sep="=", red=True, bold=True)
+            for nodeid, f in bad:
+                for line in f.get("over_budget", []):
+                    tr.line(f"{nodeid}: {line.splitlines()[0]}")
+                if f.get("regression"):
+                    tr.line(f"{nodeid}: {f['regression']}")
+        if self.config.getoption("memtorch_report") and self.results:
+            tr.section("memtorch: memory of tracked tests", sep="=")
+            for line in _table(self.results, bool(self.compare)):
+                tr.line(line)
+        if self.save and not self.is_worker:
+            tr.line(f"memtorch: saved the figures of {len(self.results)} tracked test(s) to {self.save}")
+
+
+def _percent(now, before):
+    return f"{(now - before) * 100 / before:+.1f}%"
+
+
+def _figures(report):
+    """The figures the call phase recorded in report.user_properties, or None."""
+    for key, value in reversed(getattr(report, "user_properties", ()) or ()):
+        if key == _PROPERTY:
+            try:
+                return json.loads(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _table(results, compared):
+    header = ["test", "device", "peak", "delta", "peak budget"]
+    if compared:
+        header += ["baseline", "change"]
+    header.append("status")
+    rows = []
+    for nodeid, f in results.items():
+        budget = f.get("budget", {}).get("peak")
+        row = [
+            nodeid,
+            f["device"] + ("" if f.get("exact") else " (approx.)"),
+            units.format(f["peak"]),
+            units.format_delta(f["delta"]),
+            "-" if budget is None else units.format(budget),
+        ]
+        if compared:
+            if "baseline" in f:
+                change = units.format_delta(f["peak"] - f["baseline"])
+                if f["baseline"]:
+                    change += f" ({_percent(f['peak'], f['baseline'])})"
+                row += [units.format(f["baseline"]), change]
+            else:
+                row += ["-", f.get("baseline_note", "new")]
+        status = "over budget" if f.get("over_budget") else "regression" if f.get("regression") else "ok"
+        rows.append(row + [status])
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
+
+
+# ---------------------------------------------------------------- fixture
+
+
+@pytest.fixture
+def memtorch_tracker(request):
+    """The memtorch Tracker measuring this test's body (opened just before the body runs).
+
+    With a memory_budget marker it is the marker's tracker; without one, the test
+    body is tracked on device "auto" with no limit (its figures still go to
+    --memtorch-save and --memtorch-report). Call .step() after each step for the
+    leak figure; read .report for the figures so far.
+    """
+    item = request.node
+    budget = item.stash.get(_BUDGET, None)
+    if budget is None:
+        budget = item.stash[_BUDGET] = _Budget({}, _resolve_device("auto", "'auto'"))
+    return budget.make_tracker()

@@ -1,0 +1,131 @@
+"""memtorch.assert_budget outside pytest: which figure is compared, the verdict line, the breakdown."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import memtorch
+from memtorch import units
+from memtorch.budget import assert_budget, breakdown, check_budget, format_pair, verdict_line
+
+
+def fake_report(start=1000, peak=5000, end=1500, per_step=None, **extra):
+    """A report with hand-chosen figures: peak_above_start = peak - start, delta = end - start."""
+    leak = None if per_step is None else SimpleNamespace(per_step=per_step, survivors=[])
+    report = SimpleNamespace(
+        device="cpu",
+        exact=True,
+        start=start,
+        end=end,
+        delta=end - start,
+        peak=peak,
+        peak_above_start=peak - start,
+        reserved_peak=None,
+        phases={},
+        modules=[],
+        leak=leak,
+        largest=[],
+    )
+    vars(report).update(extra)
+    return report
+
+
+def test_peak_is_compared_with_peak_above_start_not_the_absolute_peak():
+    r = fake_report(start=1000, peak=5000)  # the block itself allocated 4000 B at its peak
+    assert_budget(r, peak=4000)  # equal is within budget
+    assert_budget(r, peak="4 kB")  # 4 kB = 4000 B
+    with pytest.raises(memtorch.BudgetExceeded) as e:
+        assert_budget(r, peak=3999)
+    assert e.value.failures == [("peak", 4000, 3999)]
+    assert e.value.report is r
+
+
+def test_decimal_and_binary_units_are_not_confused():
+    # 4,000,000 B is more than 3 MB (3,000,000 B) and less than 4 MiB (4,194,304 B).
+    r = fake_report(start=0, peak=4_000_000, end=0)
+    assert_budget(r, peak="4 MiB")
+    with pytest.raises(memtorch.BudgetExceeded) as e:
+        assert_budget(r, peak="3 MB")
+    # 4,000,000 / 2**20 = 3.81 -> "3.8 MiB"; 3,000,000 / 2**20 = 2.86 -> "2.9 MiB";
+    # the excess 1,000,000 B / 1024 = 976.56 -> "976.6 KiB".
+    # The decimal budget is also shown as written.
+    first = str(e.value).splitlines()[0]
+    assert first == "peak 3.8 MiB exceeds budget 2.9 MiB (3 MB) by 976.6 KiB"
+    assert first == (
+        f"peak {units.format(4_000_000)} exceeds budget {units.format(3_000_000)} (3 MB) by {units.format(1_000_000)}"
+    )
+    # Given in bytes or binary units, the budget is shown in binary units only.
+    with pytest.raises(memtorch.BudgetExceeded) as e:
+        assert_budget(r, peak="3.5 MiB")  # 3,670,016 B; the excess 329,984 B = 322.25 KiB
+    assert str(e.value).splitlines()[0] == "peak 3.8 MiB exceeds budget 3.5 MiB by 322.2 KiB"
+
+
+def test_delta_and_leak_budgets():
+    r = fake_report(start=1000, end=1600, per_step=256)
+    assert_budget(r, delta=600, leak=256)
+    with pytest.raises(memtorch.BudgetExceeded) as e:
+        assert_budget(r, peak="1 MiB", delta="512 B", leak="0 B")
+    assert e.value.failures == [("delta", 600, 512), ("leak", 256, 0)]
+    lines = str(e.value).splitlines()
+    assert lines[0] == "delta 600 B exceeds budget 512 B by 88 B"
+    assert lines[1] == "leak 256 B exceeds budget 0 B by 256 B"
+    assert lines[2] == ""
+    assert lines[3].startswith("memtorch breakdown (device cpu, exact counters)")
+
+
+def test_leak_per_step_list_means_every_step():
+    r = fake_report(per_step=[0, 100, 40])
+    assert check_budget(r, leak=100) == []
+    assert check_budget(r, leak=99) == [("leak", 100, 99)]
+
+
+def test_leak_budget_without_steps_is_a_clear_error():
+    with pytest.raises(memtorch.MemtorchError, match=r"t\.step\(\)"):
+        assert_budget(fake_report(per_step=None), leak="0 B")
+
+
+def test_bad_size_is_a_unit_error():
+    with pytest.raises(memtorch.UnitError, match="cannot parse size '64 MiBs'|unknown unit 'MiBs'"):
+        assert_budget(fake_report(), peak="64 MiBs")
+
+
+def test_nothing_given_checks_nothing():
+    assert check_budget(fake_report()) == []
+
+
+def test_verdict_never_prints_two_different_counts_the_same():
+    # pytest-memray printed "limited to 3.8MiB but allocated 3.8MiB". Here:
+    # 4,000,000 B = 3.8147 MiB and 3,990,000 B = 3.8052 MiB agree at 1 and 2 decimals
+    # ("3.8", "3.81") and differ at 3 ("3.815" vs "3.805").
+    assert format_pair(4_000_000, 3_990_000) == ("3.815 MiB", "3.805 MiB")
+    # 4,000,000 B and 3,999,999 B agree to 3 decimals: the exact bytes are shown.
+    assert verdict_line("peak", 4_000_000, 3_999_999) == "peak 4000000 B exceeds budget 3999999 B by 1 B"
+
+
+def test_breakdown_lists_phases_modules_and_largest_tensors():
+    r = fake_report(
+        phases={"forward": SimpleNamespace(peak_above_start=2048, delta=1024)},
+        modules=[
+            SimpleNamespace(name="fc1", type="Linear", activation_bytes=512, peak_above_start=512),
+            SimpleNamespace(name="fc2", type="Linear", activation_bytes=4096, peak_above_start=4096),
+        ],
+        largest=[SimpleNamespace(shape=(64, 128), dtype="float32", nbytes=32768, has_graph=True)],
+        per_step=0,
+    )
+    text = breakdown(r)
+    assert "    forward  peak +2.0 KiB above its start, delta +1.0 KiB" in text
+    # fc2 holds more (4096 > 512) and is listed first.
+    assert text.index("fc2 (Linear)") < text.index("fc1 (Linear)")
+    assert "    32.0 KiB  (64, 128) float32, holds autograd graph" in text
+    assert "  leak: +0 B per step, 0 surviving tensor(s)" in text
+
+
+def test_assert_budget_on_a_real_track():
+    torch = pytest.importorskip("torch")
+    with memtorch.track(device="cpu") as t:
+        x = torch.empty(1000, 1000)  # float32: 1000 * 1000 * 4 = 4,000,000 B
+        del x
+    memtorch.assert_budget(t.report, peak="4 MiB")  # the package-level name is this function
+    with pytest.raises(memtorch.BudgetExceeded) as e:
+        memtorch.assert_budget(t.report, peak="3 MB")
+    assert e.value.failures == [("peak", 4_000_000, 3_000_000)]

@@ -1,0 +1,504 @@
+"""The pytest plugin, run in pytester sessions: budgets that pass and fail, bad markers, save/compare, xdist.
+
+Every expected figure is counted by hand: a float32 tensor of n elements holds 4 * n bytes,
+so torch.empty(1000, 1000) is 4,000,000 B = 3.81 MiB, above "3 MB" (3,000,000 B) and
+below "4 MiB" (4,194,304 B). Formatted figures are built with memtorch.units.format from
+those counts, never pasted from a run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from memtorch import units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _entry_point_installed():
+    eps = metadata.entry_points()
+    group = eps.select(group="pytest11") if hasattr(eps, "select") else eps.get("pytest11", [])
+    return any(ep.value == "memtorch.pytest_plugin" for ep in group)
+
+
+# Where memtorch is installed the pytest11 entry point loads the plugin (and loading it a
+# second time with -p would be an error); in a source checkout it is loaded with -p.
+PLUGIN_ARGS = [] if _entry_point_installed() else ["-p", "memtorch.pytest_plugin"]
+
+FOUR_MILLION = 1000 * 1000 * 4  # bytes of torch.empty(1000, 1000), float32
+
+
+def _warm_up():
+    """Import now (at collection) what an in-process run would import first.
+
+    pytester's fixture restores sys.modules to what it was when the fixture was set
+    up: modules first imported by a run are dropped afterwards, and torch (or
+    memtorch._C) imported a second time crashes the process.
+    """
+    torch = pytest.importorskip("torch")
+    import memtorch
+    import memtorch.budget
+    import memtorch.pytest_plugin
+
+    with memtorch.track(device="cpu"):
+        torch.nn.functional.relu(torch.ones(1))
+    return torch
+
+
+torch = _warm_up()
+
+
+@pytest.fixture
+def run(pytester, monkeypatch):
+    """Run pytest on pytester's files with the plugin; in-process unless subprocess=True."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    pytester.syspathinsert(ROOT)
+
+    def run(*args, subprocess=False):
+        runner = pytester.runpytest_subprocess if subprocess else pytester.runpytest_inprocess
+        # Option values are written --opt=VALUE: a separate path argument would move pytest's rootdir.
+        # The plugin is already imported here (see _warm_up), too late for assertion rewriting.
+        quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        return runner(*PLUGIN_ARGS, *quiet, "-p", "no:cacheprovider", "--strict-markers", *args)
+        # Option values are written --opt=VALUE: a separate path argument would move pytest's rootdir.
+
+    return run
+
+
+def test_importing_the_plugin_imports_no_torch():
+    # Every pytest run in an environment with memtorch installed imports the plugin.
+    code = (
+        "import sys, memtorch.pytest_plugin; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'numpy', 'memtorch._C'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "[]"
+
+
+def test_marker_help_and_options(run):
+    result = run("--markers")
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.memory_budget(peak=None, delta=None, leak=None, device='auto'): Run the test body inside*"
+        ]
+    )
+    result = run("--help")
+    result.stdout.fnmatch_lines(
+        [
+            "memtorch memory budgets:",
+            "*--memtorch-save=FILE*",
+            "*--memtorch-compare=FILE*",
+            "*--memtorch-fail-on-increase=MARGIN*",
+            "*--memtorch-report*",
+        ]
+    )
+
+
+def test_passing_and_failing_budgets(pytester, run):
+    pytester.makepyfile(
+        test_budgets="""
+        import pytest, torch
+
+        @pytest.mark.memory_budget(peak="4 MiB")
+        def test_within_binary():
+            x = torch.empty(1000, 1000)
+
+        @pytest.mark.memory_budget(peak=4_000_000, device="cpu")
+        def test_exactly_at_the_limit():
+            x = torch.empty(1000, 1000)
+
+        @pytest.mark.memory_budget(peak="3 MB", device="cpu")
+        def test_over_decimal():
+            x = torch.empty(1000, 1000)
+
+        @pytest.mark.memory_budget("3999999 B", device="cpu")
+        def test_over_by_one_byte():
+            x = torch.empty(1000, 1000)
+        """
+    )
+    result = run("-v", "-rf")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=2, failed=2)
+    # 4,000,000 B vs 3,000,000 B: "3.8 MiB" and "2.9 MiB" already differ at one decimal;
+    # a budget written in decimal units is also shown as written.
+    over_decimal = (
+        f"peak {units.format(FOUR_MILLION)} exceeds budget {units.format(3_000_000)} (3 MB) "
+        f"by {units.format(FOUR_MILLION - 3_000_000)}"
+    )
+    # 4,000,000 B vs 3,999,999 B agree to three decimals of MiB: exact bytes, 1 B over.
+    over_by_one = "peak 4000000 B exceeds budget 3999999 B by 1 B"
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_within_binary PASSED*",
+            "*::test_exactly_at_the_limit PASSED*",
+            "*::test_over_decimal OVER BUDGET*",
+            "*::test_over_by_one_byte OVER BUDGET*",
+        ]
+    )
+    lines = result.outlines
+    # The failure: the verdict line first, then the breakdown section.
+    first = lines.index(over_decimal)
+    assert lines[first - 1].startswith("____") and "test_over_decimal" in lines[first - 1]
+    assert lines[first + 1] == ""
+    assert lines[first + 2].startswith("memtorch breakdown (device cpu, ")
+    assert over_by_one in lines
+    # The distinct summary section lists every test over budget, one line each.
+    head = lines.index(next(x for x in lines if "memtorch: tests over budget" in x))
+    assert lines[head + 1 : head + 3] == [
+        f"test_budgets.py::test_over_decimal: {over_decimal}",
+        f"test_budgets.py::test_over_by_one_byte: {over_by_one}",
+    ]
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_delta_budget(pytester, run):
+    pytester.makepyfile(
+        test_delta="""
+        import pytest, torch
+        KEEP = []
+
+        @pytest.mark.memory_budget(delta="900 kB", device="cpu")
+        def test_keeps_a_megabyte():
+            KEEP.append(torch.empty(250_000))  # float32: 1,000,000 B left behind
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=1)
+    expected = f"delta {units.format(1_000_000)} exceeds budget {units.format(900_000)} (900 kB) by {units.format(100_000)}"
+    assert expected in result.outlines
+
+
+def test_leak_budget_with_steps(pytester, run):
+    pytester.makepyfile(
+        test_leak="""
+        import pytest, torch
+        KEEP = []
+
+        @pytest.mark.memory_budget(leak="1 kB", device="cpu")
+        def test_leaks_every_step(memtorch_tracker):
+            for _ in range(4):
+                y = torch.ones(1000) * 2            # temporary, freed within the step
+                KEEP.append(torch.empty(1000))     # kept: 4,000 B per step
+                del y                              # so every step, the first too, keeps 4,000 B
+                memtorch_tracker.step()
+
+        @pytest.mark.memory_budget(leak="0 B", device="cpu")
+        def test_no_leak(memtorch_tracker):
+            for _ in range(4):
+                y = torch.ones(1000) * 2
+                del y
+                memtorch_tracker.step()
+
+        @pytest.mark.memory_budget(leak="0 B", device="cpu")
+        def test_leak_budget_without_steps():
+            torch.empty(10)
+        """
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=1, failed=2)
+    expected = f"leak {units.format(4000)} exceeds budget {units.format(1000)} (1 kB) by {units.format(3000)}"
+    assert expected in result.outlines
+    result.stdout.fnmatch_lines(["*::test_leaks_every_step OVER BUDGET*", "*::test_no_leak PASSED*"])
+    # A leak budget on a test that marks no steps is a plain failure that says what to do.
+    result.stdout.fnmatch_lines(["*::test_leak_budget_without_steps FAILED*"])
+    result.stdout.fnmatch_lines(["a leak budget needs a per-step leak figure*memtorch_tracker.step()*"])
+
+
+BAD_MARKERS = {
+    "test_unparsable_size": ('peak="lots"', "peak='lots': cannot parse size 'lots'"),
+    "test_unknown_unit": ('peak="64 MiBs"', "peak='64 MiBs': unknown unit 'MiBs'"),
+    "test_unknown_device": (
+        'peak="1 MiB", device="tpu"',
+        "unknown device 'tpu': expected 'auto', 'cpu', 'cuda' or 'cuda:N'",
+    ),
+    "test_device_not_a_device": ("device=3", "device=3 is not a device"),
+    "test_unknown_keyword": (
+        'peek="1 MiB"',
+        "unknown keyword argument peek: expected peak, delta, leak, device",
+    ),
+    "test_two_positionals": ('"1 MiB", "2 MiB"', "takes at most one positional argument (the peak), got 2"),
+}
+
+
+def test_bad_marker_arguments_are_usage_errors_at_setup(pytester, run):
+    pytester.makepyfile(
+        test_bad="import pytest\n"
+        + "".join(
+            f"\n@pytest.mark.memory_budget({args})\ndef {name}():\n    raise AssertionError('body ran')\n"
+            for name, (args, _) in BAD_MARKERS.items()
+        )
+    )
+    result = run()
+    result.assert_outcomes(errors=len(BAD_MARKERS))
+    text = result.stdout.str()
+    for name, (_, message) in BAD_MARKERS.items():
+        result.stdout.fnmatch_lines([f"*ERROR at setup of {name}*"])
+        assert f"usage error: memory_budget marker on test_bad.py::{name}: {message}" in text
+    # A usage error, not a crash inside the plugin, and the body never ran.
+    assert "Traceback" not in text and "pytest_plugin.py" not in text and "body ran" not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the machine without CUDA")
+def test_cuda_budget_without_cuda_is_skipped(pytester, run):
+    pytester.makepyfile(
+        test_cuda="""
+        import pytest
+
+        @pytest.mark.memory_budget(peak="1 MiB", device="cuda")
+        def test_on_gpu():
+            raise AssertionError("body ran")
+
+        @pytest.mark.memory_budget(peak="1 MiB", device="cuda:1")
+        def test_on_second_gpu():
+            raise AssertionError("body ran")
+        """
+    )
+    result = run("-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED [[]1[]] test_cuda.py:3: memory_budget(device='cuda') needs CUDA, which is not available here",
+            "SKIPPED [[]1[]] test_cuda.py:7: memory_budget(device='cuda:1') needs CUDA, which is not available here",
+        ]
+    )
+
+
+def test_fixture_tracks_an_unmarked_test(pytester, run, tmp_path):
+    # Without a marker the fixture tracks on device "auto": CUDA where available, else CPU.
+    pytester.makepyfile(
+        test_fixture="""
+        import torch, memtorch
+
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+        def test_asserts_itself(memtorch_tracker):
+            x = torch.empty(10, device=DEVICE)
+            # float32: 40 B on the CPU; CUDA's caching allocator rounds every block up to 512 B.
+            assert memtorch_tracker.report.peak_above_start == (512 if DEVICE == "cuda" else 40)
+            assert memtorch_tracker.report.peak_above_start <= memtorch.units.parse("64 MiB")
+
+        def test_untracked():
+            torch.empty(10)
+        """
+    )
+    saved = tmp_path / "peaks.json"
+    result = run(f"--memtorch-save={saved}")
+    result.assert_outcomes(passed=2)
+    data = json.loads(saved.read_text())
+    assert list(data) == ["test_fixture.py::test_asserts_itself"]
+    cuda = torch.cuda.is_available()
+    assert data["test_fixture.py::test_asserts_itself"]["device"] == ("cuda" if cuda else "cpu")
+    assert data["test_fixture.py::test_asserts_itself"]["peak"] == (512 if cuda else 40)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget(pytester, run, tmp_path):
+    # torch.empty(1000, 1000) float32 asks 4,000,000 B; the caching allocator rounds blocks
+    # up to a multiple of 512 B: 4,000,000 / 512 = 7812.5 -> 7813 * 512 = 4,000,256 B.
+    pytester.makepyfile(
+        test_gpu="""
+        import pytest, torch
+
+        @pytest.mark.memory_budget(peak="4 MiB", device="cuda")
+        def test_within():
+            x = torch.empty(1000, 1000, device="cuda")
+
+        @pytest.mark.memory_budget(peak="3 MB", device="cuda:0")
+        def test_over():
+            x = torch.empty(1000, 1000, device="cuda")
+        """
+    )
+    saved = tmp_path / "gpu.json"
+    result = run(f"--memtorch-save={saved}")
+    result.assert_outcomes(passed=1, failed=1)
+    over = (
+        f"peak {units.format(4_000_256)} exceeds budget {units.format(3_000_000)} (3 MB) "
+        f"by {units.format(1_000_256)}"
+    )
+    assert over in result.outlines
+    data = json.loads(saved.read_text())
+    assert data["test_gpu.py::test_within"]["peak"] == 4_000_256
+    assert data["test_gpu.py::test_within"]["device"].startswith("cuda")
+
+
+SAVE_COMPARE_TESTS = """
+import pytest, torch
+
+@pytest.mark.memory_budget(peak="1 GiB", device="cpu")
+def test_grew():
+    x = torch.empty(1000, 1000)              # 4,000,000 B
+
+@pytest.mark.memory_budget(peak="1 GiB", device="cpu")
+def test_grew_a_little():
+    x = torch.empty(1000, 1000)              # 4,000,000 B
+
+@pytest.mark.memory_budget(peak="1 GiB", device="cpu")
+def test_new():
+    x = torch.empty(250, 1000)               # 1,000,000 B
+"""
+
+
+def test_save_then_compare(pytester, run, tmp_path):
+    pytester.makepyfile(test_sc=SAVE_COMPARE_TESTS)
+    saved = tmp_path / "out" / "peaks.json"
+    result = run(f"--memtorch-save={saved}")
+    result.assert_outcomes(passed=3)
+    data = json.loads(saved.read_text())
+    assert {k: v["peak"] for k, v in data.items()} == {
+        "test_sc.py::test_grew": FOUR_MILLION,
+        "test_sc.py::test_grew_a_little": FOUR_MILLION,
+        "test_sc.py::test_new": 1_000_000,
+    }
+    assert all(v["device"] == "cpu" and v["delta"] == 0 for v in data.values())
+
+    # A baseline written by hand: 3,800,000 B for test_grew (4,000,000 is 5.26% more,
+    # past 5%), 3,900,000 B for test_grew_a_little (2.56% more, within 5%), test_new absent.
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(
+        json.dumps(
+            {
+                "test_sc.py::test_grew": {"peak": 3_800_000, "delta": 0, "device": "cpu"},
+                "test_sc.py::test_grew_a_little": {"peak": 3_900_000, "delta": 0, "device": "cpu"},
+            }
+        )
+    )
+    result = run(
+        "-v", f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=5%", "--memtorch-report"
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    grew = (
+        f"peak {units.format(FOUR_MILLION)} exceeds baseline {units.format(3_800_000)} "
+        f"by {units.format(200_000)}, +{200_000 * 100 / 3_800_000:.1f}% (allowed +5%, baseline from {baseline})"
+    )
+    assert grew == (
+        f"peak 3.8 MiB exceeds baseline 3.6 MiB by 195.3 KiB, +5.3% (allowed +5%, baseline from {baseline})"
+    )
+    assert grew in result.outlines
+    assert f"test_sc.py::test_grew: {grew}" in result.outlines
+    result.stdout.fnmatch_lines(["*::test_grew MEMORY REGRESSION*", "*::test_grew_a_little PASSED*"])
+    # The report table: old, new and the difference for each test.
+    result.stdout.fnmatch_lines(
+        [
+            "*memtorch: memory of tracked tests*",
+            "test *device*peak*delta*peak budget*baseline*change*status",
+            f"test_sc.py::test_grew *cpu*{units.format(FOUR_MILLION)}*{units.format(3_800_000)}*+195.3 KiB (+5.3%)*regression",
+            f"test_sc.py::test_grew_a_little *{units.format(3_900_000)}*+97.7 KiB (+2.6%)*ok",
+            "test_sc.py::test_new *new*ok",
+        ]
+    )
+
+    # An absolute margin: 200,000 B of growth is within "200 kB", past "195 KiB" (199,680 B).
+    assert run(f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=200 kB").ret == 0
+    run(f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=195 KiB").assert_outcomes(
+        passed=2, failed=1
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--memtorch-fail-on-increase=5%"], "--memtorch-fail-on-increase needs --memtorch-compare FILE"),
+        (["--memtorch-compare=missing.json"], "--memtorch-compare: cannot read missing.json"),
+        (["--memtorch-compare=bad.json"], "--memtorch-compare: bad.json is not JSON"),
+        (["--memtorch-compare=list.json"], "--memtorch-compare: list.json is not a memtorch file"),
+        (
+            ["--memtorch-compare=list.json", "--memtorch-fail-on-increase=five"],
+            "--memtorch-fail-on-increase='five': expected a percentage such as '5%' or a size such as '1 MiB'",
+        ),
+    ],
+)
+def test_bad_options_are_usage_errors(pytester, run, args, message):
+    pytester.makefile(".json", bad="{", list="[1, 2]")
+    pytester.makepyfile(test_x="def test_x(): pass")
+    result = run(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str()
+
+
+DETERMINISM_TESTS = """
+import pytest, torch
+
+@pytest.mark.memory_budget(peak="64 MiB", device="cpu")
+def test_training_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+@pytest.mark.slow  # three pytest processes, each importing torch
+def test_same_test_same_peak_run_after_run(pytester, run, tmp_path):
+    pytester.makepyfile(test_det=DETERMINISM_TESTS)
+    # Three separate pytest processes (started together to save time), each saving its figures.
+    saved = [tmp_path / f"run{i}.json" for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *PLUGIN_ARGS,
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                f"--memtorch-save={f}",
+            ],
+            cwd=pytester.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for f in saved
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    peaks = [json.loads(f.read_text())["test_det.py::test_training_step"]["peak"] for f in saved]
+    # The step holds at least the Adam state: 2 x (784*128 + 128 + 128*10 + 10) float32
+    # = 2 x 101,770 x 4 = 814,160 B, created inside the body.
+    assert peaks[0] >= 814_160
+    assert peaks == [peaks[0]] * 3
+
+
+@pytest.mark.slow  # a pytest process and two xdist workers, each importing torch
+def test_xdist_workers_measure_their_own_tests(pytester, run, tmp_path):
+    pytest.importorskip("xdist")
+    pytester.makepyfile(
+        test_par="""
+        import pytest, torch
+
+        @pytest.mark.memory_budget(peak="4 MiB", device="cpu")
+        @pytest.mark.parametrize("rows", [1, 10, 100, 1000])
+        def test_rows(rows):
+            x = torch.empty(rows, 1000)      # 4,000 * rows B
+
+        @pytest.mark.memory_budget(peak="3 MB", device="cpu")
+        def test_over():
+            x = torch.empty(1000, 1000)      # 4,000,000 B
+        """
+    )
+    saved = tmp_path / "xdist.json"
+    result = run("-n", "2", f"--memtorch-save={saved}", subprocess=True)
+    result.assert_outcomes(passed=4, failed=1)
+    data = json.loads(saved.read_text())
+    expected = {f"test_par.py::test_rows[{r}]": 4000 * r for r in (1, 10, 100, 1000)}
+    expected["test_par.py::test_over"] = FOUR_MILLION
+    assert {k: v["peak"] for k, v in data.items()} == expected
+    over = (
+        f"peak {units.format(FOUR_MILLION)} exceeds budget {units.format(3_000_000)} (3 MB) "
+        f"by {units.format(1_000_000)}"
+    )
+    result.stdout.fnmatch_lines(["*memtorch: tests over budget*", f"test_par.py::test_over: {over}"])
