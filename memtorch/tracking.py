@@ -116,12 +116,15 @@ class PhaseStats:
 class ModuleStats:
     """One module's forward: see the module docstring for the definitions."""
 
-    __slots__ = ("name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact")
+    __slots__ = (
+        "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
+    )  # fmt: skip
 
     def __init__(self, name, type_name):
         self.name = name
         self.type = type_name
         self.calls = 0
+        self._measured = 0  # calls whose figures are known (event-log mode can drop old events)
         self.activation_bytes = 0
         self.activation_total = 0
         self.peak_above_start = 0
@@ -345,14 +348,15 @@ def _html_table(header, rows):
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def module_figures(times, nbytes, starts, ends):
+def module_figures(times, nbytes, starts, ends, known_from=None):
     """Bytes left alive and peak above start of calls [start, end] from an event log.
 
     times/nbytes: the log, (time, allocated bytes after the event), sorted by
     time; starts/ends: each call's timestamps on the same clock. The bytes at a
     timestamp are those after the last event at or before it. Returns int64
     arrays (end bytes - start bytes, peak over the call - start bytes) and a bool
-    array, False for calls that began before the log's first event (dropped).
+    array, False for calls that began before the log's first event or before
+    ``known_from`` (events lost before it).
     """
     import numpy as np
 
@@ -367,6 +371,8 @@ def module_figures(times, nbytes, starts, ends):
     ip = np.searchsorted(t, tp, side="right") - 1
     iq = np.searchsorted(t, tq, side="right") - 1
     valid = ip >= 0
+    if known_from is not None:
+        valid &= tp >= known_from
     ip = np.maximum(ip, 0)
     iq = np.maximum(iq, ip)
     start = b[ip]
@@ -663,6 +669,7 @@ class Tracker:
         start, end, peak, exact = self._close_scope(s)
         row = self._mod_rows[i]
         row.calls += 1
+        row._measured += 1
         row.activation_total += end - start
         row.peak_above_start = max(row.peak_above_start, peak - start)
         row.exact = row.exact and exact
@@ -683,15 +690,19 @@ class Tracker:
             return
         # the log and the hooks share one clock only if the log's first event (the
         # block's opening) lies between the timestamps taken around the opening
+        same_clock = len(t) > 0 and self._tb <= t[0] <= self._ta
+        # the log starts with the opening (time, start); when the ring wrapped, the events
+        # between it and the first retained one are lost: calls begun before are unknown
         dropped = getattr(self._scope, "timeline_dropped", 0)
-        same_clock = len(t) > 0 and (dropped or self._tb <= t[0] <= self._ta)
+        known_from = t[1] if dropped and len(t) > 1 else None
         tp = [p[0] for p in pairs]
         tq = [p[1] for p in pairs]
-        act, pas, valid = module_figures(t, b, tp, tq)
+        act, pas, valid = module_figures(t, b, tp, tq, known_from)
         for (_, _, i), a, p, ok in zip(pairs, act.tolist(), pas.tolist(), valid.tolist()):
             row = self._mod_rows[i]
             row.calls += 1
             if ok:
+                row._measured += 1
                 row.activation_total += a
                 row.peak_above_start = max(row.peak_above_start, p)
             row.exact = row.exact and ok and bool(same_clock)
@@ -824,6 +835,9 @@ class Tracker:
             if not exact:
                 extra["peak_upper"] = self._scope.peak_upper
         forwards = max(1, self._forwards)
+        if self._mod_rows and 0 < self._mod_rows[0]._measured < self._mod_rows[0].calls:
+            # the event log dropped the oldest forwards: average over the measured ones
+            forwards = self._mod_rows[0]._measured
         for row in self._mod_rows:
             row.activation_bytes = row.activation_total // forwards
         leak = None

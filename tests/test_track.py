@@ -605,6 +605,9 @@ def test_module_figures_from_an_event_log():
     assert act.tolist()[:2] == [800, -500] and act.tolist()[3] == 0
     assert pas.tolist()[:2] == [1200, 0] and pas.tolist()[3] == 0
     assert valid.tolist() == [True, True, False, True]
+    # events before time 35 were lost: calls begun before it are not known
+    _, _, valid = tracking.module_figures(times, nbytes, [15, 35, 5, 60], [55, 45, 25, 70], known_from=35)
+    assert valid.tolist() == [False, True, False, True]
     empty = tracking.module_figures([], [], [1], [2])
     assert empty[2].tolist() == [False]
 
