@@ -39,6 +39,7 @@ inputs or outputs, and named survivors are held by weakref.
 import functools
 import gc
 import html
+import sys
 import threading
 import time
 import weakref
@@ -115,12 +116,15 @@ class PhaseStats:
 class ModuleStats:
     """One module's forward: see the module docstring for the definitions."""
 
-    __slots__ = ("name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact")
+    __slots__ = (
+        "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
+    )  # fmt: skip
 
     def __init__(self, name, type_name):
         self.name = name
         self.type = type_name
         self.calls = 0
+        self._measured = 0  # calls whose figures are known (event-log mode can drop old events)
         self.activation_bytes = 0
         self.activation_total = 0
         self.peak_above_start = 0
@@ -342,6 +346,43 @@ def _html_table(header, rows):
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def module_figures(times, nbytes, starts, ends, known_from=None):
+    """Bytes left alive and peak above start of calls [start, end] from an event log.
+
+    times/nbytes: the log, (time, allocated bytes after the event), sorted by
+    time; starts/ends: each call's timestamps on the same clock. The bytes at a
+    timestamp are those after the last event at or before it. Returns int64
+    arrays (end bytes - start bytes, peak over the call - start bytes) and a bool
+    array, False for calls that began before the log's first event or before
+    ``known_from`` (events lost before it).
+    """
+    import numpy as np
+
+    t = np.asarray(times, dtype=np.int64)
+    b = np.asarray(nbytes, dtype=np.int64)
+    tp = np.asarray(starts, dtype=np.int64)
+    tq = np.asarray(ends, dtype=np.int64)
+    n = len(tp)
+    if n == 0 or len(t) == 0:
+        z = np.zeros(n, dtype=np.int64)
+        return z, z.copy(), np.zeros(n, dtype=bool)
+    ip = np.searchsorted(t, tp, side="right") - 1
+    iq = np.searchsorted(t, tq, side="right") - 1
+    valid = ip >= 0
+    if known_from is not None:
+        valid &= tp >= known_from
+    ip = np.maximum(ip, 0)
+    iq = np.maximum(iq, ip)
+    start = b[ip]
+    end = b[iq]
+    idx = np.empty(2 * n, dtype=np.intp)
+    idx[0::2] = ip
+    idx[1::2] = iq + 1
+    padded = np.append(b, b[-1])  # iq + 1 may be len(b)
+    peak = np.maximum.reduceat(padded, idx)[0::2]
+    return end - start, peak - start, valid
 
 
 # ---------------------------------------------------------------------------
@@ -604,12 +645,17 @@ class Tracker:
             self._root_pre()
         i = self._ids.get(k)
         if i is not None:
-            self._mod_stack.append((i, self._open_scope()))
+            if self._evmode:
+                self._marks.append((time.monotonic_ns(), i, 0))
+            else:
+                self._mod_stack.append((i, self._open_scope()))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
         i = self._ids.get(k)
-        if i is not None:
+        if i is not None and self._evmode:
+            self._marks.append((time.monotonic_ns(), i, 1))
+        elif i is not None:
             stack = self._mod_stack
             for j in range(len(stack) - 1, -1, -1):
                 if stack[j][0] == i:
@@ -623,9 +669,43 @@ class Tracker:
         start, end, peak, exact = self._close_scope(s)
         row = self._mod_rows[i]
         row.calls += 1
+        row._measured += 1
         row.activation_total += end - start
         row.peak_above_start = max(row.peak_above_start, peak - start)
         row.exact = row.exact and exact
+
+    def _record_marks(self, t, b, t_end):
+        """Per-module figures from the event log and the hooks' timestamps (event-log mode)."""
+        pairs = []
+        open_calls = {}
+        for when, i, post in self._marks:
+            if not post:
+                open_calls.setdefault(i, []).append(when)
+            elif open_calls.get(i):
+                pairs.append((open_calls[i].pop(), when, i))
+        for i, starts in open_calls.items():  # interrupted forwards end with the block
+            pairs += [(tp, t_end, i) for tp in starts]
+        self._marks = []
+        if not pairs:
+            return
+        # the log and the hooks share one clock only if the log's first event (the
+        # block's opening) lies between the timestamps taken around the opening
+        same_clock = len(t) > 0 and self._tb <= t[0] <= self._ta
+        # the log starts with the opening (time, start); when the ring wrapped, the events
+        # between it and the first retained one are lost: calls begun before are unknown
+        dropped = getattr(self._scope, "timeline_dropped", 0)
+        known_from = t[1] if dropped and len(t) > 1 else None
+        tp = [p[0] for p in pairs]
+        tq = [p[1] for p in pairs]
+        act, pas, valid = module_figures(t, b, tp, tq, known_from)
+        for (_, _, i), a, p, ok in zip(pairs, act.tolist(), pas.tolist(), valid.tolist()):
+            row = self._mod_rows[i]
+            row.calls += 1
+            if ok:
+                row._measured += 1
+                row.activation_total += a
+                row.peak_above_start = max(row.peak_above_start, p)
+            row.exact = row.exact and ok and bool(same_clock)
 
     def _install_hooks(self):
         from torch.nn.modules import module as torch_module
@@ -662,6 +742,13 @@ class Tracker:
         self._phases = {name: PhaseStats(name) for name in PHASES}
         self._mod_rows = []
         self._mod_stack = []
+        self._marks = []  # event-log mode: (monotonic ns, row index, 0 pre / 1 post)
+        # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
+        # and the per-module figures come from the block's event log at the end (a Scope
+        # per module call costs several microseconds). Same clock: CLOCK_MONOTONIC.
+        self._evmode = (
+            self._modules_on and self._kind == "cpu" and sys.platform.startswith("linux") and cpu.exact()
+        )
         self._ids = {}  # id(module) -> row index, for the model's modules
         self._root_id = None
         self._root_depth = 0
@@ -674,7 +761,9 @@ class Tracker:
         with _lock:
             _active.append(self)
         try:
-            self._scope = self._open_scope(timeline=self._timeline)
+            self._tb = time.monotonic_ns()
+            self._scope = self._open_scope(timeline=self._timeline or self._evmode)
+            self._ta = time.monotonic_ns()
             self._boundaries.append(self._scope.start)
             self._install_hooks()
         except BaseException:
@@ -724,11 +813,15 @@ class Tracker:
             i, s = self._mod_stack.pop()
             self._record_module(i, s)
         self._end_phase()
-        timeline = None
-        if self._timeline:
-            t, b = self._scope.timeline()
-            timeline = (t - t[0] if len(t) else t, b)
+        t_end = time.monotonic_ns()
         start, end, peak, exact = self._close_scope(self._scope)
+        timeline = None
+        if self._timeline or self._evmode:
+            t, b = self._scope.timeline()
+            if self._evmode:
+                self._record_marks(t, b, t_end)
+            if self._timeline:
+                timeline = (t - t[0] if len(t) else t, b)
         seconds = time.perf_counter() - self._t0
         extra = {}
         if self._kind == "cpu":
@@ -742,6 +835,9 @@ class Tracker:
             if not exact:
                 extra["peak_upper"] = self._scope.peak_upper
         forwards = max(1, self._forwards)
+        if self._mod_rows and 0 < self._mod_rows[0]._measured < self._mod_rows[0].calls:
+            # the event log dropped the oldest forwards: average over the measured ones
+            forwards = self._mod_rows[0]._measured
         for row in self._mod_rows:
             row.activation_bytes = row.activation_total // forwards
         leak = None

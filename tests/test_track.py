@@ -6,6 +6,7 @@ only there; every test also asserts what holds with any counter.
 """
 
 import gc
+import sys
 import threading
 import weakref
 
@@ -234,13 +235,17 @@ def test_same_tracker_cannot_be_reentered():
 
 
 def test_tracker_reused_sequentially():
-    t = memtorch.track()
-    with t:
-        x = torch.ones(1000)
-    first = t.report
-    with t:
-        del x
+    # Exact counting runs only while installed (a Scope is open) and does not see the
+    # frees of storages allocated before: keep it installed across both blocks.
+    with memtorch.cpu.Scope():
+        t = memtorch.track()
+        with t:
+            x = torch.ones(1000)  # 4,000 bytes
+        first = t.report
+        with t:
+            del x
     assert t.report is not first
+    assert t.report.start == first.end or not EXACT
     if EXACT:
         assert first.delta == 4000 and t.report.delta == -4000
 
@@ -586,3 +591,31 @@ def test_decorator_with_model_holds_it_weakly():
     assert wm() is None  # the decorator and its report keep only a weakref
     with pytest.raises(MemtorchError, match="no longer exists"):
         wrapped(None)
+
+
+def test_module_figures_from_an_event_log():
+    # log: (time, allocated after the event); a call is [start, end] on the same clock
+    times = [10, 20, 30, 40, 50, 60]
+    nbytes = [100, 300, 1300, 800, 900, 400]
+    # call A spans 15..55: starts at 100 (event at 10), ends at 900, peak 1300
+    # call B spans 35..45: starts at 1300 (event at 30), ends at 800, peak 1300 (nothing higher after 35)
+    # call C spans 5..25: starts before the first event: not known
+    # call D spans 60..70: starts at 400 (the event at 60 counts as before), ends at 400
+    act, pas, valid = tracking.module_figures(times, nbytes, [15, 35, 5, 60], [55, 45, 25, 70])
+    assert act.tolist()[:2] == [800, -500] and act.tolist()[3] == 0
+    assert pas.tolist()[:2] == [1200, 0] and pas.tolist()[3] == 0
+    assert valid.tolist() == [True, True, False, True]
+    # events before time 35 were lost: calls begun before it are not known
+    _, _, valid = tracking.module_figures(times, nbytes, [15, 35, 5, 60], [55, 45, 25, 70], known_from=35)
+    assert valid.tolist() == [False, True, False, True]
+    empty = tracking.module_figures([], [], [1], [2])
+    assert empty[2].tolist() == [False]
+
+
+@exact_only
+def test_module_hooks_take_timestamps_only_with_exact_counters():
+    model = mlp()
+    with memtorch.track(model) as t:
+        assert t._evmode == sys.platform.startswith("linux")
+        model(torch.ones(B, D_IN))
+    assert all(m.exact for m in t.report.modules)
