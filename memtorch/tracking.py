@@ -236,6 +236,14 @@ class TrackReport:
         self.largest = kw.get("largest", [])
         self.seconds = kw.get("seconds", 0.0)
         self.steps = kw.get("steps", 0)
+        # True for a snapshot read inside the block (figures so far).
+        self.live = kw.get("live", False)
+        # CPU: frees the counters saw of storages allocated before counting
+        # began, and their (malloc-usable) bytes: delta and peak are then
+        # upper bounds. Zero when counting was already running (the default
+        # after the first block: memtorch.cpu.keep_counting()).
+        self.unseen_frees = kw.get("unseen_frees", 0)
+        self.unseen_bytes = kw.get("unseen_bytes", 0)
 
     def check(self, peak=None, delta=None, leak=None):
         """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
@@ -255,6 +263,12 @@ class TrackReport:
             rows.append(("peak at most", f(self.peak_upper), "counters cannot be more precise (sampled)"))
         if self.reserved_peak is not None:
             rows.append(("reserved peak", f(self.reserved_peak), "held by the caching allocator"))
+        if self.unseen_frees:
+            rows.append((
+                "unseen frees", f(self.unseen_bytes),
+                f"{self.unseen_frees} free(s) of memory allocated before counting began: delta and peak may be "
+                "that much too high (memtorch.cpu.install() at start-up counts from the start)",
+            ))  # fmt: skip
         return rows
 
     def _phase_rows(self):
@@ -289,7 +303,8 @@ class TrackReport:
     def _title(self):
         how = "exact" if self.exact else "not exact"
         return (
-            f"memtorch.track on {self.device} ({how}, {self.mechanism}); {self.seconds * 1e3:.1f} ms"
+            f"memtorch.track on {self.device} ({how}, {self.mechanism}){' so far' if self.live else ''}; "
+            f"{self.seconds * 1e3:.1f} ms"
             + (f", {self.steps} step(s)" if self.steps else "")
         )
 
@@ -828,6 +843,8 @@ class Tracker:
             mechanism = cpu.mechanism()
             exact = exact and cpu.exact()
             device = "cpu"
+            extra["unseen_frees"] = self._scope.unseen_frees
+            extra["unseen_bytes"] = self._scope.unseen_bytes
         else:
             mechanism = f"torch.cuda counters ({self._scope.how})"
             device = f"cuda:{self._index}"
@@ -853,6 +870,29 @@ class Tracker:
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak,
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, **extra,
+        )  # fmt: skip
+
+    def _snapshot(self):
+        """A report of the open block so far: start, current as end, peak so far, steps."""
+        self._sample()
+        s = self._scope
+        extra = {}
+        if self._kind == "cpu":
+            start, end, peak = s.start, s.current, s.peak
+            exact, mechanism, device = bool(s.exact) and cpu.exact(), cpu.mechanism(), "cpu"
+        else:
+            start, end, peak = s.start, s.current, s.peak
+            exact, mechanism, device = False, f"torch.cuda counters ({s.how or 'sampled'})", f"cuda:{self._index}"
+            extra["reserved_peak"] = s.reserved_peak
+        leak = None
+        steps = len(self._boundaries) - 1
+        if steps > 0:
+            growth = [b - a for a, b in zip(self._boundaries, self._boundaries[1:])]
+            leak = LeakReport(growth, min(self._warmup, steps), [], exact)
+        return TrackReport(
+            device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=max(peak, end),
+            phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
+            leak=leak, seconds=time.perf_counter() - self._t0, steps=steps, live=True, **extra,
         )  # fmt: skip
 
     def _scan_largest(self, n):
@@ -929,7 +969,7 @@ class Tracker:
             return self._last.report
         if self._report is None:
             if self._open:
-                raise MemtorchError("the report is ready when the track() block ends; read t.report after it")
+                return self._snapshot()
             raise MemtorchError("no report: this track() block has not run (or ended with an exception)")
         return self._report
 
