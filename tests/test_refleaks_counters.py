@@ -7,11 +7,11 @@ sys.getallocatedblocks() that stays positive in every round after warm-up.
 import sys
 
 import pytest
-
-pytestmark = pytest.mark.usefixtures("raw_counters")
 import torch
 
 from memtorch import _C, cpu
+
+pytestmark = pytest.mark.usefixtures("raw_counters")
 
 WARMUP, ROUNDS, CALLS = 3, 4, 200
 
