@@ -1,4 +1,4 @@
-"""Type stubs for memtorch._C (the C core). Walker part; the counters add theirs."""
+"""Type stubs for memtorch._C (the C core): the walker, module setup, the counters and event log."""
 
 from typing import Any, Callable, Optional
 
