@@ -5,7 +5,8 @@
 The model is the seed model 784 -> 128 -> 10 with ReLU: its float32 weights
 and biases take (784*128 + 128 + 128*10 + 10) * 4 = 407,080 bytes. After one
 Adam step the gradients take as much again, and the optimizer state twice
-that plus one 4-byte `step` per parameter tensor.
+that plus one 4-byte `step` per parameter tensor. Last, a training step
+runs inside `memtorch.track()`, which prints its peak, per phase and per module.
 """
 
 import torch
@@ -25,6 +26,9 @@ class SeedModel(nn.Module):
 
 
 def main():
+    # Count CPU tensor memory from the start, so that later blocks also see the
+    # frees of tensors made before them (the gradients zero_grad() drops, say).
+    memtorch.cpu.install()
     torch.manual_seed(0)
     model = SeedModel()
     print(memtorch.inspect(model))
@@ -37,6 +41,15 @@ def main():
     opt.step()
     print("after one Adam step:")
     print(memtorch.inspect(model, optimizer=opt))
+    print()
+
+    # A second step, tracked: exact CPU bytes of tensor memory, per phase and module.
+    with memtorch.track(model, optimizer=opt) as t:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    print(t.report)
 
 
 if __name__ == "__main__":
