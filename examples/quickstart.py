@@ -28,7 +28,7 @@ class SeedModel(nn.Module):
 def main():
     # Count CPU tensor memory from the start, so that later blocks also see the
     # frees of tensors made before them (the gradients zero_grad() drops, say).
-    memtorch.cpu.install()
+    memtorch.cpu.start()
     torch.manual_seed(0)
     model = SeedModel()
     print(memtorch.inspect(model))

@@ -43,7 +43,7 @@ too high a delta and peak. memtorch therefore holds one installation of its
 own from the first Scope on (``keep_counting()``, the default), released by
 ``stop()`` or at interpreter exit; each Scope still counts the frees it could
 not see (``Scope.unseen_frees``/``unseen_bytes``), and reports flag them. Call
-``install()`` at start-up to see every storage from the start;
+``start()`` at start-up to see every storage from the start;
 ``keep_counting(False)`` (or ``MEMTORCH_CPU_KEEP=0``) restores the original
 import entries when the last Scope closes.
 
@@ -70,6 +70,7 @@ __all__ = [
     "installed",
     "Scope",
     "keep_counting",
+    "start",
     "stop",
 ]
 
@@ -187,8 +188,23 @@ def keep_counting(on=True):
             stop()
 
 
+def start():
+    """Start counting now and keep counting (memtorch's own installation) until stop().
+
+    Unlike install(), needs no matching uninstall(); tensors allocated from now on
+    are seen when freed, so later Scopes do not meet unseen frees. Idempotent.
+    Does nothing with the fallback mechanism (the resident set needs no start).
+    """
+    global _held
+    with _lock:
+        if not _held and mechanism() == EXACT:
+            _C.counters_install()
+            _held = True
+            _register_atexit()
+
+
 def stop():
-    """Release memtorch's own installation (held since the first Scope). Idempotent."""
+    """Release memtorch's own installation (held since the first Scope or start()). Idempotent."""
     global _held
     with _lock:
         if _held:
@@ -199,15 +215,20 @@ def stop():
 
 def _hold():
     """Take memtorch's own installation if the policy says so (exact mechanism, under _lock)."""
-    global _held, _atexit_registered
+    global _held
     if _keep and not _held:
         _C.counters_install()
         _held = True
-        if not _atexit_registered:
-            import atexit
+        _register_atexit()
 
-            atexit.register(_release_at_exit)
-            _atexit_registered = True
+
+def _register_atexit():
+    global _atexit_registered
+    if not _atexit_registered:
+        import atexit
+
+        atexit.register(_release_at_exit)
+        _atexit_registered = True
 
 
 def _release_at_exit():

@@ -78,6 +78,15 @@ class _MarkerError(Exception):
     pass
 
 
+def _start_cpu_counting():
+    """Count CPU tensor memory from before this test's fixtures on, for the rest of the
+    session: a body that frees what its fixtures (or an earlier test) made is then
+    measured exactly, and the figures do not depend on which test ran first."""
+    from . import cpu
+
+    cpu.start()
+
+
 def _resolve_device(device, spelled):
     """Return "cpu" or "cuda[:N]" for ``device``; pytest.skip when CUDA is asked and absent."""
     if isinstance(device, str):
@@ -234,12 +243,17 @@ class _Session:
         # Before fixtures: a bad marker or an absent device stops the test here.
         mark = item.get_closest_marker("memory_budget")
         if mark is None:
+            if "memtorch_tracker" in getattr(item, "fixturenames", ()):
+                _start_cpu_counting()
             return
         try:
-            item.stash[_BUDGET] = _budget_from_marker(mark)
-            return
+            item.stash[_BUDGET] = budget = _budget_from_marker(mark)
         except _MarkerError as e:
             problem = str(e)
+        else:
+            if budget.device == "cpu":
+                _start_cpu_counting()
+            return
         # Raised outside the except block so that no "during handling" chain is shown.
         pytest.fail(f"usage error: memory_budget marker on {item.nodeid}: {problem}", pytrace=False)
 

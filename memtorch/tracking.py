@@ -267,7 +267,7 @@ class TrackReport:
             rows.append((
                 "unseen frees", f(self.unseen_bytes),
                 f"{self.unseen_frees} free(s) of memory allocated before counting began: delta and peak may be "
-                "that much too high (memtorch.cpu.install() at start-up counts from the start)",
+                "that much too high (memtorch.cpu.start() at start-up counts from the start)",
             ))  # fmt: skip
         return rows
 

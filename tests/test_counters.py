@@ -631,3 +631,18 @@ def test_unseen_frees_are_counted(exact_mode):
 def test_keep_counting_rejects_non_bool():
     with pytest.raises(TypeError, match="bool"):
         cpu.keep_counting("yes")
+
+
+@linux_only
+def test_start_counts_tensors_made_before_the_first_scope(exact_mode):
+    """start() before a tensor is made: its later free inside a scope is seen
+    (1000 float32 = 4000 B); start() is idempotent and stop() restores."""
+    cpu.start()
+    cpu.start()
+    assert _C.counters_installed() == 1 and cpu._debug_leftovers() == []
+    x = torch.ones(1000)
+    with cpu.Scope() as s:
+        del x
+    assert s.delta == -4000 and s.unseen_frees == 0
+    cpu.stop()
+    assert _C.counters_installed() == 0

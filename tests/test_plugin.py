@@ -65,7 +65,6 @@ def run(pytester, monkeypatch):
         # The plugin is already imported here (see _warm_up), too late for assertion rewriting.
         quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
         return runner(*PLUGIN_ARGS, *quiet, "-p", "no:cacheprovider", "--strict-markers", *args)
-        # Option values are written --opt=VALUE: a separate path argument would move pytest's rootdir.
 
     return run
 
@@ -344,6 +343,32 @@ def test_grew_a_little():
 def test_new():
     x = torch.empty(250, 1000)               # 1,000,000 B
 """
+
+
+FIXTURE_FREES = """
+import pytest
+import torch
+
+@pytest.fixture
+def held():
+    return {"x": torch.ones(1000)}           # 4,000 B, made before the body runs
+
+@pytest.mark.memory_budget(device="cpu")
+def test_frees_what_its_fixture_made(held):
+    del held["x"]
+"""
+
+
+@pytest.mark.slow
+def test_body_freeing_a_fixture_tensor_is_measured_from_the_first_test(pytester, run, tmp_path):
+    """Counting starts before the fixtures of the first budgeted test (a fresh process):
+    the body's free of the fixture's 1000 float32 (4,000 B) is seen, delta -4,000 B, peak 0."""
+    pytester.makepyfile(test_ff=FIXTURE_FREES)
+    saved = tmp_path / "peaks.json"
+    result = run(f"--memtorch-save={saved}", subprocess=True)
+    result.assert_outcomes(passed=1)
+    figures = json.loads(saved.read_text())["test_ff.py::test_frees_what_its_fixture_made"]
+    assert figures["delta"] == -4000 and figures["peak"] == 0 and figures["exact"] is True
 
 
 def test_save_then_compare(pytester, run, tmp_path):
