@@ -310,10 +310,14 @@ def memray_figures(run):
             "watermark": sum(r.size for r in records),
             "allocations": int(reader.metadata.total_allocations),
             "records": sorted(
-                ((r.size, r.n_allocations, _where(r)) for r in records), key=lambda t: -t[0]
+                ((r.size, r.n_allocations, _where(r), _allocator(r)) for r in records), key=lambda t: -t[0]
             ),
         }
     return figures
+
+
+def _allocator(record):
+    return getattr(record.allocator, "name", str(record.allocator)).lower()
 
 
 def _where(record):
@@ -440,8 +444,8 @@ def main():
             "test (`peak_memory` in its metadata; the sum of its high-watermark records, which `limit_memory` "
             "compares, is equal where the table shows one number).",
             "",
-            "| test | hand-derived tensor bytes | budget | memtorch peak | same every run | memtorch verdict "
-            "| memray peak | same every run | memray verdict | memray allocations in the test |",
+            "| test | hand-derived tensor bytes | budget | memtorch peak (last run) | same every run | memtorch verdict "
+            "| memray peak (last run) | same every run | memray verdict | memray allocations in the test |",
             "|---|---:|---:|---:|---|---|---:|---|---|---:|",
         ]
         for n in names:
@@ -554,13 +558,13 @@ def main():
         notes = []
         if empty:
             recs = "; ".join(f"{b(size)} B in {n_alloc} allocation(s) at {where}"
-                             for size, n_alloc, where in empty["records"][:3])
+                             for size, n_alloc, where, _ in empty["records"][:3])
             notes.append(
                 f"- memray at `test_empty`'s high watermark (last run): {recs}. Over the "
                 f"{b(EMPTY_BYTES)} B storage: {b(empty['peak'] - EMPTY_BYTES)} B of non-tensor heap."
             )
         if imp:
-            recs = "; ".join(f"{b(size)} B at {where}" for size, _, where in imp["records"][:3])
+            recs = "; ".join(f"{b(size)} B at {where}" for size, _, where, _ in imp["records"][:3])
             notes.append(
                 f"- `test_lazy_import` makes no tensor: memtorch {b(mt[-1].get('test_lazy_import', {}).get('peak', -1))} B, "
                 f"memray {b(imp['peak'])} B ({imp['allocations']} allocations; largest: {recs}). memray measures the "
@@ -572,12 +576,29 @@ def main():
         mt_again = mt[-1].get("test_mlp_sgd_step_again", {}).get("peak")
         if first and again:
             recs = "; ".join(f"{b(size)} B in {n_alloc} allocation(s) at {where}"
-                             for size, n_alloc, where in first["records"][:4])
+                             for size, n_alloc, where, _ in first["records"][:4])
             notes.append(
                 f"- The same MLP step, first and second test of the session (last run): memtorch "
                 f"{b(mt_first) if mt_first is not None else 'n/a'} and {b(mt_again) if mt_again is not None else 'n/a'} B; "
                 f"memray {b(first['peak'])} and {b(again['peak'])} B. memray's largest high-watermark records "
                 f"for the first: {recs}."
+            )
+        for n in names:
+            per_run = [(f[n]["peak"], i) for i, f in enumerate(mr) if n in f]
+            if len({p for p, _ in per_run}) < 2:
+                continue
+            (lo, i_lo), (hi, i_hi) = min(per_run), max(per_run)
+            extra = {}
+            for size, n_alloc, where, alloc in mr[i_hi][n]["records"]:
+                extra[(where, alloc)] = extra.get((where, alloc), 0) + size
+            for size, n_alloc, where, alloc in mr[i_lo][n]["records"]:
+                extra[(where, alloc)] = extra.get((where, alloc), 0) - size
+            top = sorted(((v, k) for k, v in extra.items() if v > 0), reverse=True)[:3]
+            notes.append(
+                f"- `{n}` varies in memray: {b(lo)} B (run {i_lo + 1}) against {b(hi)} B (run {i_hi + 1}), "
+                f"{b(hi - lo)} B more; what the larger run holds at its high watermark beyond the smaller one: "
+                + "; ".join(f"{b(v)} B at {where} ({alloc})" for v, (where, alloc) in top)
+                + "."
             )
         bud = [bnd_mr_fig.get(boundary_name(s), {}).get("peak") for s in parsable]
         bud = [v for v in bud if v is not None]
