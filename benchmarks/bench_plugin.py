@@ -584,22 +584,9 @@ def main():
                 f"for the first: {recs}."
             )
         for n in names:
-            per_run = [(f[n]["peak"], i) for i, f in enumerate(mr) if n in f]
-            if len({p for p, _ in per_run}) < 2:
-                continue
-            (lo, i_lo), (hi, i_hi) = min(per_run), max(per_run)
-            extra = {}
-            for size, n_alloc, where, alloc in mr[i_hi][n]["records"]:
-                extra[(where, alloc)] = extra.get((where, alloc), 0) + size
-            for size, n_alloc, where, alloc in mr[i_lo][n]["records"]:
-                extra[(where, alloc)] = extra.get((where, alloc), 0) - size
-            top = sorted(((v, k) for k, v in extra.items() if v > 0), reverse=True)[:3]
-            notes.append(
-                f"- `{n}` varies in memray: {b(lo)} B (run {i_lo + 1}) against {b(hi)} B (run {i_hi + 1}), "
-                f"{b(hi - lo)} B more; what the larger run holds at its high watermark beyond the smaller one: "
-                + "; ".join(f"{b(v)} B at {where} ({alloc})" for v, (where, alloc) in top)
-                + "."
-            )
+            note = varying_note(n, mr)
+            if note:
+                notes.append(note)
         bud = [bnd_mr_fig.get(boundary_name(s), {}).get("peak") for s in parsable]
         bud = [v for v in bud if v is not None]
         if warm_mr is not None and bud:
@@ -620,6 +607,25 @@ def main():
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def varying_note(name, runs):
+    """For a test whose memray figure differs between runs: which records make the difference, or None."""
+    per_run = [(f[name]["peak"], i) for i, f in enumerate(runs) if name in f]
+    if len({p for p, _ in per_run}) < 2:
+        return None
+    (lo, i_lo), (hi, i_hi) = min(per_run), max(per_run)
+    extra = {}
+    for sign, i in ((1, i_hi), (-1, i_lo)):
+        for size, _, where, alloc in runs[i][name]["records"]:
+            extra[(where, alloc)] = extra.get((where, alloc), 0) + sign * size
+    top = sorted(((v, k) for k, v in extra.items() if v > 0), reverse=True)[:3]
+    return (
+        f"- `{name}` varies in memray: {b(lo)} B (run {i_lo + 1}) against {b(hi)} B (run {i_hi + 1}), "
+        f"{b(hi - lo)} B more; what the larger run holds at its high watermark beyond the smaller one: "
+        + ("; ".join(f"{b(v)} B at {where} ({alloc})" for v, (where, alloc) in top) or "nothing by location")
+        + "."
+    )
 
 
 def _memray_parses(parse, spelled):
