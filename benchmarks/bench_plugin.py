@@ -317,7 +317,13 @@ def memray_figures(run):
 
 
 def _allocator(record):
-    return getattr(record.allocator, "name", str(record.allocator)).lower()
+    """The allocator's name (malloc, mmap, ...): records carry its AllocatorType number."""
+    from memray import AllocatorType
+
+    try:
+        return AllocatorType(record.allocator).name.lower()
+    except ValueError:
+        return str(record.allocator)
 
 
 def _where(record):
