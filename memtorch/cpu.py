@@ -195,12 +195,9 @@ def start():
     are seen when freed, so later Scopes do not meet unseen frees. Idempotent.
     Does nothing with the fallback mechanism (the resident set needs no start).
     """
-    global _held
     with _lock:
-        if not _held and mechanism() == EXACT:
-            _C.counters_install()
-            _held = True
-            _register_atexit()
+        if mechanism() == EXACT:
+            _take_hold()
 
 
 def stop():
@@ -213,17 +210,13 @@ def stop():
                 _C.counters_uninstall()
 
 
-def _hold():
-    """Take memtorch's own installation if the policy says so (exact mechanism, under _lock)."""
-    global _held
-    if _keep and not _held:
-        _C.counters_install()
-        _held = True
-        _register_atexit()
-
-
-def _register_atexit():
-    global _atexit_registered
+def _take_hold():
+    """Take memtorch's own installation once (exact mechanism, under _lock)."""
+    global _held, _atexit_registered
+    if _held:
+        return
+    _C.counters_install()
+    _held = True
     if not _atexit_registered:
         import atexit
 
@@ -326,7 +319,8 @@ class Scope:
                     raise
                 self._handle = (sid, gen)
                 self._unseen0 = _C.counters_stats()[4:6]
-                _hold()
+                if _keep:
+                    _take_hold()
                 self._start, self._peak = start, start
                 self._t0, self._ev0 = t0, ev0
             else:
