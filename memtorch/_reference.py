@@ -13,7 +13,9 @@ from . import _torch
 
 __all__ = ["walk", "inspect", "sizeof"]
 
-PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, TENSOR, ARRAY = range(6)
+PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, TENSOR, ARRAY, ATTRIBUTE = range(7)
+_INT64_MAX = 2**63 - 1
+_NBYTES_OVERFLOW = -1
 _MAX_FLATTEN_DEPTH = 32
 
 
@@ -27,10 +29,17 @@ class _Walk:
         self.layouts = info["layouts"]
         self.per_channel = info["per_channel"]
         self.classify = info["classify"]
+        self.dataclass_fields = info["dataclass_fields"]
+        self.script_tables = info["script_tables"]
+        self.iterables = info["iterables"]
+        self.namespaces = info["namespaces"]
+        self.masked_type = info["masked_type"]
+        self.module_skip = info["module_skip"]
+        self.dc_cache = {}
         self.type_cache = {}
         self.rows = []
         self.paths = []
-        self.dtypes, self.dtype_index, self.itemsize, self.quantized = [], {}, [], []
+        self.dtypes, self.dtype_index, self.itemsize, self.quantized, self.perbyte = [], {}, [], [], []
         self.devices, self.device_index = [], {}
         self.modules, self.module_ids = [], {}
         self.seen = set()
@@ -48,11 +57,12 @@ class _Walk:
         if i is None:
             if dtype not in self.dtype_info:
                 raise TypeError(f"memtorch does not know the dtype {dtype!r}")
-            name, itemsize, quantized = self.dtype_info[dtype]
+            name, itemsize, quantized, perbyte = self.dtype_info[dtype]
             i = self.dtype_index[dtype] = len(self.dtypes)
             self.dtypes.append(name)
             self.itemsize.append(itemsize)
             self.quantized.append(quantized)
+            self.perbyte.append(perbyte)
         return i
 
     def numpy_dtype_slot(self, descr):
@@ -62,6 +72,7 @@ class _Walk:
             self.dtypes.append(str(descr))
             self.itemsize.append(0)
             self.quantized.append(False)
+            self.perbyte.append(0)
         return i
 
     def device_slot(self, device):
@@ -78,15 +89,16 @@ class _Walk:
     # -- tensors
     def dense(self, t, owner, path, module, category, check_data):
         storage = t.untyped_storage()
-        if check_data:
-            try:
-                storage.data_ptr()
-            except RuntimeError:
+        try:
+            data = storage.data_ptr()
+        except RuntimeError:
+            if check_data:
                 raise TypeError(
                     f"memtorch cannot measure the tensor subclass {type(t).__name__} at '{path}': its storage "
                     "holds no data (a wrapper subclass) and it does not implement __tensor_flatten__ to say "
                     "which tensors hold its data"
                 ) from None
+            data = 0
         key = storage._cdata
         storage_nbytes = storage.nbytes()
         numel = t.numel()
@@ -94,18 +106,33 @@ class _Walk:
         dev = self.device_slot(t.device)
         rg = bool(t.requires_grad)
         p = self.path_slot(path)
+        if self.perbyte[dt]:
+            shape = tuple(t.shape)
+            last = shape[-1] if shape else numel
+            k = self.perbyte[dt]
+            nbytes = 0 if last <= 0 else (numel // last) * ((last + k - 1) // k)
+        else:
+            nbytes = numel * self.itemsize[dt]
+            if nbytes > _INT64_MAX:
+                nbytes = _NBYTES_OVERFLOW
         self.rows.append(
-            (numel, numel * self.itemsize[dt], key, storage_nbytes, id(owner), p, module, dt, dev, category, rg)
+            (numel, nbytes, key, storage_nbytes, id(owner), data, p, module, dt, dev, category, rg)
         )
-        if self.quantized[dt] and t.qscheme() in self.per_channel:
-            for aux in ("q_per_channel_scales", "q_per_channel_zero_points"):
-                part = getattr(t, aux)()
-                self.keepalive.append(part)
-                self.dense(part, owner, self.join(path, aux), module, category, False)
+        if self.quantized[dt]:
+            try:
+                per_channel = t.qscheme() in self.per_channel
+            except (RuntimeError, NotImplementedError):
+                per_channel = False  # no quantizer torch can name: no scales
+            if per_channel:
+                for aux in ("q_per_channel_scales", "q_per_channel_zero_points"):
+                    part = getattr(t, aux)()
+                    self.keepalive.append(part)
+                    self.dense(part, owner, self.join(path, aux), module, category, False)
 
     def tensor(self, t, path, module, category, depth=0, owner=None):
         if owner is None:
             owner = t
+            self.keepalive.append(t)
         if depth > _MAX_FLATTEN_DEPTH:
             raise RecursionError(f"tensor subclasses nested more than {_MAX_FLATTEN_DEPTH} deep at '{path}'")
         tp = type(t)
@@ -116,10 +143,11 @@ class _Walk:
             if cls is None:
                 cls = self.type_cache[tp] = int(self.classify(tp))
         if cls == 1:
-            attrs = t.__tensor_flatten__()[0]
+            attrs = list(t.__tensor_flatten__()[0])
             for name in attrs:
                 inner = getattr(t, name)
                 if isinstance(inner, self.torch.Tensor):
+                    self.keepalive.append(inner)
                     self.tensor(inner, self.join(path, name), module, category, depth + 1, owner)
             return
         layout = t.layout
@@ -148,31 +176,57 @@ class _Walk:
         self.tensor(p, path, module, category)
         if len(self.rows) > first_row:
             row = self.rows[first_row]
-            self.params.setdefault(id(p), (self.paths[row[5]], row[6]))
+            self.params.setdefault(id(p), (self.paths[row[6]], row[7]))
         if type(p) is not self.torch.nn.Parameter:
-            if not (p.requires_grad and p.is_leaf):
+            if not (p.requires_grad and p.is_leaf) and not p.retains_grad:
                 return
         grad = p.grad
         if isinstance(grad, self.torch.Tensor):
             self.tensor(grad, self.join(path, "grad"), module, GRADIENT)
 
-    def array(self, arr, path, module):
+    def array(self, arr, path, module, category):
+        self.keepalive.append(arr)
         root = arr
         while isinstance(root.base, np.ndarray):
             root = root.base
         base = root.base
         storage_nbytes = root.nbytes
         if base is None:
-            key = id(root)
+            key, data = id(root), root.ctypes.data
         elif isinstance(base, self.torch.Tensor):
             st = base.untyped_storage()
-            key, storage_nbytes = st._cdata, st.nbytes()
+            key, storage_nbytes, data = st._cdata, st.nbytes(), st.data_ptr()
         else:
-            key = id(base)
+            key, data = id(base), 0
+            try:
+                view = memoryview(base)
+            except TypeError:
+                pass
+            else:
+                if view.contiguous:
+                    storage_nbytes = view.nbytes
+                    data = np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
+                view.release()
         dt = self.numpy_dtype_slot(arr.dtype)
         dev = self.device_slot("cpu")
         p = self.path_slot(path)
-        self.rows.append((arr.size, arr.nbytes, key, storage_nbytes, id(arr), p, module, dt, dev, ARRAY, False))
+        self.rows.append(
+            (arr.size, arr.nbytes, key, storage_nbytes, id(arr), data, p, module, dt, dev, ARRAY, False)
+        )
+        if self.masked_type is not None and isinstance(arr, self.masked_type):
+            mask = object.__getattribute__(arr, "__dict__").get("_mask")
+            if isinstance(mask, np.ndarray):
+                self.stack.append(("any", mask, self.join(path, "mask"), module, category))
+        if arr.dtype == object:
+            items = []
+            for i, value in enumerate(arr.ravel(order="C").tolist()):
+                if not self.atom(value):
+                    items.append(("any", value, f"{path}[{i}]", module, category))
+            self.stack.extend(reversed(items))
+
+    @staticmethod
+    def atom(obj):
+        return obj is None or type(obj) in (int, float, str, bytes, bool, complex) or isinstance(obj, type)
 
     # -- modules
     def module(self, mod, path, parent):
@@ -182,16 +236,23 @@ class _Walk:
         if alias >= 0:
             return
         self.module_ids[id(mod)] = idx
+        self.keepalive.append(mod)
         d = object.__getattribute__(mod, "__dict__")
-        tabs = {}
-        for name in ("_parameters", "_buffers", "_modules"):
-            tab = d.get(name)
-            if not isinstance(tab, dict):
-                raise TypeError(
-                    f"module {type(mod).__name__} at '{path}' has no dict {name} in its __dict__ "
-                    "(was nn.Module.__init__ called?)"
-                )
-            tabs[name] = tab
+        tabs = None
+        if not isinstance(d.get("_parameters"), dict):
+            tabs = self.script_tables(mod)
+            if tabs is not None:
+                tabs = dict(zip(("_parameters", "_buffers", "_modules"), tabs))
+        if tabs is None:
+            tabs = {}
+            for name in ("_parameters", "_buffers", "_modules"):
+                tab = d.get(name)
+                if not isinstance(tab, dict):
+                    raise TypeError(
+                        f"module {type(mod).__name__} at '{path}' has no dict {name} in its __dict__ "
+                        "(was nn.Module.__init__ called?)"
+                    )
+                tabs[name] = tab
         for name, kind, category in (("_parameters", "tensors", PARAMETER), ("_buffers", "tensors", BUFFER)):
             for key, value in tabs[name].items():
                 if value is None:
@@ -205,6 +266,21 @@ class _Walk:
                     self.param(value, self.join(path, key), idx, PARAMETER)
                 else:
                     self.tensor(value, self.join(path, key), idx, BUFFER)
+        # Plain attributes: containers pushed (walked after the children),
+        # tensors walked now.
+        pushed, tensors = [], []
+        for key, value in d.items():
+            if self.atom(value) or not isinstance(key, str) or key in self.module_skip:
+                continue
+            if isinstance(value, (self.torch.nn.Module, self.torch.optim.Optimizer)):
+                continue
+            if isinstance(value, self.torch.Tensor):
+                tensors.append((key, value))
+            else:
+                pushed.append(("any", value, self.join(path, key), idx, ATTRIBUTE))
+        self.stack.extend(reversed(pushed))
+        for key, value in tensors:
+            self.tensor(value, self.join(path, key), idx, ATTRIBUTE)
         children = []
         for key, value in tabs["_modules"].items():
             if value is None:
@@ -222,6 +298,7 @@ class _Walk:
         if id(opt) in self.seen:
             return
         self.seen.add(id(opt))
+        self.keepalive.append(opt)
         d = object.__getattribute__(opt, "__dict__")
         groups, state = d.get("param_groups"), d.get("state")
         if not isinstance(groups, list) or not isinstance(state, dict):
@@ -260,9 +337,23 @@ class _Walk:
         self.stack.extend(reversed(items))
 
     # -- containers
+    def dict_items(self, d, path):
+        pairs = []
+        for i, (key, value) in enumerate(dict.items(d)):
+            if isinstance(key, str):
+                p = self.join(path, key)
+            elif type(key) is int:
+                p = f"{path}[{key}]"
+            else:
+                p = f"{path}[{i}]"
+                if not self.atom(key):
+                    pairs.append((key, f"{p}.key"))
+            pairs.append((value, p))
+        return pairs
+
     def any(self, obj, path, module, category):
         torch = self.torch
-        if obj is None or type(obj) in (int, float, str, bytes, bool, complex) or isinstance(obj, type):
+        if self.atom(obj):
             return
         if isinstance(obj, torch.Tensor):
             if category in (TENSOR, PARAMETER):
@@ -272,36 +363,45 @@ class _Walk:
                 self.tensor(obj, path, module, category)
             return
         if isinstance(obj, np.ndarray):
-            self.array(obj, path, module)
+            self.array(obj, path, module, category)
             return
         if isinstance(obj, torch.nn.Module):
-            self.stack.append(("module", obj, path, module, PARAMETER))
+            if category != ATTRIBUTE:
+                self.stack.append(("module", obj, path, module, PARAMETER))
             return
         if isinstance(obj, torch.optim.Optimizer):
-            self.optimizer(obj, path or "optimizer")
+            if category != ATTRIBUTE:
+                self.optimizer(obj, path or "optimizer")
             return
-        fields = None
+        fields = iterable = namespace = None
         if not isinstance(obj, (dict, list, tuple, set, frozenset)):
-            fields = getattr(type(obj), "__dataclass_fields__", None)
-            if not isinstance(fields, dict):
-                return
+            iterable = next((tp for tp in self.iterables if isinstance(obj, tp)), None)
+            if iterable is None:
+                namespace = next((tp for tp in self.namespaces if isinstance(obj, tp)), None)
+            if iterable is None and namespace is None:
+                tp = type(obj)
+                if tp not in self.dc_cache:
+                    self.dc_cache[tp] = self.dataclass_fields(tp)
+                fields = self.dc_cache[tp]
+                if fields is None:
+                    return
         if id(obj) in self.seen:
             return
         self.seen.add(id(obj))
+        self.keepalive.append(obj)
         pairs = []
         if fields is not None:
             for name in fields:
                 if isinstance(name, str):
-                    pairs.append((getattr(obj, name), self.join(path, name)))
+                    try:
+                        value = getattr(obj, name)
+                    except AttributeError:
+                        continue
+                    pairs.append((value, self.join(path, name)))
         elif isinstance(obj, dict):
-            for i, (key, value) in enumerate(dict.items(obj)):
-                if isinstance(key, str):
-                    p = self.join(path, key)
-                elif type(key) is int:
-                    p = f"{path}[{key}]"
-                else:
-                    p = f"{path}[{i}]"
-                pairs.append((value, p))
+            pairs = self.dict_items(obj, path)
+        elif namespace is not None:
+            pairs = self.dict_items(object.__getattribute__(obj, "__dict__"), path)
         elif isinstance(obj, (list, tuple)):
             names = None
             if isinstance(obj, tuple) and type(obj) is not tuple:
@@ -316,7 +416,11 @@ class _Walk:
                     p = f"{path}[{i}]"
                 pairs.append((value, p))
         else:
-            for i, value in enumerate(iter(obj)):
+            if iterable is not None:
+                it = iterable.__iter__(obj)
+            else:
+                it = (frozenset if isinstance(obj, frozenset) else set).__iter__(obj)
+            for i, value in enumerate(it):
                 pairs.append((value, f"{path}{{{i}}}"))
         for value, p in reversed(pairs):
             self.stack.append(("any", value, p, module, category))

@@ -61,6 +61,19 @@ def _totals(mm):
     return lines
 
 
+def _rule_lines(mm):
+    """What the per-module columns mean, printed under the table."""
+    from .report import MODULE_RULE
+
+    lines = [f"(own: {MODULE_RULE})"]
+    shared = [m for m in mm.modules if m.shared]
+    for m in shared[:5]:
+        lines.append(f"(shared under {m.name or '(root)'}: {_fmt(m.shared)})")
+    if mm.outside_modules:
+        lines.append(f"(outside any module: {_fmt(mm.outside_modules)})")
+    return lines
+
+
 def model_memory_text(mm):
     """A per-module table followed by a totals block."""
     out = [f"ModelMemory of {mm.root_type}: {_fmt(mm.total)}"]
@@ -75,6 +88,7 @@ def model_memory_text(mm):
             )
         if more:
             out.append(f"... {more} more module(s); see .modules")
+        out += _rule_lines(mm)
     out.append("")
     lines = _totals(mm)
     w = max(len(k) for k, _ in lines)

@@ -5,7 +5,13 @@ module hands it what it needs to know about torch once, calls it, and builds a
 ModelMemory (memtorch/report.py) from the rows.
 """
 
+import argparse
+import collections
+import dataclasses
 import threading
+import types
+
+import numpy as np
 
 from . import _torch
 from .report import ModelMemory
@@ -19,15 +25,43 @@ _setup_done = False
 TYPE_PLAIN, TYPE_FLATTEN, TYPE_CHECK_DATA = 0, 1, 2
 
 
+# Packed sub-byte quantized dtypes: elements per byte along the last dimension.
+_PACKED = {"quint4x2": 2, "quint2x4": 4}
+
+
 def _dtype_table(torch):
-    """{torch.dtype: (name, itemsize, quantized)} for every dtype torch has."""
+    """{torch.dtype: (name, itemsize, quantized, per_byte)} for every dtype torch has.
+
+    per_byte is the number of elements packed in one byte along the last
+    dimension (quint4x2: 2, quint2x4: 4), 0 for byte-sized elements.
+    """
     table = {}
+    quantized = _quantized_dtypes(torch)
     for name in dir(torch):
         dt = getattr(torch, name, None)
         if isinstance(dt, torch.dtype) and dt not in table:
             short = str(dt).replace("torch.", "", 1)
-            table[dt] = (short, int(dt.itemsize), bool(dt in _quantized_dtypes(torch)))
+            table[dt] = (short, int(dt.itemsize), bool(dt in quantized), _PACKED.get(short, 0))
     return table
+
+
+def _dataclass_fields(tp):
+    """Names of the real fields of dataclass type tp (no ClassVar/InitVar), or None."""
+    if not isinstance(tp, type) or not dataclasses.is_dataclass(tp):
+        return None
+    return tuple(f.name for f in dataclasses.fields(tp))
+
+
+def _script_tables(mod):
+    """(parameters, buffers, modules) as plain dicts for a TorchScript module, else None.
+
+    torch.jit.script / torch.jit.trace modules keep their tables in C++ and
+    expose wrappers (or nothing, for a traced module) where nn.Module has dicts.
+    """
+    torch = _torch.torch()
+    if not isinstance(mod, torch.jit.ScriptModule):
+        return None
+    return (dict(mod._parameters.items()), dict(mod._buffers.items()), dict(mod._modules.items()))
 
 
 def _quantized_dtypes(torch):
@@ -77,7 +111,22 @@ def _build_setup_info(torch):
         "layouts": layouts,
         "per_channel": per_channel,
         "classify": classify_type,
+        "dataclass_fields": _dataclass_fields,
+        "script_tables": _script_tables,
+        # Iterated by their own C iterator (a subclass's __iter__ is not run).
+        "iterables": (collections.deque,),
+        # Their state is their instance __dict__.
+        "namespaces": (types.SimpleNamespace, argparse.Namespace, collections.UserDict, collections.UserList),
+        "masked_type": np.ma.MaskedArray,
+        # nn.Module's own bookkeeping in an instance __dict__: not user attributes.
+        "module_skip": frozenset(torch.nn.Module().__dict__) | {"training"},
     }
+
+
+def dtype_sizes():
+    """{dtype name: bytes per element} for torch's dtypes (packed ones: 1 per byte of packing)."""
+    torch = _torch.torch()
+    return {name: itemsize for name, itemsize, _q, _pb in setup_info(torch)["dtypes"].values()}
 
 
 def _ensure_setup():

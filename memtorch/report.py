@@ -3,7 +3,12 @@
 Every figure counts each storage once: the bytes memory really holds. A
 storage is filed under the dtype, device and category of its first
 occurrence in walk order (parameters before their gradients, a module's
-parameters before its buffers, the model before the optimizer).
+parameters before its buffers and plain tensor attributes, the model before
+the optimizer). Storages that share memory (torch.from_numpy, np.frombuffer
+windows over one buffer) are one storage: the union of their bytes.
+
+Sums are taken in Python ints: two meta storages of 2**62 bytes add up to
+2**63, past int64.
 """
 
 from collections import namedtuple
@@ -12,34 +17,102 @@ import numpy as np
 
 from . import units
 
-__all__ = ["ModelMemory", "ModuleRow", "CATEGORIES"]
+__all__ = ["ModelMemory", "ModuleRow", "CATEGORIES", "MODULE_RULE"]
 
 # Index = the category code in a row (src/rows.h MT_CAT_*).
-CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "tensor", "array")
+CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "tensor", "array", "attribute")
+
+# nbytes of a row whose numel * element size does not fit in int64 (src/rows.h).
+_NBYTES_OVERFLOW = -1
+
+MODULE_RULE = (
+    "each storage is counted once, under the first module that holds it in registration order; "
+    "a module that also holds it (a tied weight) shows it under 'shared', not in 'own'"
+)
 
 ModuleRow = namedtuple(
     "ModuleRow",
-    "name type own subtree parameters buffers gradients optimizer_state alias_of",
+    "name type own subtree parameters buffers gradients optimizer_state alias_of attributes shared",
 )
 ModuleRow.__doc__ = """One module of the walk, in walk (pre-)order; bytes, each storage once.
 
-own: storages this module's own rows hold (its parameters, buffers, their
-gradients and optimizer state); subtree: storages held by it and its
-descendants; the four category columns split `own` by first occurrence.
-alias_of: the name this module was first met under, if it is met again
-(one submodule registered under two names), else None.
+The rule (MODULE_RULE): a storage's bytes are charged to the first module
+that holds it, in registration (walk) order; its optimizer state goes with
+it. So the `own` column adds up, over all modules, to the bytes held by
+modules, and `subtree` is the sum of `own` over the module and its
+descendants. own = parameters + buffers + gradients + optimizer_state +
+attributes (plain tensor attributes, arrays and other tensors the module
+holds). shared: bytes this module holds that are charged to an earlier
+module (a tied weight). alias_of: the name this module was first met under,
+if it is met again (one submodule registered under two names; its row then
+holds 0 B), else None.
 """
 
 
 def _unique_storage_bytes(keys, nbytes):
-    """Sum of nbytes over unique keys, taking the largest figure per key."""
+    """Sum of nbytes over unique keys, taking the largest figure per key (Python int)."""
     if len(keys) == 0:
         return 0
     order = np.lexsort((-nbytes, keys))
     k = keys[order]
     first = np.ones(len(k), dtype=bool)
     first[1:] = k[1:] != k[:-1]
-    return int(nbytes[order][first].sum())
+    return sum(nbytes[order][first].tolist())
+
+
+def _merge_shared_memory(rows, devices):
+    """Rows whose storages overlap in memory (same device, data != 0) get one
+    key (the first row's) and the size of the merged range.
+
+    Two storages with their own StorageImpl can hold one buffer
+    (torch.from_numpy(a) and a; two np.frombuffer windows over one bytes
+    object): keyed apart, they would be counted twice. Returns rows, a copy
+    where anything changed.
+    """
+    if len(rows) == 0:
+        return rows
+    data = rows["data"]
+    snb = rows["storage_nbytes"]
+    sel = np.flatnonzero((data != 0) & (snb > 0))
+    if len(sel) < 2:
+        return rows
+    start = data[sel]
+    end = start + snb[sel].astype(np.uint64)
+    # Device codes by name: an ndarray's "cpu" and torch.device("cpu") are
+    # two entries of the devices table with one name.
+    canon = np.array([devices.index(name) for name in devices], dtype=np.int64)
+    dev = canon[rows["device"][sel]]
+    order = np.lexsort((start, dev))
+    s_o, e_o, d_o = start[order], end[order], dev[order]
+    # A row opens a new range on a new device, or where it starts at or past
+    # the running end of the ranges before it on its device.
+    new = np.ones(len(order), dtype=bool)
+    bounds = np.flatnonzero(np.r_[True, d_o[1:] != d_o[:-1], True])
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        run_end = np.maximum.accumulate(e_o[lo:hi])
+        new[lo + 1 : hi] = s_o[lo + 1 : hi] >= run_end[:-1]
+    if new.all():
+        return rows
+    group = np.cumsum(new) - 1
+    ngroups = int(group[-1]) + 1
+    gstart = s_o[new]
+    gend = np.zeros(ngroups, dtype=np.uint64)
+    np.maximum.at(gend, group, e_o)
+    rows_sel = sel[order]
+    gkey_row = np.full(ngroups, len(rows), dtype=np.int64)
+    np.minimum.at(gkey_row, group, rows_sel)
+    keys = rows["storage"][rows_sel]
+    # Only ranges holding more than one storage key change anything.
+    multi = np.zeros(ngroups, dtype=bool)
+    first_key = rows["storage"][gkey_row]
+    np.logical_or.at(multi, group, keys != first_key[group])
+    if not multi.any():
+        return rows
+    out = rows.copy()
+    m = multi[group]
+    out["storage"][rows_sel[m]] = first_key[group[m]]
+    out["storage_nbytes"][rows_sel[m]] = (gend - gstart)[group[m]].astype(np.int64)
+    return out
 
 
 class ModelMemory:
@@ -60,6 +133,7 @@ class ModelMemory:
         self.root_type = root_type
         self._modules = None
         self._shared = None
+        rows = self.rows = _merge_shared_memory(rows, self.devices)
         keys = rows["storage"]
         snb = rows["storage_nbytes"]
         if len(rows):
@@ -89,7 +163,7 @@ class ModelMemory:
     @property
     def total(self):
         """Bytes of the unique storages held."""
-        return int(self._first_size.sum())
+        return sum(self._first_size.tolist())
 
     @property
     def logical(self):
@@ -101,7 +175,18 @@ class ModelMemory:
             return 0
         pairs = np.stack([r["tensor"], r["storage"]], axis=1)
         _, idx = np.unique(pairs, axis=0, return_index=True)
-        return int(r["nbytes"][idx].sum())
+        nbytes = r["nbytes"][idx].tolist()
+        if _NBYTES_OVERFLOW in nbytes:
+            # numel * element size past int64 (a huge expanded or meta tensor):
+            # recomputed exactly in Python ints.
+            from .inspection import dtype_sizes
+
+            sizes = dtype_sizes()
+            numel, dt = r["numel"][idx].tolist(), r["dtype"][idx].tolist()
+            for i, b in enumerate(nbytes):
+                if b == _NBYTES_OVERFLOW:
+                    nbytes[i] = numel[i] * sizes[self.dtypes[dt[i]]]
+        return sum(nbytes)
 
     @property
     def count(self):
@@ -110,9 +195,11 @@ class ModelMemory:
 
     @property
     def numel(self):
-        """Elements of parameter storages, each storage once (as 'parameters' in a summary)."""
-        r = self.rows[self._first]
-        return int(r["numel"][r["category"] == 0].sum())
+        """Elements of the parameters, each parameter once (a tied weight once; three
+        parameters that are views of one storage three times), as a summary counts them."""
+        r = self.rows[self.rows["category"] == 0]
+        _, idx = np.unique(r["tensor"], return_index=True)
+        return sum(r["numel"][idx].tolist())
 
     def _group(self, field, names):
         r = self.rows[self._first]
@@ -208,60 +295,57 @@ class ModelMemory:
             p = parent[i]
             if p >= 0 and end[i] > end[p]:
                 end[p] = end[i]
+        size = dict(zip(self.rows["storage"][self._first].tolist(), self._first_size.tolist()))
         r = self.rows
-        sel = r["module"] >= 0
-        mod, key, cat, snb = r["module"][sel], r["storage"][sel], r["category"][sel], r["storage_nbytes"][sel]
-        own = np.zeros(n, dtype=np.int64)
-        percat = np.zeros((n, len(CATEGORIES)), dtype=np.int64)
-        subtree = np.zeros(n, dtype=np.int64)
-        if len(mod):
-            # Unique (module, storage) pairs, first occurrence -> category.
-            pairs = np.stack([mod.astype(np.int64), key.view(np.int64)], axis=1)
-            _, idx = np.unique(pairs, axis=0, return_index=True)
-            idx.sort()
-            size = dict(zip(self.rows["storage"][self._first].tolist(), self._first_size.tolist()))
-            umod, ukey, ucat = mod[idx], key[idx], cat[idx]
-            usize = np.array([size[k] for k in ukey.tolist()], dtype=np.int64)
-            np.add.at(own, umod, usize)
-            np.add.at(percat, (umod, ucat), usize)
-            # Storages held by one module only: subtree sums over the
-            # contiguous pre-order range [i, end[i]).
-            keys_u, counts = np.unique(ukey, return_counts=True)
-            multi = set(keys_u[counts > 1].tolist())
-            single = ~np.isin(ukey, np.array(sorted(multi), dtype=ukey.dtype)) if multi else np.ones(len(ukey), bool)
-            excl = np.zeros(n + 1, dtype=np.int64)
-            np.add.at(excl, umod[single] + 1, usize[single])
-            cum = np.cumsum(excl)
-            subtree = cum[end] - cum[np.arange(n)]
-            # Storages held by several modules: once in each ancestor of any.
-            if multi:
-                holders = {}
-                for m, k in zip(umod[~single].tolist(), ukey[~single].tolist()):
-                    holders.setdefault(k, []).append(m)
-                for k, ms in holders.items():
-                    anc = set()
-                    for m in ms:
-                        while m >= 0 and m not in anc:
-                            anc.add(m)
-                            m = int(parent[m])
-                    for a in anc:
-                        subtree[a] += size[k]
+        sel = np.flatnonzero(r["module"] >= 0)
+        # Python ints throughout: the sums may pass int64 (meta storages).
+        own = [0] * n
+        shared = [0] * n
+        percat = [[0] * len(CATEGORIES) for _ in range(n)]
+        charged = {}  # storage key -> module it is charged to
+        held = set()  # (module, key) pairs met
+        for m, key, cat in zip(
+            r["module"][sel].tolist(), r["storage"][sel].tolist(), r["category"][sel].tolist()
+        ):
+            if (m, key) in held:
+                continue
+            held.add((m, key))
+            b = size[key]
+            if key not in charged:
+                charged[key] = m
+                own[m] += b
+                percat[m][cat] += b
+            elif charged[key] != m:
+                shared[m] += b
+        cum = [0]
+        for v in own:
+            cum.append(cum[-1] + v)
         out = []
         for i, (path, tname, _parent, alias) in enumerate(table):
+            c = percat[i]
             out.append(
                 ModuleRow(
                     path,
                     tname,
-                    int(own[i]),
-                    int(subtree[i]),
-                    int(percat[i, 0]),
-                    int(percat[i, 1]),
-                    int(percat[i, 2]),
-                    int(percat[i, 3]),
+                    own[i],
+                    cum[int(end[i])] - cum[i],
+                    c[0],
+                    c[1],
+                    c[2],
+                    c[3],
                     table[alias][0] if alias >= 0 else None,
+                    own[i] - c[0] - c[1] - c[2] - c[3],
+                    shared[i],
                 )
             )
         return out
+
+    @property
+    def outside_modules(self):
+        """Bytes of storages no module holds (tensors of an optimizer's param
+        groups outside the model, a sizeof() container's tensors): total =
+        sum of ModuleRow.own + outside_modules."""
+        return self.total - sum(m.own for m in self.modules)
 
     # ------------------------------------------------------------ output
     def to_numpy(self):

@@ -61,16 +61,17 @@ mt_rows_dtype(void)
     /* {"names": [...], "formats": [...], "offsets": [...], "itemsize": n}
      * with the offsets of the C struct, so that the layouts agree. */
     spec = Py_BuildValue(
-        "{s:[sssssssssss],s:[sssssssssss],s:[nnnnnnnnnnn],s:n}",
-        "names", "numel", "nbytes", "storage", "storage_nbytes", "tensor", "path",
-        "module", "dtype", "device", "category", "requires_grad",
-        "formats", "i8", "i8", "u8", "i8", "u8", "i4", "i4", "i2", "i2",
+        "{s:[ssssssssssss],s:[ssssssssssss],s:[nnnnnnnnnnnn],s:n}",
+        "names", "numel", "nbytes", "storage", "storage_nbytes", "tensor", "data",
+        "path", "module", "dtype", "device", "category", "requires_grad",
+        "formats", "i8", "i8", "u8", "i8", "u8", "u8", "i4", "i4", "i4", "i2",
         "u1", "?",
         "offsets", (Py_ssize_t)offsetof(mt_row, numel),
         (Py_ssize_t)offsetof(mt_row, nbytes),
         (Py_ssize_t)offsetof(mt_row, storage),
         (Py_ssize_t)offsetof(mt_row, storage_nbytes),
         (Py_ssize_t)offsetof(mt_row, tensor),
+        (Py_ssize_t)offsetof(mt_row, data),
         (Py_ssize_t)offsetof(mt_row, path),
         (Py_ssize_t)offsetof(mt_row, module),
         (Py_ssize_t)offsetof(mt_row, dtype),

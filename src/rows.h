@@ -13,25 +13,37 @@ enum {
     MT_CAT_OPTIMIZER_STATE = 3,
     MT_CAT_TENSOR = 4, /* a tensor met outside a module (sizeof) */
     MT_CAT_ARRAY = 5,  /* a NumPy array */
+    MT_CAT_ATTRIBUTE = 6, /* a tensor held as a plain attribute of a module
+                             (not a parameter or buffer), e.g. the weight
+                             torch.nn.utils.prune computes */
 };
+
+/* nbytes of a row whose numel * element size does not fit in int64 (a
+ * huge expanded or meta tensor): Python recomputes it in exact ints. */
+#define MT_NBYTES_OVERFLOW (-1)
 
 /* One tensor (or tensor component, or ndarray) occurrence. The NumPy dtype
  * built by mt_rows_dtype() mirrors this layout field by field (offsetof), so
  * a buffer of rows is copied into the array with one memcpy. */
 typedef struct {
     int64_t numel;          /* elements */
-    int64_t nbytes;         /* logical bytes: numel * element size */
+    int64_t nbytes;         /* logical bytes: numel * element size, or
+                               MT_NBYTES_OVERFLOW */
     uint64_t storage;       /* storage key: StorageImpl address or root ndarray */
     int64_t storage_nbytes; /* bytes of the whole storage the row keeps alive */
     uint64_t tensor;        /* id of the tensor met in the walk (for a sparse
                                or quantized component: of the whole tensor) */
+    uint64_t data;          /* address of the first byte of the memory the
+                               storage (or the array's owner) holds, 0 where
+                               unknown or none (meta): memory shared by two
+                               storages (torch.from_numpy, np.frombuffer) is
+                               found by overlapping ranges */
     int32_t path;           /* index into the paths list */
     int32_t module;         /* index into the modules list, -1 for none */
-    int16_t dtype;          /* index into the dtypes list */
+    int32_t dtype;          /* index into the dtypes list */
     int16_t device;         /* index into the devices list */
     uint8_t category;       /* MT_CAT_* */
     uint8_t requires_grad;  /* 0 or 1 */
-    uint8_t pad_[2];
 } mt_row;
 
 typedef struct {

@@ -20,7 +20,10 @@
  * Methods of torch.Tensor are called (they are torch's, not user code); the
  * walker itself holds no state between calls. */
 
-#define MT_MAX_DTYPES 1024
+/* Side tables (dtypes, devices) are indexed by an int32 (dtype) or int16
+ * (device) field of a row. */
+#define MT_MAX_DTYPES INT32_MAX
+#define MT_MAX_DEVICES INT16_MAX
 #define MT_MAX_FLATTEN_DEPTH 32
 
 enum { MT_ITEM_MODULE = 0, MT_ITEM_ANY = 1 };
@@ -45,7 +48,7 @@ typedef struct {
     X(qscheme) X(q_per_channel_scales) X(q_per_channel_zero_points)          \
     X(_parameters) X(_buffers) X(_modules) X(state) X(param_groups)         \
     X(params) X(__tensor_flatten__) X(__dataclass_fields__) X(_fields)      \
-    X(data_ptr)
+    X(data_ptr) X(retains_grad) X(shape) X(_mask)
 
 typedef struct {
 #define MT_DECL(n) PyObject *n;
@@ -62,8 +65,11 @@ typedef struct {
     PyObject *paths;        /* list[str] */
     PyObject *dtypes;       /* list[str] */
     PyObject *dtype_index;  /* dict: torch.dtype / numpy dtype -> int */
-    int64_t itemsize[MT_MAX_DTYPES];
-    uint8_t quantized[MT_MAX_DTYPES];
+    int64_t *itemsize;      /* per dtype slot: bytes per element (0: ndarray) */
+    int64_t *perbyte;       /* per dtype slot: elements per byte along the
+                               last dimension (packed quint4x2: 2), else 0 */
+    uint8_t *quantized;     /* per dtype slot: a quantized dtype */
+    Py_ssize_t dtcap;
     PyObject *devices;      /* list[str] */
     PyObject *device_index; /* dict: torch.device -> int */
     PyObject *mod_paths;    /* list[str]: path of each module entry */
@@ -72,12 +78,17 @@ typedef struct {
     int32_t *links;         /* per module entry: parent index, alias-of index */
     Py_ssize_t nlinks, caplinks;
     PyObject *module_ids;   /* dict: id(module) -> index */
-    PyObject *seen;         /* set: id of containers and optimizers walked */
+    PyObject *seen;         /* set: id of containers and optimizers walked;
+                               each object is also in keepalive, so that no
+                               address is reused by a fresh object during
+                               the walk (a property returning a new list) */
     PyObject *params;       /* dict: id(parameter) -> index of its first row,
                                filled from the rows when an optimizer asks */
     Py_ssize_t params_scanned; /* rows already entered in params */
-    PyObject *keepalive;    /* list: tensors made during the walk, kept so
-                               that no StorageImpl address is reused */
+    PyObject *keepalive;    /* list: every object whose address is used as a
+                               key (tensors of rows, arrays, containers in
+                               seen, modules), kept for the whole walk so
+                               that no address (id or StorageImpl) is reused */
     PyObject *empty;        /* "" */
     PyObject *cpu;          /* "cpu" */
     /* From _walker_setup (owned here for the walk's duration). */
@@ -86,10 +97,20 @@ typedef struct {
     PyObject *per_channel;  /* tuple of per-channel qschemes */
     PyObject *classify;     /* callable(type) -> MT_TYPE_* */
     PyObject *type_cache;   /* dict: type -> int class */
+    PyObject *dc_fields;    /* callable(type) -> tuple of dataclass field names */
+    PyObject *dc_cache;     /* dict: type -> tuple of names (this walk) */
+    PyObject *script_tables; /* callable(module) -> (params, buffers, modules)
+                                dicts, for TorchScript modules */
+    PyObject *iterables;    /* tuple of types iterated by their C tp_iter (deque) */
+    PyObject *namespaces;   /* tuple of types whose instance __dict__ is
+                               walked as a dict (SimpleNamespace, UserDict) */
+    PyObject *masked_type;  /* numpy.ma.MaskedArray */
+    PyObject *module_skip;  /* frozenset: nn.Module's own __dict__ keys */
 } mt_walk;
 
 static int walk_tensor(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
                        int32_t module, uint8_t category, int depth);
+static int is_atom(PyObject *obj);
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -146,8 +167,9 @@ id_of(PyObject *obj)
     return PyLong_FromVoidPtr(obj);
 }
 
-/* Adds id(obj) to w->seen. Returns 1 if it was there already, 0 if newly
- * added, -1 on error. */
+/* Adds id(obj) to w->seen and keeps obj (borrowed) alive for the walk, so
+ * that its address is not reused. Returns 1 if it was there already, 0 if
+ * newly added, -1 on error. */
 static int
 mark_seen(mt_walk *w, PyObject *obj)
 {
@@ -159,7 +181,8 @@ mark_seen(mt_walk *w, PyObject *obj)
         goto error;
     }
     rc = PySet_Contains(w->seen, py_id);
-    if (rc == 0 && PySet_Add(w->seen, py_id) < 0) {
+    if (rc == 0 && (PySet_Add(w->seen, py_id) < 0 ||
+                    PyList_Append(w->keepalive, obj) < 0)) {
         rc = -1;
     }
 error:
@@ -231,17 +254,20 @@ lookup_slot(PyObject *index, PyObject *key)
     return (int)PyLong_AsLong(found);
 }
 
-/* Registers a new slot for key with the given name (both borrowed). Returns
- * the index or -1. */
+/* Registers a new slot for key with the given name (both borrowed), at most
+ * `limit` slots. Returns the index or -1. */
 static int
-new_slot(PyObject *index, PyObject *table, PyObject *key, PyObject *name)
+new_slot(PyObject *index, PyObject *table, PyObject *key, PyObject *name,
+         Py_ssize_t limit)
 {
     PyObject *py_i = NULL;
     Py_ssize_t n = PyList_GET_SIZE(table);
     int rc = -1;
 
-    if (n >= MT_MAX_DTYPES) {
-        PyErr_SetString(PyExc_OverflowError, "too many distinct dtypes or devices");
+    if (n >= limit) {
+        PyErr_Format(PyExc_OverflowError,
+                     "memtorch can tell apart at most %zd dtypes or devices in one walk",
+                     limit);
         goto error;
     }
     py_i = PyLong_FromSsize_t(n);
@@ -253,6 +279,68 @@ new_slot(PyObject *index, PyObject *table, PyObject *key, PyObject *name)
 error:
     Py_XDECREF(py_i);
     return rc;
+}
+
+/* Makes room for dtype slot i in the per-dtype arrays. Returns 0 or -1. */
+static int
+dtype_room(mt_walk *w, Py_ssize_t i)
+{
+    if (i < w->dtcap) {
+        return 0;
+    }
+    Py_ssize_t cap = w->dtcap ? w->dtcap * 2 : 32;
+    int64_t *a = PyMem_Realloc(w->itemsize, (size_t)cap * sizeof(int64_t));
+    if (a == NULL) {
+        goto nomem;
+    }
+    w->itemsize = a;
+    a = PyMem_Realloc(w->perbyte, (size_t)cap * sizeof(int64_t));
+    if (a == NULL) {
+        goto nomem;
+    }
+    w->perbyte = a;
+    uint8_t *q = PyMem_Realloc(w->quantized, (size_t)cap);
+    if (q == NULL) {
+        goto nomem;
+    }
+    w->quantized = q;
+    w->dtcap = cap;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+/* Checks one value of the dtype table handed to _walker_setup: a tuple
+ * (name: str, itemsize: int >= 0, quantized: bool, per_byte: int >= 0).
+ * Returns 0, or -1 with TypeError set. */
+static int
+check_dtype_info(PyObject *dtype, PyObject *info)
+{
+    if (!PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 4 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(info, 0)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(info, 1)) ||
+        !PyBool_Check(PyTuple_GET_ITEM(info, 2)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(info, 3))) {
+        PyErr_Format(PyExc_TypeError,
+                     "memtorch._C: the dtype table entry for %R must be a tuple "
+                     "(name: str, itemsize: int, quantized: bool, per_byte: int), not %R",
+                     dtype, info);
+        return -1;
+    }
+    long long isz = PyLong_AsLongLong(PyTuple_GET_ITEM(info, 1));
+    long long pb = PyLong_AsLongLong(PyTuple_GET_ITEM(info, 3));
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (isz < 0 || isz > 1024 || pb < 0 || pb > 64) {
+        PyErr_Format(PyExc_TypeError,
+                     "memtorch._C: the dtype table entry for %R has itemsize %lld "
+                     "and per_byte %lld (expected 0..1024 and 0..64)",
+                     dtype, isz, pb);
+        return -1;
+    }
+    return 0;
 }
 
 /* Index of a torch.dtype (borrowed) in the dtypes table; fills itemsize and
@@ -273,15 +361,19 @@ torch_dtype_slot(mt_walk *w, PyObject *dtype)
         }
         return -1;
     }
-    i = new_slot(w->dtype_index, w->dtypes, dtype, PyTuple_GET_ITEM(info, 0));
+    /* Checked again here: the table is a dict the caller could change. */
+    if (check_dtype_info(dtype, info) < 0 ||
+        dtype_room(w, PyList_GET_SIZE(w->dtypes)) < 0) {
+        return -1;
+    }
+    i = new_slot(w->dtype_index, w->dtypes, dtype, PyTuple_GET_ITEM(info, 0),
+                 MT_MAX_DTYPES);
     if (i < 0) {
         return -1;
     }
     w->itemsize[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(info, 1));
-    w->quantized[i] = (uint8_t)PyObject_IsTrue(PyTuple_GET_ITEM(info, 2));
-    if (PyErr_Occurred()) {
-        return -1;
-    }
+    w->quantized[i] = PyTuple_GET_ITEM(info, 2) == Py_True;
+    w->perbyte[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(info, 3));
     return i;
 }
 
@@ -298,11 +390,16 @@ numpy_dtype_slot(mt_walk *w, PyObject *descr)
     if (name == NULL) {
         return -1;
     }
-    i = new_slot(w->dtype_index, w->dtypes, descr, name);
+    if (dtype_room(w, PyList_GET_SIZE(w->dtypes)) < 0) {
+        Py_DECREF(name);
+        return -1;
+    }
+    i = new_slot(w->dtype_index, w->dtypes, descr, name, MT_MAX_DTYPES);
     Py_DECREF(name);
     if (i >= 0) {
         w->itemsize[i] = 0;
         w->quantized[i] = 0;
+        w->perbyte[i] = 0;
     }
     return i;
 }
@@ -320,12 +417,46 @@ device_slot(mt_walk *w, PyObject *device)
     if (name == NULL) {
         return -1;
     }
-    i = new_slot(w->device_index, w->devices, device, name);
+    i = new_slot(w->device_index, w->devices, device, name, MT_MAX_DEVICES);
     Py_DECREF(name);
     return i;
 }
 
 /* ---------------------------------------------------------------- tensors */
+
+/* Logical bytes of a tensor t (borrowed) of a packed dtype with `perbyte`
+ * elements per byte: outer * ceil(last / perbyte), last the size of the last
+ * dimension (numel for a 0-d tensor). Stores it in *out (MT_NBYTES_OVERFLOW
+ * never: it is at most numel). Returns 0 or -1. */
+static int
+packed_nbytes(mt_walk *w, PyObject *t, int64_t numel, int64_t perbyte, int64_t *out)
+{
+    PyObject *py_shape = NULL;
+    int64_t last = numel;
+    Py_ssize_t nd;
+
+    py_shape = PyObject_GetAttr(t, w->s.shape);
+    if (py_shape == NULL) {
+        return -1;
+    }
+    if (!PyTuple_Check(py_shape)) {
+        PyErr_Format(PyExc_TypeError, "tensor.shape is a %s, not a tuple",
+                     Py_TYPE(py_shape)->tp_name);
+        Py_DECREF(py_shape);
+        return -1;
+    }
+    nd = PyTuple_GET_SIZE(py_shape);
+    if (nd > 0) {
+        last = PyLong_AsLongLong(PyTuple_GET_ITEM(py_shape, nd - 1));
+        if (last == -1 && PyErr_Occurred()) {
+            Py_DECREF(py_shape);
+            return -1;
+        }
+    }
+    Py_DECREF(py_shape);
+    *out = last <= 0 ? 0 : (numel / last) * ((last + perbyte - 1) / perbyte);
+    return 0;
+}
 
 /* Modes of walk_dense. */
 enum { MT_DENSE_PLAIN = 0, MT_DENSE_CHECK_DATA = 1, MT_DENSE_TRY = 2 };
@@ -355,24 +486,37 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
         }
         goto error;
     }
-    if (check_data == MT_DENSE_CHECK_DATA) {
-        /* A wrapper subclass has a storage object with a size but no data:
-         * its bytes live in tensors it holds. data_ptr() raises on it. */
-        py_o = PyObject_CallMethodNoArgs(py_storage, w->s.data_ptr);
-        if (py_o == NULL) {
-            if (PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-                /* Replaced by the error that says what is wrong and why. */
-                PyErr_Clear();
-                PyErr_Format(PyExc_TypeError,
-                             "memtorch cannot measure the tensor subclass %s at "
-                             "'%U': its storage holds no data (a wrapper subclass) "
-                             "and it does not implement __tensor_flatten__ to say "
-                             "which tensors hold its data",
-                             Py_TYPE(t)->tp_name, path);
-            }
-            goto error;
+    /* The address of the storage's memory: two storages over one buffer
+     * (torch.from_numpy, torch.frombuffer) are told apart by their
+     * StorageImpl but share memory. A wrapper subclass has a storage object
+     * with a size but no data: data_ptr() raises on it, and its bytes live
+     * in tensors it holds. */
+    py_o = PyObject_CallMethodNoArgs(py_storage, w->s.data_ptr);
+    if (py_o == NULL && check_data != MT_DENSE_CHECK_DATA &&
+        PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        /* A storage whose memory cannot be reached (data 0: unknown);
+         * it is still counted by its StorageImpl. */
+        PyErr_Clear();
+        py_o = PyLong_FromLong(0);
+    }
+    if (py_o == NULL) {
+        if (check_data == MT_DENSE_CHECK_DATA &&
+            PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+            /* Replaced by the error that says what is wrong and why. */
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "memtorch cannot measure the tensor subclass %s at "
+                         "'%U': its storage holds no data (a wrapper subclass) "
+                         "and it does not implement __tensor_flatten__ to say "
+                         "which tensors hold its data",
+                         Py_TYPE(t)->tp_name, path);
         }
-        Py_CLEAR(py_o);
+        goto error;
+    }
+    row.data = (uint64_t)(uintptr_t)PyLong_AsVoidPtr(py_o);
+    Py_CLEAR(py_o);
+    if (PyErr_Occurred()) {
+        goto error;
     }
     py_o = PyObject_GetAttr(py_storage, w->s._cdata);
     if (py_o == NULL) {
@@ -419,11 +563,22 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
     if ((p = path_slot(w, path)) < 0) {
         goto error;
     }
-    row.nbytes = row.numel * w->itemsize[dt];
+    if (w->perbyte[dt] > 0) {
+        /* Packed sub-byte dtypes (quint4x2, quint2x4) pack `perbyte`
+         * elements per byte along the last dimension, each row of it
+         * rounded up to whole bytes. */
+        if (packed_nbytes(w, t, row.numel, w->perbyte[dt], &row.nbytes) < 0) {
+            goto error;
+        }
+    }
+    else if (__builtin_mul_overflow(row.numel, w->itemsize[dt], &row.nbytes)) {
+        /* Explicit: CPython builds with -fwrapv, so a wrap is silent. */
+        row.nbytes = MT_NBYTES_OVERFLOW;
+    }
     row.tensor = (uint64_t)(uintptr_t)owner;
     row.path = p;
     row.module = module;
-    row.dtype = (int16_t)dt;
+    row.dtype = (int32_t)dt;
     row.device = (int16_t)dev;
     row.category = category;
     row.requires_grad = (uint8_t)rg;
@@ -435,7 +590,17 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
 
     if (w->quantized[dt]) {
         py_q = PyObject_CallMethodNoArgs(t, w->s.qscheme);
-        if (py_q == NULL || (pc = PySequence_Contains(w->per_channel, py_q)) < 0) {
+        if (py_q == NULL &&
+            (PyErr_ExceptionMatches(PyExc_RuntimeError) ||
+             PyErr_ExceptionMatches(PyExc_NotImplementedError))) {
+            /* No quantizer torch can name (torch.empty(n, dtype=quint8) has
+             * an UnknownQuantizer; meta quantized tensors have none): then
+             * there are no scale or zero-point tensors to count. */
+            PyErr_Clear();
+            pc = 0;
+        }
+        else if (py_q == NULL ||
+                 (pc = PySequence_Contains(w->per_channel, py_q)) < 0) {
             goto error;
         }
         if (pc) {
@@ -513,7 +678,7 @@ tensor_type_class(mt_walk *w, PyObject *t)
     }
     py_c = PyDict_GetItemWithError(w->type_cache, tp); /* borrowed */
     if (py_c != NULL) {
-        return (int)PyLong_AsLong(py_c);
+        return (int)PyLong_AsLong(py_c); /* checked when cached */
     }
     if (PyErr_Occurred()) {
         return -1;
@@ -522,9 +687,22 @@ tensor_type_class(mt_walk *w, PyObject *t)
     if (py_c == NULL) {
         return -1;
     }
-    c = PyLong_AsLong(py_c);
-    if ((c == -1 && PyErr_Occurred()) ||
-        PyDict_SetItem(w->type_cache, tp, py_c) < 0) {
+    /* Checked at the boundary: a result outside MT_TYPE_* would otherwise
+     * read as an error with no exception set. */
+    c = PyLong_Check(py_c) ? PyLong_AsLong(py_c) : -1;
+    if (c == -1 && PyErr_Occurred()) {
+        Py_DECREF(py_c);
+        return -1;
+    }
+    if (c < MT_TYPE_PLAIN || c > MT_TYPE_CHECK_DATA) {
+        PyErr_Format(PyExc_TypeError,
+                     "memtorch._C: the walker's classify(%s) returned %R, "
+                     "expected 0, 1 or 2",
+                     ((PyTypeObject *)tp)->tp_name, py_c);
+        Py_DECREF(py_c);
+        return -1;
+    }
+    if (PyDict_SetItem(w->type_cache, tp, py_c) < 0) {
         Py_DECREF(py_c);
         return -1;
     }
@@ -542,6 +720,11 @@ walk_tensor(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
 
     if (owner == NULL) {
         owner = t; /* rows of components are keyed to the whole tensor */
+        /* Its address (and its storage's) are keys: keep it alive for the
+         * walk (a tensor read through getattr may be fresh). */
+        if (PyList_Append(w->keepalive, t) < 0) {
+            goto error;
+        }
     }
     if (depth > MT_MAX_FLATTEN_DEPTH) {
         PyErr_Format(PyExc_RecursionError,
@@ -568,30 +751,44 @@ walk_tensor(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
                          Py_TYPE(t)->tp_name, path);
             goto error;
         }
-        attrs = PyTuple_GET_ITEM(py_flat, 0); /* borrowed */
+        /* A copy of the list of names: getattr below runs user code (a
+         * property) that could change the list and free its items. */
+        attrs = PySequence_List(PyTuple_GET_ITEM(py_flat, 0)); /* new */
+        Py_CLEAR(py_flat);
+        if (attrs == NULL) {
+            goto error;
+        }
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(attrs); i++) {
-            PyObject *name = PyList_GET_ITEM(attrs, i); /* borrowed */
+            PyObject *name = PyList_GET_ITEM(attrs, i); /* held by attrs */
             if (!PyUnicode_Check(name)) {
                 PyErr_Format(PyExc_TypeError,
                              "%s.__tensor_flatten__() at '%U' named a non-string",
                              Py_TYPE(t)->tp_name, path);
+                Py_DECREF(attrs);
                 goto error;
             }
             py_inner = PyObject_GetAttr(t, name);
             if (py_inner == NULL) {
+                Py_DECREF(attrs);
                 goto error;
             }
             if (PyObject_TypeCheck(py_inner, (PyTypeObject *)w->st->tensor_type)) {
+                /* Kept: a property may return a fresh tensor each time. */
+                if (PyList_Append(w->keepalive, py_inner) < 0) {
+                    Py_DECREF(attrs);
+                    goto error;
+                }
                 py_path = join_name(path, name);
                 if (py_path == NULL || walk_tensor(w, py_inner, owner, py_path,
                                                    module, category, depth + 1) < 0) {
+                    Py_DECREF(attrs);
                     goto error;
                 }
                 Py_CLEAR(py_path);
             }
             Py_CLEAR(py_inner);
         }
-        Py_DECREF(py_flat);
+        Py_DECREF(attrs);
         return 0;
     }
     if (cls == MT_TYPE_PLAIN) {
@@ -676,6 +873,14 @@ walk_param(mt_walk *w, PyObject *p, PyObject *path, int32_t module,
             Py_CLEAR(py_o);
         }
         if (!r) {
+            /* A non-leaf keeps a .grad only after retain_grad(). */
+            py_o = PyObject_GetAttr(p, w->s.retains_grad);
+            if (py_o == NULL || (r = PyObject_IsTrue(py_o)) < 0) {
+                goto error;
+            }
+            Py_CLEAR(py_o);
+        }
+        if (!r) {
             goto done;
         }
     }
@@ -701,24 +906,71 @@ error:
     return -1;
 }
 
+/* Pushes the elements of an object array (borrowed) as items named
+ * path[i] (flat C-order index). Returns 0 or -1. */
+static int
+push_object_elements(mt_walk *w, PyObject *arr, PyObject *path, int32_t module,
+                     uint8_t category)
+{
+    PyObject *py_flat = NULL, *py_path = NULL;
+    Py_ssize_t base = w->sn, n;
+    PyObject **items;
+
+    /* A C-contiguous copy holds its own references to the elements. */
+    py_flat = PyArray_NewCopy((PyArrayObject *)arr, NPY_CORDER);
+    if (py_flat == NULL) {
+        goto error;
+    }
+    n = (Py_ssize_t)PyArray_SIZE((PyArrayObject *)py_flat);
+    items = (PyObject **)PyArray_DATA((PyArrayObject *)py_flat);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == NULL || is_atom(items[i])) {
+            continue;
+        }
+        py_path = join_index(path, i);
+        if (py_path == NULL ||
+            push_item(w, MT_ITEM_ANY, items[i], py_path, module, category) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_path);
+    }
+    reverse_from(w, base);
+    Py_DECREF(py_flat);
+    return 0;
+error:
+    Py_XDECREF(py_flat);
+    Py_XDECREF(py_path);
+    return -1;
+}
+
 /* Emits the row of a NumPy array (borrowed). Views of one base share the key
  * of the base that owns the memory; an array over a tensor's memory shares
- * that tensor's storage key. Returns 0 or -1. */
+ * that tensor's storage key; an array over another buffer (bytes, mmap) is
+ * keyed by that object, with the whole buffer's size. The row's `data` is
+ * the owner's first byte, so that memory shared with a tensor
+ * (torch.from_numpy) is found by overlap. Then the elements of an object
+ * array and the mask of a masked array are pushed as items. Returns 0 or -1. */
 static int
-walk_array(mt_walk *w, PyObject *arr, PyObject *path, int32_t module)
+walk_array(mt_walk *w, PyObject *arr, PyObject *path, int32_t module,
+           uint8_t category)
 {
     PyArrayObject *root = (PyArrayObject *)arr;
-    PyObject *base, *py_storage = NULL, *py_o = NULL;
+    PyObject *base, *py_storage = NULL, *py_o = NULL, *py_d = NULL, *py_path = NULL;
     mt_row row = {0};
     int dt, dev;
     int32_t p;
 
+    /* Its address and its base's are keys: keep it for the walk. */
+    if (PyList_Append(w->keepalive, arr) < 0) {
+        goto error;
+    }
     while ((base = PyArray_BASE(root)) != NULL && PyArray_Check(base)) {
         root = (PyArrayObject *)base;
     }
     row.storage_nbytes = (int64_t)PyArray_NBYTES(root);
     if (base == NULL) {
         row.storage = (uint64_t)(uintptr_t)root;
+        row.data = (uint64_t)(uintptr_t)PyArray_DATA(root);
     }
     else if (PyObject_TypeCheck(base, (PyTypeObject *)w->st->tensor_type)) {
         /* tensor.numpy(): the array views the tensor's storage. */
@@ -738,14 +990,36 @@ walk_array(mt_walk *w, PyObject *arr, PyObject *path, int32_t module)
         }
         row.storage_nbytes = PyLong_AsLongLong(py_o);
         Py_CLEAR(py_o);
+        py_o = PyObject_CallMethodNoArgs(py_storage, w->s.data_ptr);
+        if (py_o == NULL) {
+            goto error;
+        }
+        row.data = (uint64_t)(uintptr_t)PyLong_AsVoidPtr(py_o);
+        Py_CLEAR(py_o);
         if (PyErr_Occurred()) {
             goto error;
         }
     }
     else {
-        /* Another owner (bytes, mmap, buffer): keyed by it; the storage size
-         * is the largest extent seen, taken in Python. */
+        /* Another owner (bytes, bytearray, mmap, a memoryview): keyed by it,
+         * sized by the whole buffer it exports (kept alive whole). */
         row.storage = (uint64_t)(uintptr_t)base;
+        if (PyBytes_CheckExact(base)) {
+            row.storage_nbytes = (int64_t)PyBytes_GET_SIZE(base);
+            row.data = row.storage_nbytes ? (uint64_t)(uintptr_t)PyBytes_AS_STRING(base) : 0;
+        }
+        else if (PyObject_CheckBuffer(base)) {
+            Py_buffer view;
+            if (PyObject_GetBuffer(base, &view, PyBUF_SIMPLE) < 0) {
+                /* Not a simple buffer: keep the extent the array shows. */
+                PyErr_Clear();
+            }
+            else {
+                row.storage_nbytes = (int64_t)view.len;
+                row.data = view.len ? (uint64_t)(uintptr_t)view.buf : 0;
+                PyBuffer_Release(&view);
+            }
+        }
     }
     if ((dt = numpy_dtype_slot(w, (PyObject *)PyArray_DESCR((PyArrayObject *)arr))) < 0 ||
         (dev = device_slot(w, w->cpu)) < 0 || (p = path_slot(w, path)) < 0) {
@@ -756,7 +1030,7 @@ walk_array(mt_walk *w, PyObject *arr, PyObject *path, int32_t module)
     row.tensor = (uint64_t)(uintptr_t)arr;
     row.path = p;
     row.module = module;
-    row.dtype = (int16_t)dt;
+    row.dtype = (int32_t)dt;
     row.device = (int16_t)dev;
     row.category = MT_CAT_ARRAY;
     mt_row *slot = mt_rows_push(&w->rows);
@@ -764,11 +1038,36 @@ walk_array(mt_walk *w, PyObject *arr, PyObject *path, int32_t module)
         goto error;
     }
     *slot = row;
+    if (w->masked_type != NULL &&
+        PyObject_TypeCheck(arr, (PyTypeObject *)w->masked_type)) {
+        /* numpy.ma keeps the mask, an array of its own, in the instance
+         * __dict__ (read there: no property runs). */
+        py_d = PyObject_GenericGetDict(arr, NULL);
+        if (py_d == NULL || PyDict_GetItemRef(py_d, w->s._mask, &py_o) < 0) {
+            goto error;
+        }
+        if (py_o != NULL && PyArray_Check(py_o) && PyArray_NDIM((PyArrayObject *)py_o) > 0) {
+            py_path = join_cstr(path, "mask");
+            if (py_path == NULL ||
+                push_item(w, MT_ITEM_ANY, py_o, py_path, module, category) < 0) {
+                goto error;
+            }
+        }
+        Py_CLEAR(py_o);
+    }
+    if (PyArray_DESCR((PyArrayObject *)arr)->type_num == NPY_OBJECT &&
+        push_object_elements(w, arr, path, module, category) < 0) {
+        goto error;
+    }
     Py_XDECREF(py_storage);
+    Py_XDECREF(py_d);
+    Py_XDECREF(py_path);
     return 0;
 error:
     Py_XDECREF(py_storage);
     Py_XDECREF(py_o);
+    Py_XDECREF(py_d);
+    Py_XDECREF(py_path);
     return -1;
 }
 
@@ -849,7 +1148,8 @@ enum { MT_TAB_PARAMETERS, MT_TAB_BUFFERS, MT_TAB_MODULES };
  * so the compiler folds the switches and the loop costs what three written
  * out did (not inlined, it cost ~0.8% more instructions per walk). */
 static inline int
-walk_table(mt_walk *w, mt_item *it, int32_t idx, PyObject *d, int kind)
+walk_table(mt_walk *w, mt_item *it, int32_t idx, PyObject *d, PyObject *tables,
+           int kind)
 {
     PyObject *name, *tab, *key, *value, *py_tab = NULL, *py_path = NULL;
     PyTypeObject *tp;
@@ -871,7 +1171,10 @@ walk_table(mt_walk *w, mt_item *it, int32_t idx, PyObject *d, int kind)
     tp = (PyTypeObject *)(kind == MT_TAB_MODULES ? w->st->module_type
                                                  : w->st->tensor_type);
     allowed = kind == MT_TAB_MODULES ? "modules" : "tensors";
-    if ((tab = module_dict_entry(d, name, it->obj, it->path)) == NULL) {
+    if (tables != NULL) {
+        tab = PyTuple_GET_ITEM(tables, kind); /* a dict, checked by the caller */
+    }
+    else if ((tab = module_dict_entry(d, name, it->obj, it->path)) == NULL) {
         goto error;
     }
     py_tab = Py_NewRef(tab); /* held while user code may run */
@@ -922,14 +1225,104 @@ error:
     return -1;
 }
 
-/* Walks one module item: its parameters, their grads and its buffers now,
- * its children pushed on the stack. A module met again is recorded as an
- * alias of its first path and not walked twice. Returns 0 or -1. */
+/* Returns a new reference to (parameters, buffers, modules) dicts of a
+ * TorchScript module, whose __dict__ holds wrappers (or nothing, for a
+ * traced module) instead of dicts: NULL with no exception if mod is not
+ * one, NULL with an exception on error. */
+static PyObject *
+script_tables(mt_walk *w, PyObject *mod, PyObject *path)
+{
+    PyObject *r = PyObject_CallOneArg(w->script_tables, mod);
+    if (r == NULL || r == Py_None) {
+        Py_XDECREF(r);
+        return NULL;
+    }
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3 ||
+        !PyDict_Check(PyTuple_GET_ITEM(r, 0)) ||
+        !PyDict_Check(PyTuple_GET_ITEM(r, 1)) ||
+        !PyDict_Check(PyTuple_GET_ITEM(r, 2))) {
+        PyErr_Format(PyExc_TypeError,
+                     "memtorch._C: script_tables(%s at '%U') must return None "
+                     "or a tuple of 3 dicts",
+                     Py_TYPE(mod)->tp_name, path);
+        Py_DECREF(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* Walks the plain attributes of a module (its instance __dict__ d,
+ * borrowed) other than nn.Module's own bookkeeping: tensors now (category
+ * attribute), containers and arrays pushed. Modules and optimizers held as
+ * plain attributes are not walked (usually back-references). Returns 0 or -1. */
+static int
+walk_attributes(mt_walk *w, mt_item *it, int32_t idx, PyObject *d)
+{
+    PyObject *py_tensors = NULL, *py_path = NULL, *key, *value;
+    Py_ssize_t base = w->sn, pos = 0;
+    int r;
+
+    /* First pass, no user code runs (push_item only takes references):
+     * containers pushed, tensors put aside with their names. */
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        if (is_atom(value) || !PyUnicode_Check(key)) {
+            continue;
+        }
+        if ((r = PySet_Contains(w->module_skip, key)) != 0) {
+            if (r < 0) {
+                goto error;
+            }
+            continue;
+        }
+        if (PyObject_TypeCheck(value, (PyTypeObject *)w->st->module_type) ||
+            PyObject_TypeCheck(value, (PyTypeObject *)w->st->optimizer_type)) {
+            continue;
+        }
+        if (PyObject_TypeCheck(value, (PyTypeObject *)w->st->tensor_type)) {
+            if (py_tensors == NULL && (py_tensors = PyList_New(0)) == NULL) {
+                goto error;
+            }
+            if (PyList_Append(py_tensors, key) < 0 ||
+                PyList_Append(py_tensors, value) < 0) {
+                goto error;
+            }
+            continue;
+        }
+        py_path = join_name(it->path, key);
+        if (py_path == NULL ||
+            push_item(w, MT_ITEM_ANY, value, py_path, idx, MT_CAT_ATTRIBUTE) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_path);
+    }
+    reverse_from(w, base);
+    /* Second pass over the snapshot (py_tensors holds every item). */
+    for (Py_ssize_t i = 0; py_tensors != NULL && i < PyList_GET_SIZE(py_tensors); i += 2) {
+        py_path = join_name(it->path, PyList_GET_ITEM(py_tensors, i));
+        if (py_path == NULL ||
+            walk_tensor(w, PyList_GET_ITEM(py_tensors, i + 1), NULL, py_path, idx,
+                        MT_CAT_ATTRIBUTE, 0) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_path);
+    }
+    Py_XDECREF(py_tensors);
+    return 0;
+error:
+    Py_XDECREF(py_tensors);
+    Py_XDECREF(py_path);
+    return -1;
+}
+
+/* Walks one module item: its parameters, their grads, its buffers and its
+ * plain tensor attributes now, its children pushed on the stack. A module
+ * met again is recorded as an alias of its first path and not walked twice.
+ * Returns 0 or -1. */
 static int
 walk_module(mt_walk *w, mt_item *it)
 {
     PyObject *mod = it->obj, *py_id = NULL, *py_found, *py_d = NULL,
-             *py_i = NULL;
+             *py_i = NULL, *py_tables = NULL, *tab;
     int32_t idx, alias = -1;
 
     py_id = id_of(mod);
@@ -951,24 +1344,43 @@ walk_module(mt_walk *w, mt_item *it)
         goto done;
     }
     py_i = PyLong_FromLong(idx);
-    if (py_i == NULL || PyDict_SetItem(w->module_ids, py_id, py_i) < 0) {
+    /* Kept for the walk: its id is a key of module_ids. */
+    if (py_i == NULL || PyDict_SetItem(w->module_ids, py_id, py_i) < 0 ||
+        PyList_Append(w->keepalive, mod) < 0) {
         goto error;
     }
     py_d = PyObject_GenericGetDict(mod, NULL);
-    if (py_d == NULL || walk_table(w, it, idx, py_d, MT_TAB_PARAMETERS) < 0 ||
-        walk_table(w, it, idx, py_d, MT_TAB_BUFFERS) < 0 ||
-        walk_table(w, it, idx, py_d, MT_TAB_MODULES) < 0) {
+    if (py_d == NULL) {
+        goto error;
+    }
+    tab = PyDict_GetItemWithError(py_d, w->s._parameters); /* borrowed */
+    if (tab == NULL && PyErr_Occurred()) {
+        goto error;
+    }
+    if (tab == NULL || !PyDict_Check(tab)) {
+        /* TorchScript keeps its tables in C++: ask torch for them. */
+        py_tables = script_tables(w, mod, it->path);
+        if (py_tables == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+    }
+    if (walk_table(w, it, idx, py_d, py_tables, MT_TAB_PARAMETERS) < 0 ||
+        walk_table(w, it, idx, py_d, py_tables, MT_TAB_BUFFERS) < 0 ||
+        walk_attributes(w, it, idx, py_d) < 0 ||
+        walk_table(w, it, idx, py_d, py_tables, MT_TAB_MODULES) < 0) {
         goto error;
     }
 done:
     Py_XDECREF(py_id);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
+    Py_XDECREF(py_tables);
     return 0;
 error:
     Py_XDECREF(py_id);
     Py_XDECREF(py_i);
     Py_XDECREF(py_d);
+    Py_XDECREF(py_tables);
     return -1;
 }
 
@@ -1170,15 +1582,142 @@ is_atom(PyObject *obj)
            PyBool_Check(obj) || PyComplex_CheckExact(obj) || PyType_Check(obj);
 }
 
-/* Walks one generic item: a tensor, ndarray, module, optimizer, container or
+/* Returns a new reference to the tuple of field names of the dataclass type
+ * tp (cached for the walk), Py_None if tp is no dataclass, NULL on error.
+ * Names come from dataclasses.fields() (through the dc_fields callable): it
+ * leaves out ClassVar and InitVar pseudo-fields. */
+static PyObject *
+dataclass_names(mt_walk *w, PyObject *tp)
+{
+    PyObject *py_names = PyDict_GetItemWithError(w->dc_cache, tp); /* borrowed */
+    if (py_names != NULL) {
+        return Py_NewRef(py_names);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    py_names = PyObject_CallOneArg(w->dc_fields, tp);
+    if (py_names == NULL) {
+        return NULL;
+    }
+    if (py_names != Py_None && !PyTuple_Check(py_names)) {
+        PyErr_Format(PyExc_TypeError,
+                     "memtorch._C: dataclass_fields(%s) must return a tuple or None",
+                     ((PyTypeObject *)tp)->tp_name);
+        Py_DECREF(py_names);
+        return NULL;
+    }
+    if (PyDict_SetItem(w->dc_cache, tp, py_names) < 0) {
+        Py_DECREF(py_names);
+        return NULL;
+    }
+    return py_names;
+}
+
+/* Index+1 of the first type in the tuple `types` that obj is an instance
+ * of, 0 if none. */
+static Py_ssize_t
+type_in(PyObject *obj, PyObject *types)
+{
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++) {
+        PyObject *tp = PyTuple_GET_ITEM(types, k);
+        if (PyType_Check(tp) && PyObject_TypeCheck(obj, (PyTypeObject *)tp)) {
+            return k + 1;
+        }
+    }
+    return 0;
+}
+
+/* Pushes the items of a dict d (borrowed) named after path; keys that are
+ * neither str nor int are pushed too (a tensor can be a key), as
+ * path[i].key. No user code runs. Returns 0 or -1. */
+static int
+push_dict(mt_walk *w, mt_item *it, PyObject *d)
+{
+    PyObject *py_path = NULL, *key, *value;
+    Py_ssize_t pos = 0, i = 0;
+
+    while (PyDict_Next(d, &pos, &key, &value)) {
+        if (PyUnicode_Check(key)) {
+            py_path = join_name(it->path, key);
+        }
+        else if (PyLong_CheckExact(key)) {
+            py_path = PyUnicode_FromFormat("%U[%S]", it->path, key);
+        }
+        else {
+            py_path = join_index(it->path, i);
+            if (py_path != NULL && !is_atom(key)) {
+                PyObject *py_kpath = PyUnicode_FromFormat("%U.key", py_path);
+                int r = py_kpath == NULL ? -1
+                        : push_item(w, MT_ITEM_ANY, key, py_kpath, it->module,
+                                    it->category);
+                Py_XDECREF(py_kpath);
+                if (r < 0) {
+                    goto error;
+                }
+            }
+        }
+        if (py_path == NULL ||
+            push_item(w, MT_ITEM_ANY, value, py_path, it->module, it->category) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_path);
+        i++;
+    }
+    return 0;
+error:
+    Py_XDECREF(py_path);
+    return -1;
+}
+
+/* Pushes the items the C iterator of type tp (borrowed) yields over obj,
+ * named path{i}: sets (set's own tp_iter, so a subclass's __iter__ does not
+ * run) and deques. Returns 0 or -1. */
+static int
+push_iterated(mt_walk *w, mt_item *it, PyObject *obj, PyTypeObject *tp)
+{
+    PyObject *py_iter = NULL, *py_v = NULL, *py_path = NULL;
+    Py_ssize_t i = 0;
+
+    if (tp->tp_iter == NULL) {
+        return 0;
+    }
+    py_iter = tp->tp_iter(obj);
+    if (py_iter == NULL) {
+        goto error;
+    }
+    while ((py_v = PyIter_Next(py_iter)) != NULL) {
+        py_path = PyUnicode_FromFormat("%U{%zd}", it->path, i);
+        if (py_path == NULL ||
+            push_item(w, MT_ITEM_ANY, py_v, py_path, it->module, it->category) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_v);
+        Py_CLEAR(py_path);
+        i++;
+    }
+    if (PyErr_Occurred()) {
+        goto error;
+    }
+    Py_DECREF(py_iter);
+    return 0;
+error:
+    Py_XDECREF(py_iter);
+    Py_XDECREF(py_v);
+    Py_XDECREF(py_path);
+    return -1;
+}
+
+/* Walks one generic item: a tensor, ndarray, module, optimizer, container
+ * (dict, list, tuple, set, deque, SimpleNamespace/UserDict/UserList) or
  * dataclass; anything else holds no tensor memory memtorch can see and is
  * skipped. Returns 0 or -1. */
 static int
 walk_any(mt_walk *w, mt_item *it)
 {
-    PyObject *obj = it->obj, *py_path = NULL, *py_fields = NULL,
-             *py_iter = NULL, *py_v = NULL, *key, *value;
-    Py_ssize_t pos, i, base;
+    PyObject *obj = it->obj, *py_path = NULL, *py_fields = NULL, *py_v = NULL,
+             *py_ns = NULL, *value;
+    Py_ssize_t i, base, iter_k = 0, ns_k = 0;
     int r;
 
     if (is_atom(obj)) {
@@ -1193,13 +1732,19 @@ walk_any(mt_walk *w, mt_item *it)
         return walk_tensor(w, obj, NULL, it->path, it->module, it->category, 0);
     }
     if (PyArray_Check(obj)) {
-        return walk_array(w, obj, it->path, it->module);
+        return walk_array(w, obj, it->path, it->module, it->category);
     }
     if (PyObject_TypeCheck(obj, (PyTypeObject *)w->st->module_type)) {
+        if (it->category == MT_CAT_ATTRIBUTE) {
+            return 0; /* a module held as a plain attribute: not walked */
+        }
         return push_item(w, MT_ITEM_MODULE, obj, it->path, it->module,
                          MT_CAT_PARAMETER);
     }
     if (PyObject_TypeCheck(obj, (PyTypeObject *)w->st->optimizer_type)) {
+        if (it->category == MT_CAT_ATTRIBUTE) {
+            return 0;
+        }
         if (PyUnicode_GET_LENGTH(it->path)) {
             return walk_optimizer(w, obj, it->path);
         }
@@ -1214,18 +1759,17 @@ walk_any(mt_walk *w, mt_item *it)
     int is_container = PyDict_Check(obj) || PyList_Check(obj) ||
                        PyTuple_Check(obj) || PyAnySet_Check(obj);
     if (!is_container) {
-        /* A dataclass instance: its class has __dataclass_fields__. */
-        py_fields = PyObject_GetAttr((PyObject *)Py_TYPE(obj),
-                                     w->s.__dataclass_fields__);
+        iter_k = type_in(obj, w->iterables);
+        ns_k = iter_k ? 0 : type_in(obj, w->namespaces);
+    }
+    if (!is_container && !iter_k && !ns_k) {
+        /* A dataclass instance? Its class names its fields. */
+        py_fields = dataclass_names(w, (PyObject *)Py_TYPE(obj));
         if (py_fields == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-                goto error;
-            }
-            /* Not a dataclass: an object memtorch does not look into. */
-            PyErr_Clear();
-            return 0;
+            goto error;
         }
-        if (!PyDict_Check(py_fields)) {
+        if (py_fields == Py_None) {
+            /* An object memtorch does not look into. */
             Py_DECREF(py_fields);
             return 0;
         }
@@ -1237,16 +1781,23 @@ walk_any(mt_walk *w, mt_item *it)
     }
     base = w->sn;
     if (py_fields != NULL) {
-        pos = 0;
-        while (PyDict_Next(py_fields, &pos, &key, &value)) {
-            if (!PyUnicode_Check(key)) {
+        /* py_fields is a tuple we hold: getattr (a property, user code)
+         * cannot free the names. */
+        for (i = 0; i < PyTuple_GET_SIZE(py_fields); i++) {
+            PyObject *name = PyTuple_GET_ITEM(py_fields, i);
+            if (!PyUnicode_Check(name)) {
                 continue;
             }
-            py_v = PyObject_GetAttr(obj, key);
+            py_v = PyObject_GetAttr(obj, name);
             if (py_v == NULL) {
-                goto error;
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                    goto error;
+                }
+                /* A field deleted from the instance: nothing to count. */
+                PyErr_Clear();
+                continue;
             }
-            py_path = join_name(it->path, key);
+            py_path = join_name(it->path, name);
             if (py_path == NULL || push_item(w, MT_ITEM_ANY, py_v, py_path, it->module,
                                              it->category) < 0) {
                 goto error;
@@ -1256,24 +1807,16 @@ walk_any(mt_walk *w, mt_item *it)
         }
     }
     else if (PyDict_Check(obj)) {
-        pos = 0;
-        i = 0;
-        while (PyDict_Next(obj, &pos, &key, &value)) {
-            if (PyUnicode_Check(key)) {
-                py_path = join_name(it->path, key);
-            }
-            else if (PyLong_CheckExact(key)) {
-                py_path = PyUnicode_FromFormat("%U[%S]", it->path, key);
-            }
-            else {
-                py_path = join_index(it->path, i);
-            }
-            if (py_path == NULL || push_item(w, MT_ITEM_ANY, value, py_path, it->module,
-                                             it->category) < 0) {
-                goto error;
-            }
-            Py_CLEAR(py_path);
-            i++;
+        if (push_dict(w, it, obj) < 0) {
+            goto error;
+        }
+    }
+    else if (ns_k) {
+        /* SimpleNamespace, UserDict, UserList: their state is in the
+         * instance __dict__ (read there: no property runs). */
+        py_ns = PyObject_GenericGetDict(obj, NULL);
+        if (py_ns == NULL || push_dict(w, it, py_ns) < 0) {
+            goto error;
         }
     }
     else if (PyList_Check(obj) || PyTuple_Check(obj)) {
@@ -1315,34 +1858,26 @@ walk_any(mt_walk *w, mt_item *it)
         }
         Py_XDECREF(fields);
     }
-    else {
-        /* set / frozenset: iteration is C, no user code. */
-        py_iter = PyObject_GetIter(obj);
-        if (py_iter == NULL) {
+    else if (iter_k) {
+        PyTypeObject *tp = (PyTypeObject *)PyTuple_GET_ITEM(w->iterables, iter_k - 1);
+        if (push_iterated(w, it, obj, tp) < 0) {
             goto error;
         }
-        i = 0;
-        while ((py_v = PyIter_Next(py_iter)) != NULL) {
-            py_path = PyUnicode_FromFormat("%U{%zd}", it->path, i);
-            if (py_path == NULL || push_item(w, MT_ITEM_ANY, py_v, py_path, it->module,
-                                             it->category) < 0) {
-                goto error;
-            }
-            Py_CLEAR(py_v);
-            Py_CLEAR(py_path);
-            i++;
-        }
-        if (PyErr_Occurred()) {
+    }
+    else {
+        /* set / frozenset: set's own iterator, no user code. */
+        if (push_iterated(w, it, obj,
+                          PyFrozenSet_Check(obj) ? &PyFrozenSet_Type : &PySet_Type) < 0) {
             goto error;
         }
     }
     reverse_from(w, base);
     Py_XDECREF(py_fields);
-    Py_XDECREF(py_iter);
+    Py_XDECREF(py_ns);
     return 0;
 error:
     Py_XDECREF(py_fields);
-    Py_XDECREF(py_iter);
+    Py_XDECREF(py_ns);
     Py_XDECREF(py_path);
     Py_XDECREF(py_v);
     return -1;
@@ -1402,6 +1937,19 @@ walk_clear(mt_walk *w)
     Py_CLEAR(w->per_channel);
     Py_CLEAR(w->classify);
     Py_CLEAR(w->type_cache);
+    Py_CLEAR(w->dc_fields);
+    Py_CLEAR(w->dc_cache);
+    Py_CLEAR(w->script_tables);
+    Py_CLEAR(w->iterables);
+    Py_CLEAR(w->namespaces);
+    Py_CLEAR(w->masked_type);
+    Py_CLEAR(w->module_skip);
+    PyMem_Free(w->itemsize);
+    PyMem_Free(w->perbyte);
+    PyMem_Free(w->quantized);
+    w->itemsize = w->perbyte = NULL;
+    w->quantized = NULL;
+    w->dtcap = 0;
 }
 
 /* Takes a new reference to extra[name] into *out, checking its type.
@@ -1424,6 +1972,23 @@ setup_get(PyObject *extra, const char *name, PyObject **out,
 static int mt_dict_check(PyObject *o) { return PyDict_Check(o); }
 static int mt_tuple_check(PyObject *o) { return PyTuple_Check(o); }
 static int mt_callable_check(PyObject *o) { return PyCallable_Check(o); }
+static int mt_frozenset_check(PyObject *o) { return PyFrozenSet_CheckExact(o); }
+static int mt_type_or_none_check(PyObject *o) { return o == Py_None || PyType_Check(o); }
+
+/* Returns 1 if every item of the tuple o is a type. */
+static int
+mt_types_check(PyObject *o)
+{
+    if (!PyTuple_Check(o)) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++) {
+        if (!PyType_Check(PyTuple_GET_ITEM(o, i))) {
+            return 0;
+        }
+    }
+    return 1;
+}
 
 static int
 walk_init(mt_walk *w, PyObject *module)
@@ -1440,8 +2005,17 @@ walk_init(mt_walk *w, PyObject *module)
         setup_get(w->st->extra, "layouts", &w->layouts, mt_tuple_check) < 0 ||
         setup_get(w->st->extra, "per_channel", &w->per_channel, mt_tuple_check) < 0 ||
         setup_get(w->st->extra, "classify", &w->classify, mt_callable_check) < 0 ||
-        setup_get(w->st->extra, "type_cache", &w->type_cache, mt_dict_check) < 0) {
+        setup_get(w->st->extra, "type_cache", &w->type_cache, mt_dict_check) < 0 ||
+        setup_get(w->st->extra, "dataclass_fields", &w->dc_fields, mt_callable_check) < 0 ||
+        setup_get(w->st->extra, "script_tables", &w->script_tables, mt_callable_check) < 0 ||
+        setup_get(w->st->extra, "iterables", &w->iterables, mt_types_check) < 0 ||
+        setup_get(w->st->extra, "namespaces", &w->namespaces, mt_types_check) < 0 ||
+        setup_get(w->st->extra, "masked_type", &w->masked_type, mt_type_or_none_check) < 0 ||
+        setup_get(w->st->extra, "module_skip", &w->module_skip, mt_frozenset_check) < 0) {
         return -1;
+    }
+    if (w->masked_type == Py_None) {
+        Py_CLEAR(w->masked_type);
     }
     if (PyTuple_GET_SIZE(w->layouts) != 6) {
         PyErr_SetString(PyExc_RuntimeError, "memtorch._C: layouts must have 6 items");
@@ -1463,7 +2037,8 @@ walk_init(mt_walk *w, PyObject *module)
         (w->module_ids = PyDict_New()) == NULL || (w->seen = PySet_New(NULL)) == NULL ||
         (w->params = PyDict_New()) == NULL || (w->keepalive = PyList_New(0)) == NULL ||
         (w->empty = PyUnicode_FromString("")) == NULL ||
-        (w->cpu = PyUnicode_FromString("cpu")) == NULL) {
+        (w->cpu = PyUnicode_FromString("cpu")) == NULL ||
+        (w->dc_cache = PyDict_New()) == NULL) {
         return -1;
     }
     return 0;
@@ -1549,9 +2124,13 @@ PyDoc_STRVAR(walker_setup_doc,
 "_walker_setup($module, info, /)\n--\n\n"
 "Hand the walker what it needs to know about torch (called once by\n"
 "memtorch.inspection): a dict with 'dtypes' {torch.dtype: (name, itemsize,\n"
-"quantized)}, 'layouts' (strided, sparse_coo, sparse_csr, sparse_csc,\n"
-"sparse_bsr, sparse_bsc), 'per_channel' (tuple of qschemes) and 'classify'\n"
-"(callable(type) -> 0 plain, 1 flatten, 2 check data).");
+"quantized, per_byte)}, 'layouts' (strided, sparse_coo, sparse_csr,\n"
+"sparse_csc, sparse_bsr, sparse_bsc), 'per_channel' (tuple of qschemes),\n"
+"'classify' (callable(type) -> 0 plain, 1 flatten, 2 check data),\n"
+"'dataclass_fields' (callable(type) -> tuple of names or None),\n"
+"'script_tables' (callable(module) -> 3 dicts or None), 'iterables' and\n"
+"'namespaces' (tuples of types), 'masked_type' (type or None) and\n"
+"'module_skip' (frozenset of nn.Module's own __dict__ keys).");
 
 static PyObject *
 walker_setup(PyObject *module, PyObject *info)
@@ -1562,6 +2141,27 @@ walker_setup(PyObject *module, PyObject *info)
     if (!PyDict_Check(info)) {
         PyErr_Format(PyExc_TypeError, "_walker_setup() needs a dict, not %s",
                      Py_TYPE(info)->tp_name);
+        goto error;
+    }
+    /* Checked here, at the boundary, so that a malformed table is an error
+     * now and not a crash in the middle of a walk. */
+    PyObject *dtypes = PyDict_GetItemString(info, "dtypes"); /* borrowed */
+    if (dtypes == NULL || !PyDict_Check(dtypes)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_walker_setup(): info['dtypes'] must be a dict");
+        goto error;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(dtypes, &pos, &key, &value)) {
+        if (check_dtype_info(key, value) < 0) {
+            goto error;
+        }
+    }
+    PyObject *layouts = PyDict_GetItemString(info, "layouts"); /* borrowed */
+    if (layouts == NULL || !PyTuple_Check(layouts) || PyTuple_GET_SIZE(layouts) != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_walker_setup(): info['layouts'] must be a tuple of 6 layouts");
         goto error;
     }
     extra = PyDict_Copy(info);

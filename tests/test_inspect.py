@@ -54,11 +54,15 @@ def test_subtree_counts_a_tied_weight_once():
     mm = memtorch.inspect(zoo.tied_transformer())
     rows = {m.name: m for m in mm.modules}
     emb = 100 * 32 * 4
-    assert rows["embed"].own == emb and rows["head"].own == emb
+    # The rule: charged to the first holder in registration order (embed),
+    # shown as shared under the second (head).
+    assert rows["embed"].own == emb and rows["head"].own == 0 and rows["head"].shared == emb
     assert rows[""].subtree == mm.total
-    # the root's subtree is less than the sum of its children's subtrees by the tied weight
+    # the columns add up: own over all modules is the total, subtree of each
+    # child is the sum of own over its subtree.
+    assert sum(m.own for m in mm.modules) == mm.total and mm.outside_modules == 0
     children = [m for m in mm.modules if m.name and "." not in m.name]
-    assert sum(c.subtree for c in children) - rows[""].subtree == emb
+    assert sum(c.subtree for c in children) + rows[""].own == rows[""].subtree
 
 
 def test_shared_groups():

@@ -31,8 +31,11 @@ def test_optimizer_state():
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 784)).sum().backward()
     opt.step()
-    # exp_avg + exp_avg_sq of every parameter plus four float32 steps
-    assert memtorch.sizeof(opt.state).total == 2 * 407_080 + 16
+    # exp_avg + exp_avg_sq of every parameter plus four float32 steps; the
+    # state dict's keys are the parameters, which it keeps alive with their
+    # grads: counted too, under their own categories.
+    by_cat = memtorch.sizeof(opt.state).by_category
+    assert by_cat == {"tensor": 2 * 407_080 + 16, "parameter": 407_080, "gradient": 407_080}
     mm = memtorch.sizeof(opt)
     # an optimizer alone: its parameters (and their grads) plus its state
     assert mm.total == 4 * 407_080 + 16
