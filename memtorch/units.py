@@ -5,7 +5,10 @@ GB, TB) are powers of 1000, as in IEC 80000-13. Parsing accepts both; output
 is binary by default and always carries its unit.
 """
 
+import decimal
 import math
+import numbers
+import operator
 import re
 
 from .errors import UnitError
@@ -35,23 +38,44 @@ _ACCEPTED = (
 )
 
 
+# Sizes past this are refused: no memory is that large, and a typo (1e400)
+# should say so rather than become a 400-digit int.
+MAX_SIZE = 2**128
+
+
+def _checked(n, size):
+    if n < 0:
+        raise UnitError(f"size must not be negative, got {size!r}")
+    if n >= MAX_SIZE:
+        raise UnitError(f"size {size!r} is too large: memtorch accepts sizes below 2**128 bytes")
+    return n
+
+
 def parse(size):
     """Return the number of bytes in ``size`` as an int.
 
-    ``size`` is a non-negative int, or a string such as "64 MiB", "1.5GB",
-    "512 kB", "0 B" or "4096". Fractions of a byte round to the nearest byte.
-    Raises UnitError (a ValueError) listing the accepted forms.
+    ``size`` is a non-negative integer (int, numpy.int64 or any integer-like
+    number), a finite non-negative float, or a string such as "64 MiB",
+    "1.5GB", "512 kB", "1e23", "0 B" or "4096". Strings are read exactly (as
+    decimals, never through a float): "1e23" is 10**23. Fractions of a byte
+    round to the nearest byte (halves to even). Raises UnitError (a
+    ValueError) listing the accepted forms.
     """
     if isinstance(size, bool):
         raise UnitError(f"cannot parse size {size!r}: expected {_ACCEPTED}")
-    if isinstance(size, int):
-        if size < 0:
-            raise UnitError(f"size must not be negative, got {size}")
-        return size
-    if isinstance(size, float):
-        if not math.isfinite(size) or size < 0:
+    if isinstance(size, numbers.Integral) or (
+        hasattr(type(size), "__index__") and not isinstance(size, (str, bytes, float))
+    ):
+        try:
+            n = operator.index(size)
+        except TypeError:
+            raise UnitError(f"cannot parse size {size!r} of type {type(size).__name__}: expected {_ACCEPTED}") from None
+        return _checked(n, size)
+    if isinstance(size, numbers.Real) and not isinstance(size, str):
+        value = float(size)
+        if not math.isfinite(value) or value < 0:
             raise UnitError(f"size must be a finite non-negative number, got {size!r}")
-        return round(size)
+        return _checked(round(value), size)
     if not isinstance(size, str):
         raise UnitError(f"cannot parse size {size!r} of type {type(size).__name__}: expected {_ACCEPTED}")
     m = _SIZE_RE.match(size)
@@ -61,10 +85,14 @@ def parse(size):
     factor = _LOOKUP.get(unit.lower())
     if factor is None:
         raise UnitError(f"unknown unit {unit!r} in {size!r}: expected {_ACCEPTED}")
-    value = float(number) * (10 ** int(exponent) if exponent else 1)
-    if "." not in number and not exponent:
-        return int(number) * factor
-    return round(value * factor)
+    if exponent and abs(int(exponent)) > 60:
+        # 10**60 is past MAX_SIZE already; refused before any arithmetic.
+        if int(exponent) > 0 and decimal.Decimal(number) != 0:
+            raise UnitError(f"size {size!r} is too large: memtorch accepts sizes below 2**128 bytes")
+        return 0 if int(exponent) < 0 or decimal.Decimal(number) == 0 else _checked(0, size)
+    ctx = decimal.Context(prec=200, rounding=decimal.ROUND_HALF_EVEN)
+    value = ctx.multiply(decimal.Decimal(number).scaleb(int(exponent or 0), ctx), decimal.Decimal(factor))
+    return _checked(int(value.to_integral_value(rounding=decimal.ROUND_HALF_EVEN, context=ctx)), size)
 
 
 def format(nbytes, unit=None, binary=True, precision=1):

@@ -77,3 +77,31 @@ def test_roundtrip_binary():
     for n in (1, 1023, 1024, 10**6, 2**30 + 7):
         text = units.format(n, precision=12)
         assert abs(units.parse(text) - n) <= 1
+
+
+# ---------------------------------------------------------------- exactness (issue 10)
+def test_exponent_strings_are_exact():
+    from memtorch import units
+
+    assert units.parse("1e23") == 10**23  # float("1e23") is 99999999999999991611392
+    assert units.parse("1.5e3 kB") == 1_500_000
+    assert units.parse("2.5 B") == 2 and units.parse("3.5 B") == 4  # halves to even
+
+
+def test_huge_sizes_are_a_unit_error():
+    from memtorch import units
+    from memtorch.errors import UnitError
+
+    for bad in ("1e400", "1e39", 2**200):
+        with pytest.raises(UnitError, match="too large"):
+            units.parse(bad)
+
+
+def test_integer_like_numbers_are_accepted():
+    import numpy as np
+
+    from memtorch import units
+
+    assert units.parse(np.int64(64)) == 64
+    assert units.parse(np.uint32(7)) == 7
+    assert units.parse(np.float64(2.0)) == 2
