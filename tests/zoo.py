@@ -26,6 +26,9 @@ __all__ = [
     "two_devices",
     "transformer_12",
     "synthetic_many",
+    "scripted_seed",
+    "traced_cnn",
+    "partly_scripted",
     "ZOO",
 ]
 
@@ -198,7 +201,39 @@ def synthetic_many(n_tensors=50_000, device="meta"):
 
 
 # name -> builder, for parametrised tests (fast builders only).
+def scripted_seed():
+    """torch.jit.script of the seed model: its tables are C++ wrappers, not dicts."""
+    return torch.jit.script(SeedModel())
+
+
+def traced_cnn():
+    """torch.jit.trace of cnn_bn (a traced module has no _parameters in its __dict__)."""
+    model = cnn_bn().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.jit.trace(model, torch.randn(1, 3, 8, 8))
+
+
+class PartlyScripted(nn.Module):
+    """A plain module holding a scripted submodule beside a plain one."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain = nn.Linear(16, 8)
+        self.scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+
+    def forward(self, x):
+        return self.scripted(self.plain(x))
+
+
+def partly_scripted():
+    return PartlyScripted()
+
+
 ZOO = {
+    "scripted_seed": scripted_seed,
+    "traced_cnn": traced_cnn,
+    "partly_scripted": partly_scripted,
     "seed_model": seed_model,
     "cnn_bn": cnn_bn,
     "lstm": lstm,
