@@ -7,17 +7,18 @@ import numpy.typing as npt
 
 # NumPy dtype of a walker row (src/rows.h mt_row), fields in this order:
 #   numel i8          elements
-#   nbytes i8         logical bytes: numel * element size
+#   nbytes i8         logical bytes: numel * element size (-1: past int64, see report.py)
 #   storage u8        storage key: the c10::StorageImpl address (untyped_storage()._cdata);
 #                     for an ndarray: id of the base array owning the memory (or of the
 #                     foreign owner; or the tensor storage key for tensor.numpy())
 #   storage_nbytes i8 bytes of the whole storage the occurrence keeps alive
 #   tensor u8         id of the tensor met (of the whole tensor for sparse / quantized parts)
+#   data u8           address of the storage's (or the array owner's) first byte, 0 if none/unknown
 #   path i4           index into `paths`
 #   module i4         index into `modules` (owning module), -1 for none
-#   dtype i2          index into `dtypes` (torch dtypes without the "torch." prefix; numpy's str)
+#   dtype i4          index into `dtypes` (torch dtypes without the "torch." prefix; numpy's str)
 #   device i2         index into `devices` (str(torch.device); "cpu" for ndarrays)
-#   category u1       0 parameter, 1 buffer, 2 gradient, 3 optimizer_state, 4 tensor, 5 array
+#   category u1       0 parameter, 1 buffer, 2 gradient, 3 optimizer_state, 4 tensor, 5 array, 6 attribute
 #   requires_grad ?
 row_dtype: np.dtype
 
@@ -28,9 +29,12 @@ Modules = tuple[list[str], list[str], np.ndarray]
 
 def _set_types(tensor: type, parameter: type, module: type, optimizer: type, /) -> None: ...
 def _walker_setup(info: dict[str, Any], /) -> None:
-    """info: 'dtypes' {torch.dtype: (name, itemsize, quantized)}, 'layouts' (strided,
+    """info: 'dtypes' {torch.dtype: (name, itemsize, quantized, per_byte)}, 'layouts' (strided,
     sparse_coo, sparse_csr, sparse_csc, sparse_bsr, sparse_bsc), 'per_channel' (qschemes),
-    'classify' (callable(type) -> 0 plain, 1 __tensor_flatten__, 2 check the storage has data)."""
+    'classify' (callable(type) -> 0 plain, 1 __tensor_flatten__, 2 check the storage has data),
+    'dataclass_fields' (callable(type) -> names or None), 'script_tables' (callable(module)
+    -> 3 dicts or None), 'iterables', 'namespaces' (tuples of types), 'masked_type' (type or
+    None), 'module_skip' (frozenset). Checked here: a malformed table raises TypeError."""
 
 def _walk(
     obj: Any, optimizer: Optional[Any], /
