@@ -884,9 +884,11 @@ counters_slot_info(PyObject *module, PyObject *arg)
 {
     uintptr_t vals[4] = {0, 0, 0, 0};
     const char *name = PyUnicode_AsUTF8(arg); /* borrowed buffer */
+    char err[256];
     if (name == NULL) {
         goto error;
     }
+    (void)mt_interpose_prepare(err, sizeof(err)); /* locate (loader lock): no table locks */
     if (mt_interpose_slot_info(name, vals) < 0) {
         PyErr_Format(PyExc_ValueError, "_counters_slot_info(): no import slot for %R", arg);
         goto error;
@@ -1022,7 +1024,8 @@ PyDoc_STRVAR(tool_doc,
 "'chain' (forwards to what it found, restores only its own slots),\n"
 "'naive' (forwards to what it found, restores unconditionally), 'libc'\n"
 "(forwards to libc, restores libc's functions, as memray does) or\n"
-"'uninstall'. Returns the number of calls its hooks have seen so far.");
+"'uninstall'; 'calls' does nothing. Returns the number of calls its hooks\n"
+"have seen so far.");
 
 static PyObject *
 counters_tool(PyObject *module, PyObject *arg)
@@ -1033,6 +1036,9 @@ counters_tool(PyObject *module, PyObject *arg)
     int action = -1, rc;
     if (name == NULL) {
         goto error;
+    }
+    if (strcmp(name, "calls") == 0) {
+        return PyLong_FromLong(mt_interpose_tool_calls());
     }
     for (int i = 0; i < 4; i++) {
         if (strcmp(name, names[i]) == 0) {

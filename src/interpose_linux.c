@@ -66,16 +66,18 @@ typedef void (*mt_free_fn)(void *);
  *   - install chains to whatever each slot holds when memtorch patches it
  *     (mt_real_*), never assuming it is libc's;
  *   - uninstall puts back what it saved only where the slot still holds
- *     memtorch's hook; where another tool sat on top, memtorch leaves it and
- *     remembers it (mt_cover): that tool forwards to memtorch's hook, which
- *     then only forwards (the hooks and mt_real_* stay valid for the life of
- *     the process);
- *   - a reinstall finds its own hook (adopted as is) or the tool it left on
- *     top (still chained: nothing written), else it patches on top again;
+ *     memtorch's hook; where another tool sat on top, memtorch leaves it:
+ *     that tool forwards to memtorch's hook, which then only forwards (the
+ *     hooks and mt_real_* stay valid for the life of the process);
+ *   - a reinstall adopts a slot that still holds its hook, else patches on
+ *     top of what is there (whatever it is: nothing proves that it leads
+ *     to us);
  *   - a tool that chains back to memtorch's hook after memtorch chained to
- *     it would recurse forever: a per-thread guard sends a hook entered
- *     again from inside itself to the bottom function (what the dynamic
- *     linker binds the name to) instead;
+ *     it (install, tool, uninstall, install) would recurse forever: a
+ *     per-thread depth guard sends a hook entered again from inside its own
+ *     forwarding to what memtorch forwarded to before its last patch
+ *     (mt_prev_*), and a third entry to the bottom function (what the
+ *     dynamic linker binds the name to), so every chain ends;
  *   - mt_interpose_check() tells whether each slot still leads to memtorch
  *     (memray, when it stops, writes libc's functions into every slot it
  *     knows, memtorch's included), and mt_interpose_repair() patches on top
@@ -88,28 +90,35 @@ typedef void (*mt_free_fn)(void *);
  * saved &free, another tool's saved original) must keep working. */
 static _Atomic(mt_posix_memalign_fn) mt_real_posix_memalign;
 static _Atomic(mt_free_fn) mt_real_free;
+static _Atomic(mt_posix_memalign_fn) mt_prev_posix_memalign;
+static _Atomic(mt_free_fn) mt_prev_free;
 static _Atomic(mt_posix_memalign_fn) mt_bottom_posix_memalign;
 static _Atomic(mt_free_fn) mt_bottom_free;
 
-/* Per-thread re-entrancy guards of the forwarding (see above). */
+/* Per-thread depth of the hooks' own forwarding (see above). */
 static _Thread_local int mt_fwd_pm;
 static _Thread_local int mt_fwd_free;
 
 static int
 mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
 {
-    int rc;
-    if (mt_fwd_pm) {
-        /* Entered again from our own forwarding: a cycle through a tool
-         * that chains back to us. It is already counted by the outer call. */
-        return atomic_load_explicit(&mt_bottom_posix_memalign, memory_order_acquire)(
-            out, alignment, size);
+    int depth = mt_fwd_pm, rc;
+    mt_posix_memalign_fn next = NULL;
+    if (depth == 0) {
+        next = atomic_load_explicit(&mt_real_posix_memalign, memory_order_acquire);
     }
-    mt_fwd_pm = 1;
-    rc = atomic_load_explicit(&mt_real_posix_memalign, memory_order_acquire)(out, alignment,
-                                                                              size);
-    mt_fwd_pm = 0;
-    if (rc == 0 && *out != NULL) {
+    else if (depth == 1) {
+        /* Entered again from our own forwarding: a tool chains back to us.
+         * Counted by the outer call already; go on where we went before. */
+        next = atomic_load_explicit(&mt_prev_posix_memalign, memory_order_acquire);
+    }
+    if (next == NULL) {
+        next = atomic_load_explicit(&mt_bottom_posix_memalign, memory_order_acquire);
+    }
+    mt_fwd_pm = depth + 1;
+    rc = next(out, alignment, size);
+    mt_fwd_pm = depth;
+    if (depth == 0 && rc == 0 && *out != NULL) {
         mt_counters_on_alloc(*out, size);
     }
     return rc;
@@ -118,17 +127,24 @@ mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
 static inline void
 mt_free_common(void *ptr, int kind)
 {
-    if (mt_fwd_free) {
-        atomic_load_explicit(&mt_bottom_free, memory_order_acquire)(ptr);
-        return;
+    int depth = mt_fwd_free;
+    mt_free_fn next = NULL;
+    if (depth == 0) {
+        if (ptr != NULL) {
+            /* Before the real free: the address cannot be reused meanwhile. */
+            mt_counters_on_free(ptr, kind);
+        }
+        next = atomic_load_explicit(&mt_real_free, memory_order_acquire);
     }
-    if (ptr != NULL) {
-        /* Before the real free: the address cannot be reused meanwhile. */
-        mt_counters_on_free(ptr, kind);
+    else if (depth == 1) {
+        next = atomic_load_explicit(&mt_prev_free, memory_order_acquire);
     }
-    mt_fwd_free = 1;
-    atomic_load_explicit(&mt_real_free, memory_order_acquire)(ptr);
-    mt_fwd_free = 0;
+    if (next == NULL) {
+        next = atomic_load_explicit(&mt_bottom_free, memory_order_acquire);
+    }
+    mt_fwd_free = depth + 1;
+    next(ptr);
+    mt_fwd_free = depth;
 }
 
 /* libc10's direct calls of free (c10::free_cpu among them). */
@@ -170,7 +186,6 @@ typedef struct {
 static mt_lib mt_lib_now;              /* located by mt_interpose_prepare */
 static int mt_located;                 /* mt_lib_now is valid */
 static void *mt_saved[MT_MAX_SLOTS];   /* what each slot held when patched */
-static void *mt_cover[MT_MAX_SLOTS];   /* a tool left on top at uninstall */
 static int mt_patched;
 
 /* Basename of the library whose imports are patched: "libc10.so", or a
@@ -385,14 +400,40 @@ mt_resolve(const mt_lib *lib, void *v, int fn)
     return v;
 }
 
+static int
+mt_is_ours(void *v)
+{
+    return v == (void *)mt_hook_posix_memalign || v == (void *)mt_hook_free ||
+           v == (void *)mt_hook_free_ref;
+}
+
+/* Forward fn to v from now on; what we forwarded to before becomes the
+ * target of a re-entered hook. */
 static void
 mt_set_real(int fn, void *v)
 {
+    if (mt_is_ours(v)) {
+        v = NULL; /* never forward to ourselves: the bottom function */
+    }
     if (fn == MT_FN_PM) {
+        mt_posix_memalign_fn old = atomic_load(&mt_real_posix_memalign);
+        if (v == NULL) {
+            v = (void *)atomic_load(&mt_bottom_posix_memalign);
+        }
+        if (old != NULL && (void *)old != v) {
+            atomic_store_explicit(&mt_prev_posix_memalign, old, memory_order_release);
+        }
         atomic_store_explicit(&mt_real_posix_memalign, (mt_posix_memalign_fn)v,
                               memory_order_release);
     }
     else {
+        mt_free_fn old = atomic_load(&mt_real_free);
+        if (v == NULL) {
+            v = (void *)atomic_load(&mt_bottom_free);
+        }
+        if (old != NULL && (void *)old != v) {
+            atomic_store_explicit(&mt_prev_free, old, memory_order_release);
+        }
         atomic_store_explicit(&mt_real_free, (mt_free_fn)v, memory_order_release);
     }
 }
@@ -452,7 +493,6 @@ mt_patch_slot(int i)
     const mt_slot *s = &mt_lib_now.slots[i];
     void *cur = mt_load_slot(s);
     mt_saved[i] = cur;
-    mt_cover[i] = NULL;
     mt_set_real(s->fn, mt_resolve(&mt_lib_now, cur, s->fn));
     return mt_write_slot(s, mt_hook_of(s));
 }
@@ -469,14 +509,12 @@ mt_interpose_patch(char *err, size_t errlen)
         snprintf(err, errlen, "the allocator was not located (internal error)");
         goto error;
     }
-    /* Which functions already lead to us without writing: a slot still
-     * holding our hook (left by a tool that uninstalled after us) or the
-     * tool we left on top at our last uninstall. Where any slot of a
-     * function is written, the function's chain target is what was there. */
+    /* A slot still holding our hook (a tool that patched after us put it
+     * back) is adopted as is; every other slot is patched on top of what it
+     * holds, and the function forwards to that. */
     for (int i = 0; i < mt_lib_now.nslots; i++) {
         const mt_slot *s = &mt_lib_now.slots[i];
-        void *cur = mt_load_slot(s);
-        if (cur == mt_hook_of(s) || (mt_cover[i] != NULL && cur == mt_cover[i])) {
+        if (mt_load_slot(s) == mt_hook_of(s)) {
             continue;
         }
         if (mt_patch_slot(i) < 0) {
@@ -510,15 +548,11 @@ mt_interpose_unpatch(void)
     for (int i = 0; i < mt_lib_now.nslots; i++) {
         const mt_slot *s = &mt_lib_now.slots[i];
         void *cur = mt_load_slot(s);
+        /* Where another tool patched the slot after us, it forwards to our
+         * hook: cutting it out would silence it. Leave it; our hook keeps
+         * forwarding. */
         if (cur == mt_hook_of(s)) {
             (void)mt_write_slot(s, mt_saved[i]);
-            mt_cover[i] = NULL;
-        }
-        else {
-            /* Another tool patched the slot after us and forwards to our
-             * hook: cutting it out would silence it. Leave it; our hook
-             * keeps forwarding. */
-            mt_cover[i] = cur;
         }
     }
     mt_patched = 0;
@@ -534,7 +568,7 @@ mt_interpose_check(uintptr_t *found)
     for (int i = 0; i < mt_lib_now.nslots; i++) {
         const mt_slot *s = &mt_lib_now.slots[i];
         void *cur = mt_load_slot(s);
-        if (cur != mt_hook_of(s) && !(mt_cover[i] != NULL && cur == mt_cover[i])) {
+        if (cur != mt_hook_of(s)) {
             if (lost == 0 && found != NULL) {
                 *found = (uintptr_t)cur;
             }
@@ -553,8 +587,7 @@ mt_interpose_repair(void)
     }
     for (int i = 0; i < mt_lib_now.nslots; i++) {
         const mt_slot *s = &mt_lib_now.slots[i];
-        void *cur = mt_load_slot(s);
-        if (cur != mt_hook_of(s) && !(mt_cover[i] != NULL && cur == mt_cover[i])) {
+        if (mt_load_slot(s) != mt_hook_of(s)) {
             /* Chain to what is there now. If it chains back to our hook,
              * the re-entrancy guard stops the cycle. */
             if (mt_patch_slot(i) < 0) {
@@ -591,7 +624,6 @@ mt_interpose_set_target(const char *name)
     snprintf(mt_target, sizeof(mt_target), "%s", name);
     mt_located = 0;
     memset(mt_saved, 0, sizeof(mt_saved));
-    memset(mt_cover, 0, sizeof(mt_cover));
     return 0;
 }
 
