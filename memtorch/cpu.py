@@ -293,34 +293,30 @@ def reset_peak():
 
 
 def _processes():
-    """(processes created so far by multiprocessing, pids of live DataLoader workers): cheap.
+    """(processes created so far by multiprocessing, pids of its live child processes): cheap.
 
     DataLoader workers (num_workers > 0) hand their batches over in shared
     memory, which the counters do not see. multiprocessing numbers every
     Process it creates (``multiprocessing.process._process_counter``, read
-    through its repr without advancing it); the workers still alive are
-    ``multiprocessing.active_children()`` whose target is torch's worker loop.
+    through its repr without advancing it); persistent workers started before
+    a block are among ``multiprocessing.active_children()`` (a Process forgets
+    its target once started, so a DataLoader worker cannot be told from
+    another child process).
     """
     mp = sys.modules.get("multiprocessing.process")
     if mp is None:  # nothing imported multiprocessing: no process was made
         return 0, ()
     made = 0
-    counter = getattr(mp, "_process_counter", None)
-    text = repr(counter)
+    text = repr(getattr(mp, "_process_counter", None))
     if text.startswith("count(") and text.endswith(")"):
         try:
             made = int(text[6:-1])
         except ValueError:
             made = 0
-    workers = ()
-    children = getattr(mp, "_children", None)
-    if children:
-        workers = tuple(
-            p.pid
-            for p in list(children)
-            if getattr(getattr(p, "_target", None), "__module__", "").startswith("torch.utils.data")
-        )
-    return made, workers
+    alive = ()
+    if getattr(mp, "_children", None):
+        alive = tuple(p.pid for p in mp.active_children())
+    return made, alive
 
 
 def _plural(n, one, many=None):
@@ -512,6 +508,25 @@ class Scope:
         return (started, workers) if (started or workers) else ()
 
     @property
+    def other_thread_bytes(self):
+        """Bytes allocated while open by other threads than the one that opened the scope.
+
+        They are in the figures (the counters are process-wide); ``caveats`` says so.
+        """
+        self._need_opened()
+        if self._mechanism == FALLBACK:
+            return 0
+        return self._other_bytes if self._state == "closed" else self._live()[4]
+
+    @property
+    def other_thread_allocations(self):
+        """Number of allocations behind other_thread_bytes."""
+        self._need_opened()
+        if self._mechanism == FALLBACK:
+            return 0
+        return self._other_allocs if self._state == "closed" else self._live()[5]
+
+    @property
     def caveats(self):
         """What these figures could not see, as sentences for a user; [] when all is well."""
         from . import units
@@ -538,7 +553,7 @@ class Scope:
             entries = max(stats[1] - self._lost0, 0)
             where = _C.counters_loss_info()[1] if lost else None
         if lost:
-            found = f" (their slots held a function of {os.path.basename(where)})" if where else ""
+            found = f" (its import slots pointed into {os.path.basename(where)} instead)" if where else ""
             out.append(
                 "Another tool replaced memtorch's allocation hooks in libc10 during this block"
                 f"{found}; memray and pytest-memray do this, and put libc's functions back when they "
@@ -557,7 +572,7 @@ class Scope:
         if unseen_n:
             out.append(
                 f"{_plural(unseen_n, 'free')} of memory allocated before counting began "
-                f"({units.format(unseen_b)} by malloc's sizes): delta and peak may be up to that much too "
+                f"({units.format(unseen_b)} as malloc sized them): delta and peak may be up to that much too "
                 "high. Call memtorch.cpu.start() at start-up to count from the start."
             )
         if entries:
@@ -573,8 +588,7 @@ class Scope:
         if started:
             what.append(f"{_plural(started, 'process', 'processes')} started")
         if workers:
-            what.append(f"{_plural(workers, 'DataLoader worker process', 'DataLoader worker processes')} "
-                        "running")
+            what.append(f"{_plural(workers, 'child process', 'child processes')} running")
         return (
             f"{' and '.join(what).capitalize()} during this block (a DataLoader with num_workers > 0, "
             "for example). Their tensors and the batches they hand over in shared memory are not seen by "
