@@ -53,6 +53,7 @@ an error) or ``rss`` (always the fallback).
 """
 
 import os
+import sys
 import threading
 
 from . import _C, _torch
@@ -72,6 +73,7 @@ __all__ = [
     "keep_counting",
     "start",
     "stop",
+    "check",
 ]
 
 EXACT = "libc10-got"
@@ -100,16 +102,23 @@ def _choice():
 
 
 def _resolve():
-    """(mechanism, reason the exact one is not used or None)."""
+    """(mechanism, reason the exact one is not used or None).
+
+    The name comes from the C core: the mechanism patched now, or the one it
+    found usable (None where libc10 imports no posix_memalign, as torch's
+    aarch64 builds with mimalloc): never a name for what is not in use.
+    """
     if _C.counters_installed():
-        return EXACT, None
+        return _C.counters_mechanism() or EXACT, None
     choice = _choice()
     if choice == "rss":
         return FALLBACK, f"forced by {ENV}=rss"
     _torch.torch()  # libc10 must be loaded to be found
     reason = _C.counters_probe()
-    if reason is None:
-        return EXACT, None
+    name = _C.counters_mechanism()
+    if reason is None and name is not None:
+        return name, None
+    reason = reason or "no exact CPU allocation counting on this platform"
     if choice == EXACT:
         raise MemtorchError(f"exact CPU counting is unavailable ({ENV}=libc10-got): {reason}")
     return FALLBACK, reason
@@ -127,7 +136,7 @@ def fallback_reason():
 
 def exact():
     """True if CPU figures are exact bytes of tensor storage in this process."""
-    return mechanism() == EXACT
+    return mechanism() != FALLBACK
 
 
 def _rss():
@@ -152,7 +161,7 @@ def install():
     """Start counting (refcounted). Exact mechanism: patch libc10's imports on the first call."""
     global _rss_installs
     with _lock:
-        if mechanism() == EXACT:
+        if mechanism() != FALLBACK:
             _C.counters_install()
         else:
             _rss_installs += 1
@@ -196,7 +205,7 @@ def start():
     Does nothing with the fallback mechanism (the resident set needs no start).
     """
     with _lock:
-        if mechanism() == EXACT:
+        if mechanism() != FALLBACK:
             _take_hold()
 
 
@@ -236,9 +245,24 @@ def installed():
     return bool(_C.counters_installed() or _rss_installs)
 
 
+def check():
+    """Check that memtorch's allocation hooks are still in libc10's import slots.
+
+    Another tool that patches the same slots (memray and pytest-memray do, and
+    write libc's functions back when they stop) can take them away; then
+    nothing is counted. memtorch checks at every Scope's open and close and in
+    allocated()/peak(); where the hooks are gone it patches them back on top of
+    what is there (so that tool keeps working), starts its table afresh (the
+    frees missed meanwhile make the old entries untrue) and marks every open
+    Scope not exact. Returns True if the hooks were found gone (and put back).
+    """
+    return bool(_C.counters_installed() and _C.counters_check())
+
+
 def allocated():
     """Bytes of live CPU tensor memory counted now (see the module docstring for exactly what)."""
     if _C.counters_installed():
+        _C.counters_check()
         return _C.counters_current()
     if mechanism() == FALLBACK:
         return _rss()
@@ -248,6 +272,7 @@ def allocated():
 def peak():
     """Highest allocated() since installation or the last reset_peak(), process-wide."""
     if _C.counters_installed():
+        _C.counters_check()
         return _C.counters_peak()
     if mechanism() == FALLBACK:
         now = _rss()
@@ -267,6 +292,37 @@ def reset_peak():
         _rss_seen = max(_rss_seen, 0)
 
 
+def _processes():
+    """(processes created so far by multiprocessing, pids of its live child processes): cheap.
+
+    DataLoader workers (num_workers > 0) hand their batches over in shared
+    memory, which the counters do not see. multiprocessing numbers every
+    Process it creates (``multiprocessing.process._process_counter``, read
+    through its repr without advancing it); persistent workers started before
+    a block are among ``multiprocessing.active_children()`` (a Process forgets
+    its target once started, so a DataLoader worker cannot be told from
+    another child process).
+    """
+    mp = sys.modules.get("multiprocessing.process")
+    if mp is None:  # nothing imported multiprocessing: no process was made
+        return 0, ()
+    made = 0
+    text = repr(getattr(mp, "_process_counter", None))
+    if text.startswith("count(") and text.endswith(")"):
+        try:
+            made = int(text[6:-1])
+        except ValueError:
+            made = 0
+    alive = ()
+    if getattr(mp, "_children", None):
+        alive = tuple(p.pid for p in mp.active_children())
+    return made, alive
+
+
+def _plural(n, one, many=None):
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 class Scope:
     """One counting window with its own start and peak; any number may be open at once.
 
@@ -278,6 +334,13 @@ class Scope:
     ``timeline=True`` every allocation and free while open is logged:
     ``s.timeline()`` returns (times_ns, bytes) int64 arrays, starting with
     (open time, start) and, once closed, ending with (close time, end).
+
+    ``s.caveats`` lists, in plain sentences for a user, what the counters
+    could not see during the window (empty when all is well): another tool
+    took the allocation hooks (then ``s.exact`` is False), other threads
+    allocated (the counters are process-wide), DataLoader worker processes
+    ran (their batches come through shared memory; ``s.exact`` is False),
+    memory allocated before counting began was freed.
     """
 
     def __init__(self, timeline=False):
@@ -301,6 +364,14 @@ class Scope:
         self.unseen_frees = 0
         self.unseen_bytes = 0
         self._unseen0 = (0, 0)
+        # Integrity: hooks found gone while open, other threads' allocations,
+        # processes made / DataLoader workers alive (at open, at close).
+        self._hook_lost = 0
+        self._other_bytes = self._other_allocs = 0
+        self._loss_where = None
+        self._procs0 = self._procs1 = None
+        self._lost_entries = 0
+        self._lost0 = 0
 
     # -- opening and closing -------------------------------------------------
     def open(self):
@@ -310,7 +381,7 @@ class Scope:
             if self._state != "new":
                 raise MemtorchError("a memtorch.cpu.Scope can be opened only once")
             mech = mechanism()
-            if mech == EXACT:
+            if mech != FALLBACK:
                 _C.counters_install()
                 try:
                     sid, gen, start, t0, ev0 = _C.scope_open(self._want_timeline)
@@ -318,7 +389,9 @@ class Scope:
                     _C.counters_uninstall()
                     raise
                 self._handle = (sid, gen)
-                self._unseen0 = _C.counters_stats()[4:6]
+                stats = _C.counters_stats()
+                self._unseen0 = stats[4:6]
+                self._lost0 = stats[1]
                 if _keep:
                     _take_hold()
                 self._start, self._peak = start, start
@@ -331,6 +404,7 @@ class Scope:
                 self._hwm0 = _C.counters_rss()[1]
                 self._t0 = _C.monotonic_ns()
                 self._samples = [(self._t0, now)] if self._want_timeline else None
+            self._procs0 = _processes()
             self._mechanism = mech
             self._state = "open"
         return self
@@ -341,16 +415,20 @@ class Scope:
         with _lock:
             if self._state != "open":
                 return
-            if self._mechanism == EXACT:
+            if self._mechanism != FALLBACK:
                 sid, gen = self._handle
-                self._start, self._end, self._peak, self._t1, ev1 = _C.scope_close(sid, gen)
+                (self._start, self._end, self._peak, self._t1, ev1, self._hook_lost, self._other_bytes,
+                 self._other_allocs) = _C.scope_close(sid, gen)
                 if self._want_timeline:
                     t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
                     self._events = (t, b)
                 stats = _C.counters_stats()
-                self._exact = stats[1] == 0
+                self._lost_entries = stats[1] - self._lost0
+                self._exact = stats[1] == 0 and not self._hook_lost
                 self.unseen_frees = stats[4] - self._unseen0[0]
                 self.unseen_bytes = stats[5] - self._unseen0[1]
+                if self._hook_lost:
+                    self._loss_where = _C.counters_loss_info()[1]
                 _C.counters_uninstall()
             else:
                 self._end = self._sample()
@@ -360,6 +438,9 @@ class Scope:
                     self._samples.append((self._t1, self._end))
                 _rss_open -= 1
                 _rss_installs -= 1
+            self._procs1 = _processes()
+            if self._workers_seen():
+                self._exact = False
             self._state = "closed"
 
     def __enter__(self):
@@ -398,13 +479,121 @@ class Scope:
 
     @property
     def exact(self):
-        """True if this scope's figures are exact bytes of tensor storage."""
+        """True if this scope's figures are exact bytes of tensor storage.
+
+        False with the fallback mechanism, when memtorch's hooks were taken by
+        another tool while open, when DataLoader worker processes ran (their
+        shared-memory batches are not seen), or when the table ran out of
+        memory. ``caveats`` says why.
+        """
         self._need_opened()
-        if self._mechanism != EXACT:
+        if self._mechanism == FALLBACK:
             return False
         if self._state == "closed":
             return self._exact
-        return _C.counters_stats()[1] == 0
+        return _C.counters_stats()[1] == 0 and not self._live()[3] and not self._workers_seen()
+
+    def _live(self):
+        """scope_read() of an open exact scope (checks the hooks first)."""
+        _C.counters_check()
+        return _C.scope_read(*self._handle)
+
+    def _workers_seen(self):
+        """(processes started while open, DataLoader workers alive at open or close)."""
+        if self._procs0 is None:
+            return ()
+        now = self._procs1 if self._procs1 is not None else _processes()
+        started = max(now[0] - self._procs0[0], 0)
+        workers = len(set(self._procs0[1]) | set(now[1]))
+        return (started, workers) if (started or workers) else ()
+
+    @property
+    def other_thread_bytes(self):
+        """Bytes allocated while open by other threads than the one that opened the scope.
+
+        They are in the figures (the counters are process-wide); ``caveats`` says so.
+        """
+        self._need_opened()
+        if self._mechanism == FALLBACK:
+            return 0
+        return self._other_bytes if self._state == "closed" else self._live()[4]
+
+    @property
+    def other_thread_allocations(self):
+        """Number of allocations behind other_thread_bytes."""
+        self._need_opened()
+        if self._mechanism == FALLBACK:
+            return 0
+        return self._other_allocs if self._state == "closed" else self._live()[5]
+
+    @property
+    def caveats(self):
+        """What these figures could not see, as sentences for a user; [] when all is well."""
+        from . import units
+
+        self._need_opened()
+        out = []
+        if self._mechanism == FALLBACK:
+            out.append(
+                "CPU figures are the process's resident set size, not exact bytes of tensor memory "
+                f"(exact counting is unavailable: {fallback_reason() or 'see memtorch.cpu'})."
+            )
+            procs = self._workers_seen()
+            if procs:
+                out.append(self._workers_sentence(*procs))
+            return out
+        if self._state == "closed":
+            lost, other_b, other_n = self._hook_lost, self._other_bytes, self._other_allocs
+            unseen_n, unseen_b, entries = self.unseen_frees, self.unseen_bytes, self._lost_entries
+            where = self._loss_where
+        else:
+            _, _, _, lost, other_b, other_n = self._live()
+            stats = _C.counters_stats()
+            unseen_n, unseen_b = stats[4] - self._unseen0[0], stats[5] - self._unseen0[1]
+            entries = max(stats[1] - self._lost0, 0)
+            where = _C.counters_loss_info()[1] if lost else None
+        if lost:
+            found = f" (its import slots pointed into {os.path.basename(where)} instead)" if where else ""
+            out.append(
+                "Another tool replaced memtorch's allocation hooks in libc10 during this block"
+                f"{found}; memray and pytest-memray do this, and put libc's functions back when they "
+                "stop. Allocations and frees made meanwhile were not counted, so these figures are not "
+                "exact. memtorch has put its hooks back for the blocks that follow."
+            )
+        if other_n:
+            out.append(
+                f"{units.format(other_b)} ({_plural(other_n, 'allocation')}) were allocated by other "
+                "threads than the one that opened this block. The CPU counters are process-wide, so "
+                "these bytes are included in the figures."
+            )
+        procs = self._workers_seen()
+        if procs:
+            out.append(self._workers_sentence(*procs))
+        if unseen_n:
+            out.append(
+                f"{_plural(unseen_n, 'free')} of memory allocated before counting began "
+                f"({units.format(unseen_b)} as malloc sized them): delta and peak may be up to that much too "
+                "high. Call memtorch.cpu.start() at start-up to count from the start."
+            )
+        if entries:
+            out.append(
+                f"{_plural(entries, 'allocation')} could not be recorded (memtorch's pointer table ran "
+                "out of memory), so these figures are not exact."
+            )
+        return out
+
+    @staticmethod
+    def _workers_sentence(started, workers):
+        what = []
+        if started:
+            what.append(f"{_plural(started, 'process', 'processes')} started")
+        if workers:
+            what.append(f"{_plural(workers, 'child process', 'child processes')} running")
+        return (
+            f"{' and '.join(what).capitalize()} during this block (a DataLoader with num_workers > 0, "
+            "for example). Their tensors and the batches they hand over in shared memory are not seen by "
+            "the CPU counters, so these figures are not exact."
+        )
 
     @property
     def is_open(self):
@@ -422,8 +611,8 @@ class Scope:
         self._need_opened()
         if self._state == "closed":
             return self._end
-        if self._mechanism == EXACT:
-            return _C.scope_read(*self._handle)[1]
+        if self._mechanism != FALLBACK:
+            return self._live()[1]
         return self._sample()
 
     end = current
@@ -434,8 +623,8 @@ class Scope:
         self._need_opened()
         if self._state == "closed":
             return self._peak
-        if self._mechanism == EXACT:
-            return _C.scope_read(*self._handle)[2]
+        if self._mechanism != FALLBACK:
+            return self._live()[2]
         self._sample()
         return _rss_peak(self._hwm0, self._peak)
 
@@ -462,7 +651,7 @@ class Scope:
         self._need_opened()
         if not self._want_timeline:
             raise MemtorchError("this Scope was opened without timeline=True")
-        if self._mechanism != EXACT:
+        if self._mechanism == FALLBACK:
             arr = np.array(self._samples, dtype=np.int64).reshape(-1, 2)
             return arr[:, 0].copy(), arr[:, 1].copy()
         if self._state == "closed":

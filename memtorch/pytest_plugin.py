@@ -12,6 +12,7 @@ Options: --memtorch-save FILE, --memtorch-compare FILE, --memtorch-fail-on-incre
 imports nothing heavy: torch is imported only when a test asks for tracking.
 """
 
+import functools
 import inspect
 import json
 import os
@@ -257,16 +258,36 @@ class _Session:
         # Raised outside the except block so that no "during handling" chain is shown.
         pytest.fail(f"usage error: memory_budget marker on {item.nodeid}: {problem}", pytrace=False)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item):
+    # Around the test function itself: the tracker is opened by a wrapper of
+    # the test function, put in place before other plugins' pytest_pyfunc_call
+    # wrappers run (tryfirst). pytest-memray wraps the function the same way
+    # and starts its Tracker there, which takes libc10's allocation slots: our
+    # tracker, opened inside it, chains its hooks on top and counts the body.
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem):
+        item = pyfuncitem
         budget = item.stash.get(_BUDGET, None)
         if budget is None:
             return (yield)
+        original = item.obj
+        wrap = not inspect.iscoroutinefunction(original)
+        if wrap:
+
+            @functools.wraps(original)
+            def measured(*args, **kwargs):
+                with budget.make_tracker():
+                    return original(*args, **kwargs)
+
+            item.obj = measured
         try:
-            with budget.make_tracker() as tracker:
-                result = yield  # the test body; an exception in it propagates and closes the tracker
-            self._judge(item, budget, tracker.report)
+            if wrap:
+                result = yield
+            else:
+                with budget.make_tracker():
+                    result = yield
+            self._judge(item, budget, budget.tracker.report)
         finally:
+            item.obj = original
             # Items live as long as the session: keep no tracker or report on them.
             del item.stash[_BUDGET]
         return result

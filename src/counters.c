@@ -55,10 +55,12 @@ typedef struct {
      * them: allocations with no room in the table (out of memory), counted
      * allocations and frees since installation. */
     int64_t lost, nallocs, nfrees;
-    /* Frees of pointers not in the table (allocated before counting began,
-     * or libc10's own non-tensor memory) and their usable sizes: what the
-     * counters could not see leave. */
-    int64_t unseen, unseen_bytes;
+    /* Frees of pointers not in the table that could be tensor storage
+     * (allocated before counting began) and their usable sizes: what the
+     * counters could not see leave. Frees that cannot be tensor storage
+     * (through libc10's address-taken &free, or not aligned as
+     * c10::alloc_cpu aligns) are only counted, as foreign. */
+    int64_t unseen, unseen_bytes, foreign;
 } mt_stripe;
 
 typedef struct {
@@ -66,6 +68,10 @@ typedef struct {
     _Atomic int64_t peak;   /* highest current while open */
     int timeline;           /* 1 if it keeps the event log running */
     uint64_t generation;    /* tells a reused slot from the one a caller holds */
+    pthread_t owner;        /* the thread that opened it */
+    /* Allocations counted while open that another thread made. */
+    _Atomic int64_t other_bytes, other_allocs;
+    int hook_lost;          /* our hooks were found gone while it was open */
 } mt_scope;
 
 static mt_stripe mt_stripes[MT_NSTRIPES];
@@ -78,6 +84,10 @@ static _Atomic uint64_t mt_scope_mask; /* bit i: scope i is open */
 static mt_scope mt_scopes[MT_NSCOPES];
 static uint64_t mt_scope_generation;  /* under all stripe locks */
 static int mt_install_count;          /* under the GIL and all stripe locks */
+/* Times our hooks were found gone from their slots (and patched again), and
+ * what the first lost slot held then; under all stripe locks. */
+static uint64_t mt_loss_count;
+static uintptr_t mt_loss_found;
 
 /* Re-entrancy guard: set while this thread is inside a hook, so that
  * anything the hook itself allocates is never counted (memray's recursion
@@ -255,7 +265,21 @@ mt_table_clear(void)
         mt_stripes[i].cap = 0;
         mt_stripes[i].count = 0;
         mt_stripes[i].lost = mt_stripes[i].nallocs = mt_stripes[i].nfrees = 0;
-        mt_stripes[i].unseen = mt_stripes[i].unseen_bytes = 0;
+        mt_stripes[i].unseen = mt_stripes[i].unseen_bytes = mt_stripes[i].foreign = 0;
+    }
+}
+
+/* Forget every pointer but keep the statistics (after our hooks were gone
+ * for a while: the frees missed meanwhile left entries that are no longer
+ * true). Caller holds all locks. */
+static void
+mt_table_drop(void)
+{
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        free(mt_stripes[i].slots);
+        mt_stripes[i].slots = NULL;
+        mt_stripes[i].cap = 0;
+        mt_stripes[i].count = 0;
     }
 }
 
@@ -309,6 +333,22 @@ mt_counters_on_alloc(void *ptr, size_t size)
                               &mt_current, delta, memory_order_relaxed) + delta;
             s->nallocs++;
             mt_after_change(now, delta > 0);
+            /* The counters are process-wide: note, per open scope, what
+             * other threads than its owner allocated (one compare each). */
+            uint64_t mask = atomic_load_explicit(&mt_scope_mask, memory_order_relaxed);
+            if (mask) {
+                pthread_t me = pthread_self();
+                while (mask) {
+                    int i = __builtin_ctzll(mask);
+                    if (!pthread_equal(mt_scopes[i].owner, me)) {
+                        atomic_fetch_add_explicit(&mt_scopes[i].other_bytes, (int64_t)size,
+                                                  memory_order_relaxed);
+                        atomic_fetch_add_explicit(&mt_scopes[i].other_allocs, 1,
+                                                  memory_order_relaxed);
+                    }
+                    mask &= mask - 1;
+                }
+            }
         }
     }
     mt_stripe_unlock(s);
@@ -316,7 +356,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
 }
 
 void
-mt_counters_on_free(void *ptr, int real)
+mt_counters_on_free(void *ptr, int kind)
 {
     if (mt_in_hook || !atomic_load_explicit(&mt_active, memory_order_relaxed)) {
         return;
@@ -336,15 +376,61 @@ mt_counters_on_free(void *ptr, int real)
             mt_after_change(now, 0);
         }
         else if (ptr != NULL) {
-            /* malloc_usable_size() is libc's (or ASan's) and allocates
-             * nothing; it may exceed the size once requested. Only a real
-             * pointer (not a test's fake one) may be asked. */
-            s->unseen++;
-            s->unseen_bytes += real ? (int64_t)malloc_usable_size(ptr) : 0;
+            /* Could it be tensor storage? c10::free_cpu frees through
+             * libc10's direct call of free, and c10::alloc_cpu's blocks are
+             * aligned to 64 bytes at least. libc10's other frees (demangled
+             * names through its &free, C strings, ...) are not. */
+            if (kind != MT_FREE_REF && ((uintptr_t)ptr & (MT_C10_ALIGNMENT - 1)) == 0) {
+                /* malloc_usable_size() is libc's (or ASan's) and allocates
+                 * nothing; it may exceed the size once requested. Only a
+                 * real pointer (not a test's fake one) may be asked. */
+                s->unseen++;
+                s->unseen_bytes += kind == MT_FREE_DIRECT ? (int64_t)malloc_usable_size(ptr) : 0;
+            }
+            else {
+                s->foreign++;
+            }
         }
     }
     mt_stripe_unlock(s);
     mt_in_hook = 0;
+}
+
+/* Integrity check, with all locks held: if our hooks are gone from any
+ * slot (another tool wrote its own or libc's functions there), patch them
+ * back on top of what is there, mark every open scope, and start the table
+ * afresh: frees missed meanwhile left entries that are no longer true.
+ * Open scopes' figures are shifted with current so that they stay
+ * consistent (they are not exact any more, and say so). Returns the number
+ * of lost slots found. */
+static int
+mt_check_locked(void)
+{
+    uintptr_t found = 0;
+    int lost;
+    if (mt_install_count == 0) {
+        return 0;
+    }
+    lost = mt_interpose_check(&found);
+    if (lost == 0) {
+        return 0;
+    }
+    (void)mt_interpose_repair();
+    mt_loss_count++;
+    mt_loss_found = found;
+    int64_t old = atomic_load(&mt_current);
+    mt_table_drop();
+    atomic_store(&mt_current, 0);
+    atomic_store(&mt_peak, 0);
+    uint64_t mask = atomic_load(&mt_scope_mask);
+    while (mask) {
+        int i = __builtin_ctzll(mask);
+        mt_scopes[i].hook_lost = 1;
+        mt_scopes[i].start -= old;
+        atomic_store(&mt_scopes[i].peak, atomic_load(&mt_scopes[i].peak) - old);
+        mask &= mask - 1;
+    }
+    return lost;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -368,6 +454,11 @@ counters_install(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     char err[256] = "";
     int rc = 0;
+    /* Locating takes the dynamic linker's lock: before the table locks. */
+    if (mt_interpose_prepare(err, sizeof(err)) < 0) {
+        PyErr_Format(PyExc_OSError, "cannot install the CPU allocation counters: %s", err);
+        return NULL;
+    }
     mt_lock_all();
     if (mt_install_count == 0) {
         mt_reset_counts();
@@ -376,6 +467,9 @@ counters_install(PyObject *module, PyObject *Py_UNUSED(ignored))
         if (rc < 0) {
             atomic_store(&mt_active, 0);
         }
+    }
+    else {
+        (void)mt_check_locked();
     }
     if (rc == 0) {
         mt_install_count++;
@@ -448,7 +542,8 @@ counters_probe(PyObject *module, PyObject *Py_UNUSED(ignored))
 
 PyDoc_STRVAR(mechanism_doc,
 "counters_mechanism($module, /)\n--\n\n"
-"Name of this build's exact mechanism (e.g. 'libc10-got'), or None.");
+"Name of the exact mechanism patched now, or found usable by the last\n"
+"install or probe (e.g. 'libc10-got'); None where there is none.");
 
 static PyObject *
 counters_mechanism(PyObject *module, PyObject *Py_UNUSED(ignored))
@@ -495,15 +590,18 @@ counters_reset_peak(PyObject *module, PyObject *Py_UNUSED(ignored))
 
 PyDoc_STRVAR(stats_doc,
 "counters_stats($module, /)\n--\n\n"
-"(live_entries, lost, allocations, frees, unseen_frees, unseen_bytes) since\n"
-"installation: entries in the table, allocations that could not be recorded\n"
-"(out of memory), counted allocations and frees, frees of pointers the table\n"
-"does not hold and their usable bytes.");
+"(live_entries, lost, allocations, frees, unseen_frees, unseen_bytes,\n"
+"foreign_frees, hook_losses) since installation: entries in the table,\n"
+"allocations that could not be recorded (out of memory), counted allocations\n"
+"and frees, frees of pointers the table does not hold that could be tensor\n"
+"storage and their usable bytes, frees that cannot be tensor storage, and\n"
+"the times the hooks were found gone and patched again (process lifetime).");
 
 static PyObject *
 counters_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    long long live = 0, lost = 0, na = 0, nf = 0, nu = 0, ub = 0;
+    long long live = 0, lost = 0, na = 0, nf = 0, nu = 0, ub = 0, fo = 0;
+    unsigned long long losses;
     mt_lock_all();
     for (int i = 0; i < MT_NSTRIPES; i++) {
         live += (long long)mt_stripes[i].count;
@@ -512,9 +610,64 @@ counters_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
         nf += (long long)mt_stripes[i].nfrees;
         nu += (long long)mt_stripes[i].unseen;
         ub += (long long)mt_stripes[i].unseen_bytes;
+        fo += (long long)mt_stripes[i].foreign;
     }
+    losses = (unsigned long long)mt_loss_count;
     mt_unlock_all();
-    return Py_BuildValue("(LLLLLL)", live, lost, na, nf, nu, ub);
+    return Py_BuildValue("(LLLLLLLK)", live, lost, na, nf, nu, ub, fo, losses);
+}
+
+PyDoc_STRVAR(check_doc,
+"counters_check($module, /)\n--\n\n"
+"Check that the hooks are still in their import slots; where another tool\n"
+"replaced them, patch them again on top of it (the table starts afresh and\n"
+"open scopes are marked). Returns the number of lost slots found (0: all\n"
+"well, or not installed).");
+
+static PyObject *
+counters_check(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    int lost;
+    mt_lock_all();
+    lost = mt_check_locked();
+    mt_unlock_all();
+    return PyLong_FromLong(lost);
+}
+
+PyDoc_STRVAR(loss_info_doc,
+"counters_loss_info($module, /)\n--\n\n"
+"(times the hooks were found gone, path of the object whose function sat in\n"
+"the first lost slot the last time, its symbol name); the strings are None\n"
+"when unknown or when it never happened.");
+
+static PyObject *
+counters_loss_info(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    char path[512], sym[256];
+    unsigned long long n;
+    uintptr_t found;
+    PyObject *py_path = NULL, *py_sym = NULL, *result = NULL;
+    mt_lock_all();
+    n = (unsigned long long)mt_loss_count;
+    found = mt_loss_found;
+    mt_unlock_all();
+    /* dladdr takes the dynamic linker's lock: after the table locks. */
+    if (found == 0 || mt_interpose_describe(found, path, sizeof(path), sym, sizeof(sym)) < 0) {
+        path[0] = sym[0] = '\0';
+    }
+    py_path = path[0] ? PyUnicode_DecodeFSDefault(path) : Py_NewRef(Py_None);
+    if (py_path == NULL) {
+        goto error;
+    }
+    py_sym = sym[0] ? PyUnicode_DecodeFSDefault(sym) : Py_NewRef(Py_None);
+    if (py_sym == NULL) {
+        goto error;
+    }
+    result = Py_BuildValue("(KOO)", n, py_path, py_sym);
+error:
+    Py_XDECREF(py_path);
+    Py_XDECREF(py_sym);
+    return result;
 }
 
 PyDoc_STRVAR(scope_open_doc,
@@ -539,6 +692,9 @@ scope_open(PyObject *module, PyObject *arg)
         goto error;
     }
     mt_lock_all();
+    /* Cheap integrity check first (a few loads): a scope opened after
+     * another tool took the slots starts on our hooks again. */
+    (void)mt_check_locked();
     uint64_t mask = atomic_load(&mt_scope_mask);
     if (mt_install_count == 0) {
         problem = "the CPU allocation counters are not installed";
@@ -554,6 +710,10 @@ scope_open(PyObject *module, PyObject *arg)
         atomic_store(&mt_scopes[id].peak, start);
         mt_scopes[id].timeline = timeline;
         mt_scopes[id].generation = gen;
+        mt_scopes[id].owner = pthread_self();
+        atomic_store(&mt_scopes[id].other_bytes, 0);
+        atomic_store(&mt_scopes[id].other_allocs, 0);
+        mt_scopes[id].hook_lost = 0;
         atomic_store(&mt_scope_mask, mask | (1ULL << id));
     }
     uint64_t head = mt_eventlog_head();
@@ -611,15 +771,16 @@ mt_scope_is_open(int id, uint64_t gen)
 
 PyDoc_STRVAR(scope_read_doc,
 "scope_read($module, id, generation, /)\n--\n\n"
-"(start, current, peak) of an open scope.");
+"(start, current, peak, hook_lost, other_thread_bytes, other_thread_allocs)\n"
+"of an open scope.");
 
 static PyObject *
 scope_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     int id;
     uint64_t gen;
-    long long start = 0, current = 0, peak = 0;
-    int open;
+    long long start = 0, current = 0, peak = 0, ob = 0, oa = 0;
+    int open, lost = 0;
     if (mt_parse_scope(args, nargs, "scope_read", &id, &gen) < 0) {
         goto error;
     }
@@ -629,28 +790,34 @@ scope_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         start = mt_scopes[id].start;
         current = atomic_load(&mt_current);
         peak = atomic_load(&mt_scopes[id].peak);
+        lost = mt_scopes[id].hook_lost;
+        ob = atomic_load(&mt_scopes[id].other_bytes);
+        oa = atomic_load(&mt_scopes[id].other_allocs);
     }
     mt_unlock_all();
     if (!open) {
         PyErr_SetString(PyExc_RuntimeError, "scope_read(): this scope is closed");
         goto error;
     }
-    return Py_BuildValue("(LLL)", start, current, peak);
+    return Py_BuildValue("(LLLiLL)", start, current, peak, lost, ob, oa);
 error:
     return NULL;
 }
 
 PyDoc_STRVAR(scope_close_doc,
 "scope_close($module, id, generation, /)\n--\n\n"
-"Close a scope; returns (start, end, peak, time_ns, event_index).");
+"Close a scope after checking that the hooks are still in place; returns\n"
+"(start, end, peak, time_ns, event_index, hook_lost, other_thread_bytes,\n"
+"other_thread_allocs). hook_lost: another tool took the hooks' slots while\n"
+"it was open (the figures are not exact).");
 
 static PyObject *
 scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     int id;
     uint64_t gen;
-    long long start = 0, end = 0, peak = 0;
-    int open, timeline = 0;
+    long long start = 0, end = 0, peak = 0, ob = 0, oa = 0;
+    int open, timeline = 0, lost = 0;
     uint64_t head;
     if (mt_parse_scope(args, nargs, "scope_close", &id, &gen) < 0) {
         goto error;
@@ -658,9 +825,13 @@ scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     mt_lock_all();
     open = mt_scope_is_open(id, gen);
     if (open) {
+        (void)mt_check_locked();
         start = mt_scopes[id].start;
         end = atomic_load(&mt_current);
         peak = atomic_load(&mt_scopes[id].peak);
+        lost = mt_scopes[id].hook_lost;
+        ob = atomic_load(&mt_scopes[id].other_bytes);
+        oa = atomic_load(&mt_scopes[id].other_allocs);
         timeline = mt_scopes[id].timeline;
         mt_scopes[id].timeline = 0;
         atomic_fetch_and(&mt_scope_mask, ~(1ULL << id));
@@ -674,8 +845,8 @@ scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (timeline) {
         mt_eventlog_stop();
     }
-    return Py_BuildValue("(LLLLK)", start, end, peak, (long long)mt_monotonic_ns(),
-                         (unsigned long long)head);
+    return Py_BuildValue("(LLLLKiLL)", start, end, peak, (long long)mt_monotonic_ns(),
+                         (unsigned long long)head, lost, ob, oa);
 error:
     return NULL;
 }
@@ -713,9 +884,11 @@ counters_slot_info(PyObject *module, PyObject *arg)
 {
     uintptr_t vals[4] = {0, 0, 0, 0};
     const char *name = PyUnicode_AsUTF8(arg); /* borrowed buffer */
+    char err[256];
     if (name == NULL) {
         goto error;
     }
+    (void)mt_interpose_prepare(err, sizeof(err)); /* locate (loader lock): no table locks */
     if (mt_interpose_slot_info(name, vals) < 0) {
         PyErr_Format(PyExc_ValueError, "_counters_slot_info(): no import slot for %R", arg);
         goto error;
@@ -728,8 +901,9 @@ error:
 
 PyDoc_STRVAR(inject_doc,
 "_counters_inject($module, address, size, /)\n--\n\n"
-"Test helper: feed one allocation (size >= 0) or free (size < 0) of\n"
-"`address` through the hook path, as the interposer would.");
+"Test helper: feed one allocation (size >= 0) or free of `address` through\n"
+"the hook path, as the interposer would: size -1 a free through libc10's\n"
+"direct call of free, -2 through its address-taken &free.");
 
 static PyObject *
 counters_inject(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -755,8 +929,13 @@ counters_inject(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (size >= 0) {
         mt_counters_on_alloc((void *)(uintptr_t)addr, (size_t)size);
     }
+    else if (size == -1 || size == -2) {
+        /* MT_FREE_FAKE stands for a direct free of a fake pointer. */
+        mt_counters_on_free((void *)(uintptr_t)addr, size == -1 ? MT_FREE_FAKE : MT_FREE_REF);
+    }
     else {
-        mt_counters_on_free((void *)(uintptr_t)addr, 0);
+        PyErr_SetString(PyExc_ValueError, "_counters_inject(): size must be >= 0, -1 or -2");
+        goto error;
     }
     Py_RETURN_NONE;
 error:
@@ -812,6 +991,75 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(set_target_doc,
+"_counters_set_target($module, name, /)\n--\n\n"
+"Test helper: interpose the library whose basename is `name` (a stand-in\n"
+"for 'libc10.so', loaded by the test) from the next installation on.\n"
+"Refused while installed.");
+
+static PyObject *
+counters_set_target(PyObject *module, PyObject *arg)
+{
+    const char *name = PyUnicode_AsUTF8(arg); /* borrowed buffer */
+    int rc;
+    if (name == NULL) {
+        goto error;
+    }
+    mt_lock_all();
+    rc = mt_install_count == 0 ? mt_interpose_set_target(name) : -1;
+    mt_unlock_all();
+    if (rc < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "_counters_set_target(%R): refused (installed, empty or too long)", arg);
+        goto error;
+    }
+    Py_RETURN_NONE;
+error:
+    return NULL;
+}
+
+PyDoc_STRVAR(tool_doc,
+"_counters_tool($module, action, /)\n--\n\n"
+"Test helper: another tool patching the same import slots. action:\n"
+"'chain' (forwards to what it found, restores only its own slots),\n"
+"'naive' (forwards to what it found, restores unconditionally), 'libc'\n"
+"(forwards to libc, restores libc's functions, as memray does) or\n"
+"'uninstall'; 'calls' does nothing. Returns the number of calls its hooks\n"
+"have seen so far.");
+
+static PyObject *
+counters_tool(PyObject *module, PyObject *arg)
+{
+    static const char *const names[] = {"uninstall", "chain", "naive", "libc"};
+    const char *name = PyUnicode_AsUTF8(arg); /* borrowed buffer */
+    char err[256] = "";
+    int action = -1, rc;
+    if (name == NULL) {
+        goto error;
+    }
+    if (strcmp(name, "calls") == 0) {
+        return PyLong_FromLong(mt_interpose_tool_calls());
+    }
+    for (int i = 0; i < 4; i++) {
+        if (strcmp(name, names[i]) == 0) {
+            action = i;
+        }
+    }
+    if (action < 0) {
+        PyErr_Format(PyExc_ValueError, "_counters_tool(): unknown action %R", arg);
+        goto error;
+    }
+    /* Not under the table locks: it locates the library (loader lock). */
+    rc = mt_interpose_tool(action, err, sizeof(err));
+    if (rc < 0) {
+        PyErr_Format(PyExc_RuntimeError, "_counters_tool(%R): %s", arg, err);
+        goto error;
+    }
+    return PyLong_FromLong(mt_interpose_tool_calls());
+error:
+    return NULL;
+}
+
 extern PyMethodDef mt_eventlog_methods[];
 
 PyMethodDef mt_counters_methods[] = {
@@ -833,6 +1081,10 @@ PyMethodDef mt_counters_methods[] = {
     {"_counters_inject", (PyCFunction)(void (*)(void))counters_inject, METH_FASTCALL,
      inject_doc},
     {"_counters_bench", (PyCFunction)(void (*)(void))counters_bench, METH_FASTCALL, bench_doc},
+    {"counters_check", counters_check, METH_NOARGS, check_doc},
+    {"counters_loss_info", counters_loss_info, METH_NOARGS, loss_info_doc},
+    {"_counters_set_target", counters_set_target, METH_O, set_target_doc},
+    {"_counters_tool", counters_tool, METH_O, tool_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,22 +10,58 @@
 /* An allocation of `size` bytes at `ptr` was made by PyTorch's CPU allocator
  * (after the real allocation succeeded). */
 void mt_counters_on_alloc(void *ptr, size_t size);
+/* How a free reached the counters: a test's fake pointer (never handed to
+ * malloc_usable_size), libc10's direct call of free (c10::free_cpu is one),
+ * or libc10's address-taken &free (c10::demangle's deleter: never tensor
+ * storage). */
+#define MT_FREE_FAKE 0
+#define MT_FREE_DIRECT 1
+#define MT_FREE_REF 2
+/* Smallest alignment c10::alloc_cpu asks of posix_memalign (gAlignment). */
+#define MT_C10_ALIGNMENT 64
+
 /* `ptr` is about to be freed (called before the real free, so that the
  * address cannot be handed out again while it is still in the table). */
-void mt_counters_on_free(void *ptr, int real);
+void mt_counters_on_free(void *ptr, int kind);
 
 /* ---- interpose_linux.c / interpose_other.c: the platform mechanism ---- */
 
-/* Name of the exact mechanism of this platform ("libc10-got"), or NULL where
- * there is none. */
+/* Name of the exact mechanism patched now, or found usable by the last
+ * prepare/probe ("libc10-got"); NULL where there is none (other systems, a
+ * libc10 that imports no posix_memalign). */
 const char *mt_interpose_mechanism(void);
+/* Locate the allocator's import slots (takes the dynamic linker's lock:
+ * call without the table locks). 0, or -1 with a reason in err. */
+int mt_interpose_prepare(char *err, size_t errlen);
 /* 0 if the allocator can be interposed now, else -1 with a reason in err. */
 int mt_interpose_probe(char *err, size_t errlen);
-/* Patch the allocator's imports; 0 on success, -1 with a reason in err (then
- * nothing is left patched). Called with all table locks held. */
+/* Patch the allocator's imports, chaining to what each slot holds; 0 on
+ * success, -1 with a reason in err (then nothing is left patched). After a
+ * successful prepare, with all table locks held. */
 int mt_interpose_patch(char *err, size_t errlen);
-/* Put the original entries back. */
+/* Put the saved entries back where the slot still holds our hook; leave a
+ * tool that patched on top of us in place. */
 void mt_interpose_unpatch(void);
+/* Integrity: how many of our slots no longer lead to our hooks (0 when
+ * intact, or when not patched); *found gets what the first lost slot holds.
+ * With all table locks held. */
+int mt_interpose_check(uintptr_t *found);
+/* Patch the lost slots again, on top of what they hold; 0 or -1. With all
+ * table locks held. */
+int mt_interpose_repair(void);
+/* dladdr() of a code address: the object's path and the symbol; 0 or -1.
+ * Takes the dynamic linker's lock: call without the table locks. */
+int mt_interpose_describe(uintptr_t v, char *path, size_t pathlen, char *sym, size_t symlen);
+/* Test helper: patch the imports of the library named `name` (a basename,
+ * e.g. a stand-in for libc10) instead of libc10.so; -1 while patched. */
+int mt_interpose_set_target(const char *name);
+/* Test helper: another tool patching the same slots. */
+#define MT_TOOL_UNINSTALL 0
+#define MT_TOOL_CHAIN 1 /* forwards to what it found; restores only its own slots */
+#define MT_TOOL_NAIVE 2 /* forwards to what it found; restores unconditionally */
+#define MT_TOOL_LIBC 3  /* forwards to libc; restores libc's functions (memray) */
+int mt_interpose_tool(int action, char *err, size_t errlen);
+long mt_interpose_tool_calls(void);
 /* Test helper: fill vals with (slot now, saved original, real function, hook)
  * for the first import slot of `name`; 0 on success, -1 if unknown. */
 int mt_interpose_slot_info(const char *name, uintptr_t vals[4]);

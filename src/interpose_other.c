@@ -37,6 +37,12 @@ mt_interpose_probe(char *err, size_t errlen)
 }
 
 int
+mt_interpose_prepare(char *err, size_t errlen)
+{
+    return mt_interpose_probe(err, errlen);
+}
+
+int
 mt_interpose_patch(char *err, size_t errlen)
 {
     return mt_interpose_probe(err, errlen);
@@ -45,6 +51,44 @@ mt_interpose_patch(char *err, size_t errlen)
 void
 mt_interpose_unpatch(void)
 {
+}
+
+int
+mt_interpose_check(uintptr_t *found)
+{
+    return 0;
+}
+
+int
+mt_interpose_repair(void)
+{
+    return 0;
+}
+
+int
+mt_interpose_describe(uintptr_t v, char *path, size_t pathlen, char *sym, size_t symlen)
+{
+    path[0] = sym[0] = '\0';
+    return -1;
+}
+
+int
+mt_interpose_set_target(const char *name)
+{
+    return -1;
+}
+
+int
+mt_interpose_tool(int action, char *err, size_t errlen)
+{
+    snprintf(err, errlen, "no import slots to patch on this platform");
+    return -1;
+}
+
+long
+mt_interpose_tool_calls(void)
+{
+    return 0;
 }
 
 int
