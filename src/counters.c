@@ -273,7 +273,7 @@ mt_raise_to(_Atomic int64_t *peak, int64_t now)
  * and the peak of every open scope, log the event. Caller holds a stripe
  * lock, so the scope set cannot change under it. */
 static inline void
-mt_after_change(int64_t now, int grew)
+mt_after_change(int64_t now, int grew, const void *ptr, int64_t delta)
 {
     if (grew) {
         mt_raise_to(&mt_peak, now);
@@ -284,7 +284,7 @@ mt_after_change(int64_t now, int grew)
             mask &= mask - 1;
         }
     }
-    mt_eventlog_record(now);
+    mt_eventlog_record(now, ptr, delta);
 }
 
 void
@@ -308,7 +308,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
             int64_t now = atomic_fetch_add_explicit(
                               &mt_current, delta, memory_order_relaxed) + delta;
             s->nallocs++;
-            mt_after_change(now, delta > 0);
+            mt_after_change(now, delta > 0, ptr, delta);
         }
     }
     mt_stripe_unlock(s);
@@ -333,7 +333,7 @@ mt_counters_on_free(void *ptr, int real)
             int64_t now = atomic_fetch_sub_explicit(
                               &mt_current, size, memory_order_relaxed) - size;
             s->nfrees++;
-            mt_after_change(now, 0);
+            mt_after_change(now, 0, ptr, -size);
         }
         else if (ptr != NULL) {
             /* malloc_usable_size() is libc's (or ASan's) and allocates
@@ -345,6 +345,30 @@ mt_counters_on_free(void *ptr, int real)
     }
     mt_stripe_unlock(s);
     mt_in_hook = 0;
+}
+
+/* The counted size of the live allocation at ptr, or -1 if the table does
+ * not hold it (for the event log's replay: which storages made before a
+ * block are counted). Takes the pointer's stripe lock. */
+int64_t
+mt_counters_size_of(const void *ptr)
+{
+    int64_t size = -1;
+    uint64_t h = mt_hash((uintptr_t)ptr);
+    mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
+    mt_stripe_lock(s);
+    if (s->count > 0) {
+        size_t j = mt_home(s, h);
+        while (s->slots[j].key != 0) {
+            if (s->slots[j].key == (uintptr_t)ptr) {
+                size = (int64_t)s->slots[j].size;
+                break;
+            }
+            j = (j + 1) & (s->cap - 1);
+        }
+    }
+    mt_stripe_unlock(s);
+    return size;
 }
 
 /* ------------------------------------------------------------------------ */
