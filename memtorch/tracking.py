@@ -44,7 +44,8 @@ import threading
 import time
 import weakref
 
-from . import cpu, cuda, units
+from . import _C, cpu, cuda, units
+from . import peak as attribution
 from .errors import DeviceUnavailable, MemtorchError
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
@@ -167,6 +168,13 @@ class TensorInfo:
             text += f" (created in step {self.step})"
         return text
 
+    def to_dict(self):
+        return {
+            "name": self.name, "shape": list(self.shape), "dtype": self.dtype, "device": self.device,
+            "bytes": int(self.nbytes), "has_graph": bool(self.has_graph),
+            "graph_bytes": None if self.graph_bytes is None else int(self.graph_bytes), "step": self.step,
+        }  # fmt: skip
+
     def __repr__(self):
         return f"TensorInfo({self.describe()})"
 
@@ -244,6 +252,43 @@ class TrackReport:
         # after the first block: memtorch.cpu.keep_counting()).
         self.unseen_frees = kw.get("unseen_frees", 0)
         self.unseen_bytes = kw.get("unseen_bytes", 0)
+        # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran
+        self.at_peak = kw.get("at_peak")
+        # sentences saying what the counters could not see during the block
+        self.caveats = list(kw.get("caveats") or [])
+        # per step (t.step()): [(peak, end)] absolute bytes
+        self.step_series = list(kw.get("step_series") or [])
+
+    def to_dict(self):
+        """Every figure as plain JSON-serialisable values (bytes as ints)."""
+        d = {
+            "device": self.device, "exact": bool(self.exact), "mechanism": self.mechanism,
+            "start": int(self.start), "end": int(self.end), "delta": int(self.delta), "peak": int(self.peak),
+            "peak_above_start": int(self.peak_above_start), "seconds": float(self.seconds), "steps": int(self.steps),
+            "live": bool(self.live), "caveats": list(self.caveats),
+            "unseen_frees": int(self.unseen_frees), "unseen_bytes": int(self.unseen_bytes),
+        }  # fmt: skip
+        if self.peak_upper is not None:
+            d["peak_upper"] = int(self.peak_upper)
+        if self.reserved_peak is not None:
+            d["reserved_peak"] = int(self.reserved_peak)
+        d["phases"] = {
+            k: {"calls": p.calls, "delta": int(p.delta), "peak": int(p.peak), "peak_above_start": int(p.peak_above_start),
+                "seconds": float(p.seconds), "exact": bool(p.exact)}
+            for k, p in self.phases.items()
+        }  # fmt: skip
+        d["modules"] = [
+            {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
+             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact)}
+            for m in self.modules
+        ]  # fmt: skip
+        d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
+        d["leak"] = None if self.leak is None else self.leak.to_dict()
+        d["at_peak"] = None if self.at_peak is None else self.at_peak.to_dict()
+        d["largest"] = [t.to_dict() for t in self.largest]
+        if self.timeline is not None:
+            d["timeline"] = {"times_ns": self.timeline[0].tolist(), "bytes": self.timeline[1].tolist()}
+        return d
 
     def check(self, peak=None, delta=None, leak=None):
         """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
@@ -322,11 +367,18 @@ class TrackReport:
         if self.leak is not None:
             out.append("")
             out.append(str(self.leak))
+        if self.at_peak is not None:
+            out.append("")
+            out += self.at_peak.lines(limit=15)
         if self.largest:
             out.append("")
-            out.append("largest live tensors at the end:")
+            out.append(f"largest live tensors {self._largest_when()}:")
             out += ["  " + t.describe() for t in self.largest]
+        out += ["note: " + c for c in self.caveats]
         return "\n".join(out)
+
+    def _largest_when(self):
+        return "at the peak" if self.at_peak is not None else "at the end"
 
     def _repr_html_(self):
         parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
@@ -339,9 +391,13 @@ class TrackReport:
             parts.append(_html_table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods))
         if self.leak is not None:
             parts.append("<pre>" + html.escape(str(self.leak)) + "</pre>")
+        if self.at_peak is not None:
+            parts.append("<pre>" + html.escape(str(self.at_peak)) + "</pre>")
         if self.largest:
             items = "".join(f"<li>{html.escape(t.describe())}</li>" for t in self.largest)
-            parts.append(f"<p>largest live tensors at the end:</p><ul>{items}</ul>")
+            parts.append(f"<p>largest live tensors {self._largest_when()}:</p><ul>{items}</ul>")
+        for c in self.caveats:
+            parts.append(f"<p>note: {html.escape(c)}</p>")
         return "<div>" + "".join(parts) + "</div>"
 
     def __repr__(self):
@@ -519,6 +575,27 @@ def _name_of(t):
     return None
 
 
+_token = [0]
+
+
+def _next_token():
+    """A block's tag token (1..255, reused round-robin): tells its tags from a nested block's."""
+    with _lock:
+        _token[0] = _token[0] % 255 + 1
+        return _token[0]
+
+
+def _data_ptr(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # nested, sparse and wrapper tensors have no single storage
+        return 0
+
+
+def _describe_tensor(t):
+    return tuple(t.shape), str(t.dtype).replace("torch.", "")
+
+
 # ---------------------------------------------------------------------------
 # Tracker
 
@@ -620,12 +697,19 @@ class Tracker:
     def _begin_phase(self, name):
         self._end_phase()
         self._phase = (name, self._open_scope(), time.perf_counter())
+        if self._evmode:
+            self._phase_code = attribution.PHASE_CODES[name]
+            tags = self._tags
+            _C.eventlog_mark(3, 0, tags[-1] if tags else self._tagbase | self._phase_code)
 
     def _end_phase(self):
         ph = self._phase
         if ph is None:
             return
         self._phase = None
+        if self._evmode:
+            self._phase_code = 0
+            _C.eventlog_mark(3, 0, self._tagbase)
         name, s, t0 = ph
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
@@ -645,9 +729,64 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
+        if self._evmode and len(self._snapshots) < 64:  # the gradients, which zero_grad() may free
+            self._snapshots.append((_C.eventlog_head(), self._walk_names()))
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
+
+    # -- names for at_peak --------------------------------------------------
+    def _walk_names(self):
+        """{address: (name, kind, None, shape, dtype)} of the model's parameters, buffers and
+        gradients and the optimizer's state (one read of each; no reference kept)."""
+        Tensor = _torch().Tensor
+        names = {}
+
+        def put(t, name, kind):
+            a = _data_ptr(t)
+            if a and a not in names:
+                names[a] = (name, kind, None, tuple(t.shape), str(t.dtype)[6:])
+
+        model = None if self._model is None else self._model()
+        pnames = {}
+        if model is not None:
+            for name, p in model.named_parameters():
+                pnames[id(p)] = name
+                put(p, name, "parameter")
+                g = p.grad
+                if g is not None:
+                    put(g, name + ".grad", "gradient")
+            for name, b in model.named_buffers():
+                put(b, name, "buffer")
+        opt = None if self._optimizer is None else self._optimizer()
+        if opt is not None:
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    name = pnames.get(id(p))
+                    if name is None:
+                        name = f"param_groups[{gi}][{pi}]"
+                        put(p, name, "parameter")
+                        if p.grad is not None:
+                            put(p.grad, name + ".grad", "gradient")
+                    st = opt.state.get(p)
+                    if st:
+                        for key, v in st.items():
+                            if type(v) is Tensor or isinstance(v, Tensor):
+                                put(v, f"{name}.{key}", "optimizer state")
+        return names
+
+    def _note_inputs(self, args):
+        """Addresses of the tensors given to the model's forward (the batch); none kept."""
+        Tensor = _torch().Tensor
+        n = len(self._inputs)
+        for j, a in enumerate(args):
+            if isinstance(a, Tensor):
+                p = _data_ptr(a)
+                if p and p not in self._inputs:
+                    self._inputs[p] = (f"input {j}" if len(args) > 1 else "input", "input", None,
+                                       tuple(a.shape), str(a.dtype)[6:])
+            if len(self._inputs) > n + 64:
+                break
 
     # -- modules -----------------------------------------------------------
     # Two global module hooks per block (torch.nn.modules.module.register_module_forward_*)
@@ -658,10 +797,14 @@ class Tracker:
         k = id(module)
         if k == self._root_id:
             self._root_pre()
+            if self._evmode:
+                self._note_inputs(args)
         i = self._ids.get(k)
         if i is not None:
             if self._evmode:
-                self._marks.append((time.monotonic_ns(), i, 0))
+                tag = self._tagbase | ((i + 1) << 2) | self._phase_code
+                self._tags.append(tag)
+                _C.eventlog_mark(1, i, tag)
             else:
                 self._mod_stack.append((i, self._open_scope()))
 
@@ -669,7 +812,10 @@ class Tracker:
         k = id(module)
         i = self._ids.get(k)
         if i is not None and self._evmode:
-            self._marks.append((time.monotonic_ns(), i, 1))
+            tags = self._tags
+            if tags:
+                tags.pop()
+            _C.eventlog_mark(2, i, tags[-1] if tags else self._tagbase | self._phase_code)
         elif i is not None:
             stack = self._mod_stack
             for j in range(len(stack) - 1, -1, -1):
@@ -689,38 +835,60 @@ class Tracker:
         row.peak_above_start = max(row.peak_above_start, peak - start)
         row.exact = row.exact and exact
 
-    def _record_marks(self, t, b, t_end):
-        """Per-module figures from the event log and the hooks' timestamps (event-log mode)."""
-        pairs = []
-        open_calls = {}
-        for when, i, post in self._marks:
-            if not post:
-                open_calls.setdefault(i, []).append(when)
-            elif open_calls.get(i):
-                pairs.append((open_calls[i].pop(), when, i))
-        for i, starts in open_calls.items():  # interrupted forwards end with the block
-            pairs += [(tp, t_end, i) for tp in starts]
-        self._marks = []
-        if not pairs:
+    def _record_marks(self, ev, dropped):
+        """Per-module figures from the event log's enter/exit marks (event-log mode)."""
+        import numpy as np
+
+        if not len(ev):
             return
-        # the log and the hooks share one clock only if the log's first event (the
-        # block's opening) lies between the timestamps taken around the opening
-        same_clock = len(t) > 0 and self._tb <= t[0] <= self._ta
-        # the log starts with the opening (time, start); when the ring wrapped, the events
-        # between it and the first retained one are lost: calls begun before are unknown
-        dropped = getattr(self._scope, "timeline_dropped", 0)
-        known_from = t[1] if dropped and len(t) > 1 else None
-        tp = [p[0] for p in pairs]
-        tq = [p[1] for p in pairs]
-        act, pas, valid = module_figures(t, b, tp, tq, known_from)
-        for (_, _, i), a, p, ok in zip(pairs, act.tolist(), pas.tolist(), valid.tolist()):
+        kind = ev["kind"]
+        # bytes after each event; a mark carries -1: it takes the bytes of the event before
+        b = ev["bytes"].copy()
+        alloc = kind == 0
+        idx = np.where(alloc, np.arange(len(ev)), -1)
+        np.maximum.accumulate(idx, out=idx)
+        first_b = int(self._scope.start) if not dropped else (int(b[alloc][0] - ev["delta"][alloc][0]) if alloc.any() else 0)
+        b = np.where(idx >= 0, b[np.maximum(idx, 0)], first_b)
+        marks = np.flatnonzero((kind == 1) | (kind == 2))
+        open_calls = {}
+        pairs_p, pairs_q, rows = [], [], []
+        unmatched = 0
+        for j, k, i in zip(marks.tolist(), kind[marks].tolist(), ev["ptr"][marks].tolist()):
+            if k == 1:
+                open_calls.setdefault(i, []).append(j)
+            elif open_calls.get(i):
+                pairs_p.append(open_calls[i].pop())
+                pairs_q.append(j)
+                rows.append(i)
+            elif i < len(self._mod_rows):
+                unmatched += 1  # began before the oldest event kept
+                self._mod_rows[i].calls += 1
+                self._mod_rows[i].exact = False
+        for i, starts in open_calls.items():  # interrupted forwards end with the block
+            for j in starts:
+                pairs_p.append(j)
+                pairs_q.append(len(ev) - 1)
+                rows.append(i)
+        if not rows:
+            return
+        p = np.asarray(pairs_p, dtype=np.intp)
+        q = np.asarray(pairs_q, dtype=np.intp)
+        idx2 = np.empty(2 * len(p), dtype=np.intp)
+        idx2[0::2] = p
+        idx2[1::2] = q + 1
+        padded = np.append(b, b[-1])
+        peak = np.maximum.reduceat(padded, idx2)[0::2]
+        act = (b[q] - b[p]).tolist()
+        pas = (peak - b[p]).tolist()
+        n_rows = len(self._mod_rows)
+        for i, a_, p_ in zip(rows, act, pas):
+            if i >= n_rows:
+                continue
             row = self._mod_rows[i]
             row.calls += 1
-            if ok:
-                row._measured += 1
-                row.activation_total += a
-                row.peak_above_start = max(row.peak_above_start, p)
-            row.exact = row.exact and ok and bool(same_clock)
+            row._measured += 1
+            row.activation_total += a_
+            row.peak_above_start = max(row.peak_above_start, p_)
 
     def _install_hooks(self):
         from torch.nn.modules import module as torch_module
@@ -757,7 +925,11 @@ class Tracker:
         self._phases = {name: PhaseStats(name) for name in PHASES}
         self._mod_rows = []
         self._mod_stack = []
-        self._marks = []  # event-log mode: (monotonic ns, row index, 0 pre / 1 post)
+        self._tags = []  # event-log mode: owner tags of the modules whose forward is running
+        self._phase_code = 0
+        self._inputs = {}  # event-log mode: address -> (name, kind, phase, shape, dtype) of forward inputs
+        self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
+        self._at_peak = None
         # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
         # and the per-module figures come from the block's event log at the end (a Scope
         # per module call costs several microseconds). Same clock: CLOCK_MONOTONIC.
@@ -777,7 +949,11 @@ class Tracker:
             _active.append(self)
         try:
             self._tb = time.monotonic_ns()
+            if self._evmode:
+                self._tagbase = _next_token() << attribution.TAG_BITS
             self._scope = self._open_scope(timeline=self._timeline or self._evmode)
+            if self._evmode:  # storages live at the start, by address
+                self._snapshots = [(_C.eventlog_head(), self._walk_names())]
             self._ta = time.monotonic_ns()
             self._boundaries.append(self._scope.start)
             self._install_hooks()
@@ -828,15 +1004,27 @@ class Tracker:
             i, s = self._mod_stack.pop()
             self._record_module(i, s)
         self._end_phase()
-        t_end = time.monotonic_ns()
-        start, end, peak, exact = self._close_scope(self._scope)
+        if self._evmode:
+            _C.eventlog_mark(3, 0, 0)
+            head = _C.eventlog_head()
+        start, end, peak_bytes, exact = self._close_scope(self._scope)
         timeline = None
-        if self._timeline or self._evmode:
+        at_peak = None
+        if self._evmode:
+            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
+            self._record_marks(ev, dropped)
+            snapshots = [(head, self._walk_names()), (head, self._inputs)] + self._snapshots
+            rows = [(r.name, r.type) for r in self._mod_rows]
+            at_peak = attribution.attribute(
+                ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots, _C.counters_sizes, self._tagbase >> attribution.TAG_BITS, rows
+            )
+            for note in getattr(self._scope, "caveats", None) or []:
+                at_peak.notes.append(note)
+            if not exact:
+                at_peak.exact = False
+        if self._timeline:
             t, b = self._scope.timeline()
-            if self._evmode:
-                self._record_marks(t, b, t_end)
-            if self._timeline:
-                timeline = (t - t[0] if len(t) else t, b)
+            timeline = (t - t[0] if len(t) else t, b)
         seconds = time.perf_counter() - self._t0
         extra = {}
         if self._kind == "cpu":
@@ -865,11 +1053,15 @@ class Tracker:
             leak = LeakReport(growth, min(self._warmup, steps), survivors, exact)
         largest = []
         if self._largest:
-            largest = self._scan_largest(self._largest)
+            if at_peak is not None:
+                largest = at_peak.storages[: self._largest]
+            else:
+                largest = self._scan_largest(self._largest)
         return TrackReport(
-            device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak,
+            device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
-            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, **extra,
+            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, at_peak=at_peak,
+            caveats=list(getattr(self._scope, "caveats", None) or []), **extra,
         )  # fmt: skip
 
     def _snapshot(self):
