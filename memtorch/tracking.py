@@ -45,7 +45,9 @@ import time
 import weakref
 
 from . import _C, cpu, cuda, units
+from . import leaks
 from . import peak as attribution
+from .leaks import LeakReport
 from .errors import DeviceUnavailable, MemtorchError
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
@@ -144,7 +146,10 @@ class TensorInfo:
     __slots__ = ("shape", "dtype", "device", "nbytes", "has_graph", "graph_bytes", "step", "name", "ref")
 
     def __init__(self, tensor, step=None, name=None, graph_bytes=None):
-        self.shape = tuple(tensor.shape)
+        try:
+            self.shape = tuple(tensor.shape)
+        except RuntimeError:  # a nested tensor has no single shape
+            self.shape = ("nested",)
         self.dtype = str(tensor.dtype).replace("torch.", "")
         self.device = str(tensor.device)
         self.nbytes = _storage_nbytes(tensor)
@@ -177,42 +182,6 @@ class TensorInfo:
 
     def __repr__(self):
         return f"TensorInfo({self.describe()})"
-
-
-class LeakReport:
-    """Growth of allocated bytes per step.
-
-    steps: growth of each step (bytes, warm-up steps included); warmup: how many
-    leading steps are not judged; per_step: mean growth of the judged steps
-    (floor); leaking: every judged step grew; survivors: TensorInfo of tensors
-    created during a growing step and alive at the end, or holding a graph at a
-    step boundary.
-    """
-
-    __slots__ = ("steps", "warmup", "per_step", "leaking", "survivors", "exact")
-
-    def __init__(self, steps, warmup, survivors, exact):
-        self.steps = list(steps)
-        self.warmup = warmup
-        judged = self.steps[warmup:]
-        self.per_step = sum(judged) // len(judged) if judged else None
-        self.leaking = bool(judged) and all(g > 0 for g in judged)
-        self.survivors = list(survivors)
-        self.exact = exact
-
-    def __str__(self):
-        if self.per_step is None:
-            return f"leak: not judged ({len(self.steps)} step(s), warm-up {self.warmup})"
-        growth = ", ".join(units.format_delta(g) for g in self.steps)
-        head = (
-            f"leak: {units.format_delta(self.per_step)} per step after {self.warmup} warm-up step(s)"
-            f"{' (LEAKING)' if self.leaking else ''}; steps: {growth}"
-        )
-        lines = [head] + ["  survivor " + s.describe() for s in self.survivors]
-        return "\n".join(lines)
-
-    def __repr__(self):
-        return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, survivors={len(self.survivors)})"
 
 
 class TrackReport:
@@ -489,20 +458,23 @@ def _live_tensors(device_type):
     return snap
 
 
-def _graph_bytes(t, limit=200_000):
+def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
     """Bytes of unique storages saved for backward in the graph behind ``t`` (0 without a graph).
 
     Leaves that require grad (parameters), and views of them saved by an op, are
-    left out: the graph does not keep them alive.
+    left out: the graph does not keep them alive. ``keys``/``leaves`` may be shared
+    between calls (storages saved by several graphs count once); ``group`` collects
+    (key, bytes) of the storages first seen here.
     """
     Tensor = _torch().Tensor
     root = t.grad_fn
     if root is None:
         return 0
+    keys = {} if keys is None else keys
+    leaves = set() if leaves is None else leaves
+    mine = {}
     seen_nodes = {id(root)}
     stack = [root]
-    keys = {}
-    leaves = set()
     while stack and len(seen_nodes) < limit:
         node = stack.pop()
         var = getattr(node, "variable", None)  # AccumulateGrad: the leaf (a parameter)
@@ -520,12 +492,14 @@ def _graph_bytes(t, limit=200_000):
                 if isinstance(v, Tensor) and not (v.is_leaf and v.requires_grad):
                     k = _storage_key(v)
                     if k not in keys:
-                        keys[k] = _storage_nbytes(v)
+                        keys[k] = mine[k] = _storage_nbytes(v)
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen_nodes:
                 seen_nodes.add(id(nxt))
                 stack.append(nxt)
-    return sum(n for k, n in keys.items() if k not in leaves)
+    if group is not None:
+        group.examples += [(k, n) for k, n in mine.items() if k not in leaves]
+    return sum(n for k, n in mine.items() if k not in leaves)
 
 
 def _local_name(frame, t):
@@ -941,8 +915,10 @@ class Tracker:
         self._root_depth = 0
         self._forwards = 0
         self._boundaries = []
-        self._snap = None
-        self._suspects = {}  # id -> (TensorInfo, created in a growing step)
+        self._scan0 = None  # leaks.Scan at the first judged step that grew
+        self._scan0_step = None
+        self._step_scope = None
+        self._step_series = []  # [(peak, end)] per step
         self._thread = threading.get_ident()
         self._t0 = time.perf_counter()
         with _lock:
@@ -984,6 +960,9 @@ class Tracker:
             if self._phase is not None:
                 scopes.append(self._phase[1])
                 self._phase = None
+            if getattr(self, "_step_scope", None) is not None:
+                scopes.append(self._step_scope)
+                self._step_scope = None
             scope = getattr(self, "_scope", None)
             if scope is not None:
                 scopes.append(scope)
@@ -1004,6 +983,9 @@ class Tracker:
             i, s = self._mod_stack.pop()
             self._record_module(i, s)
         self._end_phase()
+        if self._step_scope is not None:  # the steps end at the last t.step()
+            self._close_scope(self._step_scope)
+            self._step_scope = None
         if self._evmode:
             _C.eventlog_mark(3, 0, 0)
             head = _C.eventlog_head()
@@ -1049,8 +1031,12 @@ class Tracker:
         steps = len(self._boundaries) - 1
         if steps > 0:
             growth = [b - a for a, b in zip(self._boundaries, self._boundaries[1:])]
-            survivors = self._survivors() if self._suspects else []
-            leak = LeakReport(growth, min(self._warmup, steps), survivors, exact)
+            warm = min(self._warmup, steps)
+            groups, survivors, notes = [], [], []
+            if self._scan0 is not None and leaks.judge(growth, warm)[0]:
+                groups, survivors, notes = self._leak_groups(steps)
+            after = None if self._scan0_step is None else steps - self._scan0_step
+            leak = LeakReport(growth, warm, survivors, exact, groups, notes, after)
         largest = []
         if self._largest:
             if at_peak is not None:
@@ -1061,6 +1047,7 @@ class Tracker:
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, at_peak=at_peak,
+            step_series=self._step_series,
             caveats=list(getattr(self._scope, "caveats", None) or []), **extra,
         )  # fmt: skip
 
@@ -1108,50 +1095,92 @@ class Tracker:
         self._end_phase()
         self._sample()
         now = self._current()
+        # the step's peak: the block's peak so far for the first step, then a scope per step
+        if self._step_scope is None:
+            step_peak = self._scope.peak
+        else:
+            _, _, step_peak, _ = self._close_scope(self._step_scope)
+            self._step_scope = None
+        self._step_series.append((max(step_peak, now), now))
+        self._step_scope = self._open_scope()
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based
-        if not self._leaks:
-            return
-        if k > self._warmup and now - self._boundaries[-2] > 0:
-            self._probe(k)
-        else:
-            self._snap = None
+        if self._leaks and self._scan0 is None and k > self._warmup and now - self._boundaries[-2] > 0:
+            # the first judged step that grew: what lives now is not a survivor of later steps
+            self._scan0 = leaks.Scan(_torch().Tensor, _torch().optim.Optimizer, self._kind)
+            self._scan0_step = k
 
-    def _probe(self, k):
-        """Step k grew after warm-up: note tensors holding a graph, and those new since the last probe."""
-        snap = _live_tensors(self._kind)
-        prev = self._snap
-        for key, ref in snap.items():
+    def _leak_groups(self, steps):
+        """Group the tensors new since the first growing step and alive now (bounded)."""
+        torch = _torch()
+        scan0 = self._scan0
+        before = set()
+        for ref in scan0.tensors.values():
+            t = ref()
+            if t is not None:
+                before.add(leaks.storage_key(t))
+            del t
+        scan = leaks.Scan(torch.Tensor, torch.optim.Optimizer, self._kind)
+        notes = []
+        if scan0.stopped_early or scan.stopped_early:
+            notes.append(
+                f"the search for live tensors stopped early (after {leaks.SCAN_SECONDS:g} s or "
+                f"{leaks.SCAN_OBJECTS:,} objects): some kept tensors may be missing"
+            )
+        expected = leaks.expected_keys(scan)
+        if self._evmode:
+            for a, named in list(self._walk_names().items()) + list(self._inputs.items()):
+                expected.setdefault((a, "cpu"), named[1])
+        local_names = leaks.stack_locals()
+        # the survivors: new since the first growing step, one tensor per storage
+        found = []
+        seen = set()
+        for ref in scan.tensors.values():
             t = ref()
             if t is None:
                 continue
-            is_new = prev is not None and (key not in prev or prev[key]() is not t)
-            old = self._suspects.get(key)
-            if (is_new or t.grad_fn is not None) and (old is None or old[0].ref is None or old[0].ref() is not t):
-                info = TensorInfo(t, step=k)
-                self._suspects[key] = (info, is_new)
+            key = leaks.storage_key(t)
+            if key not in before and key not in seen:
+                seen.add(key)
+                exp = expected.get(key)
+                if exp is None and id(t) in local_names:
+                    exp = f"{local_names[id(t)]}, rebound each step"
+                found.append((ref, key, exp))
             del t
-        self._snap = snap
-
-    def _survivors(self):
-        """Suspects still alive: new in a growing step, or holding a graph that keeps saved tensors."""
-        out = []
-        for info, is_new in self._suspects.values():
-            t = None if info.ref is None else info.ref()
+        deadline = time.perf_counter() + leaks.REFERRER_SECONDS
+        unexpected = [r() for r, _, exp in found if exp is None][:10_000]
+        unexpected = [t for t in unexpected if t is not None]
+        held_by = leaks.holders(unexpected, local_names, deadline)
+        holder_cut = bool(unexpected) and time.perf_counter() > deadline
+        del unexpected
+        groups = {}
+        infos = []
+        graph_keys, graph_leaves = {}, set()
+        for ref, key, exp in found:
+            t = ref()
             if t is None:
                 continue
-            info.has_graph = t.grad_fn is not None
-            info.graph_bytes = _graph_bytes(t) if info.has_graph else None
-            if is_new or info.graph_bytes:
-                out.append(info)
+            has_graph = t.grad_fn is not None
+            holder = held_by.get(id(t)) if exp is None else None
+            gk = (str(t.dtype).replace("torch.", ""), leaks.shape_text(t), has_graph, holder, exp)
+            g = groups.get(gk)
+            if g is None:
+                g = groups[gk] = leaks.SurvivorGroup(gk[0], gk[1], has_graph, holder, exp)
+            g.count += 1
+            g.nbytes += leaks.storage_nbytes(t)
+            if has_graph and exp is None and time.perf_counter() < deadline + 1.0:
+                _graph_bytes(t, keys=graph_keys, leaves=graph_leaves, group=g)
+            if exp is None and len(infos) < 50:
+                infos.append(TensorInfo(t, name=holder))
             del t
-        out.sort(key=lambda s: -(s.nbytes + (s.graph_bytes or 0)))
-        for info in out[:5]:
-            t = info.ref()
-            if t is not None:
-                info.name = _name_of(t)
-            del t
-        return out
+        if holder_cut:
+            notes.append(f"naming the containers stopped after {leaks.REFERRER_SECONDS:g} s: some are not named")
+        for g in groups.values():
+            g.graph_bytes = sum(n for (k, n) in g.examples)  # (key, bytes) of saved tensors of this group
+            g.examples = []
+        out = sorted(groups.values(), key=lambda g: (g.expected is not None, -(g.nbytes + g.graph_bytes)))
+        infos.sort(key=lambda i: -i.nbytes)
+        return out, infos[:5], notes
 
     # -- report and decorator ----------------------------------------------
     @property

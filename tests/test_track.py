@@ -634,3 +634,152 @@ def test_module_hooks_take_timestamps_only_with_exact_counters():
         assert t._evmode == sys.platform.startswith("linux")
         model(torch.ones(B, D_IN))
     assert all(m.exact for m in t.report.modules)
+
+
+# --- at_peak: who held the bytes at the peak --------------------------------
+
+
+def _adam_mlp_counted():
+    """The MLP and Adam built while counting runs, so that every storage is counted."""
+    memtorch.cpu.start()
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(B, D_IN)
+    for _ in range(2):  # Adam's state exists from here on
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt, x
+
+
+@exact_only
+def test_at_peak_names_parameters_gradients_and_adam_state_by_hand_count():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ap = t.report.at_peak
+    # every group together is the peak, to the byte
+    assert ap.total == t.report.peak
+    assert sum(o.nbytes for o in ap.owners) == t.report.peak
+    # named groups, by hand: float32, 4 bytes an element
+    w0, b0, w2, b2 = D_H * D_IN * 4, D_H * 4, D_OUT * D_H * 4, D_OUT * 4
+    assert ap["0.weight"] == w0  # parameter, allocated before the block
+    assert ap["2.bias"] == b2
+    # Adam's peak is inside its step, after the backward: the gradients are live
+    assert ap["0.weight.grad"] == w0
+    assert ap["2.weight.grad"] == w2
+    assert ap["0.weight.exp_avg"] == w0 and ap["0.weight.exp_avg_sq"] == w0
+    assert ap["0.bias.exp_avg"] == b0
+    assert ap["2.weight.exp_avg_sq"] == w2
+    kinds = ap.by_kind()
+    assert kinds["parameter"] == P_BYTES
+    assert kinds["gradient"] == P_BYTES
+    # exp_avg and exp_avg_sq per parameter, plus a float32 `step` tensor each (4 B)
+    assert kinds["optimizer state"] == 2 * P_BYTES + N_PARAMS * 4
+    assert ap["input"] == B * D_IN * 4
+    assert ap.exact
+    # the five largest owners are printed with the report
+    assert "0.weight.exp_avg (optimizer state)" in str(t.report)
+    import json
+
+    d = json.loads(json.dumps(t.report.to_dict()))
+    assert sum(o["bytes"] for o in d["at_peak"]["owners"]) == d["peak"] == t.report.peak
+
+
+@exact_only
+def test_at_peak_activations_by_module_after_a_forward():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        out = model(x)  # grad enabled: the peak is the end of the forward
+    ap = t.report.at_peak
+    assert ap.total == t.report.peak
+    # The peak is ReLU's output (B x D_H) being allocated while Linear 0's output (B x D_H)
+    # is still held as ReLU's input; right after, Linear 0's output is freed (ReLU saves
+    # its result, Linear 2 saves its input: nothing saves Linear 0's output), and Linear
+    # 2's output (B x D_OUT) comes after the peak.
+    assert ap["activations of 0 (Linear)"] == B * D_H * 4
+    assert ap["activations of 1 (ReLU)"] == B * D_H * 4
+    assert "activations of 2 (Linear)" not in ap
+    assert ap.by_kind()["activation"] == 2 * B * D_H * 4
+    assert t.report.peak_above_start == 2 * B * D_H * 4
+    del out
+
+
+@exact_only
+def test_largest_lists_named_tensors_at_the_peak():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt, largest=3) as t:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    names = [s.name for s in t.report.largest]
+    assert len(names) == 3
+    assert all(s.nbytes == D_H * D_IN * 4 for s in t.report.largest)  # the three largest are 512x256
+    # gradients are freed by zero_grad() before the end, yet listed: taken at the peak
+    assert "0.weight.grad" in names or "0.weight.exp_avg" in names
+    assert "largest live tensors at the peak" in str(t.report)
+
+
+@exact_only
+def test_at_peak_when_the_event_log_wraps_says_not_exact_and_still_adds_up():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        big = torch.empty(1 << 20)  # 4 MiB: the peak, early in the block
+        del big
+        for _ in range(70_000):  # 140,000 events: more than the ring's 131,072
+            torch.empty(1)
+    ap = t.report.at_peak
+    assert ap.total == t.report.peak
+    assert not ap.exact
+    assert any("lost" in n for n in ap.notes)
+
+
+@exact_only
+def test_at_peak_of_nested_blocks_each_add_up():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as outer:
+        with memtorch.track(model, opt) as inner:
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for r in (outer.report, inner.report):
+        assert r.at_peak.total == r.peak
+    assert inner.report.at_peak["0.weight.grad"] == D_H * D_IN * 4
+
+
+@exact_only
+def test_eventlog_read_is_sized_by_what_the_ring_retains():
+    import tracemalloc
+
+    from memtorch import _C
+
+    with memtorch.cpu.Scope(timeline=True):
+        for _ in range(70_000):
+            torch.empty(1)
+        head = _C.eventlog_head()
+        assert head > 131_072
+        tracemalloc.start()
+        try:
+            t, b, dropped = _C.eventlog_read(0, head)
+            ev, dropped2 = _C.eventlog_read_all(0, head)
+            _, peak_mem = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert len(t) <= 131_072 and dropped >= head - 131_072
+    assert len(ev) <= 131_072 and dropped2 == head - len(ev)
+    # two int64 arrays and one 48-byte record array of at most 131,072 entries, not of `head`
+    assert peak_mem < 131_072 * (16 + 48) * 1.2
+
+
+def test_report_to_dict_is_json_for_every_report():
+    import json
+
+    with memtorch.track() as t:
+        for _ in range(3):
+            torch.ones(10)
+            t.step()
+    d = json.loads(json.dumps(t.report.to_dict()))
+    assert d["steps"] == 3 and d["leak"]["steps"] == [int(g) for g in t.report.leak.steps]
+    assert len(d["steps_series"]) == 3
