@@ -80,7 +80,7 @@ class SurvivorGroup:
         if steps_after and self.count > 1 and abs(self.count - steps_after) <= 1:
             text += ", one per step"
         if self.holder:
-            text += f", in {self.holder}"
+            text += f", {self.holder}"
         if self.expected:
             text += f" (expected to live: {self.expected})"
         return text
@@ -298,7 +298,7 @@ def holders(tensors, local_names, deadline, max_referrers=100_000):
         label = local_names.get(cid)
         if label is not None:
             name, _, fn = label.partition(" of ")
-            names[cid] = f"{type(c).__name__} {name.replace('local ', '')} (local of {fn})"
+            names[cid] = f"in {type(c).__name__} {name.replace('local ', '')} (local of {fn})"
     rest = [c for cid, (c, _) in containers.items() if cid not in names]
     if rest and time.perf_counter() < deadline:
         rest_ids = {id(c) for c in rest}
@@ -308,16 +308,16 @@ def holders(tensors, local_names, deadline, max_referrers=100_000):
                 for k, v in r.items():
                     if id(v) in rest_ids and isinstance(k, str) and id(v) not in names:
                         where = f"global of {r['__name__']}" if is_globals else "attribute"
-                        names[id(v)] = f"{type(v).__name__} `{k}` ({where})"
+                        names[id(v)] = f"in {type(v).__name__} `{k}` ({where})"
     for cid, (c, held) in containers.items():
         label = names.get(cid)
         if label is None:
             if isinstance(c, dict):
                 # an object's __dict__: the tensor is an attribute
                 keys = [k for k, v in c.items() if id(v) in wanted and isinstance(k, str)]
-                label = f"attribute `{keys[0]}` of an object" if keys else f"an unnamed {type(c).__name__}"
+                label = f"in attribute `{keys[0]}` of an object" if keys else f"in an unnamed {type(c).__name__}"
             else:
-                label = f"an unnamed {type(c).__name__}"
+                label = f"in an unnamed {type(c).__name__}"
         for i in held:
             out.setdefault(i, label)
     return out

@@ -549,6 +549,15 @@ def _name_of(t):
     return None
 
 
+class _SavedBytes:
+    """Collects (storage key, bytes) pairs from _graph_bytes."""
+
+    __slots__ = ("examples",)
+
+    def __init__(self):
+        self.examples = []
+
+
 _token = [0]
 
 
@@ -753,9 +762,11 @@ class Tracker:
         """Addresses of the tensors given to the model's forward (the batch); none kept."""
         Tensor = _torch().Tensor
         n = len(self._inputs)
+        self._last_inputs = []
         for j, a in enumerate(args):
             if isinstance(a, Tensor):
                 p = _data_ptr(a)
+                self._last_inputs.append(p)
                 if p and p not in self._inputs:
                     self._inputs[p] = (f"input {j}" if len(args) > 1 else "input", "input", None,
                                        tuple(a.shape), str(a.dtype)[6:])
@@ -901,6 +912,7 @@ class Tracker:
         self._mod_stack = []
         self._tags = []  # event-log mode: owner tags of the modules whose forward is running
         self._phase_code = 0
+        self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
         self._inputs = {}  # event-log mode: address -> (name, kind, phase, shape, dtype) of forward inputs
         self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
         self._at_peak = None
@@ -1129,11 +1141,13 @@ class Tracker:
             )
         expected = leaks.expected_keys(scan)
         if self._evmode:
-            for a, named in list(self._walk_names().items()) + list(self._inputs.items()):
+            for a, named in self._walk_names().items():
                 expected.setdefault((a, "cpu"), named[1])
+            for a in self._last_inputs:
+                expected.setdefault((a, "cpu"), "the current batch (the last forward's input)")
         local_names = leaks.stack_locals()
         # the survivors: new since the first growing step, one tensor per storage
-        found = []
+        found = []  # (weakref, key, expected or None, holder or None)
         seen = set()
         for ref in scan.tensors.values():
             t = ref()
@@ -1143,43 +1157,67 @@ class Tracker:
             if key not in before and key not in seen:
                 seen.add(key)
                 exp = expected.get(key)
+                holder = None
                 if exp is None and id(t) in local_names:
-                    exp = f"{local_names[id(t)]}, rebound each step"
-                found.append((ref, key, exp))
+                    if t.grad_fn is None:  # the current batch, a running value: replaced next step
+                        exp = f"{local_names[id(t)]}, rebound each step"
+                    else:  # it may hold every step's graph (a loss summed without .item())
+                        holder = local_names[id(t)]
+                found.append((ref, key, exp, holder))
             del t
         deadline = time.perf_counter() + leaks.REFERRER_SECONDS
-        unexpected = [r() for r, _, exp in found if exp is None][:10_000]
+        # graphs first: what a kept graph saves for backward is kept by that graph
+        graph_leaves = set()
+        graph_of = {}  # key -> [(saved storage key, bytes)] of its graph, each graph on its own
+        for ref, key, exp, holder in found:
+            t = ref()
+            if t is not None and exp is None and t.grad_fn is not None and time.perf_counter() < deadline + 1.0:
+                mine = _SavedBytes()
+                _graph_bytes(t, keys={}, leaves=graph_leaves, group=mine)
+                graph_of[key] = mine.examples
+            del t
+        saved_by_graph = {k for pairs in graph_of.values() for k, _ in pairs} - graph_leaves
+        for k in saved_by_graph:  # a tensor saved by another's graph holds no graph of its own here
+            graph_of.pop(k, None)
+        unexpected = [r() for r, k, exp, h in found if exp is None and h is None and k not in saved_by_graph][:10_000]
         unexpected = [t for t in unexpected if t is not None]
         held_by = leaks.holders(unexpected, local_names, deadline)
         holder_cut = bool(unexpected) and time.perf_counter() > deadline
         del unexpected
         groups = {}
         infos = []
-        graph_keys, graph_leaves = {}, set()
-        for ref, key, exp in found:
+        for ref, key, exp, holder in found:
             t = ref()
             if t is None:
                 continue
             has_graph = t.grad_fn is not None
-            holder = held_by.get(id(t)) if exp is None else None
+            if exp is None and holder is None:
+                if key in saved_by_graph:
+                    holder = "saved for backward by the kept graphs"
+                else:
+                    holder = held_by.get(id(t))
+            elif holder is not None:
+                holder = "held by " + holder
             gk = (str(t.dtype).replace("torch.", ""), leaks.shape_text(t), has_graph, holder, exp)
             g = groups.get(gk)
             if g is None:
                 g = groups[gk] = leaks.SurvivorGroup(gk[0], gk[1], has_graph, holder, exp)
             g.count += 1
             g.nbytes += leaks.storage_nbytes(t)
-            if has_graph and exp is None and time.perf_counter() < deadline + 1.0:
-                _graph_bytes(t, keys=graph_keys, leaves=graph_leaves, group=g)
+            mine = graph_of.get(key, [])
+            g.examples += mine
             if exp is None and len(infos) < 50:
-                infos.append(TensorInfo(t, name=holder))
+                info = TensorInfo(t, name=holder, graph_bytes=sum(n for k, n in dict(mine).items() if k not in graph_leaves))
+                infos.append(info)
             del t
         if holder_cut:
             notes.append(f"naming the containers stopped after {leaks.REFERRER_SECONDS:g} s: some are not named")
         for g in groups.values():
-            g.graph_bytes = sum(n for (k, n) in g.examples)  # (key, bytes) of saved tensors of this group
+            # (key, bytes) of the storages this group's graphs save (parameters left out)
+            g.graph_bytes = sum(n for k, n in dict(g.examples).items() if k not in graph_leaves)
             g.examples = []
         out = sorted(groups.values(), key=lambda g: (g.expected is not None, -(g.nbytes + g.graph_bytes)))
-        infos.sort(key=lambda i: -i.nbytes)
+        infos.sort(key=lambda i: -(i.nbytes + (i.graph_bytes or 0)))
         return out, infos[:5], notes
 
     # -- report and decorator ----------------------------------------------
