@@ -157,7 +157,9 @@ class Scan:
     """One bounded walk of gc objects: live tensors of a device type, optimizers, and
     whether it stopped early."""
 
-    def __init__(self, Tensor, Optimizer, device_type, seconds=SCAN_SECONDS, max_objects=SCAN_OBJECTS):
+    def __init__(self, Tensor, Optimizer, device_type, seconds=None, max_objects=None):
+        seconds = SCAN_SECONDS if seconds is None else seconds
+        max_objects = SCAN_OBJECTS if max_objects is None else max_objects
         self.tensors = {}  # id -> weakref
         self.optimizers = []
         self.stopped_early = False

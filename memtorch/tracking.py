@@ -1179,7 +1179,7 @@ class Tracker:
         saved_by_graph = {k for pairs in graph_of.values() for k, _ in pairs} - graph_leaves
         for k in saved_by_graph:  # a tensor saved by another's graph holds no graph of its own here
             graph_of.pop(k, None)
-        unexpected = [r() for r, k, exp, h in found if exp is None and h is None and k not in saved_by_graph][:10_000]
+        unexpected = [r() for r, k, exp, h in found if exp is None and k not in saved_by_graph][:10_000]
         unexpected = [t for t in unexpected if t is not None]
         held_by = leaks.holders(unexpected, local_names, deadline)
         holder_cut = bool(unexpected) and time.perf_counter() > deadline
@@ -1196,8 +1196,8 @@ class Tracker:
                     holder = "saved for backward by the kept graphs"
                 else:
                     holder = held_by.get(id(t))
-            elif holder is not None:
-                holder = "held by " + holder
+            elif holder is not None:  # a local holding a graph: the container, if one holds it too
+                holder = held_by.get(id(t)) or "held by " + holder
             gk = (str(t.dtype).replace("torch.", ""), leaks.shape_text(t), has_graph, holder, exp)
             g = groups.get(gk)
             if g is None:

@@ -783,3 +783,129 @@ def test_report_to_dict_is_json_for_every_report():
     d = json.loads(json.dumps(t.report.to_dict()))
     assert d["steps"] == 3 and d["leak"]["steps"] == [int(g) for g in t.report.leak.steps]
     assert len(d["steps_series"]) == 3
+
+
+# --- leaks that name the culprit --------------------------------------------
+
+
+def _train_keeping_losses(steps=20):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with memtorch.track(model, opt) as t:
+        for _ in range(steps):
+            x = torch.randn(8, D_IN)
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            losses.append(loss)  # the leak: each loss keeps its graph
+            t.step()
+    return t, losses
+
+
+def test_leak_groups_name_the_list_that_keeps_the_losses():
+    t, losses = _train_keeping_losses(20)
+    leak = t.report.leak
+    assert leak.leaking, str(leak)
+    culprit = leak.groups[0]  # unexpected groups come first
+    assert culprit.expected is None
+    assert culprit.has_graph and culprit.dtype == "float32" and culprit.shape == ""
+    assert culprit.holder == "in list `losses` (local of `_train_keeping_losses`)", str(leak)
+    # the first growing step is step 2 (after one warm-up step): what lived then is not new,
+    # so the losses of steps 3..20 are the survivors
+    assert culprit.count == 18, str(leak)
+    line = str(leak).splitlines()[1]
+    assert "18 tensors float32[], 72 B holding autograd graphs" in line and "holding autograd graphs" in line and "one per step" in line
+    # parameters, gradients and the last batch are never listed as culprits
+    for g in leak.groups:
+        if g.expected is None:
+            assert g.shape not in (f"{D_H}x{D_IN}", f"{D_OUT}x{D_H}"), str(leak)
+    del losses
+
+
+def test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence():
+    kept = []
+    with memtorch.track() as t:
+        for step in range(1, 201):
+            torch.ones(100).sum()
+            if step % 50 == 0:
+                kept.append(torch.zeros(1000))  # 4,000 bytes every 50th step
+            t.step()
+    leak = t.report.leak
+    assert leak.leaking, str(leak)
+    if EXACT:
+        assert leak.evidence["steps_that_grew"] == [50, 100, 150, 200]
+        assert leak.evidence["net_growth"] == 4 * 4000
+        assert leak.per_step == 4 * 4000 // 199
+    # the first growing step (50) is the reference: the tensors of steps 100, 150 and 200 survive
+    g = leak.groups[0]
+    assert (g.count, g.shape, g.nbytes) == (3, "1000", 3 * 4000), str(leak)
+    assert g.holder == "in list `kept` (local of `test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence`)"
+    assert "grew in 4" in str(leak)
+
+
+def test_growth_once_is_not_a_leak():
+    cache = []
+    with memtorch.track() as t:
+        for step in range(1, 11):
+            if step == 5:
+                cache.append(torch.zeros(1000))  # a cache filled once
+            t.step()
+    leak = t.report.leak
+    assert not leak.leaking
+    assert leak.groups == []  # not judged leaking: no scan at the end
+    del cache
+
+
+def test_leak_scan_says_when_it_stopped_early(monkeypatch):
+    from memtorch import leaks
+
+    monkeypatch.setattr(leaks, "SCAN_SECONDS", 0.0)  # stop at the first check (20,000 objects)
+    kept = []
+    with memtorch.track() as t:
+        for _ in range(4):
+            kept.append(torch.zeros(100))
+            t.step()
+    leak = t.report.leak
+    assert leak.leaking
+    assert any("stopped early" in n for n in leak.notes), str(leak)
+    assert "stopped early" in str(leak)
+
+
+def test_step_series_has_each_steps_peak_and_end():
+    with memtorch.track() as t:
+        a = torch.ones(1000)  # step 1: peak +4,000 B, end +4,000 B
+        t.step()
+        b = torch.ones(2000)  # step 2: peak +8,000 B then freed
+        del b
+        t.step()
+    s = t.report.step_series
+    start = t.report.start
+    assert len(s) == 2
+    if EXACT:
+        assert s[0] == (start + 4000, start + 4000)
+        assert s[1] == (start + 4000 + 8000, start + 4000)
+    d = t.report.to_dict()["steps_series"]
+    assert [x["peak"] for x in d] == [p for p, _ in s]
+    del a
+
+
+def test_nested_tensor_alive_does_not_break_largest_or_the_leak_scan():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor([torch.ones(3), torch.ones(5)])  # strided layout
+    kept = []
+    with memtorch.track(largest=3) as t:
+        for _ in range(4):
+            kept.append(torch.zeros(100))
+            t.step()
+    assert t.report.leak.leaking
+    assert len(t.report.largest) == 3
+    str(t.report)
+    with memtorch.track(mlp(), largest=2) as t2:
+        pass
+    str(t2.report)
+    del nt
