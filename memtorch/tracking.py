@@ -604,7 +604,28 @@ def _parse_device(device, model):
         return "cpu", None
     if dev.type == "cuda":
         return "cuda", cuda._index(dev)
-    raise DeviceUnavailable(f"memtorch.track cannot count device type {dev.type!r}: only 'cpu' and 'cuda'")
+    hint = ""
+    if dev.type == "meta":
+        hint = (
+            " (the meta device allocates nothing: memtorch.inspect(model) says what a model holds, "
+            "memtorch.estimate(...) what a step would need)"
+        )
+    raise DeviceUnavailable(f"memtorch.track cannot count device type {dev.type!r}: only 'cpu' and 'cuda'{hint}")
+
+
+_META_HINT = (
+    "track() runs the code and counts the memory it really allocates, and a model on the meta "
+    "device allocates nothing: use memtorch.inspect(model) for what the model holds, or "
+    "memtorch.estimate(model, sample_input, optimizer=...) for what a training step would need"
+)
+
+
+def _on_meta(model):
+    for p in model.parameters():
+        return p.device.type == "meta"
+    for b in model.buffers():
+        return b.device.type == "meta"
+    return False
 
 
 class Tracker:
@@ -615,6 +636,11 @@ class Tracker:
     ):
         torch = _torch()
         if model is not None and not isinstance(model, torch.nn.Module):
+            if callable(model) and not isinstance(model, type) and optimizer is None:
+                raise TypeError(
+                    "memtorch.track is used as a decorator with parentheses: write @memtorch.track() "
+                    f"(or @memtorch.track(model, optimizer)), not @memtorch.track, above {getattr(model, '__name__', 'the function')}"
+                )
             raise TypeError(f"track(model=...) expects a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"track(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -622,6 +648,11 @@ class Tracker:
             raise ValueError(f"track(warmup=...) expects an int >= 0, got {warmup!r}")
         if isinstance(largest, bool) or not isinstance(largest, int) or largest < 0:
             raise ValueError(f"track(largest=...) expects an int >= 0, got {largest!r}")
+        for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
+            if not isinstance(value, bool):
+                raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
+        if model is not None and _on_meta(model):
+            raise DeviceUnavailable(_META_HINT)
         # the decorator's arguments; model and optimizer only by weakref
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
         self._model = None if model is None else weakref.ref(model)
@@ -635,6 +666,8 @@ class Tracker:
         self._report = None
         self._open = False
         self._last = None  # decorator: the Tracker of the last call
+        self._evmode = False
+        self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
 
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
@@ -712,11 +745,22 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
-        if self._evmode and len(self._snapshots) < 64:  # the gradients, which zero_grad() may free
-            self._snapshots.append((_C.eventlog_head(), self._walk_names()))
+        if self._evmode:  # the gradients, which zero_grad() may free before the end
+            self._state_n = len(optimizer.state)
+            self._snapshot_names()
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
+        if self._evmode and len(optimizer.state) != self._state_n:  # new state: name it while it lives
+            self._snapshot_names()
+
+    def _snapshot_names(self, names=None):
+        """Note what the walk names now, at this point of the event log (the first 16 and the
+        latest 240 kept: a block's peak is often in its first step)."""
+        snaps = self._snapshots
+        snaps.append((_C.eventlog_head(), self._walk_names() if names is None else names))
+        if len(snaps) > 256:
+            del snaps[16]
 
     # -- names for at_peak --------------------------------------------------
     def _walk_names(self):
@@ -761,17 +805,16 @@ class Tracker:
     def _note_inputs(self, args):
         """Addresses of the tensors given to the model's forward (the batch); none kept."""
         Tensor = _torch().Tensor
-        n = len(self._inputs)
         self._last_inputs = []
-        for j, a in enumerate(args):
+        found = {}
+        for j, a in enumerate(args[:64]):
             if isinstance(a, Tensor):
                 p = _data_ptr(a)
                 self._last_inputs.append(p)
-                if p and p not in self._inputs:
-                    self._inputs[p] = (f"input {j}" if len(args) > 1 else "input", "input", None,
-                                       tuple(a.shape), str(a.dtype)[6:])
-            if len(self._inputs) > n + 64:
-                break
+                if p:
+                    found[p] = (f"input {j}" if len(args) > 1 else "input", "input", None, tuple(a.shape), str(a.dtype)[6:])
+        if found:  # named at this point of the log: the batch may be freed before the block ends
+            self._snapshot_names(found)
 
     # -- modules -----------------------------------------------------------
     # Two global module hooks per block (torch.nn.modules.module.register_module_forward_*)
@@ -876,23 +919,57 @@ class Tracker:
             row.peak_above_start = max(row.peak_above_start, p_)
 
     def _install_hooks(self):
-        from torch.nn.modules import module as torch_module
-
-        h = self._handles
         model = None if self._model is None else self._model()
         if model is not None:
-            self._root_id = id(model)
-            if self._modules_on:
-                for i, (name, mod) in enumerate(model.named_modules()):
-                    self._mod_rows.append(ModuleStats(name, type(mod).__name__))
-                    self._ids[id(mod)] = i
-            h.append(torch_module.register_module_forward_pre_hook(self._pre))
-            h.append(torch_module.register_module_forward_hook(self._post, always_call=True))
+            self._hook_model(model)
         del model
         opt = None if self._optimizer is None else self._optimizer()
         if opt is not None:
-            h.append(opt.register_step_pre_hook(self._opt_pre))
-            h.append(opt.register_step_post_hook(self._opt_post))
+            self._hook_optimizer(opt)
+
+    def _hook_model(self, model):
+        from torch.nn.modules import module as torch_module
+
+        self._root_id = id(model)
+        if self._modules_on:
+            for i, (name, mod) in enumerate(model.named_modules()):
+                self._mod_rows.append(ModuleStats(name, type(mod).__name__))
+                self._ids[id(mod)] = i
+        self._handles.append(torch_module.register_module_forward_pre_hook(self._pre))
+        self._handles.append(torch_module.register_module_forward_hook(self._post, always_call=True))
+
+    def _hook_optimizer(self, opt):
+        self._handles.append(opt.register_step_pre_hook(self._opt_pre))
+        self._handles.append(opt.register_step_post_hook(self._opt_post))
+
+    def watch(self, model=None, optimizer=None):
+        """Give the block the model and/or optimizer to name (phases, per-module figures,
+        at_peak names), also once it is open (the pytest fixture's tracker is). Returns self."""
+        torch = _torch()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"watch(model=...) expects a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"watch(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if model is not None and self._model is not None:
+            raise MemtorchError("this tracker already watches a model: one model per block")
+        if optimizer is not None and self._optimizer is not None:
+            raise MemtorchError("this tracker already watches an optimizer: one optimizer per block")
+        if model is not None and _on_meta(model):
+            raise DeviceUnavailable(_META_HINT)
+        if model is not None:
+            self._model = weakref.ref(model)
+            self._modules_on = bool(self._args["modules"])
+            self._args_watch = True
+        if optimizer is not None:
+            self._optimizer = weakref.ref(optimizer)
+        if self._open:
+            if model is not None:
+                self._hook_model(model)
+            if optimizer is not None:
+                self._hook_optimizer(optimizer)
+            if self._evmode:  # what lives now, by name
+                self._snapshot_names()
+        return self
 
     def _remove_hooks(self):
         while self._handles:
@@ -913,15 +990,16 @@ class Tracker:
         self._tags = []  # event-log mode: owner tags of the modules whose forward is running
         self._phase_code = 0
         self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
-        self._inputs = {}  # event-log mode: address -> (name, kind, phase, shape, dtype) of forward inputs
+        self._state_n = 0
         self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
         self._at_peak = None
         # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
         # and the per-module figures come from the block's event log at the end (a Scope
         # per module call costs several microseconds). Same clock: CLOCK_MONOTONIC.
         self._evmode = (
-            self._modules_on and self._kind == "cpu" and sys.platform.startswith("linux") and cpu.exact()
-        )
+            (self._model is not None or self._optimizer is not None or self._with_log)
+            and self._kind == "cpu" and sys.platform.startswith("linux") and cpu.exact()
+        )  # fmt: skip
         self._ids = {}  # id(module) -> row index, for the model's modules
         self._root_id = None
         self._root_depth = 0
@@ -1007,7 +1085,7 @@ class Tracker:
         if self._evmode:
             ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
             self._record_marks(ev, dropped)
-            snapshots = [(head, self._walk_names()), (head, self._inputs)] + self._snapshots
+            snapshots = [(head, self._walk_names())] + self._snapshots[::-1]
             rows = [(r.name, r.type) for r in self._mod_rows]
             at_peak = attribution.attribute(
                 ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots, _C.counters_sizes, self._tagbase >> attribution.TAG_BITS, rows

@@ -909,3 +909,46 @@ def test_nested_tensor_alive_does_not_break_largest_or_the_leak_scan():
         pass
     str(t2.report)
     del nt
+
+
+# --- argument checks ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["timeline", "modules", "leaks"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, None])
+def test_track_flags_must_be_bools(flag, value):
+    with pytest.raises(TypeError, match=rf"track\({flag}=\.\.\.\) expects True or False, got {value!r}"):
+        memtorch.track(**{flag: value})
+
+
+def test_bare_decorator_says_to_write_parentheses():
+    with pytest.raises(TypeError, match=r"write @memtorch\.track\(\) .* not @memtorch\.track, above step"):
+
+        @memtorch.track
+        def step():
+            pass
+
+
+def test_track_on_a_meta_model_points_to_inspect_and_estimate():
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(DeviceUnavailable, match=r"memtorch\.inspect\(model\).*memtorch\.estimate\("):
+        memtorch.track(model)
+    with pytest.raises(DeviceUnavailable, match=r"meta.*memtorch\.inspect"):
+        memtorch.track(device="meta")
+    no_hooks(model)
+
+
+def test_watch_checks_its_arguments():
+    t = memtorch.track()
+    with pytest.raises(TypeError, match=r"watch\(model=\.\.\.\) expects a torch\.nn\.Module, got str"):
+        t.watch("model")
+    with pytest.raises(TypeError, match=r"watch\(optimizer=\.\.\.\) expects a torch\.optim\.Optimizer, got int"):
+        t.watch(optimizer=3)
+    with torch.device("meta"):
+        meta = mlp()
+    with pytest.raises(DeviceUnavailable, match="meta"):
+        t.watch(meta)
+    t.watch(mlp())
+    with pytest.raises(MemtorchError, match="already watches a model"):
+        t.watch(mlp())
