@@ -1,6 +1,6 @@
 """Type stubs for memtorch._C (the C core): the walker, module setup, the counters and event log."""
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +60,9 @@ def scope_close(id: int, generation: int, /) -> tuple[int, int, int, int, int]: 
 def eventlog_read(
     first: int, last: int, /
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]: ...  # times_ns, bytes, dropped
+def eventlog_read_all(first: int, last: int, /) -> tuple[npt.NDArray[np.void], int]: ...  # events (index, time, bytes, ptr, delta, kind, tag), dropped
+def eventlog_mark(kind: int, number: int, tag: int, /) -> None: ...  # kind 1 enter, 2 exit, 3 tag
+def counters_sizes(ptrs: Sequence[int], /) -> npt.NDArray[np.int64]: ...  # counted size per address, -1 if none
 def eventlog_head() -> int: ...
 def monotonic_ns() -> int: ...
 

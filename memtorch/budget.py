@@ -74,12 +74,27 @@ def _measured(report, name):
     return int(per_step)
 
 
+def _as_report(obj, fname):
+    """The report to judge: a TrackReport (or anything with its figures), or a Tracker's report."""
+    from .tracking import Tracker
+
+    if isinstance(obj, Tracker):
+        return obj.report  # the finished block's report (a clear error if it has not run)
+    if hasattr(obj, "peak_above_start"):
+        return obj
+    raise TypeError(
+        f"{fname}() expects the report of a track() block (t.report) or the tracker itself (t), "
+        f"got {type(obj).__name__}"
+    )
+
+
 def check_budget(report, peak=None, delta=None, leak=None):
     """Return the list of (name, measured_bytes, limit_bytes) over budget; empty when within.
 
     Raises UnitError for an unparsable size and MemtorchError for a leak budget
     on a report without steps.
     """
+    report = _as_report(report, "check_budget")
     limits = {"peak": peak, "delta": delta, "leak": leak}
     failures = []
     for name in _FIGURES:
@@ -104,8 +119,10 @@ def _fmt(value, signed=False):
     return units.format_delta(value) if signed else units.format(value)
 
 
-def breakdown(report, modules=5, tensors=5):
-    """Text breakdown of a report: totals, phases, top modules, largest live tensors, leak."""
+def breakdown(report, modules=5, tensors=5, owners=5):
+    """Text breakdown of a report: totals, phases, top modules, the largest owners at the peak,
+    largest live tensors, leak, and what the counters could not see."""
+    owners_n = owners
     lines = []
     device = _get(report, "device", "?")
     exact = _get(report, "exact", None)
@@ -146,10 +163,26 @@ def breakdown(report, modules=5, tensors=5):
                 f"    {label}: activations {_fmt(_get(row, 'activation_bytes'))}, "
                 f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its start"
             )
+    at_peak = _get(report, "at_peak")
+    if at_peak is not None:
+        owners = [o for o in at_peak.owners if o.nbytes]
+        how = "" if at_peak.exact else ", not exact"
+        lines.append(
+            f"  who held the bytes at the peak ({_fmt(at_peak.peak)}{how}; the {min(owners_n, len(owners))} "
+            f"largest of {len(owners)} owners):"
+        )
+        for o in owners[:owners_n]:
+            lines.append(f"    {_fmt(o.nbytes)}  {o.name} ({o.kind})")
+        for note in at_peak.notes:
+            lines.append(f"    note: {note}")
     largest = list(_get(report, "largest") or [])
     if largest:
-        lines.append(f"  largest live tensors at the peak (top {min(tensors, len(largest))}):")
+        when = "at the peak" if at_peak is not None else "at the end"
+        lines.append(f"  largest live tensors {when} (top {min(tensors, len(largest))}):")
         for t in largest[:tensors]:
+            if hasattr(t, "describe"):
+                lines.append(f"    {t.describe()}")
+                continue
             shape = tuple(_get(t, "shape", ()) or ())
             graph = ", holds autograd graph" if _get(t, "has_graph") else ""
             lines.append(f"    {_fmt(_get(t, 'nbytes'))}  {shape} {_get(t, 'dtype', '?')}{graph}")
@@ -160,6 +193,11 @@ def breakdown(report, modules=5, tensors=5):
         if isinstance(per_step, (list, tuple)):
             per_step = max(per_step, default=0)
         lines.append(f"  leak: {_fmt(per_step, signed=True)} per step, {len(survivors)} surviving tensor(s)")
+        for g in list(_get(leak, "groups") or [])[:5]:
+            if hasattr(g, "describe"):
+                lines.append(f"    kept: {g.describe(_get(leak, 'steps_after'))}")
+    for c in list(_get(report, "caveats") or []):
+        lines.append(f"  note: {c}")
     return "\n".join(lines)
 
 
@@ -173,6 +211,7 @@ def assert_budget(report, peak=None, delta=None, leak=None):
     ``peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB``, then the breakdown;
     its ``failures`` are the (name, measured, limit) byte triples.
     """
+    report = _as_report(report, "assert_budget")
     spelled = {"peak": peak, "delta": delta, "leak": leak}
     failures = check_budget(report, peak=peak, delta=delta, leak=leak)
     if failures:

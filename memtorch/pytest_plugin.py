@@ -29,9 +29,10 @@ __all__ = ["memory_budget"]
 _PROPERTY = "memtorch"  # key of the figures in item.user_properties (xdist carries them)
 _BUDGET = pytest.StashKey()  # item -> _Budget
 _PLUGIN_NAME = "memtorch-session"
+_COMPARED = ("peak", "delta", "leak", "reserved_peak")  # figures saved and compared, bytes
 
 
-def memory_budget(peak=None, delta=None, leak=None, device="auto"):
+def memory_budget(peak=None, delta=None, leak=None, device="auto", watch=()):
     """Run the test body inside memtorch.track() and fail it when a limit is exceeded.
 
     Sizes are ints of bytes or strings such as "64 MiB" or "1.5 GB" (KiB/MiB/GiB
@@ -45,9 +46,13 @@ def memory_budget(peak=None, delta=None, leak=None, device="auto"):
     torch.cuda.is_available(), else "cpu", like a test written with the usual
     `"cuda" if torch.cuda.is_available() else "cpu"`; give device="cpu" to a test that
     stays on the CPU everywhere. A CUDA budget without CUDA skips the test.
+    watch: the name (or a list of names) of fixtures of the test holding the model
+    and/or the optimizer, so that a failure names who held the bytes at the peak
+    (parameters, gradients, optimizer state, activations by module); in the body,
+    memtorch_tracker.watch(model, optimizer) does the same.
     One positional argument is read as peak.
     """
-    return {"peak": peak, "delta": delta, "leak": leak, "device": device}
+    return {"peak": peak, "delta": delta, "leak": leak, "device": device, "watch": watch}
 
 
 def _marker_help():
@@ -58,10 +63,11 @@ def _marker_help():
 class _Budget:
     """What one test asked for: limits in bytes (None = no limit) and the resolved device."""
 
-    def __init__(self, limits, device, spelled=None):
+    def __init__(self, limits, device, spelled=None, watch=()):
         self.limits = limits
         self.spelled = spelled or {}
         self.device = device
+        self.watch = tuple(watch)
         self.tracker = None
 
     def make_tracker(self):
@@ -69,6 +75,7 @@ class _Budget:
             from .tracking import track
 
             self.tracker = track(device=self.device)
+            self.tracker._with_log = True  # at_peak names what it can even before watch()
         return self.tracker
 
 
@@ -152,8 +159,15 @@ def _budget_from_marker(mark):
                 limits[name] = units.parse(args[name])
             except UnitError as e:
                 raise _MarkerError(f"{name}={args[name]!r}: {e}") from None
+    watch = args["watch"]
+    if isinstance(watch, str):
+        watch = (watch,)
+    if not isinstance(watch, (list, tuple)) or not all(isinstance(w, str) for w in watch):
+        raise _MarkerError(
+            f"watch={watch!r}: expected the name of a fixture (or a list of names) holding the model or optimizer"
+        )
     device = _resolve_device(args["device"], repr(args["device"]))
-    return _Budget(limits, device, {k: args[k] for k in limits})
+    return _Budget(limits, device, {k: args[k] for k in limits}, watch)
 
 
 def _parse_margin(text):
@@ -180,17 +194,19 @@ def pytest_addoption(parser):
     group.addoption(
         "--memtorch-save",
         metavar="FILE",
-        help="write every tracked test's figures (peak above start, delta, device) in bytes to FILE (JSON)",
+        help="write every tracked test's figures (peak above start, delta, leak per step, reserved peak; "
+        "device, budgets, the largest owners at the peak) in bytes to FILE (JSON)",
     )
     group.addoption(
         "--memtorch-compare",
         metavar="FILE",
-        help="compare every tracked test's peak with FILE (written by --memtorch-save)",
+        help="compare every tracked test's figures (peak, delta, leak, reserved peak) with FILE "
+        "(written by --memtorch-save)",
     )
     group.addoption(
         "--memtorch-fail-on-increase",
         metavar="MARGIN",
-        help="with --memtorch-compare: fail the tests whose peak grew by more than MARGIN "
+        help="with --memtorch-compare: fail the tests any of whose figures grew by more than MARGIN "
         "('5%%' of the saved peak, or a size such as '1 MiB')",
     )
     group.addoption(
@@ -248,10 +264,17 @@ class _Session:
                 _start_cpu_counting()
             return
         try:
-            item.stash[_BUDGET] = budget = _budget_from_marker(mark)
+            budget = _budget_from_marker(mark)
+            missing = [w for w in budget.watch if w not in getattr(item, "fixturenames", ())]
+            if missing:
+                raise _MarkerError(
+                    f"watch={list(budget.watch)!r}: the test requests no fixture named {', '.join(missing)} "
+                    "(name fixtures that the test takes as arguments)"
+                )
         except _MarkerError as e:
             problem = str(e)
         else:
+            item.stash[_BUDGET] = budget
             if budget.device == "cpu":
                 _start_cpu_counting()
             return
@@ -275,7 +298,8 @@ class _Session:
 
             @functools.wraps(original)
             def measured(*args, **kwargs):
-                with budget.make_tracker():
+                with budget.make_tracker() as tracker:
+                    _watch(tracker, [item.funcargs.get(w) for w in budget.watch], budget.watch)
                     return original(*args, **kwargs)
 
             item.obj = measured
@@ -283,8 +307,9 @@ class _Session:
             if wrap:
                 result = yield
             else:
-                with budget.make_tracker():
-                    result = yield
+                with budget.make_tracker() as tracker:
+                    _watch(tracker, [item.funcargs.get(w) for w in budget.watch], budget.watch)
+                    result = yield  # the test body; an exception in it propagates and closes the tracker
             self._judge(item, budget, budget.tracker.report)
         finally:
             item.obj = original
@@ -303,6 +328,12 @@ class _Session:
         reserved = getattr(report, "reserved_peak", None)
         if reserved is not None:
             figures["reserved_peak"] = int(reserved)
+        leak = getattr(report, "leak", None)
+        if leak is not None and getattr(leak, "per_step", None) is not None:
+            figures["leak"] = int(leak.per_step)
+        at_peak = getattr(report, "at_peak", None)
+        if at_peak is not None:
+            figures["at_peak"] = {o.name: int(o.nbytes) for o in at_peak.owners[:5]}
         from .budget import check_budget, verdict_line
 
         lines, problem = [], None
@@ -321,31 +352,41 @@ class _Session:
             pytest.fail("\n".join(lines) + "\n\n" + breakdown(report), pytrace=False)
 
     def _regression(self, nodeid, figures):
-        """Compare with the baseline: fill figures['baseline'], return the failure line or None."""
+        """Compare every saved figure (peak, delta, leak, reserved peak) with the baseline: fill
+        figures['baseline'] (the peak) and figures['baselines'], return the failure lines or None."""
         old = self.baseline.get(nodeid)
         if old is None:
             return None
         if old.get("device", figures["device"]) != figures["device"]:
             figures["baseline_note"] = f"baseline measured on {old['device']}, not compared"
             return None
-        before, now = int(old["peak"]), figures["peak"]
-        figures["baseline"] = before
-        if self.margin is None or now <= before:
+        figures["baseline"] = int(old["peak"])
+        figures["baselines"] = {k: int(old[k]) for k in _COMPARED if isinstance(old.get(k), int) and k in figures}
+        if self.margin is None:
             return None
-        spelled, (kind, value) = self.margin
-        allowed = before + value if kind == "B" else Fraction(before) * (100 + value) / 100
-        if now <= allowed:
-            return None
-        new_text, old_text = units.format(now), units.format(before)
-        if new_text == old_text:
-            from .budget import format_pair
+        lines = []
+        for name, before in figures["baselines"].items():
+            now = figures[name]
+            if now <= before:
+                continue
+            spelled, (kind, value) = self.margin
+            allowed = before + value if kind == "B" else Fraction(before) * (100 + value) / 100
+            if now <= allowed:
+                continue
+            new_text, old_text = units.format(now), units.format(before)
+            if new_text == old_text:
+                from .budget import format_pair
 
-            new_text, old_text = format_pair(now, before)
-        growth = f", {_percent(now, before)}" if before else ""
-        figures["regression"] = (
-            f"peak {new_text} exceeds baseline {old_text} by {units.format(now - before)}{growth} "
-            f"(allowed +{spelled.strip()}, baseline from {self.compare})"
-        )
+                new_text, old_text = format_pair(now, before)
+            growth = f", {_percent(now, before)}" if before > 0 else ""
+            label = name.replace("_", " ")
+            lines.append(
+                f"{label} {new_text} exceeds baseline {old_text} by {units.format(now - before)}{growth} "
+                f"(allowed +{spelled.strip()}, baseline from {self.compare})"
+            )
+        if not lines:
+            return None
+        figures["regression"] = "\n".join(lines)
         return figures["regression"]
 
     # ---- reporting (runs on the xdist controller with the workers' reports)
@@ -368,10 +409,8 @@ class _Session:
 
     def pytest_sessionfinish(self, session):
         if self.save and not self.is_worker:
-            data = {
-                nodeid: {k: f[k] for k in ("peak", "delta", "device", "exact", "reserved_peak") if k in f}
-                for nodeid, f in sorted(self.results.items())
-            }
+            keep = _COMPARED + ("device", "exact", "budget", "at_peak")
+            data = {nodeid: {k: f[k] for k in keep if k in f} for nodeid, f in sorted(self.results.items())}
             directory = os.path.dirname(os.path.abspath(self.save))
             os.makedirs(directory, exist_ok=True)
             tmp = self.save + ".tmp"
@@ -388,14 +427,35 @@ class _Session:
             for nodeid, f in bad:
                 for line in f.get("over_budget", []):
                     tr.line(f"{nodeid}: {line.splitlines()[0]}")
-                if f.get("regression"):
-                    tr.line(f"{nodeid}: {f['regression']}")
+                for line in (f.get("regression") or "").splitlines():
+                    tr.line(f"{nodeid}: {line}")
         if self.config.getoption("memtorch_report") and self.results:
             tr.section("memtorch: memory of tracked tests", sep="=")
             for line in _table(self.results, bool(self.compare)):
                 tr.line(line)
         if self.save and not self.is_worker:
             tr.line(f"memtorch: saved the figures of {len(self.results)} tracked test(s) to {self.save}")
+
+
+def _watch(tracker, values, names):
+    """Hand the watched fixtures' values to the tracker: modules as the model, optimizers as the optimizer."""
+    if not values:
+        return
+    from . import _torch
+
+    torch = _torch.torch()
+    model = optimizer = None
+    for name, v in zip(names, values):
+        if isinstance(v, torch.nn.Module) and model is None:
+            model = v
+        elif isinstance(v, torch.optim.Optimizer) and optimizer is None:
+            optimizer = v
+        else:
+            raise TypeError(
+                f"memory_budget(watch=...): fixture {name!r} is a {type(v).__name__}: expected one "
+                "torch.nn.Module and/or one torch.optim.Optimizer"
+            )
+    tracker.watch(model, optimizer)
 
 
 def _percent(now, before):

@@ -44,7 +44,10 @@ import threading
 import time
 import weakref
 
-from . import cpu, cuda, units
+from . import _C, cpu, cuda, units
+from . import leaks
+from . import peak as attribution
+from .leaks import LeakReport
 from .errors import DeviceUnavailable, MemtorchError
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
@@ -143,7 +146,10 @@ class TensorInfo:
     __slots__ = ("shape", "dtype", "device", "nbytes", "has_graph", "graph_bytes", "step", "name", "ref")
 
     def __init__(self, tensor, step=None, name=None, graph_bytes=None):
-        self.shape = tuple(tensor.shape)
+        try:
+            self.shape = tuple(tensor.shape)
+        except RuntimeError:  # a nested tensor has no single shape
+            self.shape = ("nested",)
         self.dtype = str(tensor.dtype).replace("torch.", "")
         self.device = str(tensor.device)
         self.nbytes = _storage_nbytes(tensor)
@@ -167,44 +173,15 @@ class TensorInfo:
             text += f" (created in step {self.step})"
         return text
 
+    def to_dict(self):
+        return {
+            "name": self.name, "shape": list(self.shape), "dtype": self.dtype, "device": self.device,
+            "bytes": int(self.nbytes), "has_graph": bool(self.has_graph),
+            "graph_bytes": None if self.graph_bytes is None else int(self.graph_bytes), "step": self.step,
+        }  # fmt: skip
+
     def __repr__(self):
         return f"TensorInfo({self.describe()})"
-
-
-class LeakReport:
-    """Growth of allocated bytes per step.
-
-    steps: growth of each step (bytes, warm-up steps included); warmup: how many
-    leading steps are not judged; per_step: mean growth of the judged steps
-    (floor); leaking: every judged step grew; survivors: TensorInfo of tensors
-    created during a growing step and alive at the end, or holding a graph at a
-    step boundary.
-    """
-
-    __slots__ = ("steps", "warmup", "per_step", "leaking", "survivors", "exact")
-
-    def __init__(self, steps, warmup, survivors, exact):
-        self.steps = list(steps)
-        self.warmup = warmup
-        judged = self.steps[warmup:]
-        self.per_step = sum(judged) // len(judged) if judged else None
-        self.leaking = bool(judged) and all(g > 0 for g in judged)
-        self.survivors = list(survivors)
-        self.exact = exact
-
-    def __str__(self):
-        if self.per_step is None:
-            return f"leak: not judged ({len(self.steps)} step(s), warm-up {self.warmup})"
-        growth = ", ".join(units.format_delta(g) for g in self.steps)
-        head = (
-            f"leak: {units.format_delta(self.per_step)} per step after {self.warmup} warm-up step(s)"
-            f"{' (LEAKING)' if self.leaking else ''}; steps: {growth}"
-        )
-        lines = [head] + ["  survivor " + s.describe() for s in self.survivors]
-        return "\n".join(lines)
-
-    def __repr__(self):
-        return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, survivors={len(self.survivors)})"
 
 
 class TrackReport:
@@ -244,6 +221,43 @@ class TrackReport:
         # after the first block: memtorch.cpu.keep_counting()).
         self.unseen_frees = kw.get("unseen_frees", 0)
         self.unseen_bytes = kw.get("unseen_bytes", 0)
+        # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran
+        self.at_peak = kw.get("at_peak")
+        # sentences saying what the counters could not see during the block
+        self.caveats = list(kw.get("caveats") or [])
+        # per step (t.step()): [(peak, end)] absolute bytes
+        self.step_series = list(kw.get("step_series") or [])
+
+    def to_dict(self):
+        """Every figure as plain JSON-serialisable values (bytes as ints)."""
+        d = {
+            "device": self.device, "exact": bool(self.exact), "mechanism": self.mechanism,
+            "start": int(self.start), "end": int(self.end), "delta": int(self.delta), "peak": int(self.peak),
+            "peak_above_start": int(self.peak_above_start), "seconds": float(self.seconds), "steps": int(self.steps),
+            "live": bool(self.live), "caveats": list(self.caveats),
+            "unseen_frees": int(self.unseen_frees), "unseen_bytes": int(self.unseen_bytes),
+        }  # fmt: skip
+        if self.peak_upper is not None:
+            d["peak_upper"] = int(self.peak_upper)
+        if self.reserved_peak is not None:
+            d["reserved_peak"] = int(self.reserved_peak)
+        d["phases"] = {
+            k: {"calls": p.calls, "delta": int(p.delta), "peak": int(p.peak), "peak_above_start": int(p.peak_above_start),
+                "seconds": float(p.seconds), "exact": bool(p.exact)}
+            for k, p in self.phases.items()
+        }  # fmt: skip
+        d["modules"] = [
+            {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
+             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact)}
+            for m in self.modules
+        ]  # fmt: skip
+        d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
+        d["leak"] = None if self.leak is None else self.leak.to_dict()
+        d["at_peak"] = None if self.at_peak is None else self.at_peak.to_dict()
+        d["largest"] = [t.to_dict() for t in self.largest]
+        if self.timeline is not None:
+            d["timeline"] = {"times_ns": self.timeline[0].tolist(), "bytes": self.timeline[1].tolist()}
+        return d
 
     def check(self, peak=None, delta=None, leak=None):
         """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
@@ -322,11 +336,18 @@ class TrackReport:
         if self.leak is not None:
             out.append("")
             out.append(str(self.leak))
+        if self.at_peak is not None:
+            out.append("")
+            out += self.at_peak.lines(limit=15)
         if self.largest:
             out.append("")
-            out.append("largest live tensors at the end:")
+            out.append(f"largest live tensors {self._largest_when()}:")
             out += ["  " + t.describe() for t in self.largest]
+        out += ["note: " + c for c in self.caveats]
         return "\n".join(out)
+
+    def _largest_when(self):
+        return "at the peak" if self.at_peak is not None else "at the end"
 
     def _repr_html_(self):
         parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
@@ -339,9 +360,13 @@ class TrackReport:
             parts.append(_html_table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods))
         if self.leak is not None:
             parts.append("<pre>" + html.escape(str(self.leak)) + "</pre>")
+        if self.at_peak is not None:
+            parts.append("<pre>" + html.escape(str(self.at_peak)) + "</pre>")
         if self.largest:
             items = "".join(f"<li>{html.escape(t.describe())}</li>" for t in self.largest)
-            parts.append(f"<p>largest live tensors at the end:</p><ul>{items}</ul>")
+            parts.append(f"<p>largest live tensors {self._largest_when()}:</p><ul>{items}</ul>")
+        for c in self.caveats:
+            parts.append(f"<p>note: {html.escape(c)}</p>")
         return "<div>" + "".join(parts) + "</div>"
 
     def __repr__(self):
@@ -433,20 +458,23 @@ def _live_tensors(device_type):
     return snap
 
 
-def _graph_bytes(t, limit=200_000):
+def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
     """Bytes of unique storages saved for backward in the graph behind ``t`` (0 without a graph).
 
     Leaves that require grad (parameters), and views of them saved by an op, are
-    left out: the graph does not keep them alive.
+    left out: the graph does not keep them alive. ``keys``/``leaves`` may be shared
+    between calls (storages saved by several graphs count once); ``group`` collects
+    (key, bytes) of the storages first seen here.
     """
     Tensor = _torch().Tensor
     root = t.grad_fn
     if root is None:
         return 0
+    keys = {} if keys is None else keys
+    leaves = set() if leaves is None else leaves
+    mine = {}
     seen_nodes = {id(root)}
     stack = [root]
-    keys = {}
-    leaves = set()
     while stack and len(seen_nodes) < limit:
         node = stack.pop()
         var = getattr(node, "variable", None)  # AccumulateGrad: the leaf (a parameter)
@@ -464,12 +492,14 @@ def _graph_bytes(t, limit=200_000):
                 if isinstance(v, Tensor) and not (v.is_leaf and v.requires_grad):
                     k = _storage_key(v)
                     if k not in keys:
-                        keys[k] = _storage_nbytes(v)
+                        keys[k] = mine[k] = _storage_nbytes(v)
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen_nodes:
                 seen_nodes.add(id(nxt))
                 stack.append(nxt)
-    return sum(n for k, n in keys.items() if k not in leaves)
+    if group is not None:
+        group.examples += [(k, n) for k, n in mine.items() if k not in leaves]
+    return sum(n for k, n in mine.items() if k not in leaves)
 
 
 def _local_name(frame, t):
@@ -519,6 +549,36 @@ def _name_of(t):
     return None
 
 
+class _SavedBytes:
+    """Collects (storage key, bytes) pairs from _graph_bytes."""
+
+    __slots__ = ("examples",)
+
+    def __init__(self):
+        self.examples = []
+
+
+_token = [0]
+
+
+def _next_token():
+    """A block's tag token (1..255, reused round-robin): tells its tags from a nested block's."""
+    with _lock:
+        _token[0] = _token[0] % 255 + 1
+        return _token[0]
+
+
+def _data_ptr(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # nested, sparse and wrapper tensors have no single storage
+        return 0
+
+
+def _describe_tensor(t):
+    return tuple(t.shape), str(t.dtype).replace("torch.", "")
+
+
 # ---------------------------------------------------------------------------
 # Tracker
 
@@ -544,7 +604,28 @@ def _parse_device(device, model):
         return "cpu", None
     if dev.type == "cuda":
         return "cuda", cuda._index(dev)
-    raise DeviceUnavailable(f"memtorch.track cannot count device type {dev.type!r}: only 'cpu' and 'cuda'")
+    hint = ""
+    if dev.type == "meta":
+        hint = (
+            " (the meta device allocates nothing: memtorch.inspect(model) says what a model holds, "
+            "memtorch.estimate(...) what a step would need)"
+        )
+    raise DeviceUnavailable(f"memtorch.track cannot count device type {dev.type!r}: only 'cpu' and 'cuda'{hint}")
+
+
+_META_HINT = (
+    "track() runs the code and counts the memory it really allocates, and a model on the meta "
+    "device allocates nothing: use memtorch.inspect(model) for what the model holds, or "
+    "memtorch.estimate(model, sample_input, optimizer=...) for what a training step would need"
+)
+
+
+def _on_meta(model):
+    for p in model.parameters():
+        return p.device.type == "meta"
+    for b in model.buffers():
+        return b.device.type == "meta"
+    return False
 
 
 class Tracker:
@@ -555,6 +636,11 @@ class Tracker:
     ):
         torch = _torch()
         if model is not None and not isinstance(model, torch.nn.Module):
+            if callable(model) and not isinstance(model, type) and optimizer is None:
+                raise TypeError(
+                    "memtorch.track is used as a decorator with parentheses: write @memtorch.track() "
+                    f"(or @memtorch.track(model, optimizer)), not @memtorch.track, above {getattr(model, '__name__', 'the function')}"
+                )
             raise TypeError(f"track(model=...) expects a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"track(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -562,6 +648,11 @@ class Tracker:
             raise ValueError(f"track(warmup=...) expects an int >= 0, got {warmup!r}")
         if isinstance(largest, bool) or not isinstance(largest, int) or largest < 0:
             raise ValueError(f"track(largest=...) expects an int >= 0, got {largest!r}")
+        for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
+            if not isinstance(value, bool):
+                raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
+        if model is not None and _on_meta(model):
+            raise DeviceUnavailable(_META_HINT)
         # the decorator's arguments; model and optimizer only by weakref
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
         self._model = None if model is None else weakref.ref(model)
@@ -575,6 +666,8 @@ class Tracker:
         self._report = None
         self._open = False
         self._last = None  # decorator: the Tracker of the last call
+        self._evmode = False
+        self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
 
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
@@ -620,12 +713,19 @@ class Tracker:
     def _begin_phase(self, name):
         self._end_phase()
         self._phase = (name, self._open_scope(), time.perf_counter())
+        if self._evmode:
+            self._phase_code = attribution.PHASE_CODES[name]
+            tags = self._tags
+            _C.eventlog_mark(3, 0, tags[-1] if tags else self._tagbase | self._phase_code)
 
     def _end_phase(self):
         ph = self._phase
         if ph is None:
             return
         self._phase = None
+        if self._evmode:
+            self._phase_code = 0
+            _C.eventlog_mark(3, 0, self._tagbase)
         name, s, t0 = ph
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
@@ -645,9 +745,76 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
+        if self._evmode:  # the gradients, which zero_grad() may free before the end
+            self._state_n = len(optimizer.state)
+            self._snapshot_names()
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
+        if self._evmode and len(optimizer.state) != self._state_n:  # new state: name it while it lives
+            self._snapshot_names()
+
+    def _snapshot_names(self, names=None):
+        """Note what the walk names now, at this point of the event log (the first 16 and the
+        latest 240 kept: a block's peak is often in its first step)."""
+        snaps = self._snapshots
+        snaps.append((_C.eventlog_head(), self._walk_names() if names is None else names))
+        if len(snaps) > 256:
+            del snaps[16]
+
+    # -- names for at_peak --------------------------------------------------
+    def _walk_names(self):
+        """{address: (name, kind, None, shape, dtype)} of the model's parameters, buffers and
+        gradients and the optimizer's state (one read of each; no reference kept)."""
+        Tensor = _torch().Tensor
+        names = {}
+
+        def put(t, name, kind):
+            a = _data_ptr(t)
+            if a and a not in names:
+                names[a] = (name, kind, None, tuple(t.shape), str(t.dtype)[6:])
+
+        model = None if self._model is None else self._model()
+        pnames = {}
+        if model is not None:
+            for name, p in model.named_parameters():
+                pnames[id(p)] = name
+                put(p, name, "parameter")
+                g = p.grad
+                if g is not None:
+                    put(g, name + ".grad", "gradient")
+            for name, b in model.named_buffers():
+                put(b, name, "buffer")
+        opt = None if self._optimizer is None else self._optimizer()
+        if opt is not None:
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    name = pnames.get(id(p))
+                    if name is None:
+                        name = f"param_groups[{gi}][{pi}]"
+                        put(p, name, "parameter")
+                        if p.grad is not None:
+                            put(p.grad, name + ".grad", "gradient")
+                    st = opt.state.get(p)
+                    if st:
+                        for key, v in st.items():
+                            if type(v) is Tensor or isinstance(v, Tensor):
+                                put(v, f"{name}.{key}", "optimizer state")
+        return names
+
+    def _note_inputs(self, args):
+        """Addresses of the tensors given to the model's forward (the batch); none kept."""
+        Tensor = _torch().Tensor
+        self._last_inputs = []
+        found = {}
+        for j, a in enumerate(args[:64]):
+            if isinstance(a, Tensor):
+                p = _data_ptr(a)
+                self._last_inputs.append(p)
+                if p:
+                    found[p] = (f"input {j}" if len(args) > 1 else "input", "input", None, tuple(a.shape), str(a.dtype)[6:])
+        if found:  # named at this point of the log: the batch may be freed before the block ends
+            self._snapshot_names(found)
 
     # -- modules -----------------------------------------------------------
     # Two global module hooks per block (torch.nn.modules.module.register_module_forward_*)
@@ -658,10 +825,14 @@ class Tracker:
         k = id(module)
         if k == self._root_id:
             self._root_pre()
+            if self._evmode:
+                self._note_inputs(args)
         i = self._ids.get(k)
         if i is not None:
             if self._evmode:
-                self._marks.append((time.monotonic_ns(), i, 0))
+                tag = self._tagbase | ((i + 1) << 2) | self._phase_code
+                self._tags.append(tag)
+                _C.eventlog_mark(1, i, tag)
             else:
                 self._mod_stack.append((i, self._open_scope()))
 
@@ -669,7 +840,10 @@ class Tracker:
         k = id(module)
         i = self._ids.get(k)
         if i is not None and self._evmode:
-            self._marks.append((time.monotonic_ns(), i, 1))
+            tags = self._tags
+            if tags:
+                tags.pop()
+            _C.eventlog_mark(2, i, tags[-1] if tags else self._tagbase | self._phase_code)
         elif i is not None:
             stack = self._mod_stack
             for j in range(len(stack) - 1, -1, -1):
@@ -689,57 +863,113 @@ class Tracker:
         row.peak_above_start = max(row.peak_above_start, peak - start)
         row.exact = row.exact and exact
 
-    def _record_marks(self, t, b, t_end):
-        """Per-module figures from the event log and the hooks' timestamps (event-log mode)."""
-        pairs = []
-        open_calls = {}
-        for when, i, post in self._marks:
-            if not post:
-                open_calls.setdefault(i, []).append(when)
-            elif open_calls.get(i):
-                pairs.append((open_calls[i].pop(), when, i))
-        for i, starts in open_calls.items():  # interrupted forwards end with the block
-            pairs += [(tp, t_end, i) for tp in starts]
-        self._marks = []
-        if not pairs:
+    def _record_marks(self, ev, dropped):
+        """Per-module figures from the event log's enter/exit marks (event-log mode)."""
+        import numpy as np
+
+        if not len(ev):
             return
-        # the log and the hooks share one clock only if the log's first event (the
-        # block's opening) lies between the timestamps taken around the opening
-        same_clock = len(t) > 0 and self._tb <= t[0] <= self._ta
-        # the log starts with the opening (time, start); when the ring wrapped, the events
-        # between it and the first retained one are lost: calls begun before are unknown
-        dropped = getattr(self._scope, "timeline_dropped", 0)
-        known_from = t[1] if dropped and len(t) > 1 else None
-        tp = [p[0] for p in pairs]
-        tq = [p[1] for p in pairs]
-        act, pas, valid = module_figures(t, b, tp, tq, known_from)
-        for (_, _, i), a, p, ok in zip(pairs, act.tolist(), pas.tolist(), valid.tolist()):
+        kind = ev["kind"]
+        # bytes after each event; a mark carries -1: it takes the bytes of the event before
+        b = ev["bytes"].copy()
+        alloc = kind == 0
+        idx = np.where(alloc, np.arange(len(ev)), -1)
+        np.maximum.accumulate(idx, out=idx)
+        first_b = int(self._scope.start) if not dropped else (int(b[alloc][0] - ev["delta"][alloc][0]) if alloc.any() else 0)
+        b = np.where(idx >= 0, b[np.maximum(idx, 0)], first_b)
+        marks = np.flatnonzero((kind == 1) | (kind == 2))
+        open_calls = {}
+        pairs_p, pairs_q, rows = [], [], []
+        unmatched = 0
+        for j, k, i in zip(marks.tolist(), kind[marks].tolist(), ev["ptr"][marks].tolist()):
+            if k == 1:
+                open_calls.setdefault(i, []).append(j)
+            elif open_calls.get(i):
+                pairs_p.append(open_calls[i].pop())
+                pairs_q.append(j)
+                rows.append(i)
+            elif i < len(self._mod_rows):
+                unmatched += 1  # began before the oldest event kept
+                self._mod_rows[i].calls += 1
+                self._mod_rows[i].exact = False
+        for i, starts in open_calls.items():  # interrupted forwards end with the block
+            for j in starts:
+                pairs_p.append(j)
+                pairs_q.append(len(ev) - 1)
+                rows.append(i)
+        if not rows:
+            return
+        p = np.asarray(pairs_p, dtype=np.intp)
+        q = np.asarray(pairs_q, dtype=np.intp)
+        idx2 = np.empty(2 * len(p), dtype=np.intp)
+        idx2[0::2] = p
+        idx2[1::2] = q + 1
+        padded = np.append(b, b[-1])
+        peak = np.maximum.reduceat(padded, idx2)[0::2]
+        act = (b[q] - b[p]).tolist()
+        pas = (peak - b[p]).tolist()
+        n_rows = len(self._mod_rows)
+        for i, a_, p_ in zip(rows, act, pas):
+            if i >= n_rows:
+                continue
             row = self._mod_rows[i]
             row.calls += 1
-            if ok:
-                row._measured += 1
-                row.activation_total += a
-                row.peak_above_start = max(row.peak_above_start, p)
-            row.exact = row.exact and ok and bool(same_clock)
+            row._measured += 1
+            row.activation_total += a_
+            row.peak_above_start = max(row.peak_above_start, p_)
 
     def _install_hooks(self):
-        from torch.nn.modules import module as torch_module
-
-        h = self._handles
         model = None if self._model is None else self._model()
         if model is not None:
-            self._root_id = id(model)
-            if self._modules_on:
-                for i, (name, mod) in enumerate(model.named_modules()):
-                    self._mod_rows.append(ModuleStats(name, type(mod).__name__))
-                    self._ids[id(mod)] = i
-            h.append(torch_module.register_module_forward_pre_hook(self._pre))
-            h.append(torch_module.register_module_forward_hook(self._post, always_call=True))
+            self._hook_model(model)
         del model
         opt = None if self._optimizer is None else self._optimizer()
         if opt is not None:
-            h.append(opt.register_step_pre_hook(self._opt_pre))
-            h.append(opt.register_step_post_hook(self._opt_post))
+            self._hook_optimizer(opt)
+
+    def _hook_model(self, model):
+        from torch.nn.modules import module as torch_module
+
+        self._root_id = id(model)
+        if self._modules_on:
+            for i, (name, mod) in enumerate(model.named_modules()):
+                self._mod_rows.append(ModuleStats(name, type(mod).__name__))
+                self._ids[id(mod)] = i
+        self._handles.append(torch_module.register_module_forward_pre_hook(self._pre))
+        self._handles.append(torch_module.register_module_forward_hook(self._post, always_call=True))
+
+    def _hook_optimizer(self, opt):
+        self._handles.append(opt.register_step_pre_hook(self._opt_pre))
+        self._handles.append(opt.register_step_post_hook(self._opt_post))
+
+    def watch(self, model=None, optimizer=None):
+        """Give the block the model and/or optimizer to name (phases, per-module figures,
+        at_peak names), also once it is open (the pytest fixture's tracker is). Returns self."""
+        torch = _torch()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"watch(model=...) expects a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"watch(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if model is not None and self._model is not None:
+            raise MemtorchError("this tracker already watches a model: one model per block")
+        if optimizer is not None and self._optimizer is not None:
+            raise MemtorchError("this tracker already watches an optimizer: one optimizer per block")
+        if model is not None and _on_meta(model):
+            raise DeviceUnavailable(_META_HINT)
+        if model is not None:
+            self._model = weakref.ref(model)
+            self._modules_on = bool(self._args["modules"])
+            self._args_watch = True
+        if optimizer is not None:
+            self._optimizer = weakref.ref(optimizer)
+        if self._open:
+            if model is not None:
+                self._hook_model(model)
+            if optimizer is not None:
+                self._hook_optimizer(optimizer)
+            if self._evmode:  # what lives now, by name
+                self._snapshot_names()
+        return self
 
     def _remove_hooks(self):
         while self._handles:
@@ -757,27 +987,39 @@ class Tracker:
         self._phases = {name: PhaseStats(name) for name in PHASES}
         self._mod_rows = []
         self._mod_stack = []
-        self._marks = []  # event-log mode: (monotonic ns, row index, 0 pre / 1 post)
+        self._tags = []  # event-log mode: owner tags of the modules whose forward is running
+        self._phase_code = 0
+        self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
+        self._state_n = 0
+        self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
+        self._at_peak = None
         # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
         # and the per-module figures come from the block's event log at the end (a Scope
         # per module call costs several microseconds). Same clock: CLOCK_MONOTONIC.
         self._evmode = (
-            self._modules_on and self._kind == "cpu" and sys.platform.startswith("linux") and cpu.exact()
-        )
+            (self._model is not None or self._optimizer is not None or self._with_log)
+            and self._kind == "cpu" and sys.platform.startswith("linux") and cpu.exact()
+        )  # fmt: skip
         self._ids = {}  # id(module) -> row index, for the model's modules
         self._root_id = None
         self._root_depth = 0
         self._forwards = 0
         self._boundaries = []
-        self._snap = None
-        self._suspects = {}  # id -> (TensorInfo, created in a growing step)
+        self._scan0 = None  # leaks.Scan at the first judged step that grew
+        self._scan0_step = None
+        self._step_scope = None
+        self._step_series = []  # [(peak, end)] per step
         self._thread = threading.get_ident()
         self._t0 = time.perf_counter()
         with _lock:
             _active.append(self)
         try:
             self._tb = time.monotonic_ns()
+            if self._evmode:
+                self._tagbase = _next_token() << attribution.TAG_BITS
             self._scope = self._open_scope(timeline=self._timeline or self._evmode)
+            if self._evmode:  # storages live at the start, by address
+                self._snapshots = [(_C.eventlog_head(), self._walk_names())]
             self._ta = time.monotonic_ns()
             self._boundaries.append(self._scope.start)
             self._install_hooks()
@@ -808,6 +1050,9 @@ class Tracker:
             if self._phase is not None:
                 scopes.append(self._phase[1])
                 self._phase = None
+            if getattr(self, "_step_scope", None) is not None:
+                scopes.append(self._step_scope)
+                self._step_scope = None
             scope = getattr(self, "_scope", None)
             if scope is not None:
                 scopes.append(scope)
@@ -828,15 +1073,30 @@ class Tracker:
             i, s = self._mod_stack.pop()
             self._record_module(i, s)
         self._end_phase()
-        t_end = time.monotonic_ns()
-        start, end, peak, exact = self._close_scope(self._scope)
+        if self._step_scope is not None:  # the steps end at the last t.step()
+            self._close_scope(self._step_scope)
+            self._step_scope = None
+        if self._evmode:
+            _C.eventlog_mark(3, 0, 0)
+            head = _C.eventlog_head()
+        start, end, peak_bytes, exact = self._close_scope(self._scope)
         timeline = None
-        if self._timeline or self._evmode:
+        at_peak = None
+        if self._evmode:
+            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
+            self._record_marks(ev, dropped)
+            snapshots = [(head, self._walk_names())] + self._snapshots[::-1]
+            rows = [(r.name, r.type) for r in self._mod_rows]
+            at_peak = attribution.attribute(
+                ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots, _C.counters_sizes, self._tagbase >> attribution.TAG_BITS, rows
+            )
+            for note in getattr(self._scope, "caveats", None) or []:
+                at_peak.notes.append(note)
+            if not exact:
+                at_peak.exact = False
+        if self._timeline:
             t, b = self._scope.timeline()
-            if self._evmode:
-                self._record_marks(t, b, t_end)
-            if self._timeline:
-                timeline = (t - t[0] if len(t) else t, b)
+            timeline = (t - t[0] if len(t) else t, b)
         seconds = time.perf_counter() - self._t0
         extra = {}
         if self._kind == "cpu":
@@ -861,15 +1121,24 @@ class Tracker:
         steps = len(self._boundaries) - 1
         if steps > 0:
             growth = [b - a for a, b in zip(self._boundaries, self._boundaries[1:])]
-            survivors = self._survivors() if self._suspects else []
-            leak = LeakReport(growth, min(self._warmup, steps), survivors, exact)
+            warm = min(self._warmup, steps)
+            groups, survivors, notes = [], [], []
+            if self._scan0 is not None and leaks.judge(growth, warm)[0]:
+                groups, survivors, notes = self._leak_groups(steps)
+            after = None if self._scan0_step is None else steps - self._scan0_step
+            leak = LeakReport(growth, warm, survivors, exact, groups, notes, after)
         largest = []
         if self._largest:
-            largest = self._scan_largest(self._largest)
+            if at_peak is not None:
+                largest = at_peak.storages[: self._largest]
+            else:
+                largest = self._scan_largest(self._largest)
         return TrackReport(
-            device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak,
+            device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
-            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, **extra,
+            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, at_peak=at_peak,
+            step_series=self._step_series,
+            caveats=list(getattr(self._scope, "caveats", None) or []), **extra,
         )  # fmt: skip
 
     def _snapshot(self):
@@ -916,50 +1185,118 @@ class Tracker:
         self._end_phase()
         self._sample()
         now = self._current()
+        # the step's peak: the block's peak so far for the first step, then a scope per step
+        if self._step_scope is None:
+            step_peak = self._scope.peak
+        else:
+            _, _, step_peak, _ = self._close_scope(self._step_scope)
+            self._step_scope = None
+        self._step_series.append((max(step_peak, now), now))
+        self._step_scope = self._open_scope()
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based
-        if not self._leaks:
-            return
-        if k > self._warmup and now - self._boundaries[-2] > 0:
-            self._probe(k)
-        else:
-            self._snap = None
+        if self._leaks and self._scan0 is None and k > self._warmup and now - self._boundaries[-2] > 0:
+            # the first judged step that grew: what lives now is not a survivor of later steps
+            self._scan0 = leaks.Scan(_torch().Tensor, _torch().optim.Optimizer, self._kind)
+            self._scan0_step = k
 
-    def _probe(self, k):
-        """Step k grew after warm-up: note tensors holding a graph, and those new since the last probe."""
-        snap = _live_tensors(self._kind)
-        prev = self._snap
-        for key, ref in snap.items():
+    def _leak_groups(self, steps):
+        """Group the tensors new since the first growing step and alive now (bounded)."""
+        torch = _torch()
+        scan0 = self._scan0
+        before = set()
+        for ref in scan0.tensors.values():
+            t = ref()
+            if t is not None:
+                before.add(leaks.storage_key(t))
+            del t
+        scan = leaks.Scan(torch.Tensor, torch.optim.Optimizer, self._kind)
+        notes = []
+        if scan0.stopped_early or scan.stopped_early:
+            notes.append(
+                f"the search for live tensors stopped early (after {leaks.SCAN_SECONDS:g} s or "
+                f"{leaks.SCAN_OBJECTS:,} objects): some kept tensors may be missing"
+            )
+        expected = leaks.expected_keys(scan)
+        if self._evmode:
+            for a, named in self._walk_names().items():
+                expected.setdefault((a, "cpu"), named[1])
+            for a in self._last_inputs:
+                expected.setdefault((a, "cpu"), "the current batch (the last forward's input)")
+        local_names = leaks.stack_locals()
+        # the survivors: new since the first growing step, one tensor per storage
+        found = []  # (weakref, key, expected or None, holder or None)
+        seen = set()
+        for ref in scan.tensors.values():
             t = ref()
             if t is None:
                 continue
-            is_new = prev is not None and (key not in prev or prev[key]() is not t)
-            old = self._suspects.get(key)
-            if (is_new or t.grad_fn is not None) and (old is None or old[0].ref is None or old[0].ref() is not t):
-                info = TensorInfo(t, step=k)
-                self._suspects[key] = (info, is_new)
+            key = leaks.storage_key(t)
+            if key not in before and key not in seen:
+                seen.add(key)
+                exp = expected.get(key)
+                holder = None
+                if exp is None and id(t) in local_names:
+                    if t.grad_fn is None:  # the current batch, a running value: replaced next step
+                        exp = f"{local_names[id(t)]}, rebound each step"
+                    else:  # it may hold every step's graph (a loss summed without .item())
+                        holder = local_names[id(t)]
+                found.append((ref, key, exp, holder))
             del t
-        self._snap = snap
-
-    def _survivors(self):
-        """Suspects still alive: new in a growing step, or holding a graph that keeps saved tensors."""
-        out = []
-        for info, is_new in self._suspects.values():
-            t = None if info.ref is None else info.ref()
+        deadline = time.perf_counter() + leaks.REFERRER_SECONDS
+        # graphs first: what a kept graph saves for backward is kept by that graph
+        graph_leaves = set()
+        graph_of = {}  # key -> [(saved storage key, bytes)] of its graph, each graph on its own
+        for ref, key, exp, holder in found:
+            t = ref()
+            if t is not None and exp is None and t.grad_fn is not None and time.perf_counter() < deadline + 1.0:
+                mine = _SavedBytes()
+                _graph_bytes(t, keys={}, leaves=graph_leaves, group=mine)
+                graph_of[key] = mine.examples
+            del t
+        saved_by_graph = {k for pairs in graph_of.values() for k, _ in pairs} - graph_leaves
+        for k in saved_by_graph:  # a tensor saved by another's graph holds no graph of its own here
+            graph_of.pop(k, None)
+        unexpected = [r() for r, k, exp, h in found if exp is None and k not in saved_by_graph][:10_000]
+        unexpected = [t for t in unexpected if t is not None]
+        held_by = leaks.holders(unexpected, local_names, deadline)
+        holder_cut = bool(unexpected) and time.perf_counter() > deadline
+        del unexpected
+        groups = {}
+        infos = []
+        for ref, key, exp, holder in found:
+            t = ref()
             if t is None:
                 continue
-            info.has_graph = t.grad_fn is not None
-            info.graph_bytes = _graph_bytes(t) if info.has_graph else None
-            if is_new or info.graph_bytes:
-                out.append(info)
+            has_graph = t.grad_fn is not None
+            if exp is None and holder is None:
+                if key in saved_by_graph:
+                    holder = "saved for backward by the kept graphs"
+                else:
+                    holder = held_by.get(id(t))
+            elif holder is not None:  # a local holding a graph: the container, if one holds it too
+                holder = held_by.get(id(t)) or "held by " + holder
+            gk = (str(t.dtype).replace("torch.", ""), leaks.shape_text(t), has_graph, holder, exp)
+            g = groups.get(gk)
+            if g is None:
+                g = groups[gk] = leaks.SurvivorGroup(gk[0], gk[1], has_graph, holder, exp)
+            g.count += 1
+            g.nbytes += leaks.storage_nbytes(t)
+            mine = graph_of.get(key, [])
+            g.examples += mine
+            if exp is None and len(infos) < 50:
+                info = TensorInfo(t, name=holder, graph_bytes=sum(n for k, n in dict(mine).items() if k not in graph_leaves))
+                infos.append(info)
             del t
-        out.sort(key=lambda s: -(s.nbytes + (s.graph_bytes or 0)))
-        for info in out[:5]:
-            t = info.ref()
-            if t is not None:
-                info.name = _name_of(t)
-            del t
-        return out
+        if holder_cut:
+            notes.append(f"naming the containers stopped after {leaks.REFERRER_SECONDS:g} s: some are not named")
+        for g in groups.values():
+            # (key, bytes) of the storages this group's graphs save (parameters left out)
+            g.graph_bytes = sum(n for k, n in dict(g.examples).items() if k not in graph_leaves)
+            g.examples = []
+        out = sorted(groups.values(), key=lambda g: (g.expected is not None, -(g.nbytes + g.graph_bytes)))
+        infos.sort(key=lambda i: -(i.nbytes + (i.graph_bytes or 0)))
+        return out, infos[:5], notes
 
     # -- report and decorator ----------------------------------------------
     @property

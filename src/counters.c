@@ -297,7 +297,7 @@ mt_raise_to(_Atomic int64_t *peak, int64_t now)
  * and the peak of every open scope, log the event. Caller holds a stripe
  * lock, so the scope set cannot change under it. */
 static inline void
-mt_after_change(int64_t now, int grew)
+mt_after_change(int64_t now, int grew, const void *ptr, int64_t delta)
 {
     if (grew) {
         mt_raise_to(&mt_peak, now);
@@ -308,7 +308,7 @@ mt_after_change(int64_t now, int grew)
             mask &= mask - 1;
         }
     }
-    mt_eventlog_record(now);
+    mt_eventlog_record(now, ptr, delta);
 }
 
 void
@@ -332,7 +332,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
             int64_t now = atomic_fetch_add_explicit(
                               &mt_current, delta, memory_order_relaxed) + delta;
             s->nallocs++;
-            mt_after_change(now, delta > 0);
+            mt_after_change(now, delta > 0, ptr, delta);
             /* The counters are process-wide: note, per open scope, what
              * other threads than its owner allocated (one compare each). */
             uint64_t mask = atomic_load_explicit(&mt_scope_mask, memory_order_relaxed);
@@ -373,7 +373,7 @@ mt_counters_on_free(void *ptr, int kind)
             int64_t now = atomic_fetch_sub_explicit(
                               &mt_current, size, memory_order_relaxed) - size;
             s->nfrees++;
-            mt_after_change(now, 0);
+            mt_after_change(now, 0, ptr, -size);
         }
         else if (ptr != NULL) {
             /* Could it be tensor storage? c10::free_cpu frees through
@@ -431,6 +431,30 @@ mt_check_locked(void)
         mask &= mask - 1;
     }
     return lost;
+}
+
+/* The counted size of the live allocation at ptr, or -1 if the table does
+ * not hold it (for the event log's replay: which storages made before a
+ * block are counted). Takes the pointer's stripe lock. */
+int64_t
+mt_counters_size_of(const void *ptr)
+{
+    int64_t size = -1;
+    uint64_t h = mt_hash((uintptr_t)ptr);
+    mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
+    mt_stripe_lock(s);
+    if (s->count > 0) {
+        size_t j = mt_home(s, h);
+        while (s->slots[j].key != 0) {
+            if (s->slots[j].key == (uintptr_t)ptr) {
+                size = (int64_t)s->slots[j].size;
+                break;
+            }
+            j = (j + 1) & (s->cap - 1);
+        }
+    }
+    mt_stripe_unlock(s);
+    return size;
 }
 
 /* ------------------------------------------------------------------------ */

@@ -24,6 +24,9 @@ void mt_counters_on_alloc(void *ptr, size_t size);
  * address cannot be handed out again while it is still in the table). */
 void mt_counters_on_free(void *ptr, int kind);
 
+/* The counted size of the live allocation at ptr, or -1 if not counted. */
+int64_t mt_counters_size_of(const void *ptr);
+
 /* ---- interpose_linux.c / interpose_other.c: the platform mechanism ---- */
 
 /* Name of the exact mechanism patched now, or found usable by the last
@@ -74,8 +77,9 @@ void mt_platform_rss(int64_t *current, int64_t *hwm);
 
 /* ---- eventlog.c: (time, bytes) ring buffer ---- */
 
-/* Record one event; cheap no-op unless a timeline is being recorded. */
-void mt_eventlog_record(int64_t bytes);
+/* Record one allocation (delta > 0) or free (delta < 0) of ptr, bytes being
+ * the counted bytes after it; cheap no-op unless a timeline is recorded. */
+void mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta);
 /* Start/stop recording (refcounted); start returns -1 on out-of-memory. */
 int mt_eventlog_start(void);
 void mt_eventlog_stop(void);

@@ -1,4 +1,4 @@
-/* eventlog.c: lock-free ring buffer of (time_ns, bytes) events for timelines, read out as NumPy arrays. */
+/* eventlog.c: lock-free ring buffer of allocation events (time, bytes, pointer, owner tag) and marks, read out as NumPy arrays. */
 #include "mt.h"
 #include "counters.h"
 
@@ -18,24 +18,37 @@
  */
 
 #define MT_EVENTS_LOG2 17
-#define MT_EVENTS (1u << MT_EVENTS_LOG2) /* 131072 events, 3 MiB */
+#define MT_EVENTS (1u << MT_EVENTS_LOG2) /* 131072 events, 6 MiB */
+
+/* What an event is (the `info` field's high 32 bits); the low 32 bits hold
+ * the owner tag current when it was recorded. */
+#define MT_EV_ALLOC 0 /* an allocation (delta >= 0) or a free (delta < 0) */
+#define MT_EV_ENTER 1 /* a module's forward began: ptr = the caller's number for it */
+#define MT_EV_EXIT 2  /* a module's forward ended: ptr = the caller's number for it */
+#define MT_EV_TAG 3   /* the owner tag changed (a phase began or ended) */
 
 typedef struct {
     _Atomic uint64_t seq; /* index + 1 once written; 0 while being written */
     _Atomic int64_t time_ns;
-    _Atomic int64_t bytes;
+    _Atomic int64_t bytes;  /* counted bytes after the event (-1 for marks) */
+    _Atomic uint64_t ptr;   /* the allocation's address, or a mark's number */
+    _Atomic int64_t delta;  /* bytes allocated (> 0) or freed (< 0) */
+    _Atomic uint64_t info;  /* kind << 32 | owner tag */
 } mt_event;
 
 static mt_event *_Atomic mt_events;   /* NULL until first used */
 static _Atomic uint64_t mt_events_head; /* next index to claim */
 static _Atomic int mt_eventlog_users;   /* open timelines */
+/* The owner tag: a small integer set by Python's module and optimizer hooks
+ * (through eventlog_mark, GIL held) and stamped on every event; the hooks
+ * only load it (relaxed), so they stay lock-free and GIL-free. It is
+ * process-wide: allocations by other threads carry the tag of the moment. */
+static _Atomic uint32_t mt_event_tag;
 
-void
-mt_eventlog_record(int64_t bytes)
+/* Claim one slot and publish an event in it (any thread, no GIL). */
+static void
+mt_eventlog_put(int64_t bytes, uint64_t ptr, int64_t delta, uint64_t info)
 {
-    if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) == 0) {
-        return;
-    }
     mt_event *events = atomic_load_explicit(&mt_events, memory_order_acquire);
     if (events == NULL) {
         return;
@@ -47,7 +60,20 @@ mt_eventlog_record(int64_t bytes)
     atomic_thread_fence(memory_order_release);
     atomic_store_explicit(&e->time_ns, t, memory_order_relaxed);
     atomic_store_explicit(&e->bytes, bytes, memory_order_relaxed);
+    atomic_store_explicit(&e->ptr, ptr, memory_order_relaxed);
+    atomic_store_explicit(&e->delta, delta, memory_order_relaxed);
+    atomic_store_explicit(&e->info, info, memory_order_relaxed);
     atomic_store_explicit(&e->seq, i + 1, memory_order_release);
+}
+
+void
+mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta)
+{
+    if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) == 0) {
+        return;
+    }
+    uint64_t tag = atomic_load_explicit(&mt_event_tag, memory_order_relaxed);
+    mt_eventlog_put(bytes, (uint64_t)(uintptr_t)ptr, delta, ((uint64_t)MT_EV_ALLOC << 32) | tag);
 }
 
 int
@@ -79,18 +105,33 @@ mt_eventlog_head(void)
     return atomic_load(&mt_events_head);
 }
 
-PyDoc_STRVAR(read_doc,
-"eventlog_read($module, first, last, /)\n--\n\n"
-"Events with index in [first, last) as (times_ns, bytes, dropped): two int64\n"
-"arrays and the number of events in that range that were overwritten or\n"
-"torn (the ring holds the latest 131072 events).");
-
-static PyObject *
-eventlog_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* Read one event of index i into the out-parameters; 1 if it was intact
+ * (written for index i and not overwritten while read), else 0. */
+static int
+mt_eventlog_get(mt_event *events, uint64_t i, int64_t *t, int64_t *b, uint64_t *p,
+                int64_t *d, uint64_t *info)
 {
-    PyObject *py_times = NULL, *py_bytes = NULL, *py_result = NULL;
+    mt_event *e = &events[i & (MT_EVENTS - 1)];
+    uint64_t s1 = atomic_load_explicit(&e->seq, memory_order_acquire);
+    *t = atomic_load_explicit(&e->time_ns, memory_order_relaxed);
+    *b = atomic_load_explicit(&e->bytes, memory_order_relaxed);
+    *p = atomic_load_explicit(&e->ptr, memory_order_relaxed);
+    *d = atomic_load_explicit(&e->delta, memory_order_relaxed);
+    *info = atomic_load_explicit(&e->info, memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    uint64_t s2 = atomic_load_explicit(&e->seq, memory_order_relaxed);
+    return s1 == i + 1 && s2 == s1;
+}
+
+/* Parse (first, last) and clamp them to what was written: [*lo, *last) is
+ * what the ring can still hold, n = last - first what was asked. 0, or -1
+ * with an exception set. */
+static int
+mt_eventlog_range(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                  uint64_t *lo, uint64_t *lastp, uint64_t *n)
+{
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "eventlog_read() takes 2 arguments (%zd given)", nargs);
+        PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (%zd given)", fname, nargs);
         goto error;
     }
     unsigned long long first = PyLong_AsUnsignedLongLong(args[0]);
@@ -108,10 +149,47 @@ eventlog_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (first > last) {
         first = last;
     }
-    /* Only the latest MT_EVENTS indices can still be in the ring. */
-    uint64_t lo = (head > MT_EVENTS && first < head - MT_EVENTS) ? head - MT_EVENTS : first;
-    npy_intp n = (npy_intp)(last - first);
-    npy_intp dims[1] = {n};
+    /* Only the latest MT_EVENTS indices can still be in the ring: the arrays
+     * are sized by what is retained, never by the whole range asked for. */
+    *lo = (head > MT_EVENTS && first < head - MT_EVENTS) ? head - MT_EVENTS : first;
+    *lastp = last;
+    *n = last - first;
+    return 0;
+error:
+    return -1;
+}
+
+/* Shrink a 1-d array this function created (owns its data, no views) to
+ * kept items; 0 or -1 with an exception set. */
+static int
+mt_shrink(PyObject *arr, npy_intp kept)
+{
+    npy_intp dims[1] = {kept};
+    PyArray_Dims newshape = {dims, 1};
+    PyObject *tmp = PyArray_Resize((PyArrayObject *)arr, &newshape, 0, NPY_CORDER);
+    if (tmp == NULL) {
+        return -1;
+    }
+    Py_DECREF(tmp);
+    return 0;
+}
+
+PyDoc_STRVAR(read_doc,
+"eventlog_read($module, first, last, /)\n--\n\n"
+"Allocation events with index in [first, last) as (times_ns, bytes, dropped):\n"
+"two int64 arrays and the number of events in that range that were\n"
+"overwritten or torn (the ring holds the latest 131072 events). Marks\n"
+"(eventlog_mark) are left out.");
+
+static PyObject *
+eventlog_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_times = NULL, *py_bytes = NULL, *py_result = NULL;
+    uint64_t lo = 0, last = 0, n = 0;
+    if (mt_eventlog_range(args, nargs, "eventlog_read", &lo, &last, &n) < 0) {
+        goto error;
+    }
+    npy_intp dims[1] = {(npy_intp)(last - lo)};
     py_times = PyArray_SimpleNew(1, dims, NPY_INT64);  /* new reference */
     if (py_times == NULL) {
         goto error;
@@ -122,40 +200,181 @@ eventlog_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     int64_t *tp = (int64_t *)PyArray_DATA((PyArrayObject *)py_times);
     int64_t *bp = (int64_t *)PyArray_DATA((PyArrayObject *)py_bytes);
-    npy_intp kept = 0;
+    npy_intp kept = 0, marks = 0;
     mt_event *events = atomic_load(&mt_events);
     for (uint64_t i = lo; events != NULL && i < last; i++) {
-        mt_event *e = &events[i & (MT_EVENTS - 1)];
-        uint64_t s1 = atomic_load_explicit(&e->seq, memory_order_acquire);
-        int64_t t = atomic_load_explicit(&e->time_ns, memory_order_relaxed);
-        int64_t b = atomic_load_explicit(&e->bytes, memory_order_relaxed);
-        atomic_thread_fence(memory_order_acquire);
-        uint64_t s2 = atomic_load_explicit(&e->seq, memory_order_relaxed);
-        if (s1 == i + 1 && s2 == s1) {
+        int64_t t, b, d;
+        uint64_t p, info;
+        if (mt_eventlog_get(events, i, &t, &b, &p, &d, &info)) {
+            if ((info >> 32) != MT_EV_ALLOC) {
+                marks++;
+                continue;
+            }
             tp[kept] = t;
             bp[kept] = b;
             kept++;
         }
     }
-    long long dropped = (long long)(n - kept);
-    /* Shrink to what was kept (the arrays own their data, no views yet). */
-    PyArray_Dims newshape = {dims, 1};
-    dims[0] = kept;
-    PyObject *tmp = PyArray_Resize((PyArrayObject *)py_times, &newshape, 0, NPY_CORDER);
-    if (tmp == NULL) {
+    long long dropped = (long long)n - (long long)kept - (long long)marks;
+    if (mt_shrink(py_times, kept) < 0 || mt_shrink(py_bytes, kept) < 0) {
         goto error;
     }
-    Py_DECREF(tmp);
-    tmp = PyArray_Resize((PyArrayObject *)py_bytes, &newshape, 0, NPY_CORDER);
-    if (tmp == NULL) {
-        goto error;
-    }
-    Py_DECREF(tmp);
     py_result = Py_BuildValue("(OOL)", py_times, py_bytes, dropped);
 error:
     Py_XDECREF(py_times);
     Py_XDECREF(py_bytes);
     return py_result;
+}
+
+PyDoc_STRVAR(read_all_doc,
+"eventlog_read_all($module, first, last, /)\n--\n\n"
+"Every event with index in [first, last), marks included, as (array, dropped):\n"
+"a structured array with fields index (uint64), time (int64, ns), bytes\n"
+"(int64: counted bytes after the event, -1 for a mark), ptr (uint64: the\n"
+"address, or a mark's number), delta (int64: bytes allocated, negative when\n"
+"freed), kind (uint32: 0 allocation or free, 1 enter, 2 exit, 3 tag) and tag\n"
+"(uint32: the owner tag), and the number of events of the range lost to the\n"
+"ring's wrap-around or torn.");
+
+static PyObject *
+eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_spec = NULL, *py_arr = NULL, *py_result = NULL;
+    PyArray_Descr *descr = NULL;
+    uint64_t lo = 0, last = 0, n = 0;
+    if (mt_eventlog_range(args, nargs, "eventlog_read_all", &lo, &last, &n) < 0) {
+        goto error;
+    }
+    /* The same layout as the packed C struct below. */
+    py_spec = Py_BuildValue(
+        "[(ss)(ss)(ss)(ss)(ss)(ss)(ss)]", "index", "<u8", "time", "<i8", "bytes", "<i8",
+        "ptr", "<u8", "delta", "<i8", "kind", "<u4", "tag", "<u4");  /* new reference */
+    if (py_spec == NULL) {
+        goto error;
+    }
+    if (!PyArray_DescrConverter(py_spec, &descr)) {  /* descr: new reference */
+        goto error;
+    }
+    typedef struct {
+        uint64_t index;
+        int64_t time, bytes;
+        uint64_t ptr;
+        int64_t delta;
+        uint32_t kind, tag;
+    } row_t;
+    if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(row_t)) {
+        PyErr_SetString(PyExc_SystemError, "eventlog_read_all(): unexpected record layout");
+        goto error;
+    }
+    npy_intp dims[1] = {(npy_intp)(last - lo)};
+    /* PyArray_NewFromDescr steals descr, even on failure. */
+    py_arr = PyArray_NewFromDescr(&PyArray_Type, descr, 1, dims, NULL, NULL, 0, NULL);
+    descr = NULL;
+    if (py_arr == NULL) {
+        goto error;
+    }
+    row_t *rows = (row_t *)PyArray_DATA((PyArrayObject *)py_arr);
+    npy_intp kept = 0;
+    mt_event *events = atomic_load(&mt_events);
+    for (uint64_t i = lo; events != NULL && i < last; i++) {
+        int64_t t, b, d;
+        uint64_t p, info;
+        if (mt_eventlog_get(events, i, &t, &b, &p, &d, &info)) {
+            row_t *r = &rows[kept++];
+            r->index = i;
+            r->time = t;
+            r->bytes = b;
+            r->ptr = p;
+            r->delta = d;
+            r->kind = (uint32_t)(info >> 32);
+            r->tag = (uint32_t)(info & 0xffffffffu);
+        }
+    }
+    if (mt_shrink(py_arr, kept) < 0) {
+        goto error;
+    }
+    py_result = Py_BuildValue("(OL)", py_arr, (long long)n - (long long)kept);
+error:
+    Py_XDECREF(py_spec);
+    Py_XDECREF((PyObject *)descr);
+    Py_XDECREF(py_arr);
+    return py_result;
+}
+
+PyDoc_STRVAR(mark_doc,
+"eventlog_mark($module, kind, number, tag, /)\n--\n\n"
+"Set the owner tag stamped on later events to `tag` (0 <= tag < 2**32) and,\n"
+"while a timeline is recorded, log a mark: kind 1 (a module's forward began),\n"
+"2 (it ended) or 3 (the tag changed), with `number` (< 2**63) the caller's\n"
+"name for what began or ended.");
+
+static PyObject *
+eventlog_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "eventlog_mark() takes 3 arguments (%zd given)", nargs);
+        goto error;
+    }
+    long kind = PyLong_AsLong(args[0]);
+    if (kind == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    long long number = PyLong_AsLongLong(args[1]);
+    if (number == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    long long tag = PyLong_AsLongLong(args[2]);
+    if (tag == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    if (kind < MT_EV_ENTER || kind > MT_EV_TAG || number < 0 || tag < 0 || tag > 0xffffffffLL) {
+        PyErr_Format(PyExc_ValueError,
+                     "eventlog_mark(): kind must be 1, 2 or 3, number >= 0, 0 <= tag < 2**32 "
+                     "(got %ld, %lld, %lld)", kind, number, tag);
+        goto error;
+    }
+    atomic_store_explicit(&mt_event_tag, (uint32_t)tag, memory_order_relaxed);
+    if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) != 0) {
+        mt_eventlog_put(-1, (uint64_t)number, 0, ((uint64_t)kind << 32) | (uint64_t)tag);
+    }
+    Py_RETURN_NONE;
+error:
+    return NULL;
+}
+
+PyDoc_STRVAR(sizes_doc,
+"counters_sizes($module, ptrs, /)\n--\n\n"
+"For each address of the sequence `ptrs` (ints), the counted size of the live\n"
+"allocation there, or -1 where the counters hold none: an int64 array.");
+
+static PyObject *
+counters_sizes(PyObject *module, PyObject *arg)
+{
+    PyObject *py_seq = NULL, *py_out = NULL;
+    py_seq = PySequence_Fast(arg, "counters_sizes() expects a sequence of ints");  /* new ref */
+    if (py_seq == NULL) {
+        goto error;
+    }
+    npy_intp dims[1] = {PySequence_Fast_GET_SIZE(py_seq)};
+    py_out = PyArray_SimpleNew(1, dims, NPY_INT64);  /* new reference */
+    if (py_out == NULL) {
+        goto error;
+    }
+    int64_t *out = (int64_t *)PyArray_DATA((PyArrayObject *)py_out);
+    for (npy_intp i = 0; i < dims[0]; i++) {
+        /* borrowed from py_seq, which lives through the loop */
+        unsigned long long p = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(py_seq, i));
+        if (p == (unsigned long long)-1 && PyErr_Occurred()) {
+            goto error;
+        }
+        out[i] = p == 0 ? -1 : mt_counters_size_of((const void *)(uintptr_t)p);
+    }
+    Py_DECREF(py_seq);
+    return py_out;
+error:
+    Py_XDECREF(py_seq);
+    Py_XDECREF(py_out);
+    return NULL;
 }
 
 PyDoc_STRVAR(head_doc,
@@ -180,6 +399,10 @@ monotonic_ns(PyObject *module, PyObject *Py_UNUSED(ignored))
 
 PyMethodDef mt_eventlog_methods[] = {
     {"eventlog_read", (PyCFunction)(void (*)(void))eventlog_read, METH_FASTCALL, read_doc},
+    {"eventlog_read_all", (PyCFunction)(void (*)(void))eventlog_read_all, METH_FASTCALL,
+     read_all_doc},
+    {"eventlog_mark", (PyCFunction)(void (*)(void))eventlog_mark, METH_FASTCALL, mark_doc},
+    {"counters_sizes", counters_sizes, METH_O, sizes_doc},
     {"eventlog_head", eventlog_head, METH_NOARGS, head_doc},
     {"monotonic_ns", monotonic_ns, METH_NOARGS, monotonic_doc},
     {NULL, NULL, 0, NULL},

@@ -129,3 +129,25 @@ def test_assert_budget_on_a_real_track():
     with pytest.raises(memtorch.BudgetExceeded) as e:
         memtorch.assert_budget(t.report, peak="3 MB")
     assert e.value.failures == [("peak", 4_000_000, 3_000_000)]
+
+
+def test_assert_budget_accepts_the_tracker_itself():
+    torch = pytest.importorskip("torch")
+    with memtorch.track() as t:
+        a = torch.ones(1000, 1000)  # 4,000,000 bytes
+    memtorch.assert_budget(t, peak="10 MiB")  # the Tracker: its report is judged
+    if memtorch.cpu.exact():
+        with pytest.raises(memtorch.BudgetExceeded, match=r"^peak 3\.8 MiB exceeds budget 1\.0 MiB"):
+            memtorch.assert_budget(t, peak="1 MiB")
+    del a
+
+
+def test_assert_budget_on_something_else_says_what_it_expects():
+    with pytest.raises(TypeError, match=r"expects the report of a track\(\) block \(t\.report\) or the tracker itself \(t\), got int"):
+        memtorch.assert_budget(3, peak="1 MiB")
+
+
+def test_assert_budget_on_a_tracker_that_has_not_run():
+    t = memtorch.track()
+    with pytest.raises(memtorch.MemtorchError, match="has not run"):
+        memtorch.assert_budget(t, peak="1 MiB")

@@ -85,7 +85,7 @@ def test_marker_help_and_options(run):
     result = run("--markers")
     result.stdout.fnmatch_lines(
         [
-            "@pytest.mark.memory_budget(peak=None, delta=None, leak=None, device='auto'): Run the test body inside*"
+            "@pytest.mark.memory_budget(peak=None, delta=None, leak=None, device='auto', watch=()): Run the test body inside*"
         ]
     )
     result = run("--help")
@@ -220,7 +220,12 @@ BAD_MARKERS = {
     "test_device_not_a_device": ("device=3", "device=3 is not a device"),
     "test_unknown_keyword": (
         'peek="1 MiB"',
-        "unknown keyword argument peek: expected peak, delta, leak, device",
+        "unknown keyword argument peek: expected peak, delta, leak, device, watch",
+    ),
+    "test_watch_not_names": ('peak="1 MiB", watch=3', "watch=3: expected the name of a fixture"),
+    "test_watch_unknown_fixture": (
+        'peak="1 MiB", watch="model"',
+        "watch=['model']: the test requests no fixture named model",
     ),
     "test_two_positionals": ('"1 MiB", "2 MiB"', "takes at most one positional argument (the peak), got 2"),
 }
@@ -527,3 +532,127 @@ def test_xdist_workers_measure_their_own_tests(pytester, run, tmp_path):
         f"by {units.format(1_000_000)}"
     )
     result.stdout.fnmatch_lines(["*memtorch: tests over budget*", f"test_par.py::test_over: {over}"])
+
+
+WATCHED = """
+import pytest
+import torch
+import memtorch
+
+memtorch.cpu.start()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+
+@pytest.fixture
+def model():
+    return _mlp()
+
+
+@pytest.fixture
+def opt(model):
+    o = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 256)
+    model(x).sum().backward(); o.step(); o.zero_grad()  # Adam's state exists
+    return o
+
+
+@pytest.mark.memory_budget(peak="1 KiB", watch=["model", "opt"])
+def test_by_marker(model, opt):
+    x = torch.randn(64, 256)
+    model(x).sum().backward(); opt.step(); opt.zero_grad()
+
+
+@pytest.mark.memory_budget(peak="1 KiB")
+def test_by_fixture(memtorch_tracker):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters())
+    memtorch_tracker.watch(model, opt)
+    x = torch.randn(64, 256)
+    model(x).sum().backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_failure_names_the_five_largest_owners_at_the_peak(pytester, run):
+    import memtorch
+
+    if not memtorch.cpu.exact():
+        pytest.skip("needs exact CPU counters")
+    pytester.makepyfile(test_watched=WATCHED)
+    result = run()
+    result.assert_outcomes(failed=2)
+    text = result.stdout.str()
+    # 0.weight is 512 x 256 float32: 512.0 KiB; its gradient and Adam's two state tensors too
+    assert text.count("who held the bytes at the peak") == 2, text
+    for name in ("0.weight.grad (gradient)", "0.weight.exp_avg (optimizer state)"):
+        assert text.count(f"512.0 KiB  {name}") == 2, text
+    assert "512.0 KiB  0.weight (parameter)" in text  # built while counting: in the peak
+
+
+def test_watch_of_something_else_is_a_clear_error(pytester, run):
+    pytester.makepyfile(
+        test_w="""
+        import pytest
+
+        @pytest.fixture
+        def model():
+            return 3
+
+        @pytest.mark.memory_budget(peak="1 MiB", watch="model")
+        def test_w(model):
+            pass
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*fixture 'model' is a int: expected one torch.nn.Module and/or one torch.optim.Optimizer*"])
+
+
+def test_save_stores_every_figure_and_compare_compares_each(pytester, run, tmp_path):
+    import memtorch
+
+    pytester.makepyfile(
+        test_s="""
+        import os
+        import pytest
+        import torch
+
+        N = int(os.environ.get("N_FLOATS", "1000"))
+
+        KEPT = []
+
+        @pytest.mark.memory_budget(peak="1 MiB", delta="1 MiB", leak="1 MiB", device="cpu")
+        def test_s(memtorch_tracker):
+            for _ in range(3):
+                KEPT.append(torch.ones(N))
+                memtorch_tracker.step()
+        """
+    )
+    saved = tmp_path / "m.json"
+    run(f"--memtorch-save={saved}", subprocess=True).assert_outcomes(passed=1)
+    import json
+
+    data = json.loads(saved.read_text())
+    fig = data["test_s.py::test_s"]
+    assert fig["budget"] == {"peak": 1 << 20, "delta": 1 << 20, "leak": 1 << 20}
+    if memtorch.cpu.exact():
+        # three tensors of 1,000 float32 kept: 12,000 B left, 4,000 B a step after the warm-up step
+        assert fig["delta"] == 12000 and fig["peak"] == 12000 and fig["leak"] == 4000
+    assert {"peak", "delta", "leak", "device", "exact"} <= set(fig)
+    # twice the floats: every figure doubles, and each is compared
+    import os
+
+    os.environ["N_FLOATS"] = "2000"
+    try:
+        result = run(f"--memtorch-compare={saved}", "--memtorch-fail-on-increase=5%", subprocess=True)
+    finally:
+        del os.environ["N_FLOATS"]
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    if memtorch.cpu.exact():
+        assert "peak 23.4 KiB exceeds baseline 11.7 KiB by 11.7 KiB, +100.0%" in text
+        assert "delta 23.4 KiB exceeds baseline 11.7 KiB" in text
+        assert "leak 7.8 KiB exceeds baseline 3.9 KiB" in text

@@ -66,6 +66,12 @@ def _calls(handle):
                                    raises(_C._counters_tool, "bogus")()),
         "eventlog_read": lambda: (_C.eventlog_read(0, _C.eventlog_head()), raises(_C.eventlog_read, -1, 0)()),
         "eventlog_head": _C.eventlog_head,
+        "eventlog_read_all": lambda: (_C.eventlog_read_all(0, _C.eventlog_head()),
+                                      raises(_C.eventlog_read_all, -1, 0)()),
+        "eventlog_mark": lambda: (_C.eventlog_mark(3, 0, 0), raises(_C.eventlog_mark, 9, 0, 0)(),
+                                  raises(_C.eventlog_mark, 1, 0)()),
+        "counters_sizes": lambda: (_C.counters_sizes([0, 0x7A00_0000_0040]), raises(_C.counters_sizes, [-1])(),
+                                   raises(_C.counters_sizes, 5)()),
         "monotonic_ns": _C.monotonic_ns,
         "torch_alloc": lambda: torch.empty(100),  # the hook path itself
     }

@@ -299,7 +299,7 @@ def test_summed_loss_with_graph_is_named():
     holders = [s for s in leak.survivors if s.has_graph and s.graph_bytes]
     assert holders, str(leak)
     top = holders[0]
-    assert top.name is not None and top.name.startswith("total"), str(leak)
+    assert top.name is not None and "local `total`" in top.name, str(leak)
     assert top.shape == () and top.dtype == "float32" and top.nbytes == 4
     # measured from the saved tensors themselves: n steps of x and ReLU output
     assert top.graph_bytes == n * per_step
@@ -634,3 +634,321 @@ def test_module_hooks_take_timestamps_only_with_exact_counters():
         assert t._evmode == sys.platform.startswith("linux")
         model(torch.ones(B, D_IN))
     assert all(m.exact for m in t.report.modules)
+
+
+# --- at_peak: who held the bytes at the peak --------------------------------
+
+
+def _adam_mlp_counted():
+    """The MLP and Adam built while counting runs, so that every storage is counted."""
+    memtorch.cpu.start()
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(B, D_IN)
+    for _ in range(2):  # Adam's state exists from here on
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt, x
+
+
+@exact_only
+def test_at_peak_names_parameters_gradients_and_adam_state_by_hand_count():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ap = t.report.at_peak
+    # every group together is the peak, to the byte
+    assert ap.total == t.report.peak
+    assert sum(o.nbytes for o in ap.owners) == t.report.peak
+    # named groups, by hand: float32, 4 bytes an element
+    w0, b0, w2, b2 = D_H * D_IN * 4, D_H * 4, D_OUT * D_H * 4, D_OUT * 4
+    assert ap["0.weight"] == w0  # parameter, allocated before the block
+    assert ap["2.bias"] == b2
+    # Adam's peak is inside its step, after the backward: the gradients are live
+    assert ap["0.weight.grad"] == w0
+    assert ap["2.weight.grad"] == w2
+    assert ap["0.weight.exp_avg"] == w0 and ap["0.weight.exp_avg_sq"] == w0
+    assert ap["0.bias.exp_avg"] == b0
+    assert ap["2.weight.exp_avg_sq"] == w2
+    kinds = ap.by_kind()
+    assert kinds["parameter"] == P_BYTES
+    assert kinds["gradient"] == P_BYTES
+    # exp_avg and exp_avg_sq per parameter, plus a float32 `step` tensor each (4 B)
+    assert kinds["optimizer state"] == 2 * P_BYTES + N_PARAMS * 4
+    assert ap["input"] == B * D_IN * 4
+    assert ap.exact
+    # the five largest owners are printed with the report
+    assert "0.weight.exp_avg (optimizer state)" in str(t.report)
+    import json
+
+    d = json.loads(json.dumps(t.report.to_dict()))
+    assert sum(o["bytes"] for o in d["at_peak"]["owners"]) == d["peak"] == t.report.peak
+
+
+@exact_only
+def test_at_peak_activations_by_module_after_a_forward():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        out = model(x)  # grad enabled: the peak is the end of the forward
+    ap = t.report.at_peak
+    assert ap.total == t.report.peak
+    # The peak is ReLU's output (B x D_H) being allocated while Linear 0's output (B x D_H)
+    # is still held as ReLU's input; right after, Linear 0's output is freed (ReLU saves
+    # its result, Linear 2 saves its input: nothing saves Linear 0's output), and Linear
+    # 2's output (B x D_OUT) comes after the peak.
+    assert ap["activations of 0 (Linear)"] == B * D_H * 4
+    assert ap["activations of 1 (ReLU)"] == B * D_H * 4
+    assert "activations of 2 (Linear)" not in ap
+    assert ap.by_kind()["activation"] == 2 * B * D_H * 4
+    assert t.report.peak_above_start == 2 * B * D_H * 4
+    del out
+
+
+@exact_only
+def test_largest_lists_named_tensors_at_the_peak():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt, largest=3) as t:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    names = [s.name for s in t.report.largest]
+    assert len(names) == 3
+    assert all(s.nbytes == D_H * D_IN * 4 for s in t.report.largest)  # the three largest are 512x256
+    # gradients are freed by zero_grad() before the end, yet listed: taken at the peak
+    assert "0.weight.grad" in names or "0.weight.exp_avg" in names
+    assert "largest live tensors at the peak" in str(t.report)
+
+
+@exact_only
+def test_at_peak_when_the_event_log_wraps_says_not_exact_and_still_adds_up():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        big = torch.empty(1 << 20)  # 4 MiB: the peak, early in the block
+        del big
+        for _ in range(70_000):  # 140,000 events: more than the ring's 131,072
+            torch.empty(1)
+    ap = t.report.at_peak
+    assert ap.total == t.report.peak
+    assert not ap.exact
+    assert any("lost" in n for n in ap.notes)
+
+
+@exact_only
+def test_at_peak_of_nested_blocks_each_add_up():
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as outer:
+        with memtorch.track(model, opt) as inner:
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for r in (outer.report, inner.report):
+        assert r.at_peak.total == r.peak
+    assert inner.report.at_peak["0.weight.grad"] == D_H * D_IN * 4
+
+
+@exact_only
+def test_eventlog_read_is_sized_by_what_the_ring_retains():
+    import tracemalloc
+
+    from memtorch import _C
+
+    with memtorch.cpu.Scope(timeline=True):
+        for _ in range(70_000):
+            torch.empty(1)
+        head = _C.eventlog_head()
+        assert head > 131_072
+        tracemalloc.start()
+        try:
+            t, b, dropped = _C.eventlog_read(0, head)
+            ev, dropped2 = _C.eventlog_read_all(0, head)
+            _, peak_mem = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert len(t) <= 131_072 and dropped >= head - 131_072
+    assert len(ev) <= 131_072 and dropped2 == head - len(ev)
+    # two int64 arrays and one 48-byte record array of at most 131,072 entries, not of `head`
+    assert peak_mem < 131_072 * (16 + 48) * 1.2
+
+
+def test_report_to_dict_is_json_for_every_report():
+    import json
+
+    with memtorch.track() as t:
+        for _ in range(3):
+            torch.ones(10)
+            t.step()
+    d = json.loads(json.dumps(t.report.to_dict()))
+    assert d["steps"] == 3 and d["leak"]["steps"] == [int(g) for g in t.report.leak.steps]
+    assert len(d["steps_series"]) == 3
+
+
+# --- leaks that name the culprit --------------------------------------------
+
+
+def _train_keeping_losses(steps=20):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with memtorch.track(model, opt) as t:
+        for _ in range(steps):
+            x = torch.randn(8, D_IN)
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            losses.append(loss)  # the leak: each loss keeps its graph
+            t.step()
+    return t, losses
+
+
+def test_leak_groups_name_the_list_that_keeps_the_losses():
+    t, losses = _train_keeping_losses(20)
+    leak = t.report.leak
+    assert leak.leaking, str(leak)
+    culprit = leak.groups[0]  # unexpected groups come first
+    assert culprit.expected is None
+    assert culprit.has_graph and culprit.dtype == "float32" and culprit.shape == ""
+    assert culprit.holder == "in list `losses` (local of `_train_keeping_losses`)", str(leak)
+    # the first growing step is step 2 (after one warm-up step): what lived then is not new,
+    # so the losses of steps 3..20 are the survivors
+    assert culprit.count == 18, str(leak)
+    line = str(leak).splitlines()[1]
+    assert "18 tensors float32[], 72 B holding autograd graphs" in line and "holding autograd graphs" in line and "one per step" in line
+    # parameters, gradients and the last batch are never listed as culprits
+    for g in leak.groups:
+        if g.expected is None:
+            assert g.shape not in (f"{D_H}x{D_IN}", f"{D_OUT}x{D_H}"), str(leak)
+    del losses
+
+
+def test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence():
+    kept = []
+    with memtorch.track() as t:
+        for step in range(1, 201):
+            torch.ones(100).sum()
+            if step % 50 == 0:
+                kept.append(torch.zeros(1000))  # 4,000 bytes every 50th step
+            t.step()
+    leak = t.report.leak
+    assert leak.leaking, str(leak)
+    if EXACT:
+        assert leak.evidence["steps_that_grew"] == [50, 100, 150, 200]
+        assert leak.evidence["net_growth"] == 4 * 4000
+        assert leak.per_step == 4 * 4000 // 199
+    # the first growing step (50) is the reference: the tensors of steps 100, 150 and 200 survive
+    g = leak.groups[0]
+    assert (g.count, g.shape, g.nbytes) == (3, "1000", 3 * 4000), str(leak)
+    assert g.holder == "in list `kept` (local of `test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence`)"
+    assert "grew in 4" in str(leak)
+
+
+def test_growth_once_is_not_a_leak():
+    cache = []
+    with memtorch.track() as t:
+        for step in range(1, 11):
+            if step == 5:
+                cache.append(torch.zeros(1000))  # a cache filled once
+            t.step()
+    leak = t.report.leak
+    assert not leak.leaking
+    assert leak.groups == []  # not judged leaking: no scan at the end
+    del cache
+
+
+def test_leak_scan_says_when_it_stopped_early(monkeypatch):
+    from memtorch import leaks
+
+    monkeypatch.setattr(leaks, "SCAN_SECONDS", 0.0)  # stop at the first check (20,000 objects)
+    kept = []
+    with memtorch.track() as t:
+        for _ in range(4):
+            kept.append(torch.zeros(100))
+            t.step()
+    leak = t.report.leak
+    assert leak.leaking
+    assert any("stopped early" in n for n in leak.notes), str(leak)
+    assert "stopped early" in str(leak)
+
+
+def test_step_series_has_each_steps_peak_and_end():
+    with memtorch.track() as t:
+        a = torch.ones(1000)  # step 1: peak +4,000 B, end +4,000 B
+        t.step()
+        b = torch.ones(2000)  # step 2: peak +8,000 B then freed
+        del b
+        t.step()
+    s = t.report.step_series
+    start = t.report.start
+    assert len(s) == 2
+    if EXACT:
+        assert s[0] == (start + 4000, start + 4000)
+        assert s[1] == (start + 4000 + 8000, start + 4000)
+    d = t.report.to_dict()["steps_series"]
+    assert [x["peak"] for x in d] == [p for p, _ in s]
+    del a
+
+
+def test_nested_tensor_alive_does_not_break_largest_or_the_leak_scan():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor([torch.ones(3), torch.ones(5)])  # strided layout
+    kept = []
+    with memtorch.track(largest=3) as t:
+        for _ in range(4):
+            kept.append(torch.zeros(100))
+            t.step()
+    assert t.report.leak.leaking
+    assert len(t.report.largest) == 3
+    str(t.report)
+    with memtorch.track(mlp(), largest=2) as t2:
+        pass
+    str(t2.report)
+    del nt
+
+
+# --- argument checks ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["timeline", "modules", "leaks"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, None])
+def test_track_flags_must_be_bools(flag, value):
+    with pytest.raises(TypeError, match=rf"track\({flag}=\.\.\.\) expects True or False, got {value!r}"):
+        memtorch.track(**{flag: value})
+
+
+def test_bare_decorator_says_to_write_parentheses():
+    with pytest.raises(TypeError, match=r"write @memtorch\.track\(\) .* not @memtorch\.track, above step"):
+
+        @memtorch.track
+        def step():
+            pass
+
+
+def test_track_on_a_meta_model_points_to_inspect_and_estimate():
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(DeviceUnavailable, match=r"memtorch\.inspect\(model\).*memtorch\.estimate\("):
+        memtorch.track(model)
+    with pytest.raises(DeviceUnavailable, match=r"meta.*memtorch\.inspect"):
+        memtorch.track(device="meta")
+    no_hooks(model)
+
+
+def test_watch_checks_its_arguments():
+    t = memtorch.track()
+    with pytest.raises(TypeError, match=r"watch\(model=\.\.\.\) expects a torch\.nn\.Module, got str"):
+        t.watch("model")
+    with pytest.raises(TypeError, match=r"watch\(optimizer=\.\.\.\) expects a torch\.optim\.Optimizer, got int"):
+        t.watch(optimizer=3)
+    with torch.device("meta"):
+        meta = mlp()
+    with pytest.raises(DeviceUnavailable, match="meta"):
+        t.watch(meta)
+    t.watch(mlp())
+    with pytest.raises(MemtorchError, match="already watches a model"):
+        t.watch(mlp())

@@ -1,0 +1,325 @@
+"""Leaks across steps: judge growth over the whole run, name the tensors kept and who holds them.
+
+Judging: the bytes allocated at each step boundary (t.step()) after the warm-up
+steps. A run leaks when its net growth is positive and it grew in at least two
+judged steps, or in every judged step: a tensor kept every 50th step is caught,
+a cache filled once is not. The evidence (steps that grew, net growth, the
+least-squares slope per step) goes into the report.
+
+Naming, bounded: live tensors are listed by walking the garbage collector's
+objects at most twice per block (once at the first judged step that grew, to
+know what lived before, and once at the end), each walk capped in time and in
+objects; the report says when a walk stopped early. Survivors (new since the
+first walk and still alive) are sorted into what is expected to live (the
+parameters, gradients and optimizer state of every live optimizer, and tensors
+bound to a local variable of a running function, as the current batch is) and
+the rest, grouped by kind, with the container that holds them found by
+following the garbage collector's referrers (bounded too).
+"""
+
+import gc
+import sys
+import time
+import weakref
+
+from . import units
+
+__all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan"]
+
+SCAN_SECONDS = 1.0  # a walk of gc objects stops after this long
+SCAN_OBJECTS = 5_000_000  # ... or after this many objects
+REFERRER_SECONDS = 0.2  # naming the holders of all groups stops after this long
+_HERE = __file__.rsplit("/", 1)[0].rsplit("\\", 1)[0]
+
+
+def judge(growth, warmup):
+    """(leaking, per_step, evidence dict) from per-step growth (bytes), warm-up steps skipped."""
+    judged = list(growth[warmup:])
+    if not judged:
+        return False, None, {}
+    net = sum(judged)
+    grew = [warmup + i + 1 for i, g in enumerate(judged) if g > 0]
+    n = len(judged)
+    # least-squares slope of the boundaries after warm-up (bytes per step)
+    ys = [0]
+    for g in judged:
+        ys.append(ys[-1] + g)
+    xs = range(len(ys))
+    mx = sum(xs) / len(ys)
+    my = sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    leaking = net > 0 and (len(grew) >= 2 or len(grew) == n)
+    evidence = {
+        "judged_steps": n, "steps_that_grew": grew, "net_growth": int(net), "slope_per_step": float(slope),
+        "largest_step_growth": int(max(judged)),
+    }  # fmt: skip
+    return leaking, (net // n), evidence
+
+
+class SurvivorGroup:
+    """Tensors of one kind kept alive across steps: count, bytes, description, holder."""
+
+    __slots__ = ("count", "nbytes", "dtype", "shape", "has_graph", "graph_bytes", "holder", "expected", "examples")
+
+    def __init__(self, dtype, shape, has_graph, holder, expected):
+        self.count = 0
+        self.nbytes = 0
+        self.graph_bytes = 0
+        self.dtype, self.shape, self.has_graph, self.holder, self.expected = dtype, shape, has_graph, holder, expected
+        self.examples = []  # weakrefs to a few members
+
+    def describe(self, steps_after=None):
+        shape = self.shape if self.shape is not None else "?"
+        what = f"{self.count} tensor{'s' if self.count != 1 else ''} {self.dtype}[{shape}]"
+        text = f"{what}, {units.format(self.nbytes)}"
+        if self.has_graph:
+            text += " holding autograd graphs"
+            if self.graph_bytes:
+                text += f" (keeping {units.format(self.graph_bytes)} of saved tensors)"
+        if steps_after and self.count > 1 and abs(self.count - steps_after) <= 1:
+            text += ", one per step"
+        if self.holder:
+            text += f", {self.holder}"
+        if self.expected:
+            text += f" (expected to live: {self.expected})"
+        return text
+
+    def to_dict(self):
+        return {
+            "count": self.count, "bytes": int(self.nbytes), "dtype": self.dtype, "shape": self.shape,
+            "has_graph": self.has_graph, "graph_bytes": int(self.graph_bytes), "holder": self.holder,
+            "expected": self.expected,
+        }  # fmt: skip
+
+
+class LeakReport:
+    """Growth of allocated bytes per step, judged over the whole run.
+
+    steps: growth of each step (bytes, warm-up steps included); warmup; per_step:
+    net growth of the judged steps divided by their number (floor); leaking: the
+    run grew in two or more judged steps (or every one) and its net growth is
+    positive; evidence: {judged_steps, steps_that_grew, net_growth,
+    slope_per_step, largest_step_growth}; groups: SurvivorGroup of tensors kept
+    (the unexpected first); survivors: TensorInfo of a few of them; notes: what
+    the scan could not do (stopped early, ...).
+    """
+
+    __slots__ = ("steps", "warmup", "per_step", "leaking", "survivors", "exact", "groups", "evidence", "notes",
+                 "steps_after")  # fmt: skip
+
+    def __init__(self, steps, warmup, survivors, exact, groups=(), notes=(), steps_after=None):
+        self.steps = list(steps)
+        self.warmup = warmup
+        self.leaking, self.per_step, self.evidence = judge(self.steps, warmup)
+        self.survivors = list(survivors)
+        self.exact = exact
+        self.groups = list(groups)
+        self.notes = list(notes)
+        self.steps_after = steps_after
+
+    def __str__(self):
+        if self.per_step is None:
+            return f"leak: not judged ({len(self.steps)} step(s), warm-up {self.warmup})"
+        ev = self.evidence
+        grew = ev["steps_that_grew"]
+        shown = ", ".join(str(s) for s in grew[:8]) + (", ..." if len(grew) > 8 else "")
+        head = (
+            f"leak: {units.format_delta(self.per_step)} per step after {self.warmup} warm-up step(s)"
+            f"{' (LEAKING)' if self.leaking else ''}: net {units.format_delta(ev['net_growth'])} over "
+            f"{ev['judged_steps']} judged step(s), grew in {len(grew)}" + (f" (step {shown})" if grew else "")
+            + f", slope {units.format_delta(int(ev['slope_per_step']))} per step"
+        )
+        lines = [head]
+        for g in self.groups:
+            lines.append("  kept: " + g.describe(self.steps_after))
+        lines += ["  note: " + n for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self):
+        return {
+            "steps": [int(g) for g in self.steps], "warmup": self.warmup,
+            "per_step": None if self.per_step is None else int(self.per_step), "leaking": bool(self.leaking),
+            "exact": bool(self.exact), "evidence": dict(self.evidence),
+            "groups": [g.to_dict() for g in self.groups], "survivors": [s.to_dict() for s in self.survivors],
+            "notes": list(self.notes),
+        }  # fmt: skip
+
+    def __repr__(self):
+        return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, groups={len(self.groups)})"
+
+
+# ---------------------------------------------------------------------------
+# Bounded scans
+
+
+class Scan:
+    """One bounded walk of gc objects: live tensors of a device type, optimizers, and
+    whether it stopped early."""
+
+    def __init__(self, Tensor, Optimizer, device_type, seconds=None, max_objects=None):
+        seconds = SCAN_SECONDS if seconds is None else seconds
+        max_objects = SCAN_OBJECTS if max_objects is None else max_objects
+        self.tensors = {}  # id -> weakref
+        self.optimizers = []
+        self.stopped_early = False
+        t0 = time.perf_counter()
+        objs = gc.get_objects()
+        try:
+            for n, o in enumerate(objs):
+                if n % 20000 == 19999 and (time.perf_counter() - t0 > seconds or n >= max_objects):
+                    self.stopped_early = True
+                    break
+                tp = type(o)
+                if issubclass(tp, Tensor):
+                    try:
+                        if o.device.type != device_type:
+                            continue
+                        self.tensors[id(o)] = weakref.ref(o)
+                    except (TypeError, RuntimeError):
+                        continue
+                elif issubclass(tp, Optimizer):
+                    self.optimizers.append(weakref.ref(o))
+        finally:
+            del objs
+        self.seconds = time.perf_counter() - t0
+
+
+def storage_key(t):
+    try:
+        return t.untyped_storage().data_ptr(), t.device.type
+    except Exception:  # nested, sparse and wrapper tensors have no single storage
+        return id(t), "?"
+
+
+def storage_nbytes(t):
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        try:
+            return int(t.numel() * t.element_size())
+        except Exception:
+            return 0
+
+
+def shape_text(t):
+    try:
+        return "x".join(str(s) for s in t.shape)
+    except Exception:  # a nested tensor has no single shape
+        return "nested"
+
+
+def expected_keys(scan, model_names=()):
+    """{storage key: what} of tensors expected to live across steps: parameters and their
+    gradients (any leaf that requires grad), and every live optimizer's state."""
+    out = {}
+    for ref in scan.optimizers:
+        opt = ref()
+        if opt is None:
+            continue
+        try:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    out[storage_key(p)] = "parameter"
+                    if p.grad is not None:
+                        out[storage_key(p.grad)] = "gradient"
+            for st in opt.state.values():
+                for v in st.values():
+                    if hasattr(v, "untyped_storage"):
+                        out.setdefault(storage_key(v), "optimizer state")
+        except Exception:
+            continue
+    for ref in scan.tensors.values():
+        t = ref()
+        if t is None:
+            continue
+        try:
+            if t.is_leaf and t.requires_grad:
+                out.setdefault(storage_key(t), "parameter")
+                g = t.grad
+                if g is not None:
+                    out.setdefault(storage_key(g), "gradient")
+        except Exception:
+            pass
+        del t
+    return out
+
+
+def stack_locals(skip_prefix=_HERE, depth=50):
+    """{id(object): 'local `name` of `function`'} for the locals of the running frames
+    outside memtorch (leaves no reference behind)."""
+    out = {}
+    frame = sys._getframe(1)
+    d = 0
+    while frame is not None and d < depth:
+        if not frame.f_code.co_filename.startswith(skip_prefix):
+            optimized = bool(frame.f_code.co_flags & 0x1)
+            try:
+                snap = frame.f_locals
+            except Exception:
+                snap = None
+            if snap is not None:
+                try:
+                    for k, v in snap.items():
+                        out.setdefault(id(v), f"local `{k}` of `{frame.f_code.co_name}`")
+                finally:
+                    if optimized and sys.version_info < (3, 13) and isinstance(snap, dict):
+                        snap.clear()
+                    del snap
+        frame = frame.f_back
+        d += 1
+    return out
+
+
+def holders(tensors, local_names, deadline, max_referrers=100_000):
+    """{id(tensor): "list `losses` (local of `train`)"} for the containers holding ``tensors``.
+
+    Two passes of the garbage collector at most (gc.get_referrers of all the
+    tensors at once, then of the containers found), stopped at ``deadline``
+    (perf_counter): one call per tensor would walk every object each time."""
+    out = {}
+    if not tensors or time.perf_counter() > deadline:
+        return out
+    wanted = {id(t) for t in tensors}
+    containers = {}  # id(container) -> (container, [tensor ids])
+    for r in gc.get_referrers(*tensors)[:max_referrers]:
+        if r is tensors:  # the caller's own list
+            continue
+        if isinstance(r, (list, tuple, set, frozenset)):
+            held = [id(v) for v in r if id(v) in wanted] if len(r) < 1_000_000 else []
+        elif isinstance(r, dict):
+            held = [id(v) for v in r.values() if id(v) in wanted] if len(r) < 1_000_000 else []
+        else:
+            continue
+        if held:
+            containers[id(r)] = (r, held)
+    if not containers or time.perf_counter() > deadline:
+        return out
+    names = {}
+    for cid, (c, _) in containers.items():
+        label = local_names.get(cid)
+        if label is not None:
+            name, _, fn = label.partition(" of ")
+            names[cid] = f"in {type(c).__name__} {name.replace('local ', '')} (local of {fn})"
+    rest = [c for cid, (c, _) in containers.items() if cid not in names]
+    if rest and time.perf_counter() < deadline:
+        rest_ids = {id(c) for c in rest}
+        for r in gc.get_referrers(*rest):
+            if isinstance(r, dict):
+                is_globals = "__builtins__" in r and isinstance(r.get("__name__"), str)
+                for k, v in r.items():
+                    if id(v) in rest_ids and isinstance(k, str) and id(v) not in names:
+                        where = f"global of {r['__name__']}" if is_globals else "attribute"
+                        names[id(v)] = f"in {type(v).__name__} `{k}` ({where})"
+    for cid, (c, held) in containers.items():
+        label = names.get(cid)
+        if label is None:
+            if isinstance(c, dict):
+                # an object's __dict__: the tensor is an attribute
+                keys = [k for k, v in c.items() if id(v) in wanted and isinstance(k, str)]
+                label = f"in attribute `{keys[0]}` of an object" if keys else f"in an unnamed {type(c).__name__}"
+            else:
+                label = f"in an unnamed {type(c).__name__}"
+        for i in held:
+            out.setdefault(i, label)
+    return out

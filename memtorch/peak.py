@@ -1,0 +1,287 @@
+"""Who held the bytes at a block's peak: a replay of the event log, with names.
+
+The C event log records every counted allocation and free with its address,
+its signed size and the owner tag current at the time (set by track()'s module
+and optimizer hooks: the innermost module whose forward is running, and the
+phase). At the end of a block the log is replayed once up to the event that
+reached the block's peak: what was allocated and not yet freed then is the
+live set of the block. Storages are named by their address, matched against
+the data pointers of the model's parameters and buffers, their gradients, the
+optimizer's state and the forward's inputs, read when the block opened and
+when it closed; what no name explains is filed under the module whose forward
+allocated it (activations), the phase (temporaries of the backward or the
+optimizer) or "other".
+
+The groups add up to the peak: bytes counted live before the block opened and
+never named are one group ("allocated before the block, not identified").
+"""
+
+from . import units
+
+__all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
+
+PHASE_CODES = {None: 0, "forward": 1, "backward": 2, "optimizer": 3}
+PHASE_NAMES = {v: k for k, v in PHASE_CODES.items()}
+TAG_BITS = 24  # tag = token << 24 | (module row + 1) << 2 | phase
+
+
+def make_tag(token, row, phase_code):
+    return (token << TAG_BITS) | ((row + 1) << 2) | phase_code
+
+
+class Owner:
+    """One owner at the peak: ``name``, ``kind`` (parameter, gradient, optimizer state,
+    buffer, input, activation, temporary, other), ``phase`` (forward, backward,
+    optimizer or None: when it was allocated), ``nbytes`` and ``count`` (storages)."""
+
+    __slots__ = ("name", "kind", "phase", "nbytes", "count")
+
+    def __init__(self, name, kind, phase=None, nbytes=0, count=0):
+        self.name, self.kind, self.phase, self.nbytes, self.count = name, kind, phase, nbytes, count
+
+    def describe(self):
+        n = f", {self.count} storages" if self.count > 1 else ""
+        return f"{units.format(self.nbytes)}  {self.name} ({self.kind}{n})"
+
+    def to_dict(self):
+        return {"name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes, "count": self.count}
+
+    def __repr__(self):
+        return f"Owner({self.name!r}, {self.kind}, {self.nbytes} B)"
+
+
+class StorageAtPeak:
+    """One storage live at the peak (for ``largest=``): name, kind, nbytes; shape and
+    dtype of the tensor that names it, when a tensor does."""
+
+    __slots__ = ("name", "kind", "phase", "nbytes", "shape", "dtype", "has_graph")
+
+    def __init__(self, name, kind, phase, nbytes, shape=None, dtype=None):
+        self.name, self.kind, self.phase, self.nbytes = name, kind, phase, nbytes
+        self.shape, self.dtype = shape, dtype
+        self.has_graph = False
+
+    def describe(self):
+        what = ""
+        if self.shape is not None:
+            shape = "x".join(str(s) for s in self.shape) or "scalar"
+            what = f" {self.dtype}[{shape}]"
+        return f"{self.name}:{what} {units.format(self.nbytes)} ({self.kind})"
+
+    def to_dict(self):
+        return {
+            "name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes,
+            "shape": None if self.shape is None else list(self.shape), "dtype": self.dtype,
+        }  # fmt: skip
+
+    def __repr__(self):
+        return f"StorageAtPeak({self.describe()})"
+
+
+class AtPeak:
+    """The live bytes at a block's peak, grouped by owner (largest first).
+
+    ``owners`` [Owner]; ``peak`` (absolute bytes, = sum of the owners' bytes);
+    ``exact`` (False when the event log lost events or the replay disagrees with
+    the counters); ``notes``: sentences saying what is not exact and why.
+    """
+
+    def __init__(self, peak, owners, storages, exact, notes):
+        self.peak = peak
+        self.owners = sorted(owners, key=lambda o: (-o.nbytes, o.name))
+        self.storages = sorted(storages, key=lambda s: (-s.nbytes, s.name))
+        self.exact = exact
+        self.notes = list(notes)
+
+    @property
+    def total(self):
+        return sum(o.nbytes for o in self.owners)
+
+    def by_kind(self):
+        out = {}
+        for o in self.owners:
+            out[o.kind] = out.get(o.kind, 0) + o.nbytes
+        return out
+
+    def __getitem__(self, name):
+        for o in self.owners:
+            if o.name == name:
+                return o.nbytes
+        raise KeyError(name)
+
+    def __contains__(self, name):
+        return any(o.name == name for o in self.owners)
+
+    def top(self, n=5):
+        return self.owners[:n]
+
+    def lines(self, limit=None):
+        owners = self.owners if limit is None else self.owners[:limit]
+        how = "" if self.exact else " (not exact)"
+        head = f"at the peak ({units.format(self.peak)}{how}), held by:"
+        out = [head] + ["  " + o.describe() for o in owners if o.nbytes]
+        rest = [o for o in self.owners[len(owners):] if o.nbytes]
+        if rest:
+            out.append(f"  ... and {len(rest)} more owner(s), {units.format(sum(o.nbytes for o in rest))}")
+        out += ["  note: " + n for n in self.notes]
+        return out
+
+    def __str__(self):
+        return "\n".join(self.lines(limit=30))
+
+    def to_dict(self):
+        return {
+            "peak": self.peak, "exact": self.exact, "notes": list(self.notes),
+            "owners": [o.to_dict() for o in self.owners],
+            "by_kind": self.by_kind(),
+        }  # fmt: skip
+
+    def __repr__(self):
+        return f"AtPeak(peak={self.peak}, owners={len(self.owners)}, exact={self.exact})"
+
+
+def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
+    """Replay ``events`` (eventlog_read_all's array, allocations and frees only, in
+    log order) and group the live bytes at the event that reached ``peak``.
+
+    snapshots: [(head, {address: (name, kind, phase, shape, dtype)})], walks of the
+    model, optimizer and inputs, each with the log index at which it was taken: a
+    name applies to the storage that lived at its address at that moment.
+    sizes_now: maps a list of addresses to the counted sizes now (-1: none);
+    token: this block's tag token; rows: (name, type) of the modules by row.
+    """
+    import numpy as np
+
+    notes = []
+    exact = True
+    n = len(events)
+    delta = events["delta"]
+    ptr = events["ptr"]
+    gidx = events["index"].astype(np.int64)
+    if dropped:
+        exact = False
+        notes.append(
+            f"the event log kept only the latest {n} events of this block ({dropped} lost): "
+            "bytes allocated before the oldest one kept are grouped as not identified"
+        )
+        base = int(events["bytes"][0] - delta[0]) if n else start
+    else:
+        base = start
+    # the event that reached the peak (the first one, in log order)
+    if peak <= base or n == 0:
+        k = -1
+    else:
+        hits = np.flatnonzero(events["bytes"] == peak)
+        if len(hits):
+            k = int(hits[0])
+        else:
+            k = int(np.argmax(events["bytes"]))
+            exact = False
+            notes.append("no event of the log reached the peak: the live set is taken at the log's highest point")
+    at = int(peak) if k < 0 else int(events["bytes"][k])
+    # per address, in log order: the first event, and for each event the next one
+    order = np.lexsort((np.arange(n), ptr))
+    sp = ptr[order]
+    nxt = np.full(n, n, dtype=np.int64)
+    first_of = {}
+    if n:
+        same = sp[1:] == sp[:-1]
+        nxt[order[:-1][same]] = order[1:][same]
+        starts = np.flatnonzero(np.r_[True, ~same])
+        first_of = dict(zip(sp[starts].tolist(), order[starts].tolist()))
+    gnext = np.append(gidx, np.iinfo(np.int64).max)[nxt]  # log index of the next event of the address
+    # allocations live at the peak: made at or before k, next event after k
+    idx = np.arange(max(k + 1, 0))
+    live = idx[(delta[: k + 1] >= 0) & (nxt[: k + 1] > k)].tolist() if k >= 0 else []
+    # storages made before the log that were freed at or before the peak
+    freed_before = 0
+    if k >= 0:
+        firsts = np.fromiter(first_of.values(), dtype=np.int64, count=len(first_of))
+        pre_freed = firsts[(firsts <= k) & (delta[firsts] < 0)]
+        freed_before = int(-delta[pre_freed].sum())
+    owners = {}
+    storages = []
+
+    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False):
+        o = owners.get((name, kind))
+        if o is None:
+            o = owners[(name, kind)] = Owner(name, kind, phase)
+        o.nbytes += nbytes
+        o.count += 1
+        if not group:
+            storages.append(StorageAtPeak(name, kind, phase, nbytes, shape, dtype))
+
+    def name_of_alloc(i, a):
+        g, gn = int(gidx[i]), int(gnext[i])
+        for h, names in snapshots:
+            if g < h <= gn:
+                found = names.get(a)
+                if found is not None:
+                    return found
+        return None
+
+    in_block = 0
+    mask = (1 << (TAG_BITS - 2)) - 1
+    for i in live:
+        a, size, tag = int(ptr[i]), int(delta[i]), int(events["tag"][i])
+        in_block += size
+        mine = (tag >> TAG_BITS) == token
+        phase = PHASE_NAMES.get(tag & 3) if mine else None
+        named = name_of_alloc(i, a)
+        if named is not None:
+            nm, kind, _, shape, dtype = named
+            add(nm, kind, phase, size, shape, dtype)
+            continue
+        row = ((tag >> 2) & mask) - 1
+        if not mine:
+            add("other (allocated in the block outside its phases)", "other", None, size)
+        elif 0 <= row < len(rows):
+            mod = rows[row]
+            label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
+            add(label if phase in (None, "forward") else f"{label}, {phase}", "activation", phase, size)
+        elif phase == "backward":
+            add("backward temporaries (not gradients)", "temporary", phase, size)
+        elif phase == "optimizer":
+            add("optimizer temporaries (not its state)", "temporary", phase, size)
+        elif phase == "forward":
+            add("forward, outside any module", "activation", phase, size)
+        else:
+            add("other (allocated in the block outside its phases)", "other", None, size)
+    # storages made before the log and live at the peak: a walk saw them live, their
+    # address has no event up to the peak, and their counted size is known (a free
+    # after the peak, or counted now)
+    pre_named = 0
+    done = set()
+    lookups = []
+    for h, names in snapshots:
+        for a, named in names.items():
+            if a in done:
+                continue
+            f = first_of.get(a)
+            if f is None:
+                done.add(a)
+                lookups.append((a, named))
+            elif f > k and delta[f] < 0 and gidx[f] >= h:
+                done.add(a)
+                add(named[0], named[1], None, int(-delta[f]), named[3], named[4])
+                pre_named += int(-delta[f])
+    if lookups:
+        sizes = sizes_now([a for a, _ in lookups]).tolist()
+        for (a, named), size in zip(lookups, sizes):
+            if size >= 0:
+                add(named[0], named[1], None, int(size), named[3], named[4])
+                pre_named += int(size)
+    pre_rest = at - in_block - pre_named
+    expected_rest = base - freed_before - pre_named
+    if pre_rest != expected_rest:
+        exact = False
+        notes.append(
+            "the replay of the event log and the counters disagree by "
+            f"{units.format(abs(pre_rest - expected_rest))} (allocations from other threads can reorder events)"
+        )
+    if pre_rest:
+        what = "allocated before the block" if not dropped else "allocated before the oldest event kept"
+        add(f"other ({what}, not identified)", "other", None, pre_rest, group=True)
+    if at != peak:
+        add("not replayed (the log missed the peak)", "other", None, int(peak) - at, group=True)
+    return AtPeak(int(peak), list(owners.values()), storages, exact, notes)
