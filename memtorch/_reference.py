@@ -19,6 +19,14 @@ _NBYTES_OVERFLOW = -1
 _MAX_FLATTEN_DEPTH = 32
 
 
+def _empty_container(obj):
+    """An empty dict, set, list or tuple of any subclass (no user __len__ runs)."""
+    for base in (dict, set, frozenset, list, tuple):
+        if isinstance(obj, base):
+            return base.__len__(obj) == 0
+    return False
+
+
 class _Walk:
     def __init__(self, torch):
         from .inspection import setup_info
@@ -89,21 +97,22 @@ class _Walk:
     # -- tensors
     def dense(self, t, owner, path, module, category, check_data):
         storage = t.untyped_storage()
-        try:
-            data = storage.data_ptr()
-        except RuntimeError:
-            if check_data:
-                raise TypeError(
-                    f"memtorch cannot measure the tensor subclass {type(t).__name__} at '{path}': its storage "
-                    "holds no data (a wrapper subclass) and it does not implement __tensor_flatten__ to say "
-                    "which tensors hold its data"
-                ) from None
-            data = 0
         key = storage._cdata
         storage_nbytes = storage.nbytes()
         numel = t.numel()
         dt = self.torch_dtype_slot(t.dtype)
         dev = self.device_slot(t.device)
+        data = 0
+        if check_data or (storage_nbytes > 0 and self.devices[dev] != "meta"):
+            try:
+                data = storage.data_ptr()
+            except RuntimeError:
+                if check_data:
+                    raise TypeError(
+                        f"memtorch cannot measure the tensor subclass {type(t).__name__} at '{path}': its storage "
+                        "holds no data (a wrapper subclass) and it does not implement __tensor_flatten__ to say "
+                        "which tensors hold its data"
+                    ) from None
         rg = bool(t.requires_grad)
         p = self.path_slot(path)
         if self.perbyte[dt]:
@@ -270,7 +279,9 @@ class _Walk:
         # tensors walked now.
         pushed, tensors = [], []
         for key, value in d.items():
-            if self.atom(value) or not isinstance(key, str) or key in self.module_skip:
+            if self.atom(value) or not isinstance(key, str) or _empty_container(value):
+                continue
+            if key in self.module_skip:
                 continue
             if isinstance(value, (self.torch.nn.Module, self.torch.optim.Optimizer)):
                 continue

@@ -72,6 +72,7 @@ typedef struct {
     Py_ssize_t dtcap;
     PyObject *devices;      /* list[str] */
     PyObject *device_index; /* dict: torch.device -> int */
+    int meta_device;        /* slot of the meta device, -1 until met */
     PyObject *mod_paths;    /* list[str]: path of each module entry */
     PyObject *mod_types;    /* list[str]: type name of each module entry */
     PyObject *type_names;   /* dict: type -> its name (str), a cache */
@@ -418,6 +419,10 @@ device_slot(mt_walk *w, PyObject *device)
         return -1;
     }
     i = new_slot(w->device_index, w->devices, device, name, MT_MAX_DEVICES);
+    if (i >= 0 && PyUnicode_Check(name) &&
+        PyUnicode_CompareWithASCIIString(name, "meta") == 0) {
+        w->meta_device = i;
+    }
     Py_DECREF(name);
     return i;
 }
@@ -486,38 +491,6 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
         }
         goto error;
     }
-    /* The address of the storage's memory: two storages over one buffer
-     * (torch.from_numpy, torch.frombuffer) are told apart by their
-     * StorageImpl but share memory. A wrapper subclass has a storage object
-     * with a size but no data: data_ptr() raises on it, and its bytes live
-     * in tensors it holds. */
-    py_o = PyObject_CallMethodNoArgs(py_storage, w->s.data_ptr);
-    if (py_o == NULL && check_data != MT_DENSE_CHECK_DATA &&
-        PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-        /* A storage whose memory cannot be reached (data 0: unknown);
-         * it is still counted by its StorageImpl. */
-        PyErr_Clear();
-        py_o = PyLong_FromLong(0);
-    }
-    if (py_o == NULL) {
-        if (check_data == MT_DENSE_CHECK_DATA &&
-            PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-            /* Replaced by the error that says what is wrong and why. */
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "memtorch cannot measure the tensor subclass %s at "
-                         "'%U': its storage holds no data (a wrapper subclass) "
-                         "and it does not implement __tensor_flatten__ to say "
-                         "which tensors hold its data",
-                         Py_TYPE(t)->tp_name, path);
-        }
-        goto error;
-    }
-    row.data = (uint64_t)(uintptr_t)PyLong_AsVoidPtr(py_o);
-    Py_CLEAR(py_o);
-    if (PyErr_Occurred()) {
-        goto error;
-    }
     py_o = PyObject_GetAttr(py_storage, w->s._cdata);
     if (py_o == NULL) {
         goto error;
@@ -555,6 +528,43 @@ walk_dense(mt_walk *w, PyObject *t, PyObject *owner, PyObject *path,
         goto error;
     }
     Py_CLEAR(py_o);
+    /* Meta storages and empty ones hold no memory to share: data stays 0
+     * and the call is saved (a wrapper subclass is checked in any case). */
+    if (check_data == MT_DENSE_CHECK_DATA ||
+        (row.storage_nbytes > 0 && dev != w->meta_device)) {
+        /* The address of the storage's memory: two storages over one buffer
+         * (torch.from_numpy, torch.frombuffer) are told apart by their
+         * StorageImpl but share memory. A wrapper subclass has a storage object
+         * with a size but no data: data_ptr() raises on it, and its bytes live
+         * in tensors it holds. */
+        py_o = PyObject_CallMethodNoArgs(py_storage, w->s.data_ptr);
+        if (py_o == NULL && check_data != MT_DENSE_CHECK_DATA &&
+            PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+            /* A storage whose memory cannot be reached (data 0: unknown);
+             * it is still counted by its StorageImpl. */
+            PyErr_Clear();
+            py_o = PyLong_FromLong(0);
+        }
+        if (py_o == NULL) {
+            if (check_data == MT_DENSE_CHECK_DATA &&
+                PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+                /* Replaced by the error that says what is wrong and why. */
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError,
+                             "memtorch cannot measure the tensor subclass %s at "
+                             "'%U': its storage holds no data (a wrapper subclass) "
+                             "and it does not implement __tensor_flatten__ to say "
+                             "which tensors hold its data",
+                             Py_TYPE(t)->tp_name, path);
+            }
+            goto error;
+        }
+        row.data = (uint64_t)(uintptr_t)PyLong_AsVoidPtr(py_o);
+        Py_CLEAR(py_o);
+        if (PyErr_Occurred()) {
+            goto error;
+        }
+    }
     py_o = PyObject_GetAttr(t, w->s.requires_grad);
     if (py_o == NULL || (rg = PyObject_IsTrue(py_o)) < 0) {
         goto error;
@@ -1251,6 +1261,17 @@ script_tables(mt_walk *w, PyObject *mod, PyObject *path)
     return r;
 }
 
+/* Returns 1 if obj is an empty dict, set, list or tuple (of any subclass:
+ * read from the C object, no __len__ runs), e.g. nn.Module's hook tables. */
+static int
+is_empty_container(PyObject *obj)
+{
+    return (PyDict_Check(obj) && PyDict_GET_SIZE(obj) == 0) ||
+           (PyAnySet_Check(obj) && PySet_GET_SIZE(obj) == 0) ||
+           (PyList_Check(obj) && PyList_GET_SIZE(obj) == 0) ||
+           (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 0);
+}
+
 /* Walks the plain attributes of a module (its instance __dict__ d,
  * borrowed) other than nn.Module's own bookkeeping: tensors now (category
  * attribute), containers and arrays pushed. Modules and optimizers held as
@@ -1265,7 +1286,7 @@ walk_attributes(mt_walk *w, mt_item *it, int32_t idx, PyObject *d)
     /* First pass, no user code runs (push_item only takes references):
      * containers pushed, tensors put aside with their names. */
     while (PyDict_Next(d, &pos, &key, &value)) {
-        if (is_atom(value) || !PyUnicode_Check(key)) {
+        if (is_atom(value) || !PyUnicode_Check(key) || is_empty_container(value)) {
             continue;
         }
         if ((r = PySet_Contains(w->module_skip, key)) != 0) {
@@ -1994,6 +2015,7 @@ static int
 walk_init(mt_walk *w, PyObject *module)
 {
     memset(w, 0, sizeof(*w));
+    w->meta_device = -1;
     w->st = mt_get_state(module);
     if (w->st->tensor_type == NULL || w->st->extra == NULL) {
         PyErr_SetString(PyExc_RuntimeError,

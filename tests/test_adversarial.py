@@ -556,7 +556,8 @@ def test_case(name):
 # ------------------------------------------------ in a child process
 # Each is a snippet that prints one JSON value; the expected value is by hand.
 CHILD_CASES = {
-    # __tensor_flatten__'s names freed by a property during getattr.
+    # __tensor_flatten__'s names freed by a property during getattr (the
+    # walker of main before this fix: ASan heap-use-after-free in join_name).
     "flatten-names-freed-by-property": (
         """
 class W(torch.Tensor):
@@ -565,16 +566,18 @@ class W(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
     def __init__(self, inner):
         self._inner = inner
-        self._names = ["".join(["in", "ner"]) for _ in range(1)]
+        # A fresh name of > 100 characters: CPython's type attribute cache
+        # does not keep a reference to it, so clearing the list frees it.
+        self._names = ["".join(["inner"] + ["_x"] * 60)]
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise NotImplementedError
     def __tensor_flatten__(self):
         return self._names, None
-    @property
-    def inner(self):
-        self._names.clear()
-        return self._inner
+def _get(self):
+    self._names.clear()
+    return self._inner
+setattr(W, "inner" + "_x" * 60, property(_get))
 out = [memtorch.sizeof([W(torch.zeros(10))]).total, memtorch._reference.sizeof([W(torch.zeros(10))]).total]
 """,
         [40, 40],

@@ -87,3 +87,42 @@ def test_single_error_label_per_function(path):
     for body in bodies:
         labels = re.findall(r"^\s*(error\w*|fail\w*|cleanup\w*)\s*:", body, flags=re.M)
         assert len(labels) <= 1 or set(labels) == {"done", "error"}, f"{path.name}: several error labels {labels}"
+
+
+# ---------------------------------------------------------------- issue 10 bug classes
+def test_sizes_are_multiplied_with_an_overflow_check():
+    """numel * itemsize wraps silently (CPython builds with -fwrapv, so UBSan
+    is blind to it): every product of an element count goes through
+    __builtin_mul_overflow."""
+    code = _code(SRC / "walker.c")
+    bad = [line.strip() for line in code.splitlines() if re.search(r"numel\s*\*|\*\s*w->itemsize", line)]
+    assert not bad, bad
+    assert "__builtin_mul_overflow" in code
+
+
+def test_no_fixed_size_tables_indexed_by_walk_slots():
+    """A side table of fixed size (MT_MAX_DTYPES entries) turned the 1,025th
+    NumPy dtype into an OverflowError: per-slot arrays grow."""
+    code = _code(SRC / "walker.c")
+    assert not re.search(r"\w+\s+\w+\[MT_MAX_\w+\]\s*;", code)
+
+
+def test_names_are_not_read_borrowed_across_getattr():
+    """A key borrowed from PyDict_Next handed to PyObject_GetAttr, which runs
+    properties (user code that may empty the dict and free the key), then
+    read again: the use-after-free of issue 10 (dataclass field names). Names
+    for getattr come from a container the function owns (a tuple or a copy)."""
+    code = _code(SRC / "walker.c")
+    loops = list(re.finditer(r"while \(PyDict_Next\([^,]+, &\w+, &(\w+), &\w+\)\) \{", code))
+    assert loops
+    for m in loops:
+        key, body, depth = m.group(1), code[m.end() :], 1
+        for i, ch in enumerate(body):
+            depth += ch == "{"
+            depth -= ch == "}"
+            if depth == 0:
+                body = body[:i]
+                break
+        assert not re.search(rf"PyObject_GetAttr\(\w+, {key}\)", body), (
+            f"PyObject_GetAttr with the borrowed PyDict_Next key {key!r}: hold a reference first"
+        )

@@ -157,3 +157,45 @@ def test_quickstart_example_runs():
     assert "(407,080 B, each storage once)" in out.stdout
     assert f"({4 * 407_080 + 16:,} B, each storage once)" in out.stdout
     assert "optimizer_state" in out.stdout
+
+
+# ---------------------------------------------------------------- issue 10: numel, the per-module rule
+def test_numel_counts_every_parameter_once():
+    m = nn.Module()
+    base = torch.zeros(30_000)
+    for i in range(3):  # three parameters, each a view of one 30,000-element storage
+        m.register_parameter(f"p{i}", nn.Parameter(base[i * 10_000 : (i + 1) * 10_000]))
+    mm = memtorch.inspect(m)
+    assert mm.numel == 30_000
+    assert mm.total == 120_000  # the storage once
+    t = zoo.tied_transformer()
+    assert memtorch.inspect(t).numel == sum(p.numel() for p in t.parameters())  # tied weight once
+
+
+def test_module_table_rule_two_names_and_columns_add_up():
+    m = zoo.multi_name_submodule()
+    mm = memtorch.inspect(m)
+    firsts = [r for r in mm.modules if r.alias_of is None]
+    aliases = [r for r in mm.modules if r.alias_of is not None]
+    assert aliases and all(r.own == r.subtree == 0 for r in aliases)
+    assert sum(r.own for r in mm.modules) + mm.outside_modules == mm.total
+    for r in firsts:
+        assert r.own == r.parameters + r.buffers + r.gradients + r.optimizer_state + r.attributes
+    text = str(mm)
+    assert "under the first module that holds it in registration order" in text
+
+
+def test_tied_weight_optimizer_state_follows_the_charged_module():
+    model = zoo.tied_transformer()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randint(0, 100, (2, 5))).sum().backward()
+    opt.step()
+    mm = memtorch.inspect(model, opt)
+    rows = {r.name: r for r in mm.modules}
+    emb = 100 * 32 * 4
+    # embed holds the weight first: its grad and both Adam moments are charged there too
+    assert (rows["embed"].parameters, rows["embed"].gradients, rows["embed"].optimizer_state) == (emb, emb, 2 * emb + 4)
+    # head reaches the weight and its grad again (the state is filed once, under
+    # the parameter's first holder): both shown as shared, none in own
+    assert rows["head"].own == 0 and rows["head"].shared == 2 * emb
+    assert sum(r.own for r in mm.modules) + mm.outside_modules == mm.total

@@ -1,10 +1,12 @@
 """Models after torchinfo's test fixtures and small `transformers` families, each held
 against an independent unique-storage count.
 
-The torchinfo-style models are written here from the names and purposes of
-torchinfo's fixtures (tests/fixtures/models.py: an LSTM net, a recursive net
-reusing one layer, Siamese nets, a partly scripted model, parameter
-lists/dicts, a pruned layer, uninitialized parameters...), not copied. The
+The torchinfo-style models are written here after reading what torchinfo's
+fixtures (tests/fixtures/models.py) exercise: an LSTM net, a layer reused
+under several names, Siamese nets, partly scripted models, parameters that
+are splits of one storage, a ModuleList holding None, plain tensor
+attributes, uninitialized parameters, a 0-d tensor attribute, a model on two
+devices, names that look pruned... Their code is not copied. The
 transformers models are built from tiny configs: no download.
 
 The independent count is {storage._cdata: storage.nbytes()} over
@@ -135,6 +137,115 @@ class Uninitialized(nn.Module):
         self.fc = nn.Linear(4, 4)
 
 
+class PlainTensorAttrs(nn.Module):
+    """No layers; its tensors are plain attributes (torchinfo's EmptyModule idea)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parameter = torch.rand(3, 3, requires_grad=True)  # 36 B, not registered
+        self.example_input_array = torch.zeros(1, 2, 3, 4, 5)  # 480 B
+
+
+class SplitParameters(nn.Module):
+    """Parameters that are views (splits) of one storage."""
+
+    def __init__(self):
+        super().__init__()
+        whole = torch.empty(100, 300)
+        self.weights = nn.ParameterList([nn.Parameter(w) for w in whole.split([100, 200], dim=1)])
+
+
+class ListWithNone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))])
+        self.layers.append(None)
+
+
+class Choices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.choices = nn.ModuleDict({"conv": nn.Conv2d(4, 4, 3), "pool": nn.MaxPool2d(3)})
+        self.acts = nn.ModuleDict({"lrelu": nn.LeakyReLU(), "prelu": nn.PReLU()})
+
+
+class BareUninitialized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.param = nn.UninitializedParameter()
+
+
+class ReuseLinear(nn.Module):
+    """One Linear registered under four names inside a Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        lin = nn.Linear(10, 10)
+        self.model = nn.Sequential(*[m for _ in range(4) for m in (lin, nn.ReLU())])
+
+
+class SequentialWithParameter(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.register_parameter("weights", nn.Parameter(torch.zeros(2)))
+
+
+class Nested(nn.Module):
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(1, 1)
+            self.p = nn.Parameter(torch.ones(1))
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 1)
+        self.p = nn.Parameter(torch.ones(2))
+        self.inner = Nested.Inner()
+
+
+class Dilated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 5, padding="same")
+        self.blocks = nn.ModuleDict()
+        for i in range(1, 4):
+            self.blocks[f"conv{i}"] = nn.Conv2d(8, 8, 3, padding="same", dilation=2**i)
+            self.blocks[f"bn{i}"] = nn.BatchNorm2d(8)
+
+
+class TwoDevices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.net2 = nn.Linear(10, 5, device="meta")
+
+
+class TensorKernelSize(nn.Module):
+    """A 0-d tensor held as a plain attribute (as some HF conv wrappers do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 1, kernel_size=3, padding=1)
+        self.kernel_size = torch.tensor(3)
+
+
+class CellRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(3, 2)
+        self.proj = nn.Linear(2, 3)
+
+
+class FakePruned(nn.Module):
+    """Parameters named like pruning's, without pruning."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight_orig = nn.Parameter(torch.ones(4, 6))
+        self.weight_mask = nn.Parameter(torch.zeros(4, 6))
+
+
 def pruned():
     model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
     torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
@@ -161,6 +272,19 @@ TORCHINFO_LIKE = {
     "uninitialized": Uninitialized,
     "pruned": pruned,
     "multihead": multihead,
+    "plain_tensor_attrs": PlainTensorAttrs,
+    "split_parameters": SplitParameters,
+    "list_with_none": ListWithNone,
+    "choices": Choices,
+    "bare_uninitialized": BareUninitialized,
+    "reuse_linear": ReuseLinear,
+    "sequential_with_parameter": SequentialWithParameter,
+    "nested": Nested,
+    "dilated": Dilated,
+    "two_devices": TwoDevices,
+    "tensor_kernel_size": TensorKernelSize,
+    "cell_rnn": CellRNN,
+    "fake_pruned": FakePruned,
     "scripted_seed": zoo.scripted_seed,
     "traced_cnn": zoo.traced_cnn,
     "partly_scripted": zoo.partly_scripted,
@@ -182,6 +306,17 @@ def test_torchinfo_like_models(name):
     assert mm.numel == sum(p.numel() for p in _initialized(model.parameters()))
     assert _reference.inspect(model).total == mm.total
     assert sum(m.own for m in mm.modules) + mm.outside_modules == mm.total
+
+
+def test_hand_counts_of_some():
+    # 3x3 float32 + 1*2*3*4*5 float32, both plain attributes
+    assert memtorch.inspect(PlainTensorAttrs()).by_category == {"attribute": 36 + 480}
+    mm = memtorch.inspect(SplitParameters())
+    assert (mm.total, mm.numel) == (100 * 300 * 4, 30_000)  # one storage, every element once
+    assert memtorch.inspect(ReuseLinear()).total == 400 + 40
+    # conv weight 3 + bias 1 float32; the int64 0-d kernel_size attribute
+    assert memtorch.inspect(TensorKernelSize()).by_category == {"parameter": 16, "attribute": 8}
+    assert memtorch.inspect(BareUninitialized()).total == 0
 
 
 def test_pruned_weight_is_an_attribute():
