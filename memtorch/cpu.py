@@ -109,7 +109,7 @@ def _resolve():
     aarch64 builds with mimalloc): never a name for what is not in use.
     """
     if _C.counters_installed():
-        return _C.counters_mechanism() or EXACT, None
+        return EXACT, None  # installed = libc10's slots patched (counters_install checked them)
     choice = _choice()
     if choice == "rss":
         return FALLBACK, f"forced by {ENV}=rss"
@@ -292,31 +292,39 @@ def reset_peak():
         _rss_seen = max(_rss_seen, 0)
 
 
+_mp_process = None  # multiprocessing.process once something imported it
+
+
 def _processes():
-    """(processes created so far by multiprocessing, pids of its live child processes): cheap.
+    """(repr of multiprocessing's process counter, pids of its live child processes): cheap.
 
     DataLoader workers (num_workers > 0) hand their batches over in shared
     memory, which the counters do not see. multiprocessing numbers every
-    Process it creates (``multiprocessing.process._process_counter``, read
-    through its repr without advancing it); persistent workers started before
-    a block are among ``multiprocessing.active_children()`` (a Process forgets
-    its target once started, so a DataLoader worker cannot be told from
-    another child process).
+    Process it creates (``multiprocessing.process._process_counter``, an
+    itertools.count read through its repr, ``count(N)``, without advancing
+    it); persistent workers started before a block are among
+    ``multiprocessing.active_children()`` (a Process forgets its target once
+    started, so a DataLoader worker cannot be told from another child).
+    Called at every Scope's open and close: kept to a few attribute reads.
     """
-    mp = sys.modules.get("multiprocessing.process")
-    if mp is None:  # nothing imported multiprocessing: no process was made
-        return 0, ()
-    made = 0
-    text = repr(getattr(mp, "_process_counter", None))
-    if text.startswith("count(") and text.endswith(")"):
-        try:
-            made = int(text[6:-1])
-        except ValueError:
-            made = 0
-    alive = ()
-    if getattr(mp, "_children", None):
-        alive = tuple(p.pid for p in mp.active_children())
-    return made, alive
+    global _mp_process
+    mp = _mp_process
+    if mp is None:
+        mp = _mp_process = sys.modules.get("multiprocessing.process")
+        if mp is None:  # nothing imported multiprocessing: no process was made
+            return "", ()
+    alive = tuple(p.pid for p in mp.active_children()) if mp._children else ()
+    return repr(getattr(mp, "_process_counter", "")), alive
+
+
+def _started(before, after):
+    """Processes created between two _processes() counter reprs."""
+    if before == after:
+        return 0
+    try:
+        return max(int(after[6:-1]) - int(before[6:-1]), 0)
+    except ValueError:  # not the "count(N)" we know: say nothing rather than guess
+        return 0
 
 
 def _plural(n, one, many=None):
@@ -503,8 +511,8 @@ class Scope:
         if self._procs0 is None:
             return ()
         now = self._procs1 if self._procs1 is not None else _processes()
-        started = max(now[0] - self._procs0[0], 0)
-        workers = len(set(self._procs0[1]) | set(now[1]))
+        started = _started(self._procs0[0], now[0])
+        workers = len(set(self._procs0[1]) | set(now[1])) if (self._procs0[1] or now[1]) else 0
         return (started, workers) if (started or workers) else ()
 
     @property
