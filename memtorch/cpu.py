@@ -4,7 +4,7 @@ PyTorch has no ``memory_allocated`` for the CPU; this module gives it one.
 
 Mechanisms (``mechanism()`` says which one this process uses):
 
-``"libc10-got"`` (Linux, exact)
+``"libc10-got"`` (Linux x86_64/aarch64 where libc10 imports them, exact)
     The C core patches the two import-table (GOT) entries through which
     PyTorch's CPU allocator in libc10 calls ``posix_memalign`` and ``free``
     (``c10::alloc_cpu`` / ``c10::free_cpu``), as memory profilers do. Every CPU
@@ -13,7 +13,8 @@ Mechanisms (``mechanism()`` says which one this process uses):
     Counted bytes are the bytes PyTorch asked for (a storage's ``nbytes()``),
     not malloc's rounded block sizes.
 
-``"rss-fallback"`` (elsewhere, or forced, approximate)
+``"rss-fallback"`` (elsewhere, or forced, approximate: e.g. torch's aarch64
+libc10, which links mimalloc and imports no ``posix_memalign``)
     The process's resident set size. It counts everything the process holds,
     not only tensors, and peaks are sampled (on every read, at open and close)
     unless the process-wide high-water mark rose meanwhile, in which case that
@@ -46,6 +47,23 @@ not see (``Scope.unseen_frees``/``unseen_bytes``), and reports flag them. Call
 ``start()`` at start-up to see every storage from the start;
 ``keep_counting(False)`` (or ``MEMTORCH_CPU_KEEP=0``) restores the original
 import entries when the last Scope closes.
+
+Other tools patch the same slots (memray, pytest-memray, sanitizers).
+memtorch chains to whatever a slot holds when it patches it, never cuts out a
+tool that patched after it when it uninstalls (its hook then only forwards),
+and cannot recurse through a tool that chains back to it. memray writes libc's
+functions back into every slot when its Tracker stops, memtorch's included:
+memtorch checks its slots at every Scope's open and close (and in
+``allocated()``/``peak()``, ``check()``); where its hooks are gone it patches
+them back on top of what is there, starts its table afresh, and marks every
+Scope open meanwhile not exact. ``Scope.caveats`` says so in a sentence, as it
+does for what the counters cannot see: allocations by other threads (counted,
+process-wide: ``Scope.other_thread_bytes``), processes started or running
+during the block (DataLoader workers: batches in shared memory, not seen;
+``exact`` is False), frees of memory allocated before counting began. Frees
+that cannot be tensor storage (libc10 frees demangled names through its
+address-taken ``&free``; c10's allocator aligns to 64 bytes) are not counted
+as unseen.
 
 The environment variable ``MEMTORCH_CPU_MECHANISM`` chooses: ``auto``
 (default: exact where possible, else the fallback), ``libc10-got`` (exact or
