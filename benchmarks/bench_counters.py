@@ -142,6 +142,35 @@ def c_hook_cost(rounds, n=200_000):
     return statistics.median(direct), statistics.median(extra)
 
 
+def chained_hook_cost(rounds, n=200_000):
+    """Like c_hook_cost, with another tool (the _C stand-in) under memtorch's hooks: the
+    hooks then forward to it through their re-entrancy guard (the slow path)."""
+    from memtorch import _C
+
+    extra = []
+    _C._counters_tool("chain")
+    try:
+        with cpu.Scope():
+            for _ in range(rounds):
+                d, h = _C._counters_bench(n, 256)
+                extra.append(h - d)
+    finally:
+        _C._counters_tool("uninstall")
+    return statistics.median(extra)
+
+
+def scope_cost(n=2000, rounds=9):
+    """Median us of opening and closing a cpu.Scope (includes the hooks' integrity check)."""
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with cpu.Scope():
+                pass
+        per.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(per)
+
+
 def allocations_per_call(fn):
     from memtorch import _C
 
@@ -166,6 +195,10 @@ def main():
           flush=True)
     c_direct_ns, c_extra_ns = c_hook_cost(5 if args.quick else 21)
     print(f"C: posix_memalign+free {c_direct_ns:.0f} ns, hooks add {c_extra_ns:.0f} ns", flush=True)
+    chained_ns = chained_hook_cost(5 if args.quick else 21)
+    scope_us = scope_cost(500 if args.quick else 2000)
+    print(f"chained under another tool: hooks add {chained_ns:.0f} ns; Scope open+close {scope_us:.1f} us",
+          flush=True)
     work = [
         ("MLP 256-512-512-10, batch 64, Adam step", mlp_step(), 5 if args.quick else 10),
         ("Transformer encoder 2x(d=64, ff=128), batch 4x32, AdamW step", transformer_step(),
@@ -195,7 +228,11 @@ def main():
             "The same seen from Python, median over interleaved rounds of a `torch.empty(256)` loop "
             f"({n_alloc:,} calls a round) plain and inside `memtorch.cpu.Scope()`: plain {plain_ns:.0f} ns, "
             f"counting adds {extra_ns:.0f} ns, counting with `timeline=True` adds {extra_tl_ns:.0f} ns "
-            "(noisier: a shared machine).",
+            "(noisier: a shared machine). With another tool's hooks under memtorch's (the `_C` "
+            "stand-in tool, chained as memray is when it starts first), memtorch's hooks add "
+            f"{chained_ns:.0f} ns over calling that tool directly (the path with the re-entrancy guard). "
+            f"Opening and closing a `cpu.Scope()`, the integrity check of the hooks' slots included: "
+            f"{scope_us:.1f} us.",
             "",
             "Training steps: plain vs inside `Scope()`, `Scope(timeline=True)` and "
             "`torch.profiler.profile(profile_memory=True)`. Ratios: median over "

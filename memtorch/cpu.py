@@ -4,7 +4,7 @@ PyTorch has no ``memory_allocated`` for the CPU; this module gives it one.
 
 Mechanisms (``mechanism()`` says which one this process uses):
 
-``"libc10-got"`` (Linux, exact)
+``"libc10-got"`` (Linux x86_64/aarch64 where libc10 imports them, exact)
     The C core patches the two import-table (GOT) entries through which
     PyTorch's CPU allocator in libc10 calls ``posix_memalign`` and ``free``
     (``c10::alloc_cpu`` / ``c10::free_cpu``), as memory profilers do. Every CPU
@@ -13,7 +13,8 @@ Mechanisms (``mechanism()`` says which one this process uses):
     Counted bytes are the bytes PyTorch asked for (a storage's ``nbytes()``),
     not malloc's rounded block sizes.
 
-``"rss-fallback"`` (elsewhere, or forced, approximate)
+``"rss-fallback"`` (elsewhere, or forced, approximate: e.g. torch's aarch64
+libc10, which links mimalloc and imports no ``posix_memalign``)
     The process's resident set size. It counts everything the process holds,
     not only tensors, and peaks are sampled (on every read, at open and close)
     unless the process-wide high-water mark rose meanwhile, in which case that
@@ -46,6 +47,23 @@ not see (``Scope.unseen_frees``/``unseen_bytes``), and reports flag them. Call
 ``start()`` at start-up to see every storage from the start;
 ``keep_counting(False)`` (or ``MEMTORCH_CPU_KEEP=0``) restores the original
 import entries when the last Scope closes.
+
+Other tools patch the same slots (memray, pytest-memray, sanitizers).
+memtorch chains to whatever a slot holds when it patches it, never cuts out a
+tool that patched after it when it uninstalls (its hook then only forwards),
+and cannot recurse through a tool that chains back to it. memray writes libc's
+functions back into every slot when its Tracker stops, memtorch's included:
+memtorch checks its slots at every Scope's open and close (and in
+``allocated()``/``peak()``, ``check()``); where its hooks are gone it patches
+them back on top of what is there, starts its table afresh, and marks every
+Scope open meanwhile not exact. ``Scope.caveats`` says so in a sentence, as it
+does for what the counters cannot see: allocations by other threads (counted,
+process-wide: ``Scope.other_thread_bytes``), processes started or running
+during the block (DataLoader workers: batches in shared memory, not seen;
+``exact`` is False), frees of memory allocated before counting began. Frees
+that cannot be tensor storage (libc10 frees demangled names through its
+address-taken ``&free``; c10's allocator aligns to 64 bytes) are not counted
+as unseen.
 
 The environment variable ``MEMTORCH_CPU_MECHANISM`` chooses: ``auto``
 (default: exact where possible, else the fallback), ``libc10-got`` (exact or
@@ -109,7 +127,7 @@ def _resolve():
     aarch64 builds with mimalloc): never a name for what is not in use.
     """
     if _C.counters_installed():
-        return _C.counters_mechanism() or EXACT, None
+        return EXACT, None  # installed = libc10's slots patched (counters_install checked them)
     choice = _choice()
     if choice == "rss":
         return FALLBACK, f"forced by {ENV}=rss"
@@ -292,31 +310,39 @@ def reset_peak():
         _rss_seen = max(_rss_seen, 0)
 
 
+_mp_process = None  # multiprocessing.process once something imported it
+
+
 def _processes():
-    """(processes created so far by multiprocessing, pids of its live child processes): cheap.
+    """(repr of multiprocessing's process counter, pids of its live child processes): cheap.
 
     DataLoader workers (num_workers > 0) hand their batches over in shared
     memory, which the counters do not see. multiprocessing numbers every
-    Process it creates (``multiprocessing.process._process_counter``, read
-    through its repr without advancing it); persistent workers started before
-    a block are among ``multiprocessing.active_children()`` (a Process forgets
-    its target once started, so a DataLoader worker cannot be told from
-    another child process).
+    Process it creates (``multiprocessing.process._process_counter``, an
+    itertools.count read through its repr, ``count(N)``, without advancing
+    it); persistent workers started before a block are among
+    ``multiprocessing.active_children()`` (a Process forgets its target once
+    started, so a DataLoader worker cannot be told from another child).
+    Called at every Scope's open and close: kept to a few attribute reads.
     """
-    mp = sys.modules.get("multiprocessing.process")
-    if mp is None:  # nothing imported multiprocessing: no process was made
-        return 0, ()
-    made = 0
-    text = repr(getattr(mp, "_process_counter", None))
-    if text.startswith("count(") and text.endswith(")"):
-        try:
-            made = int(text[6:-1])
-        except ValueError:
-            made = 0
-    alive = ()
-    if getattr(mp, "_children", None):
-        alive = tuple(p.pid for p in mp.active_children())
-    return made, alive
+    global _mp_process
+    mp = _mp_process
+    if mp is None:
+        mp = _mp_process = sys.modules.get("multiprocessing.process")
+        if mp is None:  # nothing imported multiprocessing: no process was made
+            return "", ()
+    alive = tuple(p.pid for p in mp.active_children()) if mp._children else ()
+    return repr(getattr(mp, "_process_counter", "")), alive
+
+
+def _started(before, after):
+    """Processes created between two _processes() counter reprs."""
+    if before == after:
+        return 0
+    try:
+        return max(int(after[6:-1]) - int(before[6:-1]), 0)
+    except ValueError:  # not the "count(N)" we know: say nothing rather than guess
+        return 0
 
 
 def _plural(n, one, many=None):
@@ -503,8 +529,8 @@ class Scope:
         if self._procs0 is None:
             return ()
         now = self._procs1 if self._procs1 is not None else _processes()
-        started = max(now[0] - self._procs0[0], 0)
-        workers = len(set(self._procs0[1]) | set(now[1]))
+        started = _started(self._procs0[0], now[0])
+        workers = len(set(self._procs0[1]) | set(now[1])) if (self._procs0[1] or now[1]) else 0
         return (started, workers) if (started or workers) else ()
 
     @property

@@ -102,10 +102,21 @@ static _Thread_local int mt_fwd_free;
 static int
 mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
 {
-    int depth = mt_fwd_pm, rc;
+    mt_posix_memalign_fn real =
+        atomic_load_explicit(&mt_real_posix_memalign, memory_order_acquire);
+    int depth, rc;
     mt_posix_memalign_fn next = NULL;
+    if (real == atomic_load_explicit(&mt_bottom_posix_memalign, memory_order_relaxed)) {
+        /* Fast path, no other tool under us: no cycle possible, no guard. */
+        rc = real(out, alignment, size);
+        if (rc == 0 && *out != NULL) {
+            mt_counters_on_alloc(*out, size);
+        }
+        return rc;
+    }
+    depth = mt_fwd_pm;
     if (depth == 0) {
-        next = atomic_load_explicit(&mt_real_posix_memalign, memory_order_acquire);
+        next = real;
     }
     else if (depth == 1) {
         /* Entered again from our own forwarding: a tool chains back to us.
@@ -127,14 +138,23 @@ mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
 static inline void
 mt_free_common(void *ptr, int kind)
 {
-    int depth = mt_fwd_free;
+    mt_free_fn real = atomic_load_explicit(&mt_real_free, memory_order_acquire);
+    int depth;
     mt_free_fn next = NULL;
+    if (real == atomic_load_explicit(&mt_bottom_free, memory_order_relaxed)) {
+        if (ptr != NULL) {
+            mt_counters_on_free(ptr, kind);
+        }
+        real(ptr);
+        return;
+    }
+    depth = mt_fwd_free;
     if (depth == 0) {
         if (ptr != NULL) {
             /* Before the real free: the address cannot be reused meanwhile. */
             mt_counters_on_free(ptr, kind);
         }
-        next = atomic_load_explicit(&mt_real_free, memory_order_acquire);
+        next = real;
     }
     else if (depth == 1) {
         next = atomic_load_explicit(&mt_prev_free, memory_order_acquire);
