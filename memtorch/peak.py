@@ -58,7 +58,8 @@ class StorageAtPeak:
 
     def __init__(self, name, kind, phase, nbytes, shape=None, dtype=None):
         self.name, self.kind, self.phase, self.nbytes = name, kind, phase, nbytes
-        self.shape, self.dtype = shape, dtype
+        self.shape = None if shape is None else tuple(shape)
+        self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
         self.has_graph = False
 
     def describe(self):
