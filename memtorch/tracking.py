@@ -25,12 +25,25 @@ backward, minus what it freed), summed over its calls and divided by the number
 of forwards of the model; ``peak_above_start`` the largest peak above the
 allocation at entry over its calls.
 
-Steps and leaks: t.step() marks a step boundary. After ``warmup`` steps (the
-first step creates gradients and optimizer state), the growth of allocated
-bytes per step is the leak; when it is positive memtorch scans live tensors
-(only then: a scan costs about 0.1 s) and names those created during a growing
-step that are still alive at the end, and the tensors holding an autograd graph
-at a step boundary (e.g. a loss summed across steps without .item()).
+Who held the bytes at the peak (``t.report.at_peak``, CPU with exact counters,
+when a model or optimizer is given): the C event log records every allocation
+and free with its address and an owner tag (the innermost module whose forward
+runs, the phase); the log is replayed up to the event that reached the peak,
+and storages are named by matching addresses with the parameters, gradients,
+optimizer state and forward inputs (read when the block opens, around each
+optimizer step and when it closes). See memtorch.peak. The replay, like the
+per-phase and per-module figures in this mode, runs when the report is first
+read.
+
+Steps and leaks: t.step() marks a step boundary and records the step's peak
+and end (``report.step_series``). After ``warmup`` steps, growth is judged over
+the whole run (memtorch.leaks): leaking when the net growth is positive and
+two or more judged steps grew. Live tensors are then listed at most twice per
+block (at the first judged step that grew, and at the end; each walk capped in
+time and objects, the report says when it stopped early): what is new and
+still alive is grouped by kind, what is expected to live (parameters,
+gradients, optimizer state, the current batch) is labelled, and the container
+holding the rest is named from the garbage collector's referrers.
 
 memtorch keeps no strong reference to the user's tensors: hooks never capture
 inputs or outputs, and named survivors are held by weakref.
