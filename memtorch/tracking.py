@@ -692,12 +692,13 @@ def _describe_tensor(t):
 # Tracker
 
 
-def _parse_device(device, model):
+def _parse_device(device, first):
+    """("cpu"|"cuda", index) for ``device``; "auto" is the device of ``first`` (the model's
+    first parameter or buffer), else the CPU."""
     torch = _torch()
     if device is None or (isinstance(device, str) and device == "auto"):
-        t = None if model is None else _first_tensor(model)
-        if t is not None:
-            return _parse_device(t.device, None)
+        if first is not None:
+            return _parse_device(first.device, None)
         # deliberately not "CUDA if initialised": what a block counts must not depend on
         # whether some earlier code happened to touch the GPU
         return "cpu", None
@@ -764,13 +765,15 @@ class Tracker:
         for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
             if not isinstance(value, bool):
                 raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
-        if model is not None and _on_meta(model):
+        first = None if model is None else _first_tensor(model)
+        if first is not None and first.device.type == "meta":
             raise DeviceUnavailable(_META_HINT)
         # the decorator's arguments; model and optimizer only by weakref
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
         self._model = None if model is None else weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
-        self._kind, self._index = _parse_device(device, model)
+        self._kind, self._index = _parse_device(device, first)
+        del first
         self._timeline = bool(timeline)
         self._modules_on = bool(modules) and model is not None
         self._leaks = bool(leaks)
@@ -1172,6 +1175,10 @@ class Tracker:
             if self._evmode:
                 self._tagbase = _next_token() << attribution.TAG_BITS
             self._scope = self._open_scope(timeline=self._timeline or self._evmode)
+            if self._evmode and not self._timeline:
+                # the log runs for this block's replay, read once at the end: the scope itself
+                # need not read it again when it closes
+                self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
                 self._snapshots = [(_C.eventlog_head(), self._walk_names())]
             self._ta = time.monotonic_ns()
