@@ -347,6 +347,7 @@ def main():
         " report is first read; `full, at_peak read` reads it after every block.",
         "",
     ]
+    load0 = os.getloadavg()[0]
     last = None
     for key, (label, maker, target, peers) in zip(keys, MODELS):
         if key in chosen:
@@ -358,6 +359,12 @@ def main():
             "is not counted: run with `--clock wall` for its full cost.",
             "",
         ]
+    lines += [
+        f"Load average of the machine (1 min) at the start and the end of the run: {load0:.1f}, "
+        f"{os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs): a loaded machine makes the ratios noisy, "
+        "the fixed costs (fastest of 200) much less so.",
+        "",
+    ]
     lines += [
         f"Reproduce: `python benchmarks/bench_track.py --rounds {args.rounds} --steps {K} "
         f"--threads {args.threads} --clock {args.clock} --device {device} --models {args.models}`",

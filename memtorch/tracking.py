@@ -1113,7 +1113,6 @@ class Tracker:
         if model is not None:
             self._model = weakref.ref(model)
             self._modules_on = bool(self._args["modules"])
-            self._args_watch = True
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         if self._open:
