@@ -26,9 +26,9 @@ from . import units
 
 __all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan"]
 
-SCAN_SECONDS = 1.0  # a walk of gc objects stops after this long
+SCAN_SECONDS = 3.0  # a walk of gc objects stops after this long
 SCAN_OBJECTS = 5_000_000  # ... or after this many objects
-REFERRER_SECONDS = 0.2  # naming the holders of all groups stops after this long
+REFERRER_SECONDS = 2.0  # naming the holders of all groups stops after this long
 _HERE = __file__.rsplit("/", 1)[0].rsplit("\\", 1)[0]
 
 

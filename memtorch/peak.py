@@ -58,7 +58,8 @@ class StorageAtPeak:
 
     def __init__(self, name, kind, phase, nbytes, shape=None, dtype=None):
         self.name, self.kind, self.phase, self.nbytes = name, kind, phase, nbytes
-        self.shape, self.dtype = shape, dtype
+        self.shape = None if shape is None else tuple(shape)
+        self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
         self.has_graph = False
 
     def describe(self):
@@ -211,8 +212,11 @@ def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
         if not group:
             storages.append(StorageAtPeak(name, kind, phase, nbytes, shape, dtype))
 
+    gidx_l, gnext_l = gidx.tolist(), gnext.tolist()
+    ptr_l, delta_l, tag_l = ptr.tolist(), delta.tolist(), events["tag"].tolist()
+
     def name_of_alloc(i, a):
-        g, gn = int(gidx[i]), int(gnext[i])
+        g, gn = gidx_l[i], gnext_l[i]
         for h, names in snapshots:
             if g < h <= gn:
                 found = names.get(a)
@@ -223,7 +227,7 @@ def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
     in_block = 0
     mask = (1 << (TAG_BITS - 2)) - 1
     for i in live:
-        a, size, tag = int(ptr[i]), int(delta[i]), int(events["tag"][i])
+        a, size, tag = ptr_l[i], delta_l[i], tag_l[i]
         in_block += size
         mine = (tag >> TAG_BITS) == token
         phase = PHASE_NAMES.get(tag & 3) if mine else None
@@ -261,10 +265,10 @@ def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
             if f is None:
                 done.add(a)
                 lookups.append((a, named))
-            elif f > k and delta[f] < 0 and gidx[f] >= h:
+            elif f > k and delta_l[f] < 0 and gidx_l[f] >= h:
                 done.add(a)
-                add(named[0], named[1], None, int(-delta[f]), named[3], named[4])
-                pre_named += int(-delta[f])
+                add(named[0], named[1], None, -delta_l[f], named[3], named[4])
+                pre_named += -delta_l[f]
     if lookups:
         sizes = sizes_now([a for a, _ in lookups]).tolist()
         for (a, named), size in zip(lookups, sizes):

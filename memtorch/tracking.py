@@ -25,12 +25,25 @@ backward, minus what it freed), summed over its calls and divided by the number
 of forwards of the model; ``peak_above_start`` the largest peak above the
 allocation at entry over its calls.
 
-Steps and leaks: t.step() marks a step boundary. After ``warmup`` steps (the
-first step creates gradients and optimizer state), the growth of allocated
-bytes per step is the leak; when it is positive memtorch scans live tensors
-(only then: a scan costs about 0.1 s) and names those created during a growing
-step that are still alive at the end, and the tensors holding an autograd graph
-at a step boundary (e.g. a loss summed across steps without .item()).
+Who held the bytes at the peak (``t.report.at_peak``, CPU with exact counters,
+when a model or optimizer is given): the C event log records every allocation
+and free with its address and an owner tag (the innermost module whose forward
+runs, the phase); the log is replayed up to the event that reached the peak,
+and storages are named by matching addresses with the parameters, gradients,
+optimizer state and forward inputs (read when the block opens, around each
+optimizer step and when it closes). See memtorch.peak. The replay, like the
+per-phase and per-module figures in this mode, runs when the report is first
+read.
+
+Steps and leaks: t.step() marks a step boundary and records the step's peak
+and end (``report.step_series``). After ``warmup`` steps, growth is judged over
+the whole run (memtorch.leaks): leaking when the net growth is positive and
+two or more judged steps grew. Live tensors are then listed at most twice per
+block (at the first judged step that grew, and at the end; each walk capped in
+time and objects, the report says when it stopped early): what is new and
+still alive is grouped by kind, what is expected to live (parameters,
+gradients, optimizer state, the current batch) is labelled, and the container
+holding the rest is named from the garbage collector's referrers.
 
 memtorch keeps no strong reference to the user's tensors: hooks never capture
 inputs or outputs, and named survivors are held by weakref.
@@ -100,6 +113,12 @@ class PhaseStats:
         self.peak_above_start = 0
         self.seconds = 0.0
         self.exact = True
+
+    def _add_bytes(self, start, end, peak, exact):
+        self.delta += end - start
+        self.peak = max(self.peak, peak)
+        self.peak_above_start = max(self.peak_above_start, peak - start)
+        self.exact = self.exact and bool(exact)
 
     def _add(self, start, end, peak, exact, seconds):
         self.calls += 1
@@ -206,11 +225,11 @@ class TrackReport:
         self.peak_above_start = self.peak - self.start
         self.peak_upper = kw.get("peak_upper")
         self.reserved_peak = kw.get("reserved_peak")
-        self.phases = kw.get("phases", {})
-        self.modules = kw.get("modules", [])
+        self._phases = kw.get("phases", {})
+        self._modules = kw.get("modules", [])
         self.timeline = kw.get("timeline")
         self.leak = kw.get("leak")
-        self.largest = kw.get("largest", [])
+        self._largest = kw.get("largest", [])
         self.seconds = kw.get("seconds", 0.0)
         self.steps = kw.get("steps", 0)
         # True for a snapshot read inside the block (figures so far).
@@ -221,12 +240,46 @@ class TrackReport:
         # after the first block: memtorch.cpu.keep_counting()).
         self.unseen_frees = kw.get("unseen_frees", 0)
         self.unseen_bytes = kw.get("unseen_bytes", 0)
-        # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran
-        self.at_peak = kw.get("at_peak")
+        # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran;
+        # computed from the block's event log when first read (with the per-module figures)
+        self._pending = kw.get("pending")
+        self._at_peak = kw.get("at_peak")
+        self._largest_n = len(self.largest) if self._pending is None else kw.get("largest_n", 0)
         # sentences saying what the counters could not see during the block
         self.caveats = list(kw.get("caveats") or [])
         # per step (t.step()): [(peak, end)] absolute bytes
         self.step_series = list(kw.get("step_series") or [])
+
+    def _settle(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._at_peak = pending()
+            if self._largest_n:
+                self._largest = self._at_peak.storages[: self._largest_n]
+
+    @property
+    def at_peak(self):
+        """Who held the bytes at the peak (memtorch.peak.AtPeak), or None without the event log."""
+        self._settle()
+        return self._at_peak
+
+    @property
+    def phases(self):
+        """{name: PhaseStats} of the phases that ran."""
+        self._settle()
+        return {k: v for k, v in self._phases.items() if v.calls}
+
+    @property
+    def modules(self):
+        """[ModuleStats] of the model's modules (per-module figures)."""
+        self._settle()
+        return self._modules
+
+    @property
+    def largest(self):
+        """The largest live tensors: at the peak with names (event log), else at the end."""
+        self._settle()
+        return self._largest
 
     def to_dict(self):
         """Every figure as plain JSON-serialisable values (bytes as ints)."""
@@ -558,6 +611,62 @@ class _SavedBytes:
         self.examples = []
 
 
+def _phase_figures(ev, kind, b, phases):
+    """Fill PhaseStats bytes from the phase marks (kind 3, number 0x100|code begins, 0x200|code ends)."""
+    import numpy as np
+
+    num = ev["ptr"]
+    marks = np.flatnonzero((kind == 3) & (num >= 0x100))
+    names = attribution.PHASE_NAMES
+    seen = {name: 0 for name in phases}
+    open_at = {}
+    for j, n in zip(marks.tolist(), num[marks].tolist()):
+        code = n & 0xFF
+        if n & 0x100:
+            open_at[code] = j
+        elif code in open_at:
+            p0 = open_at.pop(code)
+            peak = int(b[p0 : j + 1].max())
+            name = names.get(code)
+            if name in phases:
+                phases[name]._add_bytes(int(b[p0]), int(b[j]), peak, True)
+                seen[name] += 1
+    for name, p in phases.items():
+        if seen[name] < p.calls:  # begun before the oldest event kept
+            p.exact = False
+
+
+def _average_modules(rows, forwards):
+    forwards = max(1, forwards)
+    if rows and 0 < rows[0]._measured < rows[0].calls:
+        # the event log dropped the oldest forwards: average over the measured ones
+        forwards = rows[0]._measured
+    for row in rows:
+        row.activation_bytes = row.activation_total // forwards
+
+
+def _replay(record_marks, ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, forwards, caveats, exact,
+            phases=None):
+    """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak."""
+    record_marks(ev, dropped, start, rows, phases)
+    _average_modules(rows, forwards)
+    names = [(r.name, r.type) for r in rows]
+    at_peak = attribution.attribute(
+        ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots,
+        lambda addrs: _np_int64([sizes.get(a, -1) for a in addrs]), token, names,
+    )  # fmt: skip
+    at_peak.notes += caveats
+    if not exact:
+        at_peak.exact = False
+    return at_peak
+
+
+def _np_int64(values):
+    import numpy as np
+
+    return np.asarray(values, dtype=np.int64)
+
+
 _token = [0]
 
 
@@ -583,14 +692,13 @@ def _describe_tensor(t):
 # Tracker
 
 
-def _parse_device(device, model):
+def _parse_device(device, first):
+    """("cpu"|"cuda", index) for ``device``; "auto" is the device of ``first`` (the model's
+    first parameter or buffer), else the CPU."""
     torch = _torch()
     if device is None or (isinstance(device, str) and device == "auto"):
-        if model is not None:
-            for p in model.parameters():
-                return _parse_device(p.device, None)
-            for b in model.buffers():
-                return _parse_device(b.device, None)
+        if first is not None:
+            return _parse_device(first.device, None)
         # deliberately not "CUDA if initialised": what a block counts must not depend on
         # whether some earlier code happened to touch the GPU
         return "cpu", None
@@ -620,12 +728,18 @@ _META_HINT = (
 )
 
 
-def _on_meta(model):
+def _first_tensor(model):
+    """The model's first parameter, else its first buffer, else None."""
     for p in model.parameters():
-        return p.device.type == "meta"
+        return p
     for b in model.buffers():
-        return b.device.type == "meta"
-    return False
+        return b
+    return None
+
+
+def _on_meta(model):
+    t = _first_tensor(model)
+    return t is not None and t.device.type == "meta"
 
 
 class Tracker:
@@ -651,13 +765,15 @@ class Tracker:
         for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
             if not isinstance(value, bool):
                 raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
-        if model is not None and _on_meta(model):
+        first = None if model is None else _first_tensor(model)
+        if first is not None and first.device.type == "meta":
             raise DeviceUnavailable(_META_HINT)
         # the decorator's arguments; model and optimizer only by weakref
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
         self._model = None if model is None else weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
-        self._kind, self._index = _parse_device(device, model)
+        self._kind, self._index = _parse_device(device, first)
+        del first
         self._timeline = bool(timeline)
         self._modules_on = bool(modules) and model is not None
         self._leaks = bool(leaks)
@@ -667,6 +783,7 @@ class Tracker:
         self._open = False
         self._last = None  # decorator: the Tracker of the last call
         self._evmode = False
+        self._nmods = None
         self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
 
     # -- counters ----------------------------------------------------------
@@ -712,21 +829,27 @@ class Tracker:
     # -- phases ------------------------------------------------------------
     def _begin_phase(self, name):
         self._end_phase()
-        self._phase = (name, self._open_scope(), time.perf_counter())
-        if self._evmode:
-            self._phase_code = attribution.PHASE_CODES[name]
+        if self._evmode:  # figures from the event log's marks at the end: no counter scope
+            code = self._phase_code = attribution.PHASE_CODES[name]
+            self._phase = (name, None, time.perf_counter())
             tags = self._tags
-            _C.eventlog_mark(3, 0, tags[-1] if tags else self._tagbase | self._phase_code)
+            _C.eventlog_mark(3, 0x100 | code, tags[-1] if tags else self._tagbase | code)
+            return
+        self._phase = (name, self._open_scope(), time.perf_counter())
 
     def _end_phase(self):
         ph = self._phase
         if ph is None:
             return
         self._phase = None
-        if self._evmode:
-            self._phase_code = 0
-            _C.eventlog_mark(3, 0, self._tagbase)
         name, s, t0 = ph
+        if s is None:  # event-log mode
+            _C.eventlog_mark(3, 0x200 | self._phase_code, self._tagbase)
+            self._phase_code = 0
+            p = self._phases[name]
+            p.calls += 1
+            p.seconds += time.perf_counter() - t0
+            return
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
 
@@ -746,60 +869,80 @@ class Tracker:
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
         if self._evmode:  # the gradients, which zero_grad() may free before the end
-            self._state_n = len(optimizer.state)
-            self._snapshot_names()
+            self._snapshot_names(self._walk_names(full=False, state=False))
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
         if self._evmode and len(optimizer.state) != self._state_n:  # new state: name it while it lives
-            self._snapshot_names()
+            self._snapshot_names(self._walk_names(full=False, grads=False))
 
     def _snapshot_names(self, names=None):
         """Note what the walk names now, at this point of the event log (the first 16 and the
         latest 240 kept: a block's peak is often in its first step)."""
         snaps = self._snapshots
-        snaps.append((_C.eventlog_head(), self._walk_names() if names is None else names))
+        snaps.append((_C.eventlog_head(), self._walk_names(full=False) if names is None else names))
         if len(snaps) > 256:
             del snaps[16]
 
     # -- names for at_peak --------------------------------------------------
-    def _walk_names(self):
+    def _walk_names(self, full=True, grads=True, state=True):
         """{address: (name, kind, None, shape, dtype)} of the model's parameters, buffers and
-        gradients and the optimizer's state (one read of each; no reference kept)."""
+        gradients and the optimizer's state (one read of each; no reference kept).
+
+        full=False (the walks inside the block): only gradients and optimizer state, over
+        the parameters the first full walk listed (named_parameters() once per block)."""
         Tensor = _torch().Tensor
         names = {}
 
         def put(t, name, kind):
             a = _data_ptr(t)
             if a and a not in names:
-                names[a] = (name, kind, None, tuple(t.shape), str(t.dtype)[6:])
+                names[a] = (name, kind, None, t.shape, t.dtype)
 
-        model = None if self._model is None else self._model()
-        pnames = {}
-        if model is not None:
-            for name, p in model.named_parameters():
-                pnames[id(p)] = name
+        params = self._params
+        if full or params is None:
+            params = []
+            model = None if self._model is None else self._model()
+            if model is not None:
+                seen = set()
+                for prefix, mod in self._named_modules(model):
+                    pre = prefix + "." if prefix else ""
+                    for k, p in mod._parameters.items():
+                        if p is not None and id(p) not in seen:
+                            seen.add(id(p))
+                            params.append((pre + k, weakref.ref(p)))
+                    for k, b in mod._buffers.items():
+                        if b is not None:
+                            put(b, pre + k, "buffer")
+            del model
+            opt = None if self._optimizer is None else self._optimizer()
+            if opt is not None:
+                known = {id(r()) for _, r in params}
+                for gi, group in enumerate(opt.param_groups):
+                    for pi, p in enumerate(group["params"]):
+                        if id(p) not in known:
+                            params.append((f"param_groups[{gi}][{pi}]", weakref.ref(p)))
+            del opt
+            self._params = params
+        opt = None if self._optimizer is None else self._optimizer()
+        st_all = None if opt is None or not (state or full) else opt.state
+        if st_all is not None:
+            self._state_n = len(st_all)
+        for name, ref in params:
+            p = ref()
+            if p is None:
+                continue
+            if full:
                 put(p, name, "parameter")
+            if grads or full:
                 g = p.grad
                 if g is not None:
                     put(g, name + ".grad", "gradient")
-            for name, b in model.named_buffers():
-                put(b, name, "buffer")
-        opt = None if self._optimizer is None else self._optimizer()
-        if opt is not None:
-            for gi, group in enumerate(opt.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    name = pnames.get(id(p))
-                    if name is None:
-                        name = f"param_groups[{gi}][{pi}]"
-                        put(p, name, "parameter")
-                        if p.grad is not None:
-                            put(p.grad, name + ".grad", "gradient")
-                    st = opt.state.get(p)
-                    if st:
-                        for key, v in st.items():
-                            if type(v) is Tensor or isinstance(v, Tensor):
-                                put(v, f"{name}.{key}", "optimizer state")
+            st = None if st_all is None else st_all.get(p)
+            if st:
+                for key, v in st.items():
+                    if isinstance(v, Tensor):
+                        put(v, f"{name}.{key}", "optimizer state")
         return names
 
     def _note_inputs(self, args):
@@ -812,7 +955,7 @@ class Tracker:
                 p = _data_ptr(a)
                 self._last_inputs.append(p)
                 if p:
-                    found[p] = (f"input {j}" if len(args) > 1 else "input", "input", None, tuple(a.shape), str(a.dtype)[6:])
+                    found[p] = (f"input {j}" if len(args) > 1 else "input", "input", None, a.shape, a.dtype)
         if found:  # named at this point of the log: the batch may be freed before the block ends
             self._snapshot_names(found)
 
@@ -863,11 +1006,14 @@ class Tracker:
         row.peak_above_start = max(row.peak_above_start, peak - start)
         row.exact = row.exact and exact
 
-    def _record_marks(self, ev, dropped):
-        """Per-module figures from the event log's enter/exit marks (event-log mode)."""
+    @staticmethod
+    def _record_marks(ev, dropped, start, mod_rows, phases=None):
+        """Per-module and per-phase figures from the event log's marks (event-log mode)."""
         import numpy as np
 
         if not len(ev):
+            for p in (phases or {}).values():
+                p.exact = p.exact and not p.calls
             return
         kind = ev["kind"]
         # bytes after each event; a mark carries -1: it takes the bytes of the event before
@@ -875,8 +1021,10 @@ class Tracker:
         alloc = kind == 0
         idx = np.where(alloc, np.arange(len(ev)), -1)
         np.maximum.accumulate(idx, out=idx)
-        first_b = int(self._scope.start) if not dropped else (int(b[alloc][0] - ev["delta"][alloc][0]) if alloc.any() else 0)
+        first_b = int(start) if not dropped else (int(b[alloc][0] - ev["delta"][alloc][0]) if alloc.any() else 0)
         b = np.where(idx >= 0, b[np.maximum(idx, 0)], first_b)
+        if phases:
+            _phase_figures(ev, kind, b, phases)
         marks = np.flatnonzero((kind == 1) | (kind == 2))
         open_calls = {}
         pairs_p, pairs_q, rows = [], [], []
@@ -888,10 +1036,10 @@ class Tracker:
                 pairs_p.append(open_calls[i].pop())
                 pairs_q.append(j)
                 rows.append(i)
-            elif i < len(self._mod_rows):
+            elif i < len(mod_rows):
                 unmatched += 1  # began before the oldest event kept
-                self._mod_rows[i].calls += 1
-                self._mod_rows[i].exact = False
+                mod_rows[i].calls += 1
+                mod_rows[i].exact = False
         for i, starts in open_calls.items():  # interrupted forwards end with the block
             for j in starts:
                 pairs_p.append(j)
@@ -908,11 +1056,11 @@ class Tracker:
         peak = np.maximum.reduceat(padded, idx2)[0::2]
         act = (b[q] - b[p]).tolist()
         pas = (peak - b[p]).tolist()
-        n_rows = len(self._mod_rows)
+        n_rows = len(mod_rows)
         for i, a_, p_ in zip(rows, act, pas):
             if i >= n_rows:
                 continue
-            row = self._mod_rows[i]
+            row = mod_rows[i]
             row.calls += 1
             row._measured += 1
             row.activation_total += a_
@@ -927,12 +1075,18 @@ class Tracker:
         if opt is not None:
             self._hook_optimizer(opt)
 
+    def _named_modules(self, model):
+        """model.named_modules(), listed once per block."""
+        if self._nmods is None or self._nmods[0]() is not model:
+            self._nmods = (weakref.ref(model), list(model.named_modules()))
+        return self._nmods[1]
+
     def _hook_model(self, model):
         from torch.nn.modules import module as torch_module
 
         self._root_id = id(model)
         if self._modules_on:
-            for i, (name, mod) in enumerate(model.named_modules()):
+            for i, (name, mod) in enumerate(self._named_modules(model)):
                 self._mod_rows.append(ModuleStats(name, type(mod).__name__))
                 self._ids[id(mod)] = i
         self._handles.append(torch_module.register_module_forward_pre_hook(self._pre))
@@ -959,7 +1113,6 @@ class Tracker:
         if model is not None:
             self._model = weakref.ref(model)
             self._modules_on = bool(self._args["modules"])
-            self._args_watch = True
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         if self._open:
@@ -968,7 +1121,8 @@ class Tracker:
             if optimizer is not None:
                 self._hook_optimizer(optimizer)
             if self._evmode:  # what lives now, by name
-                self._snapshot_names()
+                self._params = None
+                self._snapshot_names(self._walk_names())
         return self
 
     def _remove_hooks(self):
@@ -991,6 +1145,8 @@ class Tracker:
         self._phase_code = 0
         self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
         self._state_n = 0
+        self._params = None  # event-log mode: [(name, weakref)] of the parameters, from the first walk
+        self._nmods = None  # (weakref to the model, its named_modules() list)
         self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
         self._at_peak = None
         # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
@@ -1018,6 +1174,10 @@ class Tracker:
             if self._evmode:
                 self._tagbase = _next_token() << attribution.TAG_BITS
             self._scope = self._open_scope(timeline=self._timeline or self._evmode)
+            if self._evmode and not self._timeline:
+                # the log runs for this block's replay, read once at the end: the scope itself
+                # need not read it again when it closes
+                self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
                 self._snapshots = [(_C.eventlog_head(), self._walk_names())]
             self._ta = time.monotonic_ns()
@@ -1060,6 +1220,8 @@ class Tracker:
                 s.close()
             self._cuda_open = []
             self._ids = {}
+            self._nmods = None
+            self._params = None
             self._scope = None
             self._snap = None
             self._open = False
@@ -1081,19 +1243,22 @@ class Tracker:
             head = _C.eventlog_head()
         start, end, peak_bytes, exact = self._close_scope(self._scope)
         timeline = None
-        at_peak = None
+        pending = None
         if self._evmode:
+            # read now (the ring and the counters move on); replayed when the report is first read
             ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
-            self._record_marks(ev, dropped)
-            snapshots = [(head, self._walk_names())] + self._snapshots[::-1]
-            rows = [(r.name, r.type) for r in self._mod_rows]
-            at_peak = attribution.attribute(
-                ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots, _C.counters_sizes, self._tagbase >> attribution.TAG_BITS, rows
-            )
-            for note in getattr(self._scope, "caveats", None) or []:
-                at_peak.notes.append(note)
-            if not exact:
-                at_peak.exact = False
+            opt = None if self._optimizer is None else self._optimizer()
+            new_state = opt is not None and len(opt.state) != self._state_n
+            del opt
+            snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
+            addrs = list({a for _, names in snapshots for a in names})
+            sizes = dict(zip(addrs, _C.counters_sizes(addrs).tolist()))
+            pending = functools.partial(
+                _replay, self._record_marks, ev, dropped, start, peak_bytes, snapshots, sizes,
+                self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._forwards,
+                list(getattr(self._scope, "caveats", None) or []), exact, self._phases,
+            )  # fmt: skip
+            self._snapshots = []
         if self._timeline:
             t, b = self._scope.timeline()
             timeline = (t - t[0] if len(t) else t, b)
@@ -1111,12 +1276,8 @@ class Tracker:
             extra["reserved_peak"] = self._scope.reserved_peak
             if not exact:
                 extra["peak_upper"] = self._scope.peak_upper
-        forwards = max(1, self._forwards)
-        if self._mod_rows and 0 < self._mod_rows[0]._measured < self._mod_rows[0].calls:
-            # the event log dropped the oldest forwards: average over the measured ones
-            forwards = self._mod_rows[0]._measured
-        for row in self._mod_rows:
-            row.activation_bytes = row.activation_total // forwards
+        if pending is None:
+            _average_modules(self._mod_rows, self._forwards)
         leak = None
         steps = len(self._boundaries) - 1
         if steps > 0:
@@ -1128,16 +1289,13 @@ class Tracker:
             after = None if self._scan0_step is None else steps - self._scan0_step
             leak = LeakReport(growth, warm, survivors, exact, groups, notes, after)
         largest = []
-        if self._largest:
-            if at_peak is not None:
-                largest = at_peak.storages[: self._largest]
-            else:
-                largest = self._scan_largest(self._largest)
+        if self._largest and pending is None:
+            largest = self._scan_largest(self._largest)
         return TrackReport(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
-            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, at_peak=at_peak,
-            step_series=self._step_series,
+            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
+            step_series=self._step_series, largest_n=self._largest,
             caveats=list(getattr(self._scope, "caveats", None) or []), **extra,
         )  # fmt: skip
 
@@ -1160,7 +1318,7 @@ class Tracker:
             leak = LeakReport(growth, min(self._warmup, steps), [], exact)
         return TrackReport(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=max(peak, end),
-            phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
+            phases={} if self._evmode else {k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
             leak=leak, seconds=time.perf_counter() - self._t0, steps=steps, live=True, **extra,
         )  # fmt: skip
 

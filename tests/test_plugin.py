@@ -582,7 +582,7 @@ def test_failure_names_the_five_largest_owners_at_the_peak(pytester, run):
     if not memtorch.cpu.exact():
         pytest.skip("needs exact CPU counters")
     pytester.makepyfile(test_watched=WATCHED)
-    result = run()
+    result = run(subprocess=True)  # a fresh process: nothing of earlier tests among the owners
     result.assert_outcomes(failed=2)
     text = result.stdout.str()
     # 0.weight is 512 x 256 float32: 512.0 KiB; its gradient and Adam's two state tensors too

@@ -280,7 +280,7 @@ def test_clean_loop_does_not_leak():
     no_hooks(model, opt)
 
 
-def test_summed_loss_with_graph_is_named():
+def test_summed_loss_with_graph_is_named(unhurried):
     model = mlp()
     b = 256
     per_step = (b * D_IN + b * D_H) * 4  # the graph keeps each step's x (saved by addmm) and ReLU output
@@ -788,6 +788,16 @@ def test_report_to_dict_is_json_for_every_report():
 # --- leaks that name the culprit --------------------------------------------
 
 
+@pytest.fixture
+def unhurried(monkeypatch):
+    """Scan bounds generous enough for a slow machine (ASan): these tests check what is found;
+    test_leak_scan_says_when_it_stopped_early checks the bound itself."""
+    from memtorch import leaks
+
+    monkeypatch.setattr(leaks, "SCAN_SECONDS", 60.0)
+    monkeypatch.setattr(leaks, "REFERRER_SECONDS", 60.0)
+
+
 def _train_keeping_losses(steps=20):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -804,7 +814,7 @@ def _train_keeping_losses(steps=20):
     return t, losses
 
 
-def test_leak_groups_name_the_list_that_keeps_the_losses():
+def test_leak_groups_name_the_list_that_keeps_the_losses(unhurried):
     t, losses = _train_keeping_losses(20)
     leak = t.report.leak
     assert leak.leaking, str(leak)
@@ -824,7 +834,7 @@ def test_leak_groups_name_the_list_that_keeps_the_losses():
     del losses
 
 
-def test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence():
+def test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence(unhurried):
     kept = []
     with memtorch.track() as t:
         for step in range(1, 201):
