@@ -143,13 +143,14 @@ def _accounting_mode(ledger, kernels, allow_item):
                     # gives the same memory.
                     return 1.0 if args[0].dtype.is_floating_point else 1
                 raise _DataDependent("calls .item() (or converts a tensor to a Python number or bool)")
-            extra = kernels.get(func)
+            fix = kernels.get(func)
             out = func(*args, **kwargs)
-            if extra is not None:
-                extra(ledger, args, kwargs, out)
+            extra = fix(args, kwargs, out) if fix is not None else 0
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     ledger.add_storage(t.untyped_storage())
+            if extra:
+                ledger.add_extra(extra)
             return out
 
     return Accounting()

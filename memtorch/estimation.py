@@ -539,8 +539,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                 loss.backward()
                 del loss
                 grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
+            allow_item[0] = True
             with hooks.phase("optimizer"):
-                allow_item[0] = True
                 if masters is not None:
                     for m, p in zip(masters, trainable):
                         m.grad = None if p.grad is None else p.grad.to(torch.float32)
@@ -551,15 +551,13 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     with torch.no_grad():
                         for m, p in zip(masters, trainable):
                             p.copy_(m)
-                opt.zero_grad(set_to_none=True)
-                if masters is not None:
-                    for p in trainable:
-                        p.grad = None
-                allow_item[0] = False
-                for st in opt.state.values():
-                    for v in st.values():
-                        if isinstance(v, torch.Tensor):
-                            state_keys.add(ledger.key_of(v))
+            # zero_grad outside the phase, as track() sees a step (its hooks wrap step() only)
+            opt.zero_grad(set_to_none=True)
+            allow_item[0] = False
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        state_keys.add(ledger.key_of(v))
         facts["fparams"] = fparams
         facts["trainable_numel"] = sum(t.numel() for t in trainable)
         ledger.mark(grads_keys, "gradient")
