@@ -89,7 +89,16 @@ def _rnn_forward(args, kwargs, out):
     if ws and w.untyped_storage().nbytes() < ws:
         w.untyped_storage().resize_(ws)
     _pending_backward.append((key, bwd_extra))
-    return fwd_extra
+    return fwd_extra + _copies(args)
+
+
+def _copies(args):
+    """The kernel makes contiguous copies of non-contiguous tensor arguments (the probe's are contiguous)."""
+    import torch
+
+    return sum(
+        a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor) and not a.is_contiguous()
+    )
 
 
 def _rnn_backward(args, kwargs, out):
@@ -97,8 +106,36 @@ def _rnn_backward(args, kwargs, out):
     for i, (key, extra) in enumerate(_pending_backward):
         if key[0][0] == tuple(args[0].shape):
             del _pending_backward[i]
-            return extra
-    return 0
+            return extra + _copies(args)
+    return _copies(args)
+
+
+_tensor_slots = {}  # op -> positions of its Tensor-typed arguments
+
+
+def scalar_extra(func, args, out):
+    """Bytes a CPU kernel allocates for Python numbers passed where its schema takes a Tensor.
+
+    Measured (tests/test_estimate.py::test_scalar_wrapping): the number becomes an
+    8-byte tensor (int64 or float64), cast to the result's dtype when that differs,
+    both freed inside the kernel: p.add_(1) on float32 allocates 8 + 4 bytes.
+    """
+    import torch
+
+    slots = _tensor_slots.get(func)
+    if slots is None:
+        slots = tuple(
+            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only
+        )
+        _tensor_slots[func] = slots
+    if not slots or not isinstance(out, torch.Tensor):
+        return 0
+    extra = 0
+    for i in slots:
+        if i < len(args) and isinstance(args[i], (int, float)) and not isinstance(args[i], bool):
+            wrapped = torch.float64 if isinstance(args[i], float) else torch.int64
+            extra += 8 + (out.element_size() if out.dtype != wrapped else 0)
+    return extra
 
 
 def kernels_for(device):

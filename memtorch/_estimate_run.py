@@ -128,6 +128,7 @@ class Ledger:
 
 
 def _accounting_mode(ledger, kernels, allow_item):
+    from ._estimate_kernels import scalar_extra
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -146,6 +147,7 @@ def _accounting_mode(ledger, kernels, allow_item):
             fix = kernels.get(func)
             out = func(*args, **kwargs)
             extra = fix(args, kwargs, out) if fix is not None else 0
+            extra += scalar_extra(func, args, out)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     ledger.add_storage(t.untyped_storage())
