@@ -51,6 +51,7 @@ class Ledger:
         self.phase = None
         self.module = None
         self.closed = False
+        self.trace = None  # [(op, modelled transient bytes)] when set to a list (tests, calibration)
         self._round = rounding or (lambda n: n)
 
     def add_storage(self, storage, category=None):
@@ -153,6 +154,8 @@ def _accounting_mode(ledger, kernels, allow_item):
                     ledger.add_storage(t.untyped_storage())
             if extra:
                 ledger.add_extra(extra)
+            if ledger.trace is not None:
+                ledger.trace.append((str(func), extra, ledger.current))
             return out
 
     return Accounting()

@@ -364,7 +364,7 @@ def _checkpoint_targets(model, spec):
 
 
 @contextlib.contextmanager
-def checkpointing(model, spec):
+def checkpointing(model, spec, _on_call=None):
     """Run ``model`` with the modules ``spec`` names ("blocks": each block of every nn.ModuleList)
     recomputed in backward (torch.utils.checkpoint, non-reentrant); restores them on exit.
 
@@ -384,7 +384,9 @@ def checkpointing(model, spec):
             orig = m.forward
 
             def fwd(*args, _orig=orig, **kwargs):
-                return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+                if _on_call is None:
+                    return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+                return checkpoint(_on_call(_orig), *args, use_reentrant=False, **kwargs)
 
             m.forward = fwd
             patched.append(m)
@@ -454,6 +456,24 @@ class _Hooks:
             self.ledger.phase = None
 
 
+@contextlib.contextmanager
+def _swapped(model, fakes):
+    """The model's parameters and buffers replaced by fakes (``fakes``: id of the original -> fake)
+    for the whole step (backward recomputation included); restored on exit, errors included."""
+    saved = []
+    try:
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for k, v in list(table.items()):
+                    if v is not None and id(v) in fakes:
+                        saved.append((table, k, v))
+                        table[k] = fakes[id(v)]
+        yield
+    finally:
+        for table, k, v in reversed(saved):
+            table[k] = v
+
+
 def _unique_tensors(named):
     """[(names, tensor)] with each tensor object once (tied weights share one entry)."""
     by_id = {}
@@ -469,7 +489,6 @@ def _unique_tensors(named):
 def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2):
     """Run the steps on fake tensors; returns (ledger, hooks, facts)."""
     torch = _torch()
-    from torch.func import functional_call
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}
     prec_kind = precision.split("-")[1] if "-" in precision else None
@@ -487,6 +506,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     buffers = _unique_tensors(model.named_buffers(remove_duplicate=False))
     specs = [_input_spec(x, i) for i, x in enumerate(inputs)]
     grads_keys, state_keys = set(), set()
+    rng_bytes = torch.get_rng_state().untyped_storage().nbytes() if checkpoint_spec is not None else 0
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode())
         stack.enter_context(_accounting_mode(ledger, kernels_for("cpu"), allow_item))
@@ -501,10 +521,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
         finputs = [fake_like(s, "cpu") if isinstance(s, torch.Tensor) else s for s in specs]
         ledger.mark([ledger.key_of(t) for t in finputs if isinstance(t, torch.Tensor)], "input")
-        mapping = {}
-        for names, t in fparams + fbufs:
-            for n in names:
-                mapping[n] = t
+        fakes = {id(p): f for (_, p), (_, f) in zip(params, fparams)}
+        fakes.update({id(b): f for (_, b), (_, f) in zip(buffers, fbufs)})
         trainable = [t for _, t in fparams if t.requires_grad]
         if not trainable:
             raise MemtorchError("the model has no parameter that requires grad: there is no training step to estimate")
@@ -519,7 +537,22 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         opt = _make_optimizer(optimizer, opt_params, device)
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
         ledger.phase = None
-        stack.enter_context(checkpointing(model, checkpoint_spec))
+        def on_call(fn):
+            # checkpoint keeps the CPU RNG state (a real tensor, unseen by the fake run) from the
+            # forward until the recomputation in backward
+            key = ledger.add_extra(rng_bytes, "activation", transient=False)
+            calls = [0]
+
+            def run(*a, **k):
+                calls[0] += 1
+                if calls[0] == 2:
+                    ledger.free_key(key)
+                return fn(*a, **k)
+
+            return run
+
+        stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call))
+        stack.enter_context(_swapped(model, fakes))
         hooks.install()
         stack.callback(hooks.remove)
         loss_fn = loss_fn or default_loss
@@ -528,7 +561,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                 hooks.recording = True
                 ctx = torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext()
                 with ctx:
-                    out = functional_call(model, mapping, tuple(finputs), tie_weights=True, strict=False)
+                    out = model(*finputs)
                 hooks.recording = False
             with hooks.phase("backward"):
                 with torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext():
@@ -564,7 +597,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark(state_keys, "optimizer_state")
         facts["end_live"] = set(ledger.live.values())
         facts["end_current"] = ledger.current
-        del opt, fparams, fbufs, finputs, mapping, trainable, masters, opt_params
+        del opt, fparams, fbufs, finputs, fakes, trainable, masters, opt_params
         facts.pop("fparams")
         ledger.closed = True
     return ledger, hooks, facts
