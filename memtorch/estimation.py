@@ -726,18 +726,20 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     sizes = None
     reserved_peak = reserved_steady = None
     if device == "cuda":
-        from ._estimate_cuda import CachingAllocator, round_size
+        from ._estimate_cuda import CachingAllocator
 
-        sizes = {k: round_size(v[0]) for k, v in info.items()}
-        sim = CachingAllocator()
-        reserved_curve = sim.replay(ledger.events, {k: v[0] for k, v in info.items()})
+        alloc_curve, reserved_curve = CachingAllocator().replay(ledger.events, {k: v[0] for k, v in info.items()})
+        sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
         reserved_peak = max(reserved_curve, default=0)
         reserved_steady = reserved_curve[-1] if reserved_curve else 0
         notes.append(
             "device='cuda': the CUDA context (typically 300-600 MiB per process) and cuBLAS/cuDNN workspaces "
-            "are outside these figures; the kernels modelled are the CPU's"
+            "are outside these figures, as they are outside torch.cuda.memory_allocated(); the kernels "
+            "modelled are the CPU's"
         )
-    curve = _curve(ledger, sizes)
+        curve = alloc_curve
+    else:
+        curve = _curve(ledger)
     peak, at, live = _peak_set(ledger, curve)
 
     def size(k):
@@ -788,6 +790,12 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
         reserved_steady=reserved_steady, per_rank=per_rank, notes=notes, seconds=seconds,
     )  # fmt: skip
+
+
+def _cuda_block(n):
+    from ._estimate_cuda import round_size
+
+    return round_size(n)
 
 
 def _grads_of_last_step(ledger):
