@@ -181,6 +181,16 @@ def fake_mode():
     """FakeTensorMode entered with the default device left as it was."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        yield mode
+    import logging
+
+    # FakeTensorMode logs the traceback of a kernel that rejects its inputs before raising;
+    # estimate() turns that error into its own message, so the log line is noise.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = log.disabled
+    log.disabled = True
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            yield mode
+    finally:
+        log.disabled = disabled

@@ -537,6 +537,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         opt = _make_optimizer(optimizer, opt_params, device)
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
         ledger.phase = None
+        rng_held = []
+
         def on_call(fn):
             # checkpoint keeps the CPU RNG state (a real tensor, unseen by the fake run) from the
             # forward until the recomputation in backward
@@ -545,9 +547,19 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
 
             def run(*a, **k):
                 calls[0] += 1
-                if calls[0] == 2:
-                    ledger.free_key(key)
-                return fn(*a, **k)
+                if calls[0] != 2:
+                    return fn(*a, **k)
+                # recomputation: the blocks recomputed before have finished their backward (their
+                # checkpoint frames and RNG copies are gone); torch.random.fork_rng keeps a copy of
+                # the current state while this one recomputes
+                while rng_held:
+                    ledger.free_key(rng_held.pop())
+                fork = ledger.add_extra(rng_bytes, "temporary", transient=False)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    ledger.free_key(fork)
+                    rng_held.append(key)  # the forward's copy lives until this block's backward is done
 
             return run
 
@@ -571,6 +583,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     raise MemtorchError("loss_fn must return a one-element tensor (the loss)")
                 loss.backward()
                 del loss
+                while rng_held:
+                    ledger.free_key(rng_held.pop())
                 grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
             allow_item[0] = True
             with hooks.phase("optimizer"):
