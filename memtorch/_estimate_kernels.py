@@ -146,3 +146,127 @@ def kernels_for(device):
         torch.ops.aten.mkldnn_rnn_layer.default: _rnn_forward,
         torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_backward,
     }
+
+
+# ---------------------------------------------------------------------------
+# Scratch space of any other CPU kernel, measured on the real kernel per signature
+
+PROBE_CAP = 32 << 20  # bytes of a kernel's arguments above which it is not probed
+_probe_cache = {}
+_skip_ops = set()
+probe_stats = {"probed": 0, "skipped_large": 0}
+
+
+def _probe_key(func, args, kwargs):
+    import torch
+
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), tuple(a.stride()), a.dtype, a.storage_offset(), a.untyped_storage().nbytes())
+        if isinstance(a, (list, tuple)):
+            return tuple(one(x) for x in a)
+        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):  # fmt: skip
+            return a
+        raise TypeError
+
+    try:
+        return (func, tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items())))
+    except TypeError:
+        return None
+
+
+def _probeable(func):
+    import torch
+
+    if func in _skip_ops:
+        return False
+    schema = func._schema
+    ok = (
+        schema.name.startswith("aten::")
+        and torch.Tag.nondeterministic_seeded not in func.tags
+        and not any(r.alias_info is not None for r in schema.returns)  # views and in-place: no new storage
+        and schema.name not in ("aten::_local_scalar_dense", "aten::lift_fresh", "aten::detach", "aten::clone",
+                                "aten::_to_copy", "aten::copy_", "aten::empty", "aten::empty_strided")
+        and len(schema.returns) > 0
+    )  # fmt: skip
+    if not ok:
+        _skip_ops.add(func)
+    return ok
+
+
+def probe_extra(func, args, kwargs, out):
+    """Bytes the real CPU kernel allocates and frees inside itself at these arguments, or None.
+
+    The kernel runs once per signature (shapes, strides, dtypes, other arguments) on
+    zero-filled tensors, with memtorch.cpu's exact counters; kernels whose arguments
+    exceed PROBE_CAP bytes, random kernels and views are not run (None).
+    """
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from . import cpu
+
+    if not _probeable(func) or not cpu.exact():
+        return None
+    key = _probe_key(func, args, kwargs)
+    if key is None:
+        return None
+    cached = _probe_cache.get(key)
+    if cached is not None:
+        return cached
+    size = 0
+
+    def tensors(a):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                yield from tensors(x)
+
+    seen = set()
+    for t in tensors(list(args) + list(kwargs.values())):
+        s = t.untyped_storage()
+        if id(s) not in seen:
+            seen.add(id(s))
+            size += s.nbytes()
+    if size > PROBE_CAP:
+        probe_stats["skipped_large"] += 1
+        return None
+    with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+        made = {}
+
+        def real(a):
+            if isinstance(a, torch.Tensor):
+                sid = id(a.untyped_storage())
+                base = made.get(sid)
+                if base is None:
+                    n = a.untyped_storage().nbytes() // a.element_size() if a.element_size() else 0
+                    base = torch.zeros(n, dtype=a.dtype)
+                    made[sid] = base
+                return base.as_strided(tuple(a.shape), tuple(a.stride()), a.storage_offset())
+            if isinstance(a, list):
+                return [real(x) for x in a]
+            if isinstance(a, tuple):
+                return tuple(real(x) for x in a)
+            return a
+
+        rargs = [real(a) for a in args]
+        rkwargs = {k: real(v) for k, v in kwargs.items()}
+        inputs = {id(b.untyped_storage()) for b in made.values()}
+        try:
+            with cpu.Scope() as s:
+                rout = func(*rargs, **rkwargs)
+        except Exception:  # noqa: BLE001 - a kernel that rejects zeros: no correction for it
+            _probe_cache[key] = 0
+            return 0
+        new = {}
+        for t in tensors(rout if isinstance(rout, (list, tuple)) else [rout]):
+            st = t.untyped_storage()
+            if id(st) not in inputs:
+                new[id(st)] = st.nbytes()
+        extra = max(0, s.peak - s.start - sum(new.values()))
+        del rout, rargs, rkwargs, made
+    probe_stats["probed"] += 1
+    _probe_cache[key] = extra
+    return extra

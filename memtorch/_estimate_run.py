@@ -129,7 +129,9 @@ class Ledger:
 
 
 def _accounting_mode(ledger, kernels, allow_item):
-    from ._estimate_kernels import scalar_extra
+    from ._estimate_kernels import probe_extra, scalar_extra
+
+    probe = kernels.get("probe", True)
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -147,8 +149,12 @@ def _accounting_mode(ledger, kernels, allow_item):
                 raise _DataDependent("calls .item() (or converts a tensor to a Python number or bool)")
             fix = kernels.get(func)
             out = func(*args, **kwargs)
-            extra = fix(args, kwargs, out) if fix is not None else 0
-            extra += scalar_extra(func, args, out)
+            if fix is not None:
+                extra = fix(args, kwargs, out)
+            else:
+                extra = probe_extra(func, args, kwargs, out) if probe else None
+                if extra is None:
+                    extra = scalar_extra(func, args, out)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     ledger.add_storage(t.untyped_storage())
