@@ -397,3 +397,28 @@ def test_scalar_wrapping_measured():
     with cpu.Scope() as s:
         t.add_(1)
     assert s.peak - s.start == scalar_extra(torch.ops.aten.add_.Tensor, (t, 1), t) == 12
+
+
+# ---------------------------------------------------------------- pytest
+
+
+def test_pytest_fixture_estimate_budget(pytester):
+    pytester.makepyfile(
+        """
+        import torch
+        from torch import nn
+
+        def model():
+            return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+        def test_fits(memtorch_estimate):
+            est = memtorch_estimate(model(), (4, 32), optimizer="sgd", device="cuda", peak="64 MiB")
+            assert est.device == "cuda"
+
+        def test_too_big(memtorch_estimate):
+            memtorch_estimate(model(), (4, 32), optimizer="adam", peak="1 KiB")
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*peak * exceeds budget 1.0 KiB by *"])
