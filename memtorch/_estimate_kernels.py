@@ -151,9 +151,12 @@ def kernels_for(device):
 # ---------------------------------------------------------------------------
 # Scratch space of any other CPU kernel, measured on the real kernel per signature
 
-PROBE_CAP = 32 << 20  # bytes of a kernel's arguments above which it is not probed
+PROBE_CAP = 32 << 20  # bytes of a kernel's arguments and outputs above which it is not probed
 _probe_cache = {}
 _skip_ops = set()
+# id(fake storage) -> the model's own CPU tensor it stands for, during a dry run: probes read
+# the user's weights instead of allocating copies (only kernels that write no argument run)
+originals = {}
 probe_stats = {"probed": 0, "skipped_large": 0}
 
 
@@ -189,6 +192,7 @@ def _probeable(func):
         and schema.name not in ("aten::_local_scalar_dense", "aten::lift_fresh", "aten::detach", "aten::clone",
                                 "aten::_to_copy", "aten::copy_", "aten::empty", "aten::empty_strided")
         and len(schema.returns) > 0
+        and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     )  # fmt: skip
     if not ok:
         _skip_ops.add(func)
@@ -224,13 +228,18 @@ def probe_extra(func, args, kwargs, out):
             for x in a:
                 yield from tensors(x)
 
-    seen = set()
+    seen = set(originals)
     for t in tensors(list(args) + list(kwargs.values())):
         s = t.untyped_storage()
         if id(s) not in seen:
             seen.add(id(s))
             size += s.nbytes()
-    if size > PROBE_CAP:
+    for t in tensors(out if isinstance(out, (list, tuple)) else [out]):
+        s = t.untyped_storage()
+        if id(s) not in seen:
+            seen.add(id(s))
+            size += s.nbytes()
+    if size > PROBE_CAP:  # arguments and outputs together
         probe_stats["skipped_large"] += 1
         return None
     with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
@@ -240,7 +249,10 @@ def probe_extra(func, args, kwargs, out):
             if isinstance(a, torch.Tensor):
                 sid = id(a.untyped_storage())
                 base = made.get(sid)
-                if base is None:
+                orig = originals.get(sid)
+                if base is None and orig is not None and orig.dtype == a.dtype:
+                    base = made[sid] = orig.detach()
+                elif base is None:
                     n = a.untyped_storage().nbytes() // a.element_size() if a.element_size() else 0
                     base = torch.zeros(n, dtype=a.dtype)
                     made[sid] = base

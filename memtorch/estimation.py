@@ -12,6 +12,17 @@ that allocate what their fake kernels do not show are modelled in
 _estimate_kernels. Model states (parameters, buffers, gradients, optimizer
 state) come out of the same run, so they are exact to the byte.
 
+Kernel scratch space. Most CPU kernels allocate nothing beyond their outputs, but
+some allocate temporaries inside (a convolution's reordered tensors, a batch
+norm backward's buffer, a Python number wrapped into a tensor). estimate()
+runs each such kernel once per signature (shapes, strides, dtypes, arguments)
+on zero-filled real tensors under memtorch.cpu's exact counters and caches what
+it allocated beyond its outputs; kernels whose tensors exceed 32 MiB, random
+kernels and views are not run, and the report's notes say how many were left
+out. So estimate() does allocate real memory, up to 32 MiB at a time for these
+probes (and one LSTM layer's tensors, see _estimate_kernels), never the model's
+parameters.
+
 This file is named estimation.py, apart from the function, so that importing
 the submodule never shadows ``memtorch.estimate`` (as inspection.py/tracking.py).
 
@@ -521,6 +532,12 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
         finputs = [fake_like(s, "cpu") if isinstance(s, torch.Tensor) else s for s in specs]
         ledger.mark([ledger.key_of(t) for t in finputs if isinstance(t, torch.Tensor)], "input")
+        from . import _estimate_kernels
+
+        for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
+            if p.device.type == "cpu" and p.dtype == f.dtype and not p.is_sparse:
+                _estimate_kernels.originals[id(f.untyped_storage())] = p  # detached when probed
+        stack.callback(_estimate_kernels.originals.clear)
         fakes = {id(p): f for (_, p), (_, f) in zip(params, fparams)}
         fakes.update({id(b): f for (_, b), (_, f) in zip(buffers, fbufs)})
         trainable = [t for _, t in fparams if t.requires_grad]
@@ -706,6 +723,9 @@ def estimate(
     if world_size > 1 and sharding is None:
         sharding = "ddp"
     notes = []
+    from . import _estimate_kernels
+
+    skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
         ledger, hooks, facts = _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpointing)
     except _DataDependent as e:
@@ -718,6 +738,13 @@ def estimate(
     except Exception as e:  # noqa: BLE001 - re-raised with what failed
         raise MemtorchError(_explain(e)) from e
     _classify(ledger, hooks)
+    skipped = _estimate_kernels.probe_stats["skipped_large"] - skipped0
+    if skipped:
+        notes.append(
+            f"{skipped} kernel call(s) with more than {units.format(_estimate_kernels.PROBE_CAP)} of tensors were not "
+            "measured on the real kernel: their scratch space inside the kernel is not in the estimate"
+        )
+    notes += sorted(_estimate_kernels.notes)
     return _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0)
 
 
