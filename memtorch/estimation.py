@@ -754,7 +754,7 @@ def _explain(e):
     if "DataDependent" in name or "data-dependent" in text.lower():
         return (f"the model runs an operation whose output depends on tensor values ({text}); estimate() runs "
                 "the step on fake tensors that hold no values")  # fmt: skip
-    if "Unsupported" in name or "meta" in text.lower():
+    if "Unsupported" in name or "meta" in text.lower() or "no fake impl" in text.lower():
         return (f"an operation of the model cannot run on fake tensors ({name}: {text}): a custom operator "
                 "needs a meta/fake kernel for estimate() to run it")  # fmt: skip
     return f"the model's training step failed on fake tensors: {name}: {text}"

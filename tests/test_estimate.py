@@ -427,3 +427,21 @@ def test_pytest_fixture_estimate_budget(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*peak * exceeds budget 1.0 KiB by *"])
+
+
+@torch.library.custom_op("memtorch_test::double_it", mutates_args=())
+def _double_it(x: torch.Tensor) -> torch.Tensor:  # a CPU kernel and no fake kernel
+    return x * 2
+
+
+class CustomOpModel(ItemModel):
+    def forward(self, x):
+        return _double_it(self.lin(x))
+
+
+def test_custom_op_without_fake_kernel():
+    model = CustomOpModel()
+    forwards = [type(m).forward for m in model.modules()]
+    with pytest.raises(MemtorchError, match="cannot run on fake tensors.*fake kernel"):
+        memtorch.estimate(model, (4, 8))
+    _state_is_clean(model, forwards)
