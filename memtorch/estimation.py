@@ -623,6 +623,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     if isinstance(v, torch.Tensor):
                         state_keys.add(ledger.key_of(v))
         facts["fparams"] = fparams
+        facts["largest_unit"] = _largest_unit(model, {id(f): f.untyped_storage().nbytes() for _, f in fparams})
         facts["trainable_numel"] = sum(t.numel() for t in trainable)
         ledger.mark(grads_keys, "gradient")
         ledger.mark(state_keys, "optimizer_state")
@@ -822,7 +823,9 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         per_rank, peak_rank = _per_rank(states, breakdown, peak, world_size, sharding, facts, hooks)
         notes.append(
             f"per-rank figures for {sharding} on {world_size} ranks: model states by the ZeRO paper's formulas; "
-            "the inputs given are one rank's batch"
+            "the inputs given are one rank's batch; zero3 adds two units' gathered parameters (the block "
+            "computing and the next one prefetched, each block of an nn.ModuleList being a unit); "
+            "communication buffers other than DDP's gradient buckets are not modelled"
         )
         peak, steady = peak_rank, per_rank["steady"]
     return Estimate(
@@ -861,6 +864,20 @@ def _grads_of_last_step(ledger):
     return best
 
 
+def _largest_unit(model, nbytes):
+    """Parameter bytes of the largest block of any nn.ModuleList (the whole model without one):
+    what FSDP/ZeRO-3 gathers unsharded while it computes one wrapped unit."""
+    torch = _torch()
+    units_ = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    if not units_:
+        units_ = [model]
+    best = 0
+    for m in units_:
+        ids = {id(p) for p in m.parameters()}
+        best = max(best, sum(nbytes.get(i, 0) for i in ids))
+    return best
+
+
 def _per_rank(states, breakdown, peak, n, sharding, facts, hooks):
     """Per-rank model states (ZeRO paper, section 5) and the peak with them replaced."""
     numel = facts["trainable_numel"]
@@ -878,17 +895,20 @@ def _per_rank(states, breakdown, peak, n, sharding, facts, hooks):
         rp, rg, ro, extra = p, g // n, o // n, 0
     else:
         rp, rg, ro, extra = p // n, g // n, o // n, 0
+    # ZeRO-3/FSDP: one unit's parameters gathered whole while it computes, the next prefetched
+    gathered = 2 * facts["largest_unit"] if sharding == "zero3" else 0
     saved = (p - rp) + (o - ro)
     # gradients: at the peak only what was alive of them is replaced
     g_at_peak = breakdown.get("gradient", 0)
     g_rank_at_peak = g_at_peak if sharding in ("ddp", "zero1") else g_at_peak // n
-    peak_rank = peak - saved - (g_at_peak - g_rank_at_peak) + extra
+    peak_rank = peak - saved - (g_at_peak - g_rank_at_peak) + extra + gathered
     steady = p + states["buffer"] + o - saved + extra + breakdown.get("input", 0)
     out = {
         "parameter": rp,
         "gradient": rg,
         "optimizer_state": ro,
         "communication_buckets": extra,
+        "gathered_parameters": gathered,
         "peak": peak_rank,
         "steady": steady,
     }
