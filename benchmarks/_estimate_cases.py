@@ -104,6 +104,14 @@ CASES = {
     "GPT tied + dropout, AdamW, bf16 autocast": (lambda: GPT(dropout=0.1), tokens, "adamw", gpt_loss, "bf16-mixed", None),
     "GPT tied, Adam, bf16 autocast, checkpointing": (GPT, tokens, "adam", gpt_loss, "bf16-mixed", "blocks"),
     "Frozen backbone + head, AdamW": (frozen_backbone, lambda: torch.randn(64, 256), "adamw", None, "fp32", None),
+    # medium: kernel calls above the 32 MiB probe cap (their scratch space is not measured)
+    "CNN + BatchNorm, batch 64 at 64x64, SGD momentum": (
+        cnn, lambda: torch.randn(64, 3, 64, 64), "sgd-momentum", None, "fp32", None,
+    ),  # fmt: skip
+    "GPT tied d=512, 4 layers, 8x256 tokens, AdamW": (
+        lambda: GPT(vocab=8000, d=512, layers=4, heads=8, ctx=256), lambda: tokens(8, 256, 8000), "adamw", gpt_loss,
+        "fp32", None,
+    ),  # fmt: skip
     "TransformerEncoder, AdamW": (
         lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 256, batch_first=True), 2),
         lambda: torch.randn(16, 64, 128), "adamw", None, "fp32", None,
