@@ -185,7 +185,9 @@ def _probe_key(func, args, kwargs):
         raise TypeError
 
     try:
-        return (func, tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items())))
+        # scratch space can depend on the thread count (per-thread buffers): part of the key
+        args_key = tuple(one(a) for a in args)
+        return (func, args_key, tuple((k, one(v)) for k, v in sorted(kwargs.items())), torch.get_num_threads())
     except TypeError:
         return None
 
