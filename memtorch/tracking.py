@@ -203,6 +203,16 @@ class LeakReport:
         lines = [head] + ["  survivor " + s.describe() for s in self.survivors]
         return "\n".join(lines)
 
+    def _repr_html_(self):
+        from . import display
+
+        return display.leak_report_html(self)
+
+    def plot(self, **kw):
+        from . import plot
+
+        return plot.leak_report(self, **kw)
+
     def __repr__(self):
         return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, survivors={len(self.survivors)})"
 
@@ -329,20 +339,26 @@ class TrackReport:
         return "\n".join(out)
 
     def _repr_html_(self):
-        parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
-        parts.append(_html_table(["", "bytes", ""], self._summary_rows()))
-        phases = self._phase_rows()
-        if phases:
-            parts.append(_html_table(["phase", "calls", "delta", "peak above start", "time"], phases))
-        mods = self._module_rows()
-        if mods:
-            parts.append(_html_table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods))
-        if self.leak is not None:
-            parts.append("<pre>" + html.escape(str(self.leak)) + "</pre>")
-        if self.largest:
-            items = "".join(f"<li>{html.escape(t.describe())}</li>" for t in self.largest)
-            parts.append(f"<p>largest live tensors at the end:</p><ul>{items}</ul>")
-        return "<div>" + "".join(parts) + "</div>"
+        from . import display
+
+        return display.track_report_html(self)
+
+    def to_text(self, depth=None, max_rows=None):
+        """The report, its module tree folded to depth / max_rows (memtorch.display)."""
+        from . import display
+
+        return display.track_report_text(self, depth, max_rows)
+
+    def to_html(self, depth=None, max_rows=None):
+        from . import display
+
+        return display.track_report_html(self, depth, max_rows)
+
+    def plot(self, kind="timeline", **kw):
+        """A matplotlib Figure: kind='timeline', 'phases' or 'modules' (memtorch.plot)."""
+        from . import plot
+
+        return plot.track_report(self, kind=kind, **kw)
 
     def __repr__(self):
         return (
@@ -993,6 +1009,11 @@ class Tracker:
 
         wrapper.tracker = self
         return wrapper
+
+    def _repr_html_(self):
+        from . import display
+
+        return display.tracker_html(self)
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"
