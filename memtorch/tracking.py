@@ -242,6 +242,8 @@ class TrackReport:
         self.phases = kw.get("phases", {})
         self.modules = kw.get("modules", [])
         self.timeline = kw.get("timeline")
+        # with timeline=True: [(ns on the timeline's clock, "phase" | "end" | "step", phase name or step number)]
+        self.marks = kw.get("marks", [])
         self.leak = kw.get("leak")
         self.largest = kw.get("largest", [])
         self.seconds = kw.get("seconds", 0.0)
@@ -627,6 +629,10 @@ class Tracker:
             for o in self._cuda_open:
                 o.see(r)
 
+    def _clock_ns(self):
+        """Now on the clock of this block's timeline (CPU event log: CLOCK_MONOTONIC; CUDA: perf_counter)."""
+        return time.monotonic_ns() if self._kind == "cpu" else time.perf_counter_ns()
+
     def _current(self):
         if self._kind == "cpu":
             return self._scope.current
@@ -636,6 +642,8 @@ class Tracker:
     def _begin_phase(self, name):
         self._end_phase()
         self._phase = (name, self._open_scope(), time.perf_counter())
+        if self._timeline:
+            self._tl_marks.append((self._clock_ns(), "phase", name))
 
     def _end_phase(self):
         ph = self._phase
@@ -643,6 +651,8 @@ class Tracker:
             return
         self._phase = None
         name, s, t0 = ph
+        if self._timeline:
+            self._tl_marks.append((self._clock_ns(), "end", name))
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
 
@@ -785,6 +795,7 @@ class Tracker:
         self._root_depth = 0
         self._forwards = 0
         self._boundaries = []
+        self._tl_marks = []  # timeline=True: (clock ns, kind, label) of phase starts/ends and steps
         self._snap = None
         self._suspects = {}  # id -> (TensorInfo, created in a growing step)
         self._thread = threading.get_ident()
@@ -847,12 +858,15 @@ class Tracker:
         t_end = time.monotonic_ns()
         start, end, peak, exact = self._close_scope(self._scope)
         timeline = None
+        extra_marks = []
         if self._timeline or self._evmode:
             t, b = self._scope.timeline()
             if self._evmode:
                 self._record_marks(t, b, t_end)
             if self._timeline:
                 timeline = (t - t[0] if len(t) else t, b)
+                t0 = int(t[0]) if len(t) else 0
+                extra_marks = [(ns - t0, kind, label) for ns, kind, label in self._tl_marks]
         seconds = time.perf_counter() - self._t0
         extra = {}
         if self._kind == "cpu":
@@ -885,7 +899,7 @@ class Tracker:
         return TrackReport(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak,
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
-            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, **extra,
+            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, marks=extra_marks, **extra,
         )  # fmt: skip
 
     def _snapshot(self):
@@ -934,6 +948,8 @@ class Tracker:
         now = self._current()
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based
+        if self._timeline:
+            self._tl_marks.append((self._clock_ns(), "step", k))
         if not self._leaks:
             return
         if k > self._warmup and now - self._boundaries[-2] > 0:
