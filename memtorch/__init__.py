@@ -34,6 +34,8 @@ _EXPORTS = {
     "BudgetExceeded": ("errors", "BudgetExceeded"),
     "UnitError": ("errors", "UnitError"),
     "DeviceUnavailable": ("errors", "DeviceUnavailable"),
+    "advise": ("advice", "advise"),
+    "Advice": ("advice", "Advice"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

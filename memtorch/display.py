@@ -27,6 +27,8 @@ __all__ = [
     "leak_report_html",
     "tracker_html",
     "tracker_text",
+    "advice_text",
+    "advice_html",
 ]
 
 # Defaults of every module table: max_rows (None: no limit), depth (None: as deep
@@ -604,3 +606,71 @@ def tracker_html(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
     if isinstance(r, Exception):
         return f'<div class="memtorch memtorch-tracker"><p>memtorch.track on {_e(_device_of(tracker))}: {_e(r)}</p></div>'
     return track_report_html(r, depth, max_rows)
+
+
+# ---------------------------------------------------------------------------
+# Advice (memtorch.advise)
+
+
+def _advice_head(adv):
+    head = f"memtorch.advise for {adv.model_type}: holds {_fmt(adv.held)}"
+    if adv.peak is not None:
+        head += f", a training step peaks at {_fmt(adv.peak)} (measured, inputs apart)"
+    if adv.budget is not None:
+        head += f"; budget {_fmt(adv.budget)}"
+    return head
+
+
+def _advice_rows(adv):
+    rows = []
+    for i, s in enumerate(adv.items, 1):
+        after = ""
+        if adv.peak is not None and adv.budget is not None:
+            fits = adv.peak - s.saves <= adv.budget
+            after = "fits" if fits else "not enough alone"
+        rows.append([str(i), s.title, _fmt(s.saves), f"{s.saves:,} B", s.basis, after])
+    return rows
+
+
+def advice_text(adv):
+    """The ranked suggestions: what, bytes saved, how the figure was obtained; then how to do each."""
+    out = [_advice_head(adv), ""]
+    if adv.items:
+        header = ["#", "change", "saves", "bytes", "figure", "budget" if adv.budget is not None else ""]
+        out += _text_table(header, _advice_rows(adv), {0, 2, 3})
+        out.append("")
+        for i, s in enumerate(adv.items, 1):
+            out.append(f"{i}. {s.title}: saves {_fmt(s.saves)} ({s.basis})")
+            out.append(f"   how: {s.how}")
+            out.append(f"   figures: {s.detail}")
+    else:
+        out.append("no change found that saves memory")
+    if adv.notes:
+        out.append("")
+        out.append("checked, nothing to gain:" if adv.items else "checked:")
+        out += [f"  - {n}" for n in adv.notes]
+    out.append("")
+    out.append("Each saving is measured alone; savings do not add up.")
+    return "\n".join(out)
+
+
+def advice_html(adv):
+    parts = [f'<div class="memtorch memtorch-advice"><p><b>{_e(_advice_head(adv))}</b></p>']
+    if adv.items:
+        header = ["#", "change", "saves", "bytes", "figure"] + (["budget"] if adv.budget is not None else [])
+        body = [r[: len(header)] for r in _advice_rows(adv)]
+        parts.append(_html_table(header, body, right={0, 2, 3}))
+        parts.append("<ol>")
+        for s in adv.items:
+            parts.append(
+                f"<li><b>{_e(s.title)}</b>: saves {_e(_fmt(s.saves))} ({_e(s.basis)})<br>"
+                f"how: <code>{_e(s.how)}</code><br><small>{_e(s.detail)}</small></li>"
+            )
+        parts.append("</ol>")
+    else:
+        parts.append("<p>no change found that saves memory</p>")
+    if adv.notes:
+        items = "".join(f"<li>{_e(n)}</li>" for n in adv.notes)
+        parts.append(f"<details><summary>checked, nothing to gain ({len(adv.notes)})</summary><ul>{items}</ul></details>")
+    parts.append("<p><small>Each saving is measured alone; savings do not add up.</small></p></div>")
+    return "".join(parts)
