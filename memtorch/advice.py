@@ -9,8 +9,10 @@ Every figure is computed, never guessed, and each item says how (``basis``):
   inputs, each variant tracked by memtorch.track() (exact CPU counters), the
   saving being the difference of the step peaks.
 - "exact arithmetic": counted from the tensors memtorch.inspect() walks (a
-  float32 parameter is 4 bytes, 2 in bfloat16; a sparse CSR matrix holds
-  rows + 1 and nnz int64 indices and nnz values).
+  float32 parameter is 4 bytes, 2 in bfloat16; Adam keeps two buffers of each
+  parameter's size).
+- sparse storage: counted (a CSR matrix holds rows + 1 and nnz int64 indices
+  and nnz values) and measured on the converted tensor, which must agree.
 
 This file is named advice.py, apart from the function, so that importing the
 submodule never shadows ``memtorch.advise`` (as inspection.py / tracking.py).
@@ -269,12 +271,21 @@ def _sparse(model, items, notes, threshold):
         if p.dim() == 2:
             # CSR: rows + 1 int64 row pointers, an int64 column index per non-zero, the values
             csr = (p.shape[0] + 1) * 8 + nnz * 8 + nnz * p.element_size()
-            options.append(("CSR", csr, "w.to_sparse_csr()"))
+            options.append(("CSR", csr, "w.to_sparse_csr().clone()"))
+        measured, direct_csr = _sparse_measured(p)
+        for fmt_, size_, _ in options:  # the arithmetic, held against the real tensors
+            if measured.get(fmt_) != size_:
+                raise AssertionError(f"{name}: {fmt_} measured {measured.get(fmt_)} B, counted {size_} B")
         fmt, size, code = min(options, key=lambda o: o[1])
         detail = (
             f"{name}: {zeros:.1%} zeros ({nnz:,} of {p.numel():,} non-zero, {_dtype_name(p.dtype)}); dense "
             f"{_both(dense)}; " + "; ".join(f"{f} {_both(s)}" for f, s, _ in options)
         )
+        if direct_csr is not None and fmt == "CSR" and direct_csr != size:
+            detail += (
+                f"; w.to_sparse_csr() alone holds {_both(direct_csr)}: its column indices keep the whole COO "
+                "index storage alive, .clone() drops it"
+            )
         if size >= dense:
             notes.append(f"sparse storage: {detail}: sparse would not be smaller")
             continue
@@ -283,7 +294,7 @@ def _sparse(model, items, notes, threshold):
                 "sparse",
                 f"Store {name} as a sparse {fmt} tensor",
                 dense - size,
-                EXACT,
+                MEASURED,
                 f"keep the weight as {code} and use torch.sparse.mm in the forward (inference, or training "
                 "with a fixed sparsity pattern); note that torch.nn.utils.prune keeps a dense mask and the "
                 "original weight, so it adds memory instead",
@@ -292,6 +303,24 @@ def _sparse(model, items, notes, threshold):
                 after=size,
             )
         )
+
+
+def _sparse_measured(p):
+    """{format: bytes} of p converted for real (memtorch.sizeof), and to_sparse_csr()'s bytes before .clone()."""
+    import warnings
+
+    from .inspection import sizeof
+
+    w = p.detach()
+    out = {"COO": sizeof(w.to_sparse()).total}
+    direct = None
+    if w.dim() == 2:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+            c = w.to_sparse_csr()
+            direct = sizeof(c).total
+            out["CSR"] = sizeof(c.clone()).total
+    return out, direct
 
 
 def _dead(mm, base, items, notes):
