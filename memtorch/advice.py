@@ -133,9 +133,15 @@ def default_loss(output):
 
 def _copy_optimizer(optimizer, params):
     """An optimizer of the same class and settings over ``params`` (None: none)."""
+    import inspect
+
     if optimizer is None:
         return None
-    return type(optimizer)(params, **optimizer.defaults)
+    cls = type(optimizer)
+    # defaults may hold keys the constructor does not take (AdamW: decoupled_weight_decay)
+    accepted = inspect.signature(cls.__init__).parameters
+    kw = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls(params, **kw)
 
 
 def _storage_rows(mm):

@@ -126,6 +126,9 @@ def test_optimizer_state_by_arithmetic_before_the_first_step():
     model = nn.Linear(100, 50)
     opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
     adv = memtorch.advise(model, optimizer=opt)
+    assert memtorch.advise(model, torch.ones(2, 100), optimizer=opt).by_kind("optimizer_sgd")[0].saves == (
+        3 * lin(100, 50) + 2 * 4
+    )  # the copy of an AdamW (whose defaults hold a key its constructor refuses) steps and measures the same
     (sgd,) = adv.by_kind("optimizer_sgd")
     assert sgd.saves == 3 * lin(100, 50) + 2 * 4
     assert sgd.basis == "exact arithmetic" and "max_exp_avg_sq" in sgd.detail
