@@ -37,7 +37,13 @@ EXACT = "exact arithmetic"
 
 class Suggestion:
     """One change: ``saves`` bytes (int), ``basis`` (how the figure was obtained), ``title``,
-    ``how`` (what to do, with code), ``detail`` (the figures behind it), ``kind`` (a key)."""
+    ``how`` (what to do, with code), ``detail`` (the figures behind it), ``kind`` (a key).
+
+    ``saves`` is the drop of the measured step peak where the change was run
+    (then ``before`` / ``after`` are the two peaks), otherwise the bytes the
+    change stops holding (parameters, gradients, optimizer state: alive all
+    through training, so at the peak too once gradients and state exist).
+    """
 
     __slots__ = ("kind", "title", "saves", "basis", "how", "detail", "before", "after")
 

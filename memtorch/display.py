@@ -625,9 +625,12 @@ def _advice_rows(adv):
     rows = []
     for i, s in enumerate(adv.items, 1):
         after = ""
-        if adv.peak is not None and adv.budget is not None:
-            fits = adv.peak - s.saves <= adv.budget
-            after = "fits" if fits else "not enough alone"
+        # only where a step was measured with the change: other savings are of held bytes,
+        # and how much of them the peak loses depends on when they are alive
+        if adv.peak is not None and s.before == adv.peak and s.after is not None:
+            after = _fmt(s.after)
+            if adv.budget is not None:
+                after += ", fits" if s.after <= adv.budget else ", over budget"
         rows.append([str(i), s.title, _fmt(s.saves), f"{s.saves:,} B", s.basis, after])
     return rows
 
@@ -636,7 +639,7 @@ def advice_text(adv):
     """The ranked suggestions: what, bytes saved, how the figure was obtained; then how to do each."""
     out = [_advice_head(adv), ""]
     if adv.items:
-        header = ["#", "change", "saves", "bytes", "figure", "budget" if adv.budget is not None else ""]
+        header = ["#", "change", "saves", "bytes", "how counted", "step peak after" if adv.peak is not None else ""]
         out += _text_table(header, _advice_rows(adv), {0, 2, 3})
         out.append("")
         for i, s in enumerate(adv.items, 1):
@@ -650,16 +653,16 @@ def advice_text(adv):
         out.append("checked, nothing to gain:" if adv.items else "checked:")
         out += [f"  - {n}" for n in adv.notes]
     out.append("")
-    out.append("Each saving is measured alone; savings do not add up.")
+    out.append("Each saving is measured alone; savings do not add up. 'step peak after': measured with the change.")
     return "\n".join(out)
 
 
 def advice_html(adv):
     parts = [f'<div class="memtorch memtorch-advice"><p><b>{_e(_advice_head(adv))}</b></p>']
     if adv.items:
-        header = ["#", "change", "saves", "bytes", "figure"] + (["budget"] if adv.budget is not None else [])
+        header = ["#", "change", "saves", "bytes", "how counted"] + (["step peak after"] if adv.peak is not None else [])
         body = [r[: len(header)] for r in _advice_rows(adv)]
-        parts.append(_html_table(header, body, right={0, 2, 3}))
+        parts.append(_html_table(header, body, right={0, 2, 3, 5}))
         parts.append("<ol>")
         for s in adv.items:
             parts.append(
