@@ -165,7 +165,12 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     torch = _torch()
     from . import inspection, tracking
 
-    probe = copy.deepcopy(model)
+    try:
+        probe = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001 - re-raised with what failed
+        raise MemtorchError(
+            f"advise() measures steps on a copy of the model, and copy.deepcopy(model) failed: {type(e).__name__}: {e}"
+        ) from e
     probe.zero_grad(set_to_none=True)
     probe.train()
     named = dict(probe.named_modules())

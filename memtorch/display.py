@@ -29,6 +29,8 @@ __all__ = [
     "tracker_text",
     "advice_text",
     "advice_html",
+    "estimate_html",
+    "estimate_text",
 ]
 
 # Defaults of every module table: max_rows (None: no limit), depth (None: as deep
@@ -490,7 +492,7 @@ def _tr_nodes(report):
 
 
 def _tr_cells_for(report):
-    exact = {m.name: m.exact for m in report.modules}
+    exact = {m.name: getattr(m, "exact", True) for m in report.modules}
 
     def cells(r):
         v = r.values
@@ -676,4 +678,61 @@ def advice_html(adv):
         items = "".join(f"<li>{_e(n)}</li>" for n in adv.notes)
         parts.append(f"<details><summary>checked, nothing to gain ({len(adv.notes)})</summary><ul>{items}</ul></details>")
     parts.append("<p><small>Each saving is measured alone; savings do not add up.</small></p></div>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Estimate (memtorch.estimate): laid out as a TrackReport, plus the breakdown at the peak
+
+
+def _estimate_sections(est):
+    """[(heading, header, rows, right-aligned columns)] of an Estimate, module tree apart."""
+    out = [("", ["", "bytes", ""], [list(r) for r in est._summary_rows()], {1})]
+    cats = [list(r) for r in est._category_rows()]
+    if cats:
+        out.append(("at the peak", ["category", "bytes", "share"], cats, {1, 2}))
+    phases = [list(r) for r in est._phase_rows()]
+    if phases:
+        out.append(("", ["phase", "calls", "delta", "peak above start"], phases, {1, 2, 3}))
+    ranks = [list(r) for r in getattr(est, "_rank_rows", lambda: [])()]
+    if ranks:
+        out.append((f"per rank ({est.sharding or 'replicated'}, {est.world_size} ranks)", ["figure", "bytes"], ranks, {1}))
+    return out
+
+
+def estimate_text(est, depth=_DEFAULT, max_rows=_DEFAULT):
+    depth, max_rows = _limits(depth, max_rows)
+    out = [est._title()]
+    for head, header, rows, right in _estimate_sections(est):
+        out.append("")
+        if head:
+            out.append(head + ":")
+        out += _text_table(header, rows, right)
+    nodes = _tr_nodes(est)
+    if nodes and any(m.calls for m in est.modules):
+        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        out.append("")
+        out += _tree_text(rows, _TR_HEADER, _tr_cells_for(est))
+        if note:
+            out.append(note)
+    out += ["note: " + n for n in getattr(est, "notes", [])]
+    return "\n".join(out)
+
+
+def estimate_html(est, depth=_DEFAULT, max_rows=_DEFAULT):
+    """HTML of an Estimate: summary, breakdown at the peak, phases, per rank, the module tree."""
+    depth, max_rows = _limits(depth, max_rows)
+    parts = [f'<div class="memtorch memtorch-estimate"><p><b>{_e(est._title())}</b></p>']
+    for head, header, rows, right in _estimate_sections(est):
+        if head:
+            parts.append(f"<p>{_e(head)}:</p>")
+        parts.append(_html_table(header, rows, right=right))
+    nodes = _tr_nodes(est)
+    if nodes and any(m.calls for m in est.modules):
+        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        parts.append(_tree_html(rows, _TR_HEADER, _tr_cells_for(est), "memtorch-modules", f"per module ({len(nodes)})"))
+        text = "Per module: what its forward leaves allocated (per forward of the model) and its peak above entry."
+        parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
+    parts += [f"<p>note: {_e(n)}</p>" for n in getattr(est, "notes", [])]
+    parts.append("</div>")
     return "".join(parts)

@@ -17,7 +17,9 @@ Axes carry binary units (KiB = 1024 B); the unit is chosen from the largest figu
 from . import units
 from .errors import MemtorchError
 
-__all__ = ["timeline", "phases", "modules", "categories", "leak", "model_memory", "track_report", "leak_report"]
+__all__ = [
+    "timeline", "phases", "modules", "categories", "leak", "model_memory", "track_report", "leak_report", "estimate",
+]  # fmt: skip
 
 PHASE_COLORS = {"forward": "#4C9BE8", "backward": "#F28E2B", "optimizer": "#59A14F"}
 CATEGORY_COLORS = {
@@ -27,6 +29,9 @@ CATEGORY_COLORS = {
     "optimizer_state": "#59A14F",
     "tensor": "#B07AA1",
     "array": "#BAB0AC",
+    "activation": "#E15759",
+    "temporary": "#EDC948",
+    "input": "#76B7B2",
 }
 
 
@@ -224,40 +229,61 @@ def _mm_modules(mm, top, ax, title):
     return fig
 
 
-def categories(reports, ax=None, title=None):
-    """Stacked bars by category (parameter, buffer, gradient, optimizer state, ...).
+def _by_category(r):
+    """{category: bytes} of a report: ModelMemory.by_category, or an Estimate's breakdown at its peak."""
+    for attr in ("by_category", "breakdown"):
+        value = getattr(r, attr, None)
+        if isinstance(value, dict):
+            return value
+    raise TypeError(
+        f"categories() needs reports with by_category (a ModelMemory) or breakdown (an Estimate), got {type(r).__name__}"
+    )
 
-    ``reports``: a ModelMemory (or anything with ``by_category``), or a dict
-    {label: report} for bars side by side (e.g. before and after a change).
+
+def categories(reports, ax=None, title=None):
+    """Stacked bars by category (parameter, buffer, gradient, optimizer state, activation, ...).
+
+    ``reports``: a ModelMemory or an Estimate (its breakdown at the peak), or a
+    dict {label: report} for bars side by side (before and after a change, an
+    estimate beside what inspect() counts).
     """
     from .report import CATEGORIES
 
     if not isinstance(reports, dict):
-        reports = {getattr(reports, "root_type", "") or "total": reports}
-    for label, r in reports.items():
-        if not hasattr(r, "by_category"):
-            raise TypeError(f"categories() needs reports with by_category (a ModelMemory), got {type(r).__name__}")
-    fig, ax = _fig_ax(ax, figsize=(2.2 + 1.3 * len(reports), 4))
-    cats = [c for c in CATEGORIES if any(r.by_category.get(c, 0) for r in reports.values())]
-    totals = [sum(r.by_category.values()) for r in reports.values()]
+        reports = {getattr(reports, "root_type", "") or type(reports).__name__: reports}
+    figures = {label: _by_category(r) for label, r in reports.items()}
+    fig, ax = _fig_ax(ax, figsize=(2.2 + 1.3 * len(figures), 4))
+    order = list(CATEGORIES) + [c for d in figures.values() for c in d if c not in CATEGORIES]
+    cats = [c for c in dict.fromkeys(order) if any(d.get(c, 0) for d in figures.values())]
+    totals = [sum(d.values()) for d in figures.values()]
     name, factor = _unit(max(totals) if totals else 0)
-    x = list(range(len(reports)))
-    bottom = [0.0] * len(reports)
+    x = list(range(len(figures)))
+    bottom = [0.0] * len(figures)
     for c in cats:
-        vals = [r.by_category.get(c, 0) / factor for r in reports.values()]
+        vals = [d.get(c, 0) / factor for d in figures.values()]
         ax.bar(x, vals, bottom=bottom, color=CATEGORY_COLORS.get(c, "#888888"), label=c.replace("_", " "), width=0.6)
         for i, v in enumerate(vals):
             if v and v > 0.06 * (max(totals) / factor):
-                ax.annotate(units.format(round(v * factor)), xy=(i, bottom[i] + v / 2), ha="center", va="center", fontsize=7, color="white")
+                ax.annotate(
+                    units.format(round(v * factor)), xy=(i, bottom[i] + v / 2), ha="center", va="center",
+                    fontsize=7, color="white",
+                )  # fmt: skip
         bottom = [a + b for a, b in zip(bottom, vals)]
     for i, tot in enumerate(totals):
         ax.annotate(units.format(tot), xy=(i, tot / factor), ha="center", va="bottom", fontsize=8, fontweight="bold")
-    ax.set_xticks(x, list(reports), fontsize=8)
+    ax.set_xticks(x, list(figures), fontsize=8)
     ax.set_ylabel(f"bytes ({name})")
     ax.set_ylim(0, (max(totals) if totals else 1) / factor * 1.15 or 1)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title or "memory by category", fontsize=10)
     return fig
+
+
+def estimate(est, kind="categories", **kw):
+    kinds = {"categories": categories, "phases": phases, "modules": modules}
+    if kind not in kinds:
+        raise ValueError(f"unknown plot kind {kind!r} for an Estimate: expected one of {', '.join(kinds)}")
+    return kinds[kind](est, **kw)
 
 
 # ---------------------------------------------------------------------------

@@ -263,3 +263,12 @@ def test_submodule_import_does_not_shadow_the_function():
     import memtorch.advice  # noqa: F401
 
     assert callable(memtorch.advise) and memtorch.advise is advice.advise
+
+
+def test_model_that_cannot_be_copied():
+    class NoCopy(nn.Linear):
+        def __deepcopy__(self, memo):
+            raise TypeError("holds a file handle")
+
+    with pytest.raises(memtorch.MemtorchError, match="copy.deepcopy\\(model\\) failed: TypeError: holds a file handle"):
+        memtorch.advise(NoCopy(2, 2), torch.ones(1, 2))
