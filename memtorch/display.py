@@ -523,10 +523,15 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
     if report.leak is not None:
         out.append("")
         out.append(str(report.leak))
+    at_peak = getattr(report, "at_peak", None)
+    if at_peak is not None:
+        out.append("")
+        out += at_peak.lines(limit=15)
     if report.largest:
         out.append("")
-        out.append("largest live tensors at the end:")
+        out.append(f"largest live tensors {_largest_when(report)}:")
         out += ["  " + t.describe() for t in report.largest]
+    out += ["note: " + c for c in getattr(report, "caveats", [])]
     return "\n".join(out)
 
 
@@ -550,11 +555,33 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
         parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
     if report.leak is not None:
         parts.append(leak_report_html(report.leak, wrap=False))
+    at_peak = getattr(report, "at_peak", None)
+    if at_peak is not None:
+        parts.append(at_peak_html(at_peak))
     if report.largest:
         items = "".join(f"<li>{_e(t.describe())}</li>" for t in report.largest)
-        parts.append(f"<p>largest live tensors at the end:</p><ul>{items}</ul>")
+        parts.append(f"<p>largest live tensors {_e(_largest_when(report))}:</p><ul>{items}</ul>")
+    parts += [f"<p>note: {_e(c)}</p>" for c in getattr(report, "caveats", [])]
     parts.append("</div>")
     return "".join(parts)
+
+
+def _largest_when(report):
+    return "at the peak" if getattr(report, "at_peak", None) is not None else "at the end"
+
+
+def at_peak_html(at_peak, limit=15):
+    """Who held the bytes at the peak (track's at_peak): owner, kind, phase, bytes; the rest summed."""
+    owners = [o for o in at_peak.owners if o.nbytes]
+    shown, rest = owners[:limit], owners[limit:]
+    body = [[o.name, o.kind, o.phase or "", _fmt(o.nbytes), f"{o.nbytes:,} B"] for o in shown]
+    if rest:
+        n = sum(o.nbytes for o in rest)
+        body.append([f"... {len(rest)} more owner(s)", "", "", _fmt(n), f"{n:,} B"])
+    how = "" if at_peak.exact else ", not exact"
+    caption = f"at the peak ({_fmt(at_peak.peak)}{how}), held by"
+    out = _html_table(["owner", "kind", "allocated in", "bytes", ""], body, right={3, 4}, caption=caption)
+    return out + "".join(f"<p>note: {_e(n)}</p>" for n in at_peak.notes)
 
 
 def leak_report_html(leak, wrap=True):

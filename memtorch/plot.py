@@ -235,8 +235,12 @@ def _by_category(r):
         value = getattr(r, attr, None)
         if isinstance(value, dict):
             return value
+    at_peak = getattr(r, "at_peak", None)  # a TrackReport: who held the bytes at its peak
+    if at_peak is not None:
+        return at_peak.by_kind()
     raise TypeError(
-        f"categories() needs reports with by_category (a ModelMemory) or breakdown (an Estimate), got {type(r).__name__}"
+        "categories() needs reports with by_category (a ModelMemory), breakdown (an Estimate) or at_peak "
+        f"(a TrackReport of a block whose event log ran), got {type(r).__name__}"
     )
 
 
@@ -322,7 +326,7 @@ def _fig_ax(ax, figsize):
 
 
 def track_report(report, kind="timeline", **kw):
-    kinds = {"timeline": timeline, "phases": phases, "modules": modules, "leak": leak}
+    kinds = {"timeline": timeline, "phases": phases, "modules": modules, "leak": leak, "categories": categories}
     if kind not in kinds:
         raise ValueError(f"unknown plot kind {kind!r} for a TrackReport: expected one of {', '.join(kinds)}")
     return kinds[kind](report, **kw)

@@ -357,7 +357,7 @@ class TrackReport:
         return display.track_report_html(self, depth, max_rows)
 
     def plot(self, kind="timeline", **kw):
-        """A matplotlib Figure: kind='timeline', 'phases' or 'modules' (memtorch.plot)."""
+        """A matplotlib Figure: kind='timeline', 'phases', 'modules', 'leak' or 'categories' (at the peak) (memtorch.plot)."""
         from . import plot
 
         return plot.track_report(self, kind=kind, **kw)

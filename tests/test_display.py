@@ -278,3 +278,30 @@ def test_leak_and_tracker_html():
         keep = torch.ones(100)
         assert "so far" in live._repr_html_()
     del keep
+
+
+class _Owner:
+    def __init__(self, name, kind, phase, nbytes):
+        self.name, self.kind, self.phase, self.nbytes = name, kind, phase, nbytes
+
+
+class _AtPeak:
+    """The shape of track()'s at_peak (owners largest first, peak = their sum, exact, notes)."""
+
+    def __init__(self, owners):
+        self.owners = owners
+        self.peak = sum(o.nbytes for o in owners)
+        self.exact = True
+        self.notes = ["a note"]
+
+
+def test_at_peak_table():
+    owners = [_Owner(f"layer{i}.weight", "parameter", None, 1000 - i) for i in range(20)]
+    page = display.at_peak_html(_AtPeak(owners), limit=15)
+    (t,) = parse(page).tables
+    assert t["head"] == ["owner", "kind", "allocated in", "bytes", ""]
+    assert len(t["rows"]) == 16
+    assert t["rows"][0]["cells"][4]["text"] == "1,000 B"
+    rest = sum(1000 - i for i in range(15, 20))
+    assert t["rows"][-1]["cells"][0]["text"] == "... 5 more owner(s)" and t["rows"][-1]["cells"][4]["text"] == f"{rest:,} B"
+    assert "note: a note" in page
