@@ -188,7 +188,7 @@ def test_leak_plot(tracked, tmp_path):
 
 
 def test_categories_rejects_other_objects():
-    with pytest.raises(TypeError, match="categories\\(\\) needs reports with by_category \\(a ModelMemory\\) or breakdown"):
+    with pytest.raises(TypeError, match=r"categories\(\) needs reports with by_category \(a ModelMemory\), breakdown"):
         plot.categories({"x": object()})
 
 
