@@ -84,9 +84,11 @@ def timeline(report, ax=None, title=None):
     _require("a timeline", **{"the timeline is empty": len(t) > 0})
     fig, ax = _fig_ax(ax, figsize=(9, 4))
     name, factor = _unit(max(int(b.max()), report.peak))
-    ms = t / 1e6
+    # milliseconds, or seconds for blocks longer than 10 s
+    tdiv, tunit = (1e9, "s") if len(t) and t[-1] > 10e9 else (1e6, "ms")
+    ms = t / tdiv
     ax.plot(ms, b / factor, drawstyle="steps-post", color="#333333", linewidth=1.2, label="allocated")
-    ax.set_xlabel("time since the block opened (ms)")
+    ax.set_xlabel(f"time since the block opened ({tunit})")
     ax.set_ylabel(f"allocated ({name})")
     ax.set_xlim(0, max(float(ms[-1]), 1e-3))
     ax.set_ylim(0, max(report.peak, int(b.max())) / factor * 1.18 or 1)
@@ -100,15 +102,15 @@ def timeline(report, ax=None, title=None):
         elif kind == "end" and label in open_:
             start = open_.pop(label)
             ax.axvspan(
-                start / 1e6, ns / 1e6, color=PHASE_COLORS.get(label, "#cccccc"), alpha=0.22, linewidth=0,
+                start / tdiv, ns / tdiv, color=PHASE_COLORS.get(label, "#cccccc"), alpha=0.22, linewidth=0,
                 label=label if label not in seen else None,
             )  # fmt: skip
             seen.add(label)
     steps = [(ns, label) for ns, kind, label in marks if kind == "step"]
     for i, (ns, k) in enumerate(steps):
-        ax.axvline(ns / 1e6, color="#555555", linestyle="--", linewidth=0.9, label="end of a step" if i == 0 else None)
+        ax.axvline(ns / tdiv, color="#555555", linestyle="--", linewidth=0.9, label="end of a step" if i == 0 else None)
         ax.annotate(
-            f"step {k}", xy=(ns / 1e6, 1), xycoords=("data", "axes fraction"), xytext=(-3, -3),
+            f"step {k}", xy=(ns / tdiv, 1), xycoords=("data", "axes fraction"), xytext=(-3, -3),
             textcoords="offset points", ha="right", va="top", fontsize=8, color="#555555",
         )  # fmt: skip
     # the peak: the first time the log reaches it
