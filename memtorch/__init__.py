@@ -36,6 +36,8 @@ _EXPORTS = {
     "DeviceUnavailable": ("errors", "DeviceUnavailable"),
     "advise": ("advice", "advise"),
     "Advice": ("advice", "Advice"),
+    "display": ("display", None),
+    "plot": ("plot", None),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
