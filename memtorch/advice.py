@@ -130,7 +130,9 @@ def default_loss(output):
     torch = _torch()
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
-        raise MemtorchError("the model's output holds no floating-point tensor to sum into a loss: pass loss_fn=")
+        raise MemtorchError(
+            "the model's output holds no floating-point tensor to sum into a loss: pass loss_fn="
+        )
     loss = leaves[0].float().sum()
     for t in leaves[1:]:
         loss = loss + t.float().sum()
@@ -241,7 +243,9 @@ def _precision(mm, items, notes):
     """Parameters, gradients and optimizer state in bfloat16 instead of float32: exact arithmetic."""
     rows = _storage_rows(mm)
     sel = (rows["dtype"] == "float32") & (
-        (rows["category"] == "parameter") | (rows["category"] == "gradient") | (rows["category"] == "optimizer_state")
+        (rows["category"] == "parameter")
+        | (rows["category"] == "gradient")
+        | (rows["category"] == "optimizer_state")
     )
     # Adam's 'step' counters are float32 scalars that stay float32: only tensors with more than one element
     sel &= ~((rows["category"] == "optimizer_state") & (rows["numel"] <= 1))
@@ -249,7 +253,10 @@ def _precision(mm, items, notes):
     if not fp32:
         notes.append("16-bit parameters: no float32 parameters, gradients or optimizer state to halve")
         return
-    by = {c: int(rows["storage_nbytes"][sel & (rows["category"] == c)].sum()) for c in ("parameter", "gradient", "optimizer_state")}
+    by = {
+        c: int(rows["storage_nbytes"][sel & (rows["category"] == c)].sum())
+        for c in ("parameter", "gradient", "optimizer_state")
+    }
     parts = ", ".join(f"{c.replace('_', ' ')} {_fmt(b)}" for c, b in by.items() if b)
     items.append(
         Suggestion(
@@ -364,7 +371,8 @@ def _dead(mm, base, items, notes):
         items.append(
             Suggestion(
                 "unused_modules",
-                "Remove modules the forward never calls: " + ", ".join(n for n, _, _ in dead[:4])
+                "Remove modules the forward never calls: "
+                + ", ".join(n for n, _, _ in dead[:4])
                 + (f" and {len(dead) - 4} more" if len(dead) > 4 else ""),
                 total,
                 MEASURED,
@@ -390,7 +398,8 @@ def _dead(mm, base, items, notes):
         items.append(
             Suggestion(
                 "no_gradient",
-                "Parameters that receive no gradient: " + ", ".join(n for n, _ in none[:4])
+                "Parameters that receive no gradient: "
+                + ", ".join(n for n, _ in none[:4])
                 + (f" and {len(none) - 4} more" if len(none) > 4 else ""),
                 total,
                 MEASURED,
@@ -422,7 +431,9 @@ def _optimizer(mm_opt, optimizer, items, notes):
         total, how_known = _state_arithmetic(optimizer, params)
         basis = EXACT
         if total is None:
-            notes.append(f"optimizer: {name}'s state does not exist before its first step; pass inputs to measure it")
+            notes.append(
+                f"optimizer: {name}'s state does not exist before its first step; pass inputs to measure it"
+            )
             return
     if total == 0:
         notes.append(f"optimizer: {name} keeps no state")
@@ -466,7 +477,9 @@ def _state_arithmetic(optimizer, params):
     d = optimizer.defaults
     if isinstance(optimizer, (o.Adam, o.AdamW)):
         k = 3 if d.get("amsgrad") else 2
-        step = 0 if d.get("fused") or d.get("capturable") else 4  # a float32 'step' scalar per parameter on the CPU
+        step = (
+            0 if d.get("fused") or d.get("capturable") else 4
+        )  # a float32 'step' scalar per parameter on the CPU
         keys = "exp_avg, exp_avg_sq" + (", max_exp_avg_sq" if k == 3 else "")
         total = k * pbytes + step * n
         return total, (
@@ -475,7 +488,10 @@ def _state_arithmetic(optimizer, params):
         )
     if isinstance(optimizer, o.SGD):
         total = pbytes if d.get("momentum") else 0
-        return total, f"{name} creates {'one momentum buffer per parameter' if total else 'no state'}: {_fmt(total)}"
+        return (
+            total,
+            f"{name} creates {'one momentum buffer per parameter' if total else 'no state'}: {_fmt(total)}",
+        )
     return None, ""
 
 
@@ -498,7 +514,9 @@ def _freeze(mm_opt, model, optimizer, items, notes):
         return
     name, grad_bytes, _row = best
     state = rows[rows["category"] == "optimizer_state"]
-    child_state = sum(int(b) for p, b in zip(state["path"].tolist(), state["storage_nbytes"].tolist()) if _under(p, name))
+    child_state = sum(
+        int(b) for p, b in zip(state["path"].tolist(), state["storage_nbytes"].tolist()) if _under(p, name)
+    )
     saves = grad_bytes + child_state
     items.append(
         Suggestion(
@@ -590,11 +608,13 @@ def _checkpointing(model, inputs, optimizer, loss_fn, base, items, notes):
     if found is None or found[0] == 0:
         notes.append("gradient checkpointing: no group of sibling blocks holding activations")
         return
-    total, parent, names = found
+    total, _parent, names = found
     try:
         run = _step_peak(model, inputs, optimizer, loss_fn, checkpoint=names)
     except Exception as e:  # noqa: BLE001
-        notes.append(f"gradient checkpointing of {', '.join(names)}: the model did not run: {type(e).__name__}: {e}")
+        notes.append(
+            f"gradient checkpointing of {', '.join(names)}: the model did not run: {type(e).__name__}: {e}"
+        )
         return
     saves = base["peak"] - run["peak"]
     label = names[0] + (f" .. {names[-1]}" if len(names) > 1 else "")
@@ -664,7 +684,9 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
         try:
             run = _step_peak(_with_depth(model, name, mid), inputs, optimizer, loss_fn)
         except Exception as e:  # noqa: BLE001
-            notes.append(f"smaller depth: {name or 'the model'} with {mid} blocks did not run: {type(e).__name__}: {e}")
+            notes.append(
+                f"smaller depth: {name or 'the model'} with {mid} blocks did not run: {type(e).__name__}: {e}"
+            )
             return
         tried[mid] = run["peak"]
         if run["peak"] <= budget:
@@ -673,7 +695,9 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
             hi = mid - 1
     runs = ", ".join(f"{k} blocks {_fmt(v)}" for k, v in sorted(tried.items()))
     if fit is None:
-        notes.append(f"smaller depth: even 1 of the {n} blocks of {name} does not fit {_fmt(budget)} ({runs})")
+        notes.append(
+            f"smaller depth: even 1 of the {n} blocks of {name} does not fit {_fmt(budget)} ({runs})"
+        )
         return
     items.append(
         Suggestion(
@@ -742,17 +766,27 @@ def advise(model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=Non
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"advise() needs a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"advise(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"advise(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if budget is not None:
         budget = units.parse(budget)
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"advise(loss_fn=...) expects a callable (output) -> loss, got {type(loss_fn).__name__}")
+        raise TypeError(
+            f"advise(loss_fn=...) expects a callable (output) -> loss, got {type(loss_fn).__name__}"
+        )
     if resize is not None and not callable(resize):
-        raise TypeError(f"advise(resize=...) expects a callable (factor) -> model, got {type(resize).__name__}")
+        raise TypeError(
+            f"advise(resize=...) expects a callable (factor) -> model, got {type(resize).__name__}"
+        )
     if not (isinstance(sparse_threshold, (int, float)) and 0 < sparse_threshold < 1):
-        raise ValueError(f"advise(sparse_threshold=...) expects a fraction in (0, 1), got {sparse_threshold!r}")
+        raise ValueError(
+            f"advise(sparse_threshold=...) expects a fraction in (0, 1), got {sparse_threshold!r}"
+        )
     if (budget is not None or resize is not None) and not inputs:
-        raise MemtorchError("advise(budget=... or resize=...) needs example inputs to measure a step: advise(model, x, ...)")
+        raise MemtorchError(
+            "advise(budget=... or resize=...) needs example inputs to measure a step: advise(model, x, ...)"
+        )
     loss_fn = default_loss if loss_fn is None else loss_fn
     items, notes = [], []
     held = inspection.inspect(model, optimizer=optimizer)
@@ -784,4 +818,6 @@ def advise(model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=Non
                     _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes)
     _optimizer(mm_step, optimizer if base is None else base["optimizer"], items, notes)
     _freeze(mm_step, model if base is None else base["probe"], optimizer, items, notes)
-    return Advice(type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes)
+    return Advice(
+        type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes
+    )

@@ -117,7 +117,12 @@ def _build(entries):
         nodes.append(n)
     # bottom-up signatures: identical type, figures and insides
     for n in reversed(nodes):
-        n.sig = (n.type, tuple(n.values) if n.values else None, n.note, tuple(nodes[c].sig for c in n.children))
+        n.sig = (
+            n.type,
+            tuple(n.values) if n.values else None,
+            n.note,
+            tuple(nodes[c].sig for c in n.children),
+        )
     return nodes
 
 
@@ -186,7 +191,17 @@ def _visible(nodes, depth, collapse, how):
                 label += "-" + last.rsplit(".", 1)[-1]
             values = _combine([nodes[m].values for m in members], how)
             rows.append(
-                _Row(_names(nodes, members), label, f"{n.type} x {k}", n.depth, values, folded, n.note, kind="run", n=k)
+                _Row(
+                    _names(nodes, members),
+                    label,
+                    f"{n.type} x {k}",
+                    n.depth,
+                    values,
+                    folded,
+                    n.note,
+                    kind="run",
+                    n=k,
+                )
             )
         if shown_kids:
             for positions in _units(nodes, members[0], collapse):
@@ -260,7 +275,9 @@ def _text_table(header, rows, right):
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
 
     def line(r):
-        return "  ".join(c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)).rstrip()
+        return "  ".join(
+            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)
+        ).rstrip()
 
     head = line(header)
     return [head, "-" * len(head)] + [line(r) for r in rows]
@@ -304,7 +321,9 @@ def _tree_html(rows, header, cells, css_class, summary):
     name in title=, numbers right-aligned."""
     parts = [f"<details open><summary>{_e(summary)}</summary>"]
     parts.append(f'<table class="{css_class}" style="{_TABLE_STYLE}"><thead><tr>')
-    parts.append(f'<th style="text-align:left;{_CELL}">module</th><th style="text-align:left;{_CELL}">type</th>')
+    parts.append(
+        f'<th style="text-align:left;{_CELL}">module</th><th style="text-align:left;{_CELL}">type</th>'
+    )
     for h in header:
         parts.append(f'<th style="{_NUM_STYLE};{_CELL}">{_e(h)}</th>')
     parts.append("</tr></thead><tbody>")
@@ -314,7 +333,9 @@ def _tree_html(rows, header, cells, css_class, summary):
             title += f" ({r.folded} module(s) inside, not listed)"
         pad = 8 + 16 * r.depth
         parts.append(f'<tr data-depth="{r.depth}" data-kind="{r.kind}">')
-        parts.append(f'<td title="{_e(title)}" style="text-align:left;padding:1px 8px 1px {pad}px">{_e(_label(r))}</td>')
+        parts.append(
+            f'<td title="{_e(title)}" style="text-align:left;padding:1px 8px 1px {pad}px">{_e(_label(r))}</td>'
+        )
         parts.append(f'<td style="text-align:left;{_CELL}">{_e(r.type)}</td>')
         for c in cells(r):
             parts.append(f'<td style="{_NUM_STYLE};{_CELL}">{_e(c)}</td>')
@@ -415,7 +436,10 @@ def _totals(mm):
 
 
 def _limits(depth, max_rows):
-    return (options["depth"] if depth is _DEFAULT else depth, options["max_rows"] if max_rows is _DEFAULT else max_rows)
+    return (
+        options["depth"] if depth is _DEFAULT else depth,
+        options["max_rows"] if max_rows is _DEFAULT else max_rows,
+    )
 
 
 _DEFAULT = object()
@@ -451,7 +475,9 @@ def model_memory_html(mm, depth=_DEFAULT, max_rows=_DEFAULT):
     if nodes:
         rows, note = _layout(nodes, _MM_AGG, depth, max_rows)
         parts.append(_tree_html(rows, _MM_HEADER, _mm_cells, "memtorch-modules", f"modules ({len(nodes)})"))
-        parts.append('<p style="font-size:smaller">Each row: the module with everything inside it, each storage once.')
+        parts.append(
+            '<p style="font-size:smaller">Each row: the module with everything inside it, each storage once.'
+        )
         if note:
             parts.append(" " + _e(note))
         parts.append("</p>")
@@ -461,7 +487,10 @@ def model_memory_html(mm, depth=_DEFAULT, max_rows=_DEFAULT):
 
 
 def _totals_html(lines):
-    body = "".join(f'<tr><th style="text-align:left;{_CELL}">{_e(k)}</th><td style="{_CELL}">{_e(v)}</td></tr>' for k, v in lines)
+    body = "".join(
+        f'<tr><th style="text-align:left;{_CELL}">{_e(k)}</th><td style="{_CELL}">{_e(v)}</td></tr>'
+        for k, v in lines
+    )
     return f'<table class="memtorch-totals" style="{_TABLE_STYLE}"><tbody>{body}</tbody></table>'
 
 
@@ -486,7 +515,9 @@ def _tr_nodes(report):
         entries.append((m.name, m.type, parent, [m.calls, m.activation_bytes, m.peak_above_start], None))
     nodes = _build(entries)
     if any(n.parent < 0 for n in nodes[1:]):  # not one tree (no root row): hang everything under a root
-        entries = [("", "(model)", -1, None, None)] + [(a, b, p + 1 if p >= 0 else 0, v, n) for a, b, p, v, n in entries]
+        entries = [("", "(model)", -1, None, None)] + [
+            (a, b, p + 1 if p >= 0 else 0, v, n) for a, b, p, v, n in entries
+        ]
         nodes = _build(entries)
     return nodes
 
@@ -512,7 +543,9 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
     phases = report._phase_rows()
     if phases:
         out.append("")
-        out += _text_table(["phase", "calls", "delta", "peak above start", "time"], [list(p) for p in phases], {1, 2, 3, 4})
+        out += _text_table(
+            ["phase", "calls", "delta", "peak above start", "time"], [list(p) for p in phases], {1, 2, 3, 4}
+        )
     nodes = [n for n in _tr_nodes(report)]
     if nodes and any(m.calls for m in report.modules):
         rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
@@ -543,15 +576,23 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
     phases = report._phase_rows()
     if phases:
         parts.append(
-            _html_table(["phase", "calls", "delta", "peak above start", "time"], [list(p) for p in phases], right={1, 2, 3, 4})
+            _html_table(
+                ["phase", "calls", "delta", "peak above start", "time"],
+                [list(p) for p in phases],
+                right={1, 2, 3, 4},
+            )
         )
     nodes = _tr_nodes(report)
     if nodes and any(m.calls for m in report.modules):
         rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
         parts.append(
-            _tree_html(rows, _TR_HEADER, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})")
+            _tree_html(
+                rows, _TR_HEADER, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})"
+            )
         )
-        text = "Per module: what its forward left allocated (per forward of the model) and its peak above entry."
+        text = (
+            "Per module: what its forward left allocated (per forward of the model) and its peak above entry."
+        )
         parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
     if report.leak is not None:
         parts.append(leak_report_html(report.leak, wrap=False))
@@ -668,7 +709,14 @@ def advice_text(adv):
     """The ranked suggestions: what, bytes saved, how the figure was obtained; then how to do each."""
     out = [_advice_head(adv), ""]
     if adv.items:
-        header = ["#", "change", "saves", "bytes", "how counted", "step peak after" if adv.peak is not None else ""]
+        header = [
+            "#",
+            "change",
+            "saves",
+            "bytes",
+            "how counted",
+            "step peak after" if adv.peak is not None else "",
+        ]
         out += _text_table(header, _advice_rows(adv), {0, 2, 3})
         out.append("")
         for i, s in enumerate(adv.items, 1):
@@ -682,14 +730,18 @@ def advice_text(adv):
         out.append("checked, nothing to gain:" if adv.items else "checked:")
         out += [f"  - {n}" for n in adv.notes]
     out.append("")
-    out.append("Each saving is measured alone; savings do not add up. 'step peak after': measured with the change.")
+    out.append(
+        "Each saving is measured alone; savings do not add up. 'step peak after': measured with the change."
+    )
     return "\n".join(out)
 
 
 def advice_html(adv):
     parts = [f'<div class="memtorch memtorch-advice"><p><b>{_e(_advice_head(adv))}</b></p>']
     if adv.items:
-        header = ["#", "change", "saves", "bytes", "how counted"] + (["step peak after"] if adv.peak is not None else [])
+        header = ["#", "change", "saves", "bytes", "how counted"] + (
+            ["step peak after"] if adv.peak is not None else []
+        )
         body = [r[: len(header)] for r in _advice_rows(adv)]
         parts.append(_html_table(header, body, right={0, 2, 3, 5}))
         parts.append("<ol>")
@@ -703,7 +755,9 @@ def advice_html(adv):
         parts.append("<p>no change found that saves memory</p>")
     if adv.notes:
         items = "".join(f"<li>{_e(n)}</li>" for n in adv.notes)
-        parts.append(f"<details><summary>checked, nothing to gain ({len(adv.notes)})</summary><ul>{items}</ul></details>")
+        parts.append(
+            f"<details><summary>checked, nothing to gain ({len(adv.notes)})</summary><ul>{items}</ul></details>"
+        )
     parts.append("<p><small>Each saving is measured alone; savings do not add up.</small></p></div>")
     return "".join(parts)
 
@@ -721,9 +775,16 @@ def _estimate_sections(est):
     phases = [list(r) for r in est._phase_rows()]
     if phases:
         out.append(("", ["phase", "calls", "delta", "peak above start"], phases, {1, 2, 3}))
-    ranks = [list(r) for r in getattr(est, "_rank_rows", lambda: [])()]
+    ranks = [list(r) for r in getattr(est, "_rank_rows", list)()]
     if ranks:
-        out.append((f"per rank ({est.sharding or 'replicated'}, {est.world_size} ranks)", ["figure", "bytes"], ranks, {1}))
+        out.append(
+            (
+                f"per rank ({est.sharding or 'replicated'}, {est.world_size} ranks)",
+                ["figure", "bytes"],
+                ranks,
+                {1},
+            )
+        )
     return out
 
 
@@ -757,7 +818,9 @@ def estimate_html(est, depth=_DEFAULT, max_rows=_DEFAULT):
     nodes = _tr_nodes(est)
     if nodes and any(m.calls for m in est.modules):
         rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
-        parts.append(_tree_html(rows, _TR_HEADER, _tr_cells_for(est), "memtorch-modules", f"per module ({len(nodes)})"))
+        parts.append(
+            _tree_html(rows, _TR_HEADER, _tr_cells_for(est), "memtorch-modules", f"per module ({len(nodes)})")
+        )
         text = "Per module: what its forward leaves allocated (per forward of the model) and its peak above entry."
         parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
     parts += [f"<p>note: {_e(n)}</p>" for n in getattr(est, "notes", [])]

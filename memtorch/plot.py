@@ -77,7 +77,13 @@ def _require(kind, **checks):
 def timeline(report, ax=None, title=None):
     """Allocated bytes over the block's time, phases shaded, step boundaries marked, the peak annotated."""
     tl = getattr(report, "timeline", None)
-    _require("a timeline", **{"the block was tracked without timeline=True: use memtorch.track(..., timeline=True)": tl is not None})
+    _require(
+        "a timeline",
+        **{
+            "the block was tracked without timeline=True: use memtorch.track(..., timeline=True)": tl
+            is not None
+        },
+    )
     import numpy as np
 
     t, b = (np.asarray(a) for a in tl)
@@ -108,7 +114,13 @@ def timeline(report, ax=None, title=None):
             seen.add(label)
     steps = [(ns, label) for ns, kind, label in marks if kind == "step"]
     for i, (ns, k) in enumerate(steps):
-        ax.axvline(ns / tdiv, color="#555555", linestyle="--", linewidth=0.9, label="end of a step" if i == 0 else None)
+        ax.axvline(
+            ns / tdiv,
+            color="#555555",
+            linestyle="--",
+            linewidth=0.9,
+            label="end of a step" if i == 0 else None,
+        )
         ax.annotate(
             f"step {k}", xy=(ns / tdiv, 1), xycoords=("data", "axes fraction"), xytext=(-3, -3),
             textcoords="offset points", ha="right", va="top", fontsize=8, color="#555555",
@@ -143,7 +155,9 @@ def phases(report, ax=None, title=None):
     base = [p.peak - p.peak_above_start for p in ph]
     name, factor = _unit(max(p.peak for p in ph))
     x = range(len(ph))
-    ax.bar(x, [b / factor for b in base], color="#BBBBBB", label="rest of the peak (allocated before the phase)")
+    ax.bar(
+        x, [b / factor for b in base], color="#BBBBBB", label="rest of the peak (allocated before the phase)"
+    )
     ax.bar(
         x, [r / factor for r in rise], bottom=[b / factor for b in base],
         color=[PHASE_COLORS.get(p.name, "#888888") for p in ph], label="largest rise within the phase",
@@ -210,7 +224,12 @@ def _mm_modules(mm, top, ax, title):
     data = [[m.parameters, m.buffers, m.gradients, m.optimizer_state] for m in shown]
     if rest:
         labels.append(f"{len(rest)} other module(s)")
-        data.append([sum(getattr(m, f) for m in rest) for f in ("parameters", "buffers", "gradients", "optimizer_state")])
+        data.append(
+            [
+                sum(getattr(m, f) for m in rest)
+                for f in ("parameters", "buffers", "gradients", "optimizer_state")
+            ]
+        )
     totals = [sum(d) for d in data]
     fig, ax = _fig_ax(ax, figsize=(8, 1.2 + 0.32 * len(data)))
     name, factor = _unit(max(totals))
@@ -267,7 +286,14 @@ def categories(reports, ax=None, title=None):
     bottom = [0.0] * len(figures)
     for c in cats:
         vals = [d.get(c, 0) / factor for d in figures.values()]
-        ax.bar(x, vals, bottom=bottom, color=CATEGORY_COLORS.get(c, "#888888"), label=c.replace("_", " "), width=0.6)
+        ax.bar(
+            x,
+            vals,
+            bottom=bottom,
+            color=CATEGORY_COLORS.get(c, "#888888"),
+            label=c.replace("_", " "),
+            width=0.6,
+        )
         for i, v in enumerate(vals):
             if v and v > 0.06 * (max(totals) / factor):
                 ax.annotate(
@@ -276,7 +302,9 @@ def categories(reports, ax=None, title=None):
                 )  # fmt: skip
         bottom = [a + b for a, b in zip(bottom, vals)]
     for i, tot in enumerate(totals):
-        ax.annotate(units.format(tot), xy=(i, tot / factor), ha="center", va="bottom", fontsize=8, fontweight="bold")
+        ax.annotate(
+            units.format(tot), xy=(i, tot / factor), ha="center", va="bottom", fontsize=8, fontweight="bold"
+        )
     ax.set_xticks(x, list(figures), fontsize=8)
     ax.set_ylabel(f"bytes ({name})")
     ax.set_ylim(0, (max(totals) if totals else 1) / factor * 1.15 or 1)
@@ -299,11 +327,16 @@ def estimate(est, kind="categories", **kw):
 def leak(report, ax=None, title=None):
     """Growth of allocated bytes per step; warm-up steps (not judged) in grey."""
     lk = getattr(report, "leak", report)
-    _require("leaks", **{"no steps were marked: call t.step() at the end of each step": lk is not None and bool(lk.steps)})
+    _require(
+        "leaks",
+        **{"no steps were marked: call t.step() at the end of each step": lk is not None and bool(lk.steps)},
+    )
     fig, ax = _fig_ax(ax, figsize=(7, 3.5))
     name, factor = _unit(max(abs(g) for g in lk.steps) or 1)
     x = list(range(1, len(lk.steps) + 1))
-    colors = ["#BBBBBB" if i < lk.warmup else ("#C03030" if g > 0 else "#59A14F") for i, g in enumerate(lk.steps)]
+    colors = [
+        "#BBBBBB" if i < lk.warmup else ("#C03030" if g > 0 else "#59A14F") for i, g in enumerate(lk.steps)
+    ]
     ax.bar(x, [g / factor for g in lk.steps], color=colors)
     for xi, g in zip(x, lk.steps):
         ax.annotate(units.format_delta(g), xy=(xi, max(g, 0) / factor), ha="center", va="bottom", fontsize=8)
@@ -311,7 +344,9 @@ def leak(report, ax=None, title=None):
     ax.set_xlabel("step")
     ax.set_ylabel(f"growth during the step ({name})")
     ax.set_xticks(x)
-    verdict = "not judged" if lk.per_step is None else f"{units.format_delta(lk.per_step)} per step after warm-up"
+    verdict = (
+        "not judged" if lk.per_step is None else f"{units.format_delta(lk.per_step)} per step after warm-up"
+    )
     ax.set_title(title or f"leak: {verdict} (grey: warm-up steps)", fontsize=10)
     return fig
 
@@ -328,7 +363,13 @@ def _fig_ax(ax, figsize):
 
 
 def track_report(report, kind="timeline", **kw):
-    kinds = {"timeline": timeline, "phases": phases, "modules": modules, "leak": leak, "categories": categories}
+    kinds = {
+        "timeline": timeline,
+        "phases": phases,
+        "modules": modules,
+        "leak": leak,
+        "categories": categories,
+    }
     if kind not in kinds:
         raise ValueError(f"unknown plot kind {kind!r} for a TrackReport: expected one of {', '.join(kinds)}")
     return kinds[kind](report, **kw)

@@ -169,7 +169,9 @@ def _manual_peak(model, x, steps=2, wrap=None, autocast=False):
 
 
 def blocks(n=4, d=32):
-    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU()) for _ in range(n)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU()) for _ in range(n)]
+    )
 
 
 def test_checkpointing_and_autocast_match_a_manual_run():
@@ -213,7 +215,9 @@ def test_width_with_resize():
 
     full = _manual_peak(make(1.0), x)
     half = _manual_peak(make(0.5), x)
-    adv = memtorch.advise(make(1.0), x, optimizer=torch.optim.SGD(make(1.0).parameters(), lr=0.1), budget=half, resize=make)
+    adv = memtorch.advise(
+        make(1.0), x, optimizer=torch.optim.SGD(make(1.0).parameters(), lr=0.1), budget=half, resize=make
+    )
     (s,) = adv.by_kind("width")
     assert s.after <= half and s.saves == full - s.after
 
@@ -270,5 +274,7 @@ def test_model_that_cannot_be_copied():
         def __deepcopy__(self, memo):
             raise TypeError("holds a file handle")
 
-    with pytest.raises(memtorch.MemtorchError, match="copy.deepcopy\\(model\\) failed: TypeError: holds a file handle"):
+    with pytest.raises(
+        memtorch.MemtorchError, match="copy.deepcopy\\(model\\) failed: TypeError: holds a file handle"
+    ):
         memtorch.advise(NoCopy(2, 2), torch.ones(1, 2))

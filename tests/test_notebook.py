@@ -53,6 +53,8 @@ def test_notebook_executes(tmp_path):
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
     _check(nb)

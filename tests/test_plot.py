@@ -70,8 +70,14 @@ def test_timeline(tracked, tmp_path):
     dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
     assert len(dashed) == 3 == r.steps
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert legend[:1] == ["allocated"] and {"forward", "backward", "optimizer", "end of a step"} <= set(legend)
-    assert [t.get_text() for t in ax.texts if t.get_text().startswith("step")] == ["step 1", "step 2", "step 3"]
+    assert legend[:1] == ["allocated"] and {"forward", "backward", "optimizer", "end of a step"} <= set(
+        legend
+    )
+    assert [t.get_text() for t in ax.texts if t.get_text().startswith("step")] == [
+        "step 1",
+        "step 2",
+        "step 3",
+    ]
     # phase spans lie inside the timeline, in order
     ends = [p.get_x() + p.get_width() for p in spans]
     assert all(0 <= p.get_x() <= e <= r.timeline[0][-1] / 1e6 + 1e-9 for p, e in zip(spans, ends))
@@ -103,7 +109,9 @@ def test_timeline_needs_timeline_true():
 
 
 def test_bad_kind(tracked):
-    with pytest.raises(ValueError, match="unknown plot kind 'pie' for a TrackReport: expected one of timeline"):
+    with pytest.raises(
+        ValueError, match="unknown plot kind 'pie' for a TrackReport: expected one of timeline"
+    ):
         tracked.plot("pie")
     mm = memtorch.inspect(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown plot kind 'timeline' for a ModelMemory"):
@@ -188,7 +196,9 @@ def test_leak_plot(tracked, tmp_path):
 
 
 def test_categories_rejects_other_objects():
-    with pytest.raises(TypeError, match=r"categories\(\) needs reports with by_category \(a ModelMemory\), breakdown"):
+    with pytest.raises(
+        TypeError, match=r"categories\(\) needs reports with by_category \(a ModelMemory\), breakdown"
+    ):
         plot.categories({"x": object()})
 
 
