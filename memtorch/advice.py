@@ -231,6 +231,13 @@ def _both(n):
     return text if text.endswith(" B") and not text.endswith("iB") else f"{text} ({n:,} B)"
 
 
+def _measured(*runs):
+    """The basis of a figure from step runs: 'measured', or why it is not exact (CUDA: sampled peaks)."""
+    if all(r["exact"] for r in runs):
+        return MEASURED
+    return MEASURED + " (not exact: the counters sampled the peak)"
+
+
 def _dtype_name(dt):
     return str(dt).replace("torch.", "")
 
@@ -558,7 +565,7 @@ def _autocast(model, inputs, optimizer, loss_fn, base, items, notes):
             "autocast_bf16",
             "Mixed precision: run forward and loss under bf16 autocast",
             saves,
-            MEASURED,
+            _measured(base, run),
             f"with torch.autocast('{dev}', dtype=torch.bfloat16): loss = loss_fn(model(x)) "
             "(fp16 on CUDA also needs torch.amp.GradScaler)",
             detail + " (two steps of a copy, memtorch.track)",
@@ -630,7 +637,7 @@ def _checkpointing(model, inputs, optimizer, loss_fn, base, items, notes):
             "checkpointing",
             f"Gradient checkpointing of {label}",
             saves,
-            MEASURED,
+            _measured(base, run),
             "wrap each block: out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) "
             "(recomputes the block's forward in backward: about one more forward of time)",
             detail,
@@ -678,7 +685,7 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
     name, cont = found
     n = len(cont)
     lo, hi, fit = 1, n - 1, None  # largest keep in [1, n-1] whose peak fits
-    tried = {}
+    tried, run_of = {}, {}
     while lo <= hi:
         mid = (lo + hi) // 2
         try:
@@ -689,6 +696,7 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
             )
             return
         tried[mid] = run["peak"]
+        run_of[mid] = run
         if run["peak"] <= budget:
             fit, lo = mid, mid + 1
         else:
@@ -704,7 +712,7 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
             "depth",
             f"Keep {fit} of the {n} blocks in {name or 'the model'} to fit the budget",
             base["peak"] - tried[fit],
-            MEASURED,
+            _measured(base, run_of[fit]),
             f"build the model with {fit} blocks instead of {n} (then retrain)",
             f"step peak with {n} blocks {_fmt(base['peak'])}; measured: {runs}; budget {_fmt(budget)}",
             before=base["peak"],
@@ -715,7 +723,7 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
 
 def _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes):
     """resize(factor) -> a model of width x factor: the largest of a few factors that fits, measured."""
-    tried = {}
+    tried, run_of = {}, {}
     fit = None
     for factor in (0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125):
         try:
@@ -724,6 +732,7 @@ def _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes
             notes.append(f"smaller width: resize({factor}) did not run: {type(e).__name__}: {e}")
             return
         tried[factor] = run["peak"]
+        run_of[factor] = run
         if run["peak"] <= budget:
             fit = factor
             break
@@ -736,7 +745,7 @@ def _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes
             "width",
             f"Width x {fit} fits the budget",
             base["peak"] - tried[fit],
-            MEASURED,
+            _measured(base, run_of[fit]),
             f"resize({fit}): the model your resize() builds at {fit:g} of the width",
             f"step peak now {_fmt(base['peak'])}; measured: {runs}; budget {_fmt(budget)}",
             before=base["peak"],
