@@ -278,3 +278,8 @@ def test_model_that_cannot_be_copied():
         memtorch.MemtorchError, match="copy.deepcopy\\(model\\) failed: TypeError: holds a file handle"
     ):
         memtorch.advise(NoCopy(2, 2), torch.ones(1, 2))
+
+
+def test_sampled_peaks_are_not_called_exact():
+    assert advice._measured({"exact": True}, {"exact": True}) == "measured"
+    assert advice._measured({"exact": True}, {"exact": False}) == "measured (not exact: the counters sampled the peak)"
