@@ -24,6 +24,7 @@ measured alone; they do not add up.
 
 import copy
 import functools
+import gc
 
 from . import units
 from .errors import MemtorchError
@@ -157,7 +158,7 @@ def _storage_rows(mm):
     return mm.to_numpy()[mm._first]
 
 
-def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), steps=2):
+def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, steps=2):
     """Run ``steps`` training steps of a deep copy of ``model``; return a dict of figures.
 
     peak: bytes held by the copy (parameters, buffers) + the block's largest rise
@@ -175,11 +176,17 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
         ) from e
     probe.zero_grad(set_to_none=True)
     probe.train()
+    if dtype is not None:  # the whole model and the floating-point inputs in ``dtype``
+        probe.to(dtype)
+        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
     named = dict(probe.named_modules())
     for name in checkpoint:
         _checkpoint(named[name])
     opt = _copy_optimizer(optimizer, [p for p in probe.parameters() if p.requires_grad])
     base = inspection.inspect(probe).total
+    # garbage in reference cycles (an earlier copy, say) freed by the collector inside the block
+    # would lower the rise measured: collect it first
+    gc.collect()
     ctx = (lambda: torch.autocast(autocast[0], dtype=autocast[1])) if autocast else None
     with tracking.track(probe, optimizer=opt, leaks=False) as t:
         for _ in range(steps):
@@ -197,16 +204,59 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
             if opt is not None:
                 opt.step()
     r = t.report
+    for name in checkpoint:  # the patched forward refers to its module: break the cycle
+        named[name].__dict__.pop("forward", None)
     result = {
         "peak": base + r.peak_above_start,
         "report": r,
         "exact": r.exact,
+        "basis": MEASURED,
         "modules": {m.name: m for m in r.modules},
         "no_grad": [n for n, p in probe.named_parameters() if p.requires_grad and p.grad is None],
         "probe": probe,
         "optimizer": opt,
     }
     return result
+
+
+def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None):
+    """The same figures as _step_peak from memtorch.estimate (a dry run on fake tensors, no real memory)."""
+    torch = _torch()
+    from .estimation import estimate
+
+    if autocast is not None:
+        precision = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}[autocast[1]]
+    elif dtype is not None:
+        precision = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}[dtype]
+    else:
+        precision = "fp32"
+    device = _device_type(model, inputs)
+    est = estimate(
+        model, *inputs, optimizer=optimizer if optimizer is not None else "sgd",
+        loss_fn=lambda out, *a: loss_fn(out), precision=precision, device=device if device == "cuda" else "cpu",
+        checkpointing=list(checkpoint) or None,
+    )  # fmt: skip
+    return {
+        "peak": est.peak - est.breakdown.get("input", 0),  # apart from the inputs, as measured runs count
+        "report": est,
+        "exact": True,
+        "basis": ESTIMATED,
+        "modules": {m.name: m for m in est.modules},
+        "no_grad": None,  # not known from a dry run
+        "probe": None,
+        "optimizer": None,
+    }
+
+
+class _Runner:
+    """Runs (or estimates) a training step of a model variant on the user's inputs."""
+
+    def __init__(self, inputs, optimizer, loss_fn, how):
+        self.inputs, self.optimizer, self.loss_fn, self.how = inputs, optimizer, loss_fn, how
+
+    def __call__(self, model, **kw):
+        step = _step_estimate if self.how == "estimate" else _step_peak
+        return step(model, self.inputs, self.optimizer, self.loss_fn, **kw)
 
 
 def _checkpoint(module):
@@ -232,10 +282,18 @@ def _both(n):
 
 
 def _measured(*runs):
-    """The basis of a figure from step runs: 'measured', or why it is not exact (CUDA: sampled peaks)."""
+    """The basis of a figure from step runs: 'measured', 'estimated', or why it is not exact (CUDA: sampled peaks)."""
+    if any(r.get("basis") == ESTIMATED for r in runs):
+        return ESTIMATED + " (memtorch.estimate)"
     if all(r["exact"] for r in runs):
         return MEASURED
     return MEASURED + " (not exact: the counters sampled the peak)"
+
+
+def _source(run):
+    if run.get("basis") == ESTIMATED:
+        return "memtorch.estimate: a dry run on fake tensors"
+    return "two steps of a copy, memtorch.track"
 
 
 def _dtype_name(dt):
@@ -276,6 +334,30 @@ def _precision(mm, items, notes):
             f"float32 tensors now: {parts} = {_fmt(fp32)}; in bfloat16 half: {_fmt(fp32 // 2)}"
             + ("" if by["gradient"] else " (no gradients exist yet: after backward they add as much again)"),
         )
+    )
+
+
+def _precision_step(model, run, base, items, notes):
+    """bf16 weights over a whole step (measured or estimated), in place of the held-bytes arithmetic."""
+    torch = _torch()
+    mine = [s for s in items if s.kind == "bf16_weights"]
+    if not mine:
+        return
+    step = run
+    try:
+        run = step(model, dtype=torch.bfloat16)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        notes.append(f"bf16 weights: a bfloat16 copy of the model did not run ({type(e).__name__}: {e}); "
+                     "the saving counts the bytes held only")  # fmt: skip
+        return
+    s = mine[0]
+    held = s.detail
+    s.saves = base["peak"] - run["peak"]
+    s.basis = _measured(base, run)
+    s.before, s.after = base["peak"], run["peak"]
+    s.detail = (
+        f"step peak {_fmt(base['peak'])} in float32, {_fmt(run['peak'])} with the model and inputs in bfloat16 "
+        f"({_source(run)}); of which held throughout: {held}"
     )
 
 
@@ -392,6 +474,9 @@ def _dead(mm, base, items, notes):
     dead_names = {n for n, _, _ in dead}
     none = []
     probe = base["probe"]
+    if base["no_grad"] is None:
+        notes.append("parameters without gradient: not known from an estimate (advise(measure=True) runs the steps)")
+        return
     for name, p in probe.named_parameters():
         if not p.requires_grad:
             continue
@@ -546,12 +631,13 @@ def _under(path, name):
     return param.startswith(name + ".")
 
 
-def _autocast(model, inputs, optimizer, loss_fn, base, items, notes):
+def _autocast(model, run, base, items, notes):
     """bf16 autocast (mixed precision), measured on a copy."""
     torch = _torch()
-    dev = _device_type(model, inputs)
+    dev = _device_type(model, run.inputs)
+    step = run
     try:
-        run = _step_peak(model, inputs, optimizer, loss_fn, autocast=(dev, torch.bfloat16))
+        run = step(model, autocast=(dev, torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - reported, not raised
         notes.append(f"bf16 autocast: the model did not run under torch.autocast: {type(e).__name__}: {e}")
         return
@@ -568,7 +654,7 @@ def _autocast(model, inputs, optimizer, loss_fn, base, items, notes):
             _measured(base, run),
             f"with torch.autocast('{dev}', dtype=torch.bfloat16): loss = loss_fn(model(x)) "
             "(fp16 on CUDA also needs torch.amp.GradScaler)",
-            detail + " (two steps of a copy, memtorch.track)",
+            detail + f" ({_source(run)})",
             before=base["peak"],
             after=run["peak"],
         )
@@ -610,14 +696,15 @@ def _checkpoint_blocks(model, base):
     return best
 
 
-def _checkpointing(model, inputs, optimizer, loss_fn, base, items, notes):
+def _checkpointing(model, run, base, items, notes):
     found = _checkpoint_blocks(model, base)
     if found is None or found[0] == 0:
         notes.append("gradient checkpointing: no group of sibling blocks holding activations")
         return
     total, _parent, names = found
+    step = run
     try:
-        run = _step_peak(model, inputs, optimizer, loss_fn, checkpoint=names)
+        run = step(model, checkpoint=names)
     except Exception as e:  # noqa: BLE001
         notes.append(
             f"gradient checkpointing of {', '.join(names)}: the model did not run: {type(e).__name__}: {e}"
@@ -627,7 +714,7 @@ def _checkpointing(model, inputs, optimizer, loss_fn, base, items, notes):
     label = names[0] + (f" .. {names[-1]}" if len(names) > 1 else "")
     detail = (
         f"{len(names)} blocks ({label}) leave {_fmt(total)} of activations per forward; step peak "
-        f"{_fmt(base['peak'])} without, {_fmt(run['peak'])} with checkpointing (two steps of a copy, memtorch.track)"
+        f"{_fmt(base['peak'])} without, {_fmt(run['peak'])} with checkpointing ({_source(run)})"
     )
     if saves <= 0:
         notes.append(f"gradient checkpointing: no saving ({detail})")
@@ -677,7 +764,7 @@ def _with_depth(model, name, keep):
     return smaller
 
 
-def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
+def _depth(model, step, base, budget, items, notes):
     found = _repeated_container(model)
     if found is None:
         notes.append("smaller depth: no nn.ModuleList / nn.Sequential of identical blocks to shorten")
@@ -689,7 +776,7 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
     while lo <= hi:
         mid = (lo + hi) // 2
         try:
-            run = _step_peak(_with_depth(model, name, mid), inputs, optimizer, loss_fn)
+            run = step(_with_depth(model, name, mid))
         except Exception as e:  # noqa: BLE001
             notes.append(
                 f"smaller depth: {name or 'the model'} with {mid} blocks did not run: {type(e).__name__}: {e}"
@@ -721,13 +808,13 @@ def _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes):
     )
 
 
-def _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes):
+def _width(model, step, base, budget, resize, items, notes):
     """resize(factor) -> a model of width x factor: the largest of a few factors that fits, measured."""
     tried, run_of = {}, {}
     fit = None
     for factor in (0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125):
         try:
-            run = _step_peak(resize(factor), inputs, optimizer, loss_fn)
+            run = step(resize(factor))
         except Exception as e:  # noqa: BLE001
             notes.append(f"smaller width: resize({factor}) did not run: {type(e).__name__}: {e}")
             return
@@ -757,7 +844,9 @@ def _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes
 # ---------------------------------------------------------------------------
 
 
-def advise(model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5):
+def advise(
+    model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5, measure=None
+):
     """Ranked suggestions to cut the memory of training ``model``, each with the bytes it saves.
 
     inputs: an example batch (real tensors on the model's device); without it
@@ -767,6 +856,9 @@ def advise(model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=Non
     adds the depth (and, with resize, width) that fits it. loss_fn(output) ->
     loss; default: the sum of the output's floating-point tensors.
     resize(factor) -> model: your model at a fraction of its width.
+    measure: True runs real steps on copies (measured); False takes every step
+    figure from memtorch.estimate (a dry run on fake tensors: no real memory,
+    any size); None (default) measures unless the model is on the meta device.
     Returns an Advice: print it, display it in a notebook, or .to_dict().
     """
     torch = _torch()
@@ -796,17 +888,30 @@ def advise(model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=Non
         raise MemtorchError(
             "advise(budget=... or resize=...) needs example inputs to measure a step: advise(model, x, ...)"
         )
+    if measure not in (None, True, False):
+        raise ValueError(f"advise(measure=...) expects True, False or None, got {measure!r}")
     loss_fn = default_loss if loss_fn is None else loss_fn
     items, notes = [], []
     held = inspection.inspect(model, optimizer=optimizer)
+    on_meta = any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+    if measure is None:
+        measure = not on_meta
+    if measure and on_meta and inputs:
+        raise MemtorchError("advise(measure=True) cannot run a model on the meta device: use measure=False (estimate)")
     base = None
+    run = _Runner(inputs, optimizer, loss_fn, "measure" if measure else "estimate")
     if inputs:
-        base = _step_peak(model, inputs, optimizer, loss_fn)
-        # the copy after its steps: gradients of the last backward and the optimizer's state exist
-        mm_step = inspection.inspect(base["probe"], optimizer=base["optimizer"])
+        base = run(model)
+        if base["probe"] is not None:
+            # the copy after its steps: gradients of the last backward and the optimizer's state exist
+            mm_step = inspection.inspect(base["probe"], optimizer=base["optimizer"])
+        else:
+            mm_step = held
     else:
         mm_step = held
     _precision(mm_step, items, notes)
+    if base is not None:
+        _precision_step(model, run, base, items, notes)
     _sparse(model, items, notes, sparse_threshold)
     if base is not None:
         _dead(mm_step, base, items, notes)
@@ -816,17 +921,18 @@ def advise(model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=Non
                 f"the step peaks in its {where} phase, when activations are freed: changes to activations "
                 "(autocast, checkpointing) cannot lower that peak"
             )
-        _autocast(model, inputs, optimizer, loss_fn, base, items, notes)
-        _checkpointing(model, inputs, optimizer, loss_fn, base, items, notes)
+        _autocast(model, run, base, items, notes)
+        _checkpointing(model, run, base, items, notes)
         if budget is not None:
             if base["peak"] <= budget:
                 notes.append(f"budget: the step peaks at {_fmt(base['peak'])}, within {_fmt(budget)}")
             else:
-                _depth(model, inputs, optimizer, loss_fn, base, budget, items, notes)
+                _depth(model, run, base, budget, items, notes)
                 if resize is not None:
-                    _width(model, inputs, optimizer, loss_fn, base, budget, resize, items, notes)
-    _optimizer(mm_step, optimizer if base is None else base["optimizer"], items, notes)
-    _freeze(mm_step, model if base is None else base["probe"], optimizer, items, notes)
+                    _width(model, run, base, budget, resize, items, notes)
+    stepped = base is not None and base["optimizer"] is not None
+    _optimizer(mm_step, base["optimizer"] if stepped else optimizer, items, notes)
+    _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, optimizer, items, notes)
     return Advice(
         type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes
     )
