@@ -147,9 +147,12 @@ def test_freeze_largest_child():
     assert s.title.startswith("Freeze 0 (Linear)")
 
 
-def _manual_peak(model, x, steps=2, wrap=None, autocast=False):
+def _manual_peak(model, x, steps=2, wrap=None, autocast=False, dtype=None):
     """A step peak measured without advise(): a copy, the change applied by hand, memtorch.cpu.Scope."""
     m = copy.deepcopy(model)
+    if dtype is not None:
+        m.to(dtype)
+        x = x.to(dtype)
     if wrap:
         for name in wrap:
             blk = m.get_submodule(name)
@@ -191,6 +194,10 @@ def test_checkpointing_and_autocast_match_a_manual_run():
     assert ck.basis == "measured" and ck.saves > 0
     (ac,) = adv.by_kind("autocast_bf16")
     assert ac.saves == base - _manual_peak(model, x, autocast=True)
+    (bf,) = adv.by_kind("bf16_weights")
+    assert bf.saves == base - _manual_peak(model, x, dtype=torch.bfloat16) and bf.basis == "measured"
+    # of which held all through: parameters and gradients, 4 blocks of 2 Linear(32, 32), halved
+    assert "= 66.0 KiB; in bfloat16 half: 33.0 KiB" in bf.detail  # 2 x 8 x (32*32 + 32) x 4 B = 67,584 B
 
 
 def test_depth_for_a_budget():
