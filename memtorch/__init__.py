@@ -38,6 +38,8 @@ _EXPORTS = {
     "Advice": ("advice", "Advice"),
     "display": ("display", None),
     "plot": ("plot", None),
+    "estimate": ("estimation", "estimate"),
+    "Estimate": ("estimation", "Estimate"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
