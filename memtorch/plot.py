@@ -308,8 +308,12 @@ def categories(reports, ax=None, title=None):
     ax.set_xticks(x, list(figures), fontsize=8)
     ax.set_ylabel(f"bytes ({name})")
     ax.set_ylim(0, (max(totals) if totals else 1) / factor * 1.15 or 1)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title(title or "memory by category", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()  # listed top to bottom, as stacked
+    ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title is None:
+        kinds = {"breakdown" if isinstance(getattr(r, "breakdown", None), dict) else "held" for r in reports.values()}
+        title = "at the estimated peak, by category" if kinds == {"breakdown"} else "memory by category"
+    ax.set_title(title, fontsize=10)
     return fig
 
 

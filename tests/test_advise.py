@@ -294,3 +294,33 @@ def test_model_that_cannot_be_copied():
 def test_sampled_peaks_are_not_called_exact():
     assert advice._measured({"exact": True}, {"exact": True}) == "measured"
     assert advice._measured({"exact": True}, {"exact": False}) == "measured (not exact: the counters sampled the peak)"
+
+
+def test_estimate_mode_against_estimate_and_measurement():
+    torch.manual_seed(0)
+    model = blocks()
+    x = torch.randn(512, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    est = memtorch.advise(model, x, optimizer=opt, measure=False)
+    direct = memtorch.estimate(model, x, optimizer=opt)
+    assert est.peak == direct.peak - direct.breakdown["input"]
+    (ck,) = est.by_kind("checkpointing")
+    assert ck.basis == "estimated (memtorch.estimate)" and "dry run" in ck.detail
+    with_ck = memtorch.estimate(model, x, optimizer=opt, checkpointing=["0", "1", "2", "3"])
+    assert ck.saves == direct.peak - with_ck.peak
+    # the estimate holds to the measurement (memtorch.estimate's own goal: within 3%)
+    measured = memtorch.advise(model, x, optimizer=opt)
+    assert abs(est.peak - measured.peak) <= 0.03 * measured.peak
+    assert any("not known from an estimate" in n for n in est.notes)
+
+
+def test_meta_model_is_estimated():
+    with torch.device("meta"):
+        model = blocks(n=2)
+    x = torch.empty(64, 32, device="meta")
+    adv = memtorch.advise(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert adv.peak > 0 and all(s.basis.startswith(("estimated", "exact")) for s in adv)
+    with pytest.raises(memtorch.MemtorchError, match="cannot run a model on the meta device"):
+        memtorch.advise(model, x, measure=True)
+    with pytest.raises(ValueError, match="measure=...\\) expects True, False or None"):
+        memtorch.advise(model, x, measure="yes")

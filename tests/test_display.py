@@ -307,3 +307,23 @@ def test_at_peak_table():
         and t["rows"][-1]["cells"][4]["text"] == f"{rest:,} B"
     )
     assert "note: a note" in page
+
+
+def test_estimate_html_and_text():
+    model = nested()
+    est = memtorch.estimate(model, torch.ones(4, 32), optimizer="adamw")
+    page = est._repr_html_()
+    p = parse(page)
+    at_peak = next(t for t in p.tables if t["head"] == ["category", "bytes", "share"])
+    assert [r["cells"][0]["text"] for r in at_peak["rows"]] == [c for c, b in est.breakdown.items() if b]
+    assert [r["cells"][1]["text"] for r in at_peak["rows"]] == [units.format(b) for b in est.breakdown.values() if b]
+    rows = module_table(page)["rows"]
+    by_name = {m.name: m for m in est.modules}
+    assert [r["cells"][0]["attrs"]["title"].split(":")[0] for r in rows][1:] == [m.name for m in est.modules][1:]
+    for r in rows:
+        name = r["cells"][0]["attrs"]["title"].split(":")[0]
+        m = by_name["" if name == "(model)" else name]
+        assert r["cells"][3]["text"] == units.format(m.activation_bytes)
+    assert "estimated, not measured" in page
+    text = est.to_text(depth=1)
+    assert "0 [+5]" in text and "0.2.0" not in text and "at the peak:" in text

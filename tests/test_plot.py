@@ -205,3 +205,22 @@ def test_categories_rejects_other_objects():
 def test_notebook_repr_png(tracked):
     png = tracked.plot()._repr_png_()
     assert png.startswith(PNG)
+
+
+def test_estimate_categories(tmp_path):
+    model, _ = model_and_opt()
+    est = memtorch.estimate(model, torch.ones(8, 64), optimizer="adam")
+    fig = est.plot()
+    save(fig, tmp_path, "estimate_categories")
+    ax = fig.axes[0]
+    unit = ax.get_ylabel().split("(")[1].rstrip(")")
+    shown = {c: b for c, b in est.breakdown.items() if b}
+    heights = [b.get_height() * units.UNITS[unit] for b in ax.patches]
+    assert heights == pytest.approx(list(shown.values()))
+    # the legend lists the categories top to bottom, as they are stacked
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [c.replace("_", " ") for c in shown][::-1]
+    assert ax.get_title() == "at the estimated peak, by category"
+    # beside what inspect() counts
+    fig = plot.categories({"estimate": est, "inspect": memtorch.inspect(model)})
+    save(fig, tmp_path, "estimate_beside_inspect")
