@@ -232,7 +232,8 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
         precision = "fp32"
     device = _device_type(model, inputs)
     est = estimate(
-        model, *inputs, optimizer=optimizer if optimizer is not None else "sgd",
+        # a factory: estimate() then builds the same copy advise's measured runs step
+        model, *inputs, optimizer=(lambda ps: _copy_optimizer(optimizer, ps)) if optimizer is not None else "sgd",
         loss_fn=lambda out, *a: loss_fn(out), precision=precision, device=device if device == "cuda" else "cpu",
         checkpointing=list(checkpoint) or None,
     )  # fmt: skip

@@ -324,3 +324,11 @@ def test_meta_model_is_estimated():
         memtorch.advise(model, x, measure=True)
     with pytest.raises(ValueError, match="measure=...\\) expects True, False or None"):
         memtorch.advise(model, x, measure="yes")
+
+
+def test_estimate_mode_copies_adamw():
+    model = nn.Linear(100, 50)
+    opt = torch.optim.AdamW(model.parameters())  # its defaults hold a key its constructor refuses
+    adv = memtorch.advise(model, torch.ones(4, 100), optimizer=opt, measure=False)
+    (s,) = adv.by_kind("optimizer_sgd")
+    assert s.saves == 2 * lin(100, 50) + 2 * 4 and s.basis == "exact arithmetic"

@@ -38,6 +38,7 @@ def _check(nb):
     assert any(f"{PARAMS:,} parameters" in h for h in html)
     assert any("memtorch.track on cpu" in h for h in html)
     assert any("memtorch-advice" in h for h in html)
+    assert any("memtorch.estimate on cpu" in h for h in html)
     assert len(png) >= 3 and all(p.startswith(b"\x89PNG\r\n\x1a\n") for p in png)
 
 
