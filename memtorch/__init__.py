@@ -34,6 +34,10 @@ _EXPORTS = {
     "BudgetExceeded": ("errors", "BudgetExceeded"),
     "UnitError": ("errors", "UnitError"),
     "DeviceUnavailable": ("errors", "DeviceUnavailable"),
+    "advise": ("advice", "advise"),
+    "Advice": ("advice", "Advice"),
+    "display": ("display", None),
+    "plot": ("plot", None),
     "estimate": ("estimation", "estimate"),
     "Estimate": ("estimation", "Estimate"),
 }

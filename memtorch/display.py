@@ -1,48 +1,422 @@
-"""Text and HTML rendering of memtorch reports (binary units, unit always printed)."""
+"""Text and HTML rendering of memtorch reports (binary units, unit always printed).
+
+All presentation lives here; the report classes delegate to it in one line.
+Module tables keep the model's tree: each row is a module with everything
+inside it, indented under its parent; full dotted names show on hover in HTML
+(``title=``). Big models are folded, never cut in half: identical consecutive
+siblings collapse into one row (``layers.0-11  TransformerEncoderLayer x 12``),
+then levels below a depth fold into their parent (which already counts them),
+and only when even that is too long are the last rows summed into one.
+
+    display.options["max_rows"] = 40     # default row budget of a module table
+    mm.to_text(depth=2)                  # or depth=None, max_rows=None: every module
+    mm.to_html(depth=1)
+"""
 
 import html
 
 from . import units
 
-__all__ = ["model_memory_text", "model_memory_html", "MAX_MODULE_ROWS"]
+__all__ = [
+    "options",
+    "MAX_MODULE_ROWS",
+    "model_memory_text",
+    "model_memory_html",
+    "track_report_text",
+    "track_report_html",
+    "leak_report_html",
+    "tracker_html",
+    "tracker_text",
+    "advice_text",
+    "advice_html",
+    "estimate_html",
+    "estimate_text",
+]
 
-MAX_MODULE_ROWS = 60
+# Defaults of every module table: max_rows (None: no limit), depth (None: as deep
+# as max_rows allows).
+options = {"max_rows": 40, "depth": None}
+MAX_MODULE_ROWS = options["max_rows"]  # kept for compatibility; options["max_rows"] is read
+
+_NUM_STYLE = "text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap"
+_TABLE_STYLE = "border-collapse:collapse;margin:4px 0"
+_CELL = "padding:1px 8px"
 
 
 def _fmt(n):
     return units.format(n)
 
 
-def _module_lines(mm):
-    rows = mm.modules
-    shown = rows[:MAX_MODULE_ROWS]
-    head = ("module", "type", "params", "buffers", "grads", "optimizer", "own", "subtree")
-    body = []
-    for m in shown:
-        depth = 0 if m.name == "" else m.name.count(".") + 1
-        name = "  " * depth + (m.name.rsplit(".", 1)[-1] if m.name else "(root)")
-        if m.alias_of is not None:
-            body.append((name, m.type, "", "", "", "", f"= {m.alias_of or '(root)'}", ""))
-            continue
-        body.append(
-            (
-                name,
-                m.type,
-                _fmt(m.parameters),
-                _fmt(m.buffers),
-                _fmt(m.gradients),
-                _fmt(m.optimizer_state),
-                _fmt(m.own),
-                _fmt(m.subtree),
-            )
+def _count(n):
+    """A count with thousands separators, as torchinfo prints it: '1,234,567'."""
+    return f"{n:,}"
+
+
+def _check_limits(depth, max_rows):
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"depth must be None or an int >= 0 (0: the model's own row only), got {depth!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 2):
+        raise ValueError(f"max_rows must be None or an int >= 2, got {max_rows!r}")
+
+
+# ---------------------------------------------------------------------------
+# The module tree and its folding
+
+
+class _Node:
+    __slots__ = ("name", "type", "parent", "children", "depth", "values", "note", "sig")
+
+    def __init__(self, name, type_name, parent, values, note=None):
+        self.name = name
+        self.type = type_name
+        self.parent = parent
+        self.children = []
+        self.depth = 0
+        self.values = values  # list of ints (or None for a blank cell)
+        self.note = note  # text shown instead of the values (an alias row)
+        self.sig = None
+
+
+class _Row:
+    """One visible row: a module, a run of identical siblings, or the sum of the rows left out."""
+
+    __slots__ = ("name", "label", "type", "depth", "values", "folded", "note", "kind", "n")
+
+    def __init__(self, name, label, type_name, depth, values, folded=0, note=None, kind="module", n=1):
+        self.name = name  # full dotted name(s), for title=
+        self.label = label  # what the row shows
+        self.type = type_name
+        self.depth = depth
+        self.values = values
+        self.folded = folded  # modules inside this row that are not shown
+        self.note = note
+        self.kind = kind
+        self.n = n  # modules the row stands for (a run: its length)
+
+
+def _short(name):
+    """The last component of a dotted name, with the numbered components before it:
+    'encoder.layers.0.attn' -> 'attn', 'encoder.layers.0' -> 'layers.0', '0.1' -> '0.1'."""
+    if not name:
+        return "(model)"
+    parts = name.split(".")
+    i = len(parts) - 1
+    while i > 0 and parts[i].isdigit():
+        i -= 1
+    return ".".join(parts[i:])
+
+
+def _build(entries):
+    """entries: [(name, type, parent index or -1, values, note)] in pre-order -> list of _Node."""
+    nodes = []
+    for name, tname, parent, values, note in entries:
+        n = _Node(name, tname, parent, values, note)
+        if 0 <= parent < len(nodes):
+            nodes[parent].children.append(len(nodes))
+            n.depth = nodes[parent].depth + 1
+        nodes.append(n)
+    # bottom-up signatures: identical type, figures and insides
+    for n in reversed(nodes):
+        n.sig = (
+            n.type,
+            tuple(n.values) if n.values else None,
+            n.note,
+            tuple(nodes[c].sig for c in n.children),
         )
-    return head, body, len(rows) - len(shown)
+    return nodes
+
+
+def _subtree_size(nodes, i):
+    return 1 + sum(_subtree_size(nodes, c) for c in nodes[i].children)
+
+
+def _combine(values_list, how):
+    if not values_list:
+        return None
+    out = []
+    for j, agg in enumerate(how):
+        col = [v[j] for v in values_list if v is not None and v[j] is not None]
+        if not col:
+            out.append(None)
+        elif agg == "max":
+            out.append(max(col))
+        else:
+            out.append(sum(col))
+    return out
+
+
+def _units(nodes, i, collapse):
+    """The children of node i as runs of positions: [[0], [1, 2, 3], ...] (identical siblings together)."""
+    kids = nodes[i].children
+    out = []
+    j = 0
+    while j < len(kids):
+        k = j + 1
+        if collapse:
+            while k < len(kids) and nodes[kids[k]].sig == nodes[kids[j]].sig:
+                k += 1
+        out.append(list(range(j, k)))
+        j = k
+    return out
+
+
+def _names(nodes, members, limit=4):
+    names = [nodes[m].name for m in members]
+    if len(names) > limit:
+        return ", ".join(names[:limit]) + f", ... ({len(names)} modules)"
+    return ", ".join(names)
+
+
+def _visible(nodes, depth, collapse, how):
+    """Rows shown with levels below ``depth`` folded (None: every level); with ``collapse``,
+    runs of identical siblings become one row whose insides are shown once, summed."""
+    rows = []
+    if not nodes:
+        return rows
+
+    def folded_count(i):
+        return _subtree_size(nodes, i) - 1
+
+    def emit(members, last=None):
+        n = nodes[members[0]]
+        k = len(members)
+        open_ = depth is None or n.depth < depth
+        shown_kids = open_ and bool(n.children)
+        folded = 0 if shown_kids else sum(folded_count(m) for m in members)
+        if k == 1:
+            rows.append(_Row(n.name, _short(n.name), n.type, n.depth, n.values, folded, n.note))
+        else:
+            label = _short(n.name)
+            if last is not None:  # a run of siblings: first-last
+                label += "-" + last.rsplit(".", 1)[-1]
+            values = _combine([nodes[m].values for m in members], how)
+            rows.append(
+                _Row(
+                    _names(nodes, members),
+                    label,
+                    f"{n.type} x {k}",
+                    n.depth,
+                    values,
+                    folded,
+                    n.note,
+                    kind="run",
+                    n=k,
+                )
+            )
+        if shown_kids:
+            for positions in _units(nodes, members[0], collapse):
+                sub = [nodes[m].children[p] for m in members for p in positions]
+                last = nodes[nodes[members[0]].children[positions[-1]]].name if len(positions) > 1 else None
+                emit(sub, last)
+
+    emit([0])
+    return rows
+
+
+def _layout(nodes, aggregate, depth, max_rows):
+    """Choose the rows to show: (rows, note for the reader or '')."""
+    _check_limits(depth, max_rows)
+    if not nodes:
+        return [], ""
+    total = len(nodes)
+    maxdepth = max(n.depth for n in nodes)
+    if max_rows is None:
+        rows = _visible(nodes, depth, False, aggregate)
+        return rows, _fold_note(rows, total, depth)
+    collapse = False
+    rows = _visible(nodes, depth, False, aggregate)
+    if len(rows) > max_rows:
+        collapse = True
+        rows = _visible(nodes, depth, True, aggregate)
+    if depth is None and len(rows) > max_rows:
+        for d in range(maxdepth, 0, -1):
+            rows = _visible(nodes, d, collapse, aggregate)
+            if len(rows) <= max_rows:
+                break
+    if len(rows) > max_rows:  # even one level is too long: sum the rest into one row
+        keep, rest = rows[: max_rows - 1], rows[max_rows - 1 :]
+        top = min(r.depth for r in rest)
+        # only the shallowest rows of the rest: deeper ones are inside them
+        tops = [r for r in rest if r.depth == top]
+        hidden = sum(r.n + r.folded for r in rest)
+        rows = keep + [
+            _Row(", ".join(r.name for r in tops), f"... {hidden} more module(s)", "(summed)", top,
+                 _combine([r.values for r in tops], aggregate), kind="rest", n=hidden)
+        ]  # fmt: skip
+    return rows, _fold_note(rows, total, depth)
+
+
+def _fold_note(rows, total, depth):
+    """What the reader needs to read a folded table, or '' when every module has its row."""
+    if all(r.kind == "module" and not r.folded for r in rows):
+        return ""
+    parts = [f"{total} modules in {len(rows)} rows ({total - len(rows)} more module(s) folded into them)"]
+    if any(r.kind == "run" for r in rows):
+        parts.append("'x N': N identical modules in one row, figures summed")
+    if any(r.folded for r in rows):
+        parts.append("[+N]: N modules inside the row, not listed (its figures include them)")
+    parts.append("every module: .to_text() or .to_html()")
+    return "; ".join(parts) + "."
+
+
+def _label(row):
+    text = row.label
+    if row.folded and row.kind != "rest":
+        text += f" [+{row.folded}]"
+    return text
+
+
+# ---------------------------------------------------------------------------
+# Plain-text and HTML tables
+
+
+def _text_table(header, rows, right):
+    """rows: lists of str; right: set of column indexes aligned right."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+
+    def line(r):
+        return "  ".join(
+            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)
+        ).rstrip()
+
+    head = line(header)
+    return [head, "-" * len(head)] + [line(r) for r in rows]
+
+
+def _tree_text(rows, header, cells):
+    """header: column names after module and type; cells(row) -> list of str."""
+    body = []
+    for r in rows:
+        body.append(["  " * r.depth + _label(r), r.type] + cells(r))
+    return _text_table(["module", "type"] + header, body, set(range(2, 2 + len(header))))
+
+
+def _e(s):
+    return html.escape(str(s), quote=True)
+
+
+def _html_table(header, body, right=(), caption=None, title_col=None):
+    """A plain table; body: rows of str; right: indexes of numeric columns."""
+    right = set(right)
+    parts = [f'<table style="{_TABLE_STYLE}">']
+    if caption:
+        parts.append(f'<caption style="text-align:left;font-weight:bold">{_e(caption)}</caption>')
+    parts.append("<thead><tr>")
+    for i, h in enumerate(header):
+        style = _NUM_STYLE if i in right else "text-align:left"
+        parts.append(f'<th style="{style};{_CELL}">{_e(h)}</th>')
+    parts.append("</tr></thead><tbody>")
+    for r in body:
+        parts.append("<tr>")
+        for i, c in enumerate(r):
+            style = _NUM_STYLE if i in right else "text-align:left"
+            parts.append(f'<td style="{style};{_CELL}">{_e(c)}</td>')
+        parts.append("</tr>")
+    parts.append("</tbody></table>")
+    return "".join(parts)
+
+
+def _tree_html(rows, header, cells, css_class, summary):
+    """The module tree as a table (inside an open <details>): indented names, full dotted
+    name in title=, numbers right-aligned."""
+    parts = [f"<details open><summary>{_e(summary)}</summary>"]
+    parts.append(f'<table class="{css_class}" style="{_TABLE_STYLE}"><thead><tr>')
+    parts.append(
+        f'<th style="text-align:left;{_CELL}">module</th><th style="text-align:left;{_CELL}">type</th>'
+    )
+    for h in header:
+        parts.append(f'<th style="{_NUM_STYLE};{_CELL}">{_e(h)}</th>')
+    parts.append("</tr></thead><tbody>")
+    for r in rows:
+        title = r.name if r.name else "(model): the whole model"
+        if r.folded:
+            title += f" ({r.folded} module(s) inside, not listed)"
+        pad = 8 + 16 * r.depth
+        parts.append(f'<tr data-depth="{r.depth}" data-kind="{r.kind}">')
+        parts.append(
+            f'<td title="{_e(title)}" style="text-align:left;padding:1px 8px 1px {pad}px">{_e(_label(r))}</td>'
+        )
+        parts.append(f'<td style="text-align:left;{_CELL}">{_e(r.type)}</td>')
+        for c in cells(r):
+            parts.append(f'<td style="{_NUM_STYLE};{_CELL}">{_e(c)}</td>')
+        parts.append("</tr>")
+    parts.append("</tbody></table></details>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# ModelMemory
+
+_MM_HEADER = ["params", "parameters", "buffers", "gradients", "optimizer state", "total"]
+_MM_AGG = ["sum"] * 6
+
+
+def _mm_nodes(mm):
+    """One node per module with the figures of its whole subtree, each storage once."""
+    table = mm.module_table
+    n = len(table)
+    if n == 0:
+        return []
+    r = mm.rows
+    first = mm._first
+    size = dict(zip(r["storage"][first].tolist(), mm._first_size.tolist()))
+    cat = dict(zip(r["storage"][first].tolist(), r["category"][first].tolist()))
+    numel = dict(zip(r["storage"][first].tolist(), r["numel"][first].tolist()))
+    parent = [p for _path, _t, p, _a in table]
+    seen = [set() for _ in range(n)]
+    vals = [[0] * 6 for _ in range(n)]
+    for m, k in zip(r["module"].tolist(), r["storage"].tolist()):
+        if m < 0:
+            continue
+        c = cat[k]
+        while m >= 0 and k not in seen[m]:
+            seen[m].add(k)
+            v = vals[m]
+            if c == 0:
+                v[0] += numel[k]
+            if c < 4:
+                v[1 + c] += size[k]
+            v[5] += size[k]
+            m = parent[m]
+    entries = []
+    for i, (path, tname, p, alias) in enumerate(table):
+        if alias >= 0:
+            orig = table[alias][0] or "(model)"
+            entries.append((path, tname, p, None, f"the same module as {orig}, counted there"))
+        else:
+            entries.append((path, tname, p, vals[i], None))
+    return _build(entries)
+
+
+def _mm_cells(r):
+    if r.note is not None and r.values is None:
+        return ["", "", "", "", "", r.note]
+    v = r.values
+    return [f"{v[0]:,}"] + [_fmt(x) for x in v[1:]]
+
+
+def _param_counts(mm):
+    """(all, trainable) parameter elements, each storage once."""
+    r = mm.rows
+    if len(r) == 0:
+        return 0, 0
+    first = r[mm._first]
+    p = first[first["category"] == 0]
+    all_ = int(p["numel"].sum())
+    # a storage is trainable if any parameter over it requires grad
+    sel = r["category"] == 0
+    train_keys = set(r["storage"][sel][r["requires_grad"][sel]].tolist())
+    trainable = int(sum(n for k, n in zip(p["storage"].tolist(), p["numel"].tolist()) if k in train_keys))
+    return all_, trainable
 
 
 def _totals(mm):
     lines = [("total", _fmt(mm.total) + f"  ({mm.total:,} B, each storage once)")]
     if mm.logical != mm.total:
         lines.append(("logical", _fmt(mm.logical) + f"  ({mm.logical:,} B, numel x element size)"))
+    n_all, n_train = _param_counts(mm)
+    if n_all or "parameter" in mm.by_category:
+        lines.append(("parameter count", f"{_count(n_all)} elements, {_count(n_train)} trainable"))
     for name, b in mm.by_category.items():
         lines.append((name, _fmt(b)))
     by_cat = mm.by_category
@@ -61,55 +435,394 @@ def _totals(mm):
     return lines
 
 
-def _rule_lines(mm):
-    """What the per-module columns mean, printed under the table."""
-    from .report import MODULE_RULE
-
-    lines = [f"(own: {MODULE_RULE})"]
-    shared = [m for m in mm.modules if m.shared]
-    for m in shared[:5]:
-        lines.append(f"(shared under {m.name or '(root)'}: {_fmt(m.shared)})")
-    if mm.outside_modules:
-        lines.append(f"(outside any module: {_fmt(mm.outside_modules)})")
-    return lines
+def _limits(depth, max_rows):
+    return (
+        options["depth"] if depth is _DEFAULT else depth,
+        options["max_rows"] if max_rows is _DEFAULT else max_rows,
+    )
 
 
-def model_memory_text(mm):
-    """A per-module table followed by a totals block."""
+_DEFAULT = object()
+
+
+def model_memory_text(mm, depth=_DEFAULT, max_rows=_DEFAULT):
+    """A module tree (each row: the module with everything inside it) followed by totals."""
+    depth, max_rows = _limits(depth, max_rows)
     out = [f"ModelMemory of {mm.root_type}: {_fmt(mm.total)}"]
-    if mm.module_table:
-        head, body, more = _module_lines(mm)
-        widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-        line = "  ".join(h.ljust(widths[i]) if i < 2 else h.rjust(widths[i]) for i, h in enumerate(head))
-        out += ["", line, "-" * len(line)]
-        for r in body:
-            out.append(
-                "  ".join(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip()
-            )
-        if more:
-            out.append(f"... {more} more module(s); see .modules")
-        out += _rule_lines(mm)
+    nodes = _mm_nodes(mm)
+    if nodes:
+        rows, note = _layout(nodes, _MM_AGG, depth, max_rows)
+        out.append("")
+        out += _tree_text(rows, _MM_HEADER, _mm_cells)
+        if note:
+            out.append(note)
     out.append("")
     lines = _totals(mm)
     w = max(len(k) for k, _ in lines)
-    out += [f"{k.ljust(w)}  {v}" for k, v in lines]
+    out += [f"{k.ljust(w)}  {v}".rstrip() for k, v in lines]
     return "\n".join(out)
 
 
-def model_memory_html(mm):
-    """The same content as an HTML table, for notebooks."""
-    e = html.escape
-    parts = [f"<div><b>ModelMemory of {e(mm.root_type)}: {e(_fmt(mm.total))}</b>"]
-    if mm.module_table:
-        head, body, more = _module_lines(mm)
-        parts.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr></thead><tbody>")
-        for r in body:
-            parts.append("<tr>" + "".join(f"<td>{e(c.strip()) if i else e(c)}</td>" for i, c in enumerate(r)) + "</tr>")
-        parts.append("</tbody></table>")
-        if more:
-            parts.append(f"<p>... {more} more module(s)</p>")
-    parts.append("<table><tbody>")
-    for k, v in _totals(mm):
-        parts.append(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>")
-    parts.append("</tbody></table></div>")
+def model_memory_html(mm, depth=_DEFAULT, max_rows=_DEFAULT):
+    """The same content as HTML, for notebooks."""
+    depth, max_rows = _limits(depth, max_rows)
+    n_all, _ = _param_counts(mm)
+    head = f"ModelMemory of {mm.root_type}: {_fmt(mm.total)}"
+    if n_all:
+        head += f", {_count(n_all)} parameters"
+    parts = [f'<div class="memtorch memtorch-modelmemory"><p><b>{_e(head)}</b></p>']
+    nodes = _mm_nodes(mm)
+    if nodes:
+        rows, note = _layout(nodes, _MM_AGG, depth, max_rows)
+        parts.append(_tree_html(rows, _MM_HEADER, _mm_cells, "memtorch-modules", f"modules ({len(nodes)})"))
+        parts.append(
+            '<p style="font-size:smaller">Each row: the module with everything inside it, each storage once.'
+        )
+        if note:
+            parts.append(" " + _e(note))
+        parts.append("</p>")
+    parts.append(_totals_html(_totals(mm)))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _totals_html(lines):
+    body = "".join(
+        f'<tr><th style="text-align:left;{_CELL}">{_e(k)}</th><td style="{_CELL}">{_e(v)}</td></tr>'
+        for k, v in lines
+    )
+    return f'<table class="memtorch-totals" style="{_TABLE_STYLE}"><tbody>{body}</tbody></table>'
+
+
+# ---------------------------------------------------------------------------
+# TrackReport, LeakReport, Tracker
+
+_TR_HEADER = ["calls", "left alive (activations)", "peak inside"]
+_TR_AGG = ["sum", "sum", "max"]
+
+
+def _tr_nodes(report):
+    mods = [m for m in report.modules]
+    if not mods:
+        return []
+    index = {m.name: i for i, m in enumerate(mods)}
+    entries = []
+    for m in mods:
+        if m.name == "":
+            parent = -1
+        else:
+            parent = index.get(m.name.rsplit(".", 1)[0] if "." in m.name else "", -1)
+        entries.append((m.name, m.type, parent, [m.calls, m.activation_bytes, m.peak_above_start], None))
+    nodes = _build(entries)
+    if any(n.parent < 0 for n in nodes[1:]):  # not one tree (no root row): hang everything under a root
+        entries = [("", "(model)", -1, None, None)] + [
+            (a, b, p + 1 if p >= 0 else 0, v, n) for a, b, p, v, n in entries
+        ]
+        nodes = _build(entries)
+    return nodes
+
+
+def _tr_cells_for(report):
+    exact = {m.name: getattr(m, "exact", True) for m in report.modules}
+
+    def cells(r):
+        v = r.values
+        if v is None:
+            return ["", "", ""]
+        peak = _fmt(v[2]) + ("" if exact.get(r.name, True) else " (at least)")
+        return [str(v[0]), _fmt(v[1]), peak]
+
+    return cells
+
+
+def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
+    """The report with its per-module figures as a folded tree (see the module docstring)."""
+    depth, max_rows = _limits(depth, max_rows)
+    out = [report._title()]
+    out += _text_table(["", "bytes", ""], [list(r) for r in report._summary_rows()], {1})
+    phases = report._phase_rows()
+    if phases:
+        out.append("")
+        out += _text_table(
+            ["phase", "calls", "delta", "peak above start", "time"], [list(p) for p in phases], {1, 2, 3, 4}
+        )
+    nodes = [n for n in _tr_nodes(report)]
+    if nodes and any(m.calls for m in report.modules):
+        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        out.append("")
+        out += _tree_text(rows, _TR_HEADER, _tr_cells_for(report))
+        if note:
+            out.append(note)
+    if report.leak is not None:
+        out.append("")
+        out.append(str(report.leak))
+    at_peak = getattr(report, "at_peak", None)
+    if at_peak is not None:
+        out.append("")
+        out += at_peak.lines(limit=15)
+    if report.largest:
+        out.append("")
+        out.append(f"largest live tensors {_largest_when(report)}:")
+        out += ["  " + t.describe() for t in report.largest]
+    out += ["note: " + c for c in getattr(report, "caveats", [])]
+    return "\n".join(out)
+
+
+def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
+    """HTML of a TrackReport: summary, phases, the per-module tree, leaks, largest tensors."""
+    depth, max_rows = _limits(depth, max_rows)
+    parts = [f'<div class="memtorch memtorch-trackreport"><p><b>{_e(report._title())}</b></p>']
+    parts.append(_html_table(["", "bytes", ""], [list(r) for r in report._summary_rows()], right={1}))
+    phases = report._phase_rows()
+    if phases:
+        parts.append(
+            _html_table(
+                ["phase", "calls", "delta", "peak above start", "time"],
+                [list(p) for p in phases],
+                right={1, 2, 3, 4},
+            )
+        )
+    nodes = _tr_nodes(report)
+    if nodes and any(m.calls for m in report.modules):
+        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        parts.append(
+            _tree_html(
+                rows, _TR_HEADER, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})"
+            )
+        )
+        text = (
+            "Per module: what its forward left allocated (per forward of the model) and its peak above entry."
+        )
+        parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
+    if report.leak is not None:
+        parts.append(leak_report_html(report.leak, wrap=False))
+    at_peak = getattr(report, "at_peak", None)
+    if at_peak is not None:
+        parts.append(at_peak_html(at_peak))
+    if report.largest:
+        items = "".join(f"<li>{_e(t.describe())}</li>" for t in report.largest)
+        parts.append(f"<p>largest live tensors {_e(_largest_when(report))}:</p><ul>{items}</ul>")
+    parts += [f"<p>note: {_e(c)}</p>" for c in getattr(report, "caveats", [])]
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _largest_when(report):
+    return "at the peak" if getattr(report, "at_peak", None) is not None else "at the end"
+
+
+def at_peak_html(at_peak, limit=15):
+    """Who held the bytes at the peak (track's at_peak): owner, kind, phase, bytes; the rest summed."""
+    owners = [o for o in at_peak.owners if o.nbytes]
+    shown, rest = owners[:limit], owners[limit:]
+    body = [[o.name, o.kind, o.phase or "", _fmt(o.nbytes), f"{o.nbytes:,} B"] for o in shown]
+    if rest:
+        n = sum(o.nbytes for o in rest)
+        body.append([f"... {len(rest)} more owner(s)", "", "", _fmt(n), f"{n:,} B"])
+    how = "" if at_peak.exact else ", not exact"
+    caption = f"at the peak ({_fmt(at_peak.peak)}{how}), held by"
+    out = _html_table(["owner", "kind", "allocated in", "bytes", ""], body, right={3, 4}, caption=caption)
+    return out + "".join(f"<p>note: {_e(n)}</p>" for n in at_peak.notes)
+
+
+def leak_report_html(leak, wrap=True):
+    """Per-step growth (warm-up steps marked), the verdict and the surviving tensors."""
+    parts = ['<div class="memtorch memtorch-leak">'] if wrap else ['<div class="memtorch-leak">']
+    if leak.per_step is None:
+        parts.append(f"<p>leak: not judged ({len(leak.steps)} step(s), warm-up {leak.warmup})</p>")
+    else:
+        verdict = "LEAKING: every judged step grew" if leak.leaking else "not leaking"
+        parts.append(
+            f"<p><b>leak: {_e(units.format_delta(leak.per_step))} per step</b> after {leak.warmup} warm-up step(s); "
+            f"{_e(verdict)}</p>"
+        )
+    if leak.steps:
+        body = [
+            [str(i + 1), units.format_delta(g), "warm-up (not judged)" if i < leak.warmup else ""]
+            for i, g in enumerate(leak.steps)
+        ]
+        parts.append(_html_table(["step", "growth", ""], body, right={0, 1}))
+    if leak.survivors:
+        items = "".join(f"<li>{_e(s.describe())}</li>" for s in leak.survivors)
+        parts.append(f"<p>tensors that survive their step:</p><ul>{items}</ul>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _tracker_state(tracker):
+    from .errors import MemtorchError
+
+    try:
+        return tracker.report
+    except MemtorchError as exc:
+        return exc
+
+
+def _device_of(tracker):
+    kind, index = getattr(tracker, "_kind", "?"), getattr(tracker, "_index", None)
+    return kind if index is None else f"{kind}:{index}"
+
+
+def tracker_text(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
+    r = _tracker_state(tracker)
+    if isinstance(r, Exception):
+        return f"memtorch.track on {_device_of(tracker)}: {r}"
+    return track_report_text(r, depth, max_rows)
+
+
+def tracker_html(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
+    """A Tracker shows its report (a snapshot while the block is open), or why there is none."""
+    r = _tracker_state(tracker)
+    if isinstance(r, Exception):
+        return f'<div class="memtorch memtorch-tracker"><p>memtorch.track on {_e(_device_of(tracker))}: {_e(r)}</p></div>'
+    return track_report_html(r, depth, max_rows)
+
+
+# ---------------------------------------------------------------------------
+# Advice (memtorch.advise)
+
+
+def _advice_head(adv):
+    head = f"memtorch.advise for {adv.model_type}: holds {_fmt(adv.held)}"
+    if adv.peak is not None:
+        head += f", a training step peaks at {_fmt(adv.peak)} (measured, inputs apart)"
+    if adv.budget is not None:
+        head += f"; budget {_fmt(adv.budget)}"
+    return head
+
+
+def _advice_rows(adv):
+    rows = []
+    for i, s in enumerate(adv.items, 1):
+        after = ""
+        # only where a step was measured with the change: other savings are of held bytes,
+        # and how much of them the peak loses depends on when they are alive
+        if adv.peak is not None and s.before == adv.peak and s.after is not None:
+            after = _fmt(s.after)
+            if adv.budget is not None:
+                after += ", fits" if s.after <= adv.budget else ", over budget"
+        rows.append([str(i), s.title, _fmt(s.saves), f"{s.saves:,} B", s.basis, after])
+    return rows
+
+
+def advice_text(adv):
+    """The ranked suggestions: what, bytes saved, how the figure was obtained; then how to do each."""
+    out = [_advice_head(adv), ""]
+    if adv.items:
+        header = [
+            "#",
+            "change",
+            "saves",
+            "bytes",
+            "how counted",
+            "step peak after" if adv.peak is not None else "",
+        ]
+        out += _text_table(header, _advice_rows(adv), {0, 2, 3})
+        out.append("")
+        for i, s in enumerate(adv.items, 1):
+            out.append(f"{i}. {s.title}: saves {_fmt(s.saves)} ({s.basis})")
+            out.append(f"   how: {s.how}")
+            out.append(f"   figures: {s.detail}")
+    else:
+        out.append("no change found that saves memory")
+    if adv.notes:
+        out.append("")
+        out.append("checked, nothing to gain:" if adv.items else "checked:")
+        out += [f"  - {n}" for n in adv.notes]
+    out.append("")
+    out.append(
+        "Each saving is measured alone; savings do not add up. 'step peak after': measured with the change."
+    )
+    return "\n".join(out)
+
+
+def advice_html(adv):
+    parts = [f'<div class="memtorch memtorch-advice"><p><b>{_e(_advice_head(adv))}</b></p>']
+    if adv.items:
+        header = ["#", "change", "saves", "bytes", "how counted"] + (
+            ["step peak after"] if adv.peak is not None else []
+        )
+        body = [r[: len(header)] for r in _advice_rows(adv)]
+        parts.append(_html_table(header, body, right={0, 2, 3, 5}))
+        parts.append("<ol>")
+        for s in adv.items:
+            parts.append(
+                f"<li><b>{_e(s.title)}</b>: saves {_e(_fmt(s.saves))} ({_e(s.basis)})<br>"
+                f"how: <code>{_e(s.how)}</code><br><small>{_e(s.detail)}</small></li>"
+            )
+        parts.append("</ol>")
+    else:
+        parts.append("<p>no change found that saves memory</p>")
+    if adv.notes:
+        items = "".join(f"<li>{_e(n)}</li>" for n in adv.notes)
+        parts.append(
+            f"<details><summary>checked, nothing to gain ({len(adv.notes)})</summary><ul>{items}</ul></details>"
+        )
+    parts.append("<p><small>Each saving is measured alone; savings do not add up.</small></p></div>")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Estimate (memtorch.estimate): laid out as a TrackReport, plus the breakdown at the peak
+
+
+def _estimate_sections(est):
+    """[(heading, header, rows, right-aligned columns)] of an Estimate, module tree apart."""
+    out = [("", ["", "bytes", ""], [list(r) for r in est._summary_rows()], {1})]
+    cats = [list(r) for r in est._category_rows()]
+    if cats:
+        out.append(("at the peak", ["category", "bytes", "share"], cats, {1, 2}))
+    phases = [list(r) for r in est._phase_rows()]
+    if phases:
+        out.append(("", ["phase", "calls", "delta", "peak above start"], phases, {1, 2, 3}))
+    ranks = [list(r) for r in getattr(est, "_rank_rows", list)()]
+    if ranks:
+        out.append(
+            (
+                f"per rank ({est.sharding or 'replicated'}, {est.world_size} ranks)",
+                ["figure", "bytes"],
+                ranks,
+                {1},
+            )
+        )
+    return out
+
+
+def estimate_text(est, depth=_DEFAULT, max_rows=_DEFAULT):
+    depth, max_rows = _limits(depth, max_rows)
+    out = [est._title()]
+    for head, header, rows, right in _estimate_sections(est):
+        out.append("")
+        if head:
+            out.append(head + ":")
+        out += _text_table(header, rows, right)
+    nodes = _tr_nodes(est)
+    if nodes and any(m.calls for m in est.modules):
+        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        out.append("")
+        out += _tree_text(rows, _TR_HEADER, _tr_cells_for(est))
+        if note:
+            out.append(note)
+    out += ["note: " + n for n in getattr(est, "notes", [])]
+    return "\n".join(out)
+
+
+def estimate_html(est, depth=_DEFAULT, max_rows=_DEFAULT):
+    """HTML of an Estimate: summary, breakdown at the peak, phases, per rank, the module tree."""
+    depth, max_rows = _limits(depth, max_rows)
+    parts = [f'<div class="memtorch memtorch-estimate"><p><b>{_e(est._title())}</b></p>']
+    for head, header, rows, right in _estimate_sections(est):
+        if head:
+            parts.append(f"<p>{_e(head)}:</p>")
+        parts.append(_html_table(header, rows, right=right))
+    nodes = _tr_nodes(est)
+    if nodes and any(m.calls for m in est.modules):
+        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        parts.append(
+            _tree_html(rows, _TR_HEADER, _tr_cells_for(est), "memtorch-modules", f"per module ({len(nodes)})")
+        )
+        text = "Per module: what its forward leaves allocated (per forward of the model) and its peak above entry."
+        parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
+    parts += [f"<p>note: {_e(n)}</p>" for n in getattr(est, "notes", [])]
+    parts.append("</div>")
     return "".join(parts)

@@ -227,20 +227,26 @@ class Estimate:
         return "\n".join(lines)
 
     def _repr_html_(self):
-        from .tracking import _html_table
+        from . import display
 
-        parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
-        parts.append(_html_table(["", "bytes", ""], self._summary_rows()))
-        parts.append("<p>at the peak:</p>" + _html_table(["category", "bytes", "share"], self._category_rows()))
-        if self._phase_rows():
-            parts.append(_html_table(["phase", "calls", "delta", "peak above start"], self._phase_rows()))
-        if self._rank_rows():
-            parts.append(_html_table(["figure", "bytes"], self._rank_rows()))
-        if self._module_rows():
-            parts.append(_html_table(["module", "type", "calls", "left alive (activations)", "peak inside"],
-                                     self._module_rows()))  # fmt: skip
-        parts += [f"<p>note: {html.escape(n)}</p>" for n in self.notes]
-        return "<div>" + "".join(parts) + "</div>"
+        return display.estimate_html(self)
+
+    def to_text(self, depth=None, max_rows=None):
+        """The estimate with its module tree folded to depth / max_rows (memtorch.display)."""
+        from . import display
+
+        return display.estimate_text(self, depth, max_rows)
+
+    def to_html(self, depth=None, max_rows=None):
+        from . import display
+
+        return display.estimate_html(self, depth, max_rows)
+
+    def plot(self, kind="categories", **kw):
+        """A matplotlib Figure: kind='categories' (the breakdown at the peak), 'phases' or 'modules' (memtorch.plot)."""
+        from . import plot
+
+        return plot.estimate(self, kind=kind, **kw)
 
     def __repr__(self):
         return (

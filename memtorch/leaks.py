@@ -118,6 +118,16 @@ class LeakReport:
         self.notes = list(notes)
         self.steps_after = steps_after
 
+    def _repr_html_(self):
+        from . import display
+
+        return display.leak_report_html(self)
+
+    def plot(self, **kw):
+        from . import plot
+
+        return plot.leak_report(self, **kw)
+
     def __str__(self):
         if self.per_step is None:
             return f"leak: not judged ({len(self.steps)} step(s), warm-up {self.warmup})"

@@ -407,3 +407,21 @@ class ModelMemory:
         from .display import model_memory_html
 
         return model_memory_html(self)
+
+    def to_text(self, depth=None, max_rows=None):
+        """The table of str(), every module by default; depth / max_rows fold it (memtorch.display)."""
+        from . import display
+
+        return display.model_memory_text(self, depth, max_rows)
+
+    def to_html(self, depth=None, max_rows=None):
+        """The notebook HTML, every module by default; depth / max_rows fold it (memtorch.display)."""
+        from . import display
+
+        return display.model_memory_html(self, depth, max_rows)
+
+    def plot(self, kind="modules", **kw):
+        """A matplotlib Figure: kind='modules' (per-module bars) or 'categories' (memtorch.plot)."""
+        from . import plot
+
+        return plot.model_memory(self, kind=kind, **kw)

@@ -228,6 +228,8 @@ class TrackReport:
         self._phases = kw.get("phases", {})
         self._modules = kw.get("modules", [])
         self.timeline = kw.get("timeline")
+        # with timeline=True: [(ns on the timeline's clock, "phase" | "end" | "step", phase name or step number)]
+        self.marks = kw.get("marks", [])
         self.leak = kw.get("leak")
         self._largest = kw.get("largest", [])
         self.seconds = kw.get("seconds", 0.0)
@@ -403,24 +405,26 @@ class TrackReport:
         return "at the peak" if self.at_peak is not None else "at the end"
 
     def _repr_html_(self):
-        parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
-        parts.append(_html_table(["", "bytes", ""], self._summary_rows()))
-        phases = self._phase_rows()
-        if phases:
-            parts.append(_html_table(["phase", "calls", "delta", "peak above start", "time"], phases))
-        mods = self._module_rows()
-        if mods:
-            parts.append(_html_table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods))
-        if self.leak is not None:
-            parts.append("<pre>" + html.escape(str(self.leak)) + "</pre>")
-        if self.at_peak is not None:
-            parts.append("<pre>" + html.escape(str(self.at_peak)) + "</pre>")
-        if self.largest:
-            items = "".join(f"<li>{html.escape(t.describe())}</li>" for t in self.largest)
-            parts.append(f"<p>largest live tensors {self._largest_when()}:</p><ul>{items}</ul>")
-        for c in self.caveats:
-            parts.append(f"<p>note: {html.escape(c)}</p>")
-        return "<div>" + "".join(parts) + "</div>"
+        from . import display
+
+        return display.track_report_html(self)
+
+    def to_text(self, depth=None, max_rows=None):
+        """The report, its module tree folded to depth / max_rows (memtorch.display)."""
+        from . import display
+
+        return display.track_report_text(self, depth, max_rows)
+
+    def to_html(self, depth=None, max_rows=None):
+        from . import display
+
+        return display.track_report_html(self, depth, max_rows)
+
+    def plot(self, kind="timeline", **kw):
+        """A matplotlib Figure: kind='timeline', 'phases', 'modules', 'leak' or 'categories' (at the peak) (memtorch.plot)."""
+        from . import plot
+
+        return plot.track_report(self, kind=kind, **kw)
 
     def __repr__(self):
         return (
@@ -827,6 +831,10 @@ class Tracker:
         return cuda._read(self._index).allocated
 
     # -- phases ------------------------------------------------------------
+    def _clock_ns(self):
+        """Now on the clock of this block's timeline (CPU event log: CLOCK_MONOTONIC; CUDA: perf_counter)."""
+        return time.monotonic_ns() if self._kind == "cpu" else time.perf_counter_ns()
+
     def _begin_phase(self, name):
         self._end_phase()
         if self._evmode:  # figures from the event log's marks at the end: no counter scope
@@ -834,8 +842,10 @@ class Tracker:
             self._phase = (name, None, time.perf_counter())
             tags = self._tags
             _C.eventlog_mark(3, 0x100 | code, tags[-1] if tags else self._tagbase | code)
-            return
-        self._phase = (name, self._open_scope(), time.perf_counter())
+        else:
+            self._phase = (name, self._open_scope(), time.perf_counter())
+        if self._timeline:
+            self._tl_marks.append((self._clock_ns(), "phase", name))
 
     def _end_phase(self):
         ph = self._phase
@@ -843,6 +853,8 @@ class Tracker:
             return
         self._phase = None
         name, s, t0 = ph
+        if self._timeline:
+            self._tl_marks.append((self._clock_ns(), "end", name))
         if s is None:  # event-log mode
             _C.eventlog_mark(3, 0x200 | self._phase_code, self._tagbase)
             self._phase_code = 0
@@ -1161,6 +1173,7 @@ class Tracker:
         self._root_depth = 0
         self._forwards = 0
         self._boundaries = []
+        self._tl_marks = []  # timeline=True: (clock ns, kind, label) of phase starts/ends and steps
         self._scan0 = None  # leaks.Scan at the first judged step that grew
         self._scan0_step = None
         self._step_scope = None
@@ -1243,6 +1256,7 @@ class Tracker:
             head = _C.eventlog_head()
         start, end, peak_bytes, exact = self._close_scope(self._scope)
         timeline = None
+        extra_marks = []
         pending = None
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
@@ -1262,6 +1276,8 @@ class Tracker:
         if self._timeline:
             t, b = self._scope.timeline()
             timeline = (t - t[0] if len(t) else t, b)
+            t0 = int(t[0]) if len(t) else 0
+            extra_marks = [(ns - t0, kind, label) for ns, kind, label in self._tl_marks]
         seconds = time.perf_counter() - self._t0
         extra = {}
         if self._kind == "cpu":
@@ -1296,7 +1312,7 @@ class Tracker:
             phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
             step_series=self._step_series, largest_n=self._largest,
-            caveats=list(getattr(self._scope, "caveats", None) or []), **extra,
+            caveats=list(getattr(self._scope, "caveats", None) or []), marks=extra_marks, **extra,
         )  # fmt: skip
 
     def _snapshot(self):
@@ -1353,6 +1369,8 @@ class Tracker:
         self._step_scope = self._open_scope()
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based
+        if self._timeline:
+            self._tl_marks.append((self._clock_ns(), "step", k))
         if self._leaks and self._scan0 is None and k > self._warmup and now - self._boundaries[-2] > 0:
             # the first judged step that grew: what lives now is not a survivor of later steps
             self._scan0 = leaks.Scan(_torch().Tensor, _torch().optim.Optimizer, self._kind)
@@ -1488,6 +1506,11 @@ class Tracker:
 
         wrapper.tracker = self
         return wrapper
+
+    def _repr_html_(self):
+        from . import display
+
+        return display.tracker_html(self)
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"

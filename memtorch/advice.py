@@ -1,0 +1,939 @@
+"""advise(): what to change to cut a model's training memory, ranked by the bytes it saves.
+
+    adv = memtorch.advise(model, x, optimizer=opt, budget="2 GiB")
+    print(adv); adv.items[0].saves; adv.to_dict()
+
+Every figure is computed, never guessed, and each item says how (``basis``):
+
+- "measured": two real training steps of a copy of the model on the given
+  inputs, each variant tracked by memtorch.track() (exact CPU counters), the
+  saving being the difference of the step peaks.
+- "exact arithmetic": counted from the tensors memtorch.inspect() walks (a
+  float32 parameter is 4 bytes, 2 in bfloat16; Adam keeps two buffers of each
+  parameter's size).
+- sparse storage: counted (a CSR matrix holds rows + 1 and nnz int64 indices
+  and nnz values) and measured on the converted tensor, which must agree.
+
+This file is named advice.py, apart from the function, so that importing the
+submodule never shadows ``memtorch.advise`` (as inspection.py / tracking.py).
+
+The user's model and optimizer are never changed: every run works on a deep
+copy (which holds as much memory as the model while it runs). Savings are each
+measured alone; they do not add up.
+"""
+
+import copy
+import functools
+import gc
+
+from . import units
+from .errors import MemtorchError
+
+__all__ = ["advise", "Advice", "Suggestion"]
+
+MEASURED = "measured"
+ESTIMATED = "estimated"
+EXACT = "exact arithmetic"
+
+
+class Suggestion:
+    """One change: ``saves`` bytes (int), ``basis`` (how the figure was obtained), ``title``,
+    ``how`` (what to do, with code), ``detail`` (the figures behind it), ``kind`` (a key).
+
+    ``saves`` is the drop of the measured step peak where the change was run
+    (then ``before`` / ``after`` are the two peaks), otherwise the bytes the
+    change stops holding (parameters, gradients, optimizer state: alive all
+    through training, so at the peak too once gradients and state exist).
+    """
+
+    __slots__ = ("kind", "title", "saves", "basis", "how", "detail", "before", "after")
+
+    def __init__(self, kind, title, saves, basis, how, detail, before=None, after=None):
+        self.kind = kind
+        self.title = title
+        self.saves = int(saves)
+        self.basis = basis
+        self.how = how
+        self.detail = detail
+        self.before = before
+        self.after = after
+
+    def to_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __repr__(self):
+        return f"Suggestion({self.kind!r}, saves={self.saves}, basis={self.basis!r})"
+
+
+class Advice:
+    """advise()'s result: ``items`` (Suggestion, largest saving first), ``peak`` (the measured
+    step peak, bytes, or None without inputs), ``held`` (what the model and optimizer hold,
+    from inspect), ``budget`` (bytes or None), ``notes`` (things checked that gave nothing)."""
+
+    def __init__(self, model_type, items, peak, held, budget, notes):
+        self.model_type = model_type
+        self.items = sorted(items, key=lambda s: -s.saves)
+        self.peak = peak
+        self.held = held
+        self.budget = budget
+        self.notes = list(notes)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def by_kind(self, kind):
+        return [s for s in self.items if s.kind == kind]
+
+    def to_dict(self):
+        return {
+            "model": self.model_type,
+            "peak": self.peak,
+            "held": self.held,
+            "budget": self.budget,
+            "items": [s.to_dict() for s in self.items],
+            "notes": list(self.notes),
+        }
+
+    def __str__(self):
+        from . import display
+
+        return display.advice_text(self)
+
+    def _repr_html_(self):
+        from . import display
+
+        return display.advice_html(self)
+
+    def __repr__(self):
+        return f"<Advice for {self.model_type}: {len(self.items)} suggestion(s)>"
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _torch():
+    from ._torch import torch
+
+    return torch()
+
+
+def default_loss(output):
+    """The sum of every floating-point tensor in the output (as estimate() does without loss_fn)."""
+    from torch.utils._pytree import tree_leaves
+
+    torch = _torch()
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise MemtorchError(
+            "the model's output holds no floating-point tensor to sum into a loss: pass loss_fn="
+        )
+    loss = leaves[0].float().sum()
+    for t in leaves[1:]:
+        loss = loss + t.float().sum()
+    return loss
+
+
+def _copy_optimizer(optimizer, params):
+    """An optimizer of the same class and settings over ``params`` (None: none)."""
+    import inspect
+
+    if optimizer is None:
+        return None
+    cls = type(optimizer)
+    # defaults may hold keys the constructor does not take (AdamW: decoupled_weight_decay)
+    accepted = inspect.signature(cls.__init__).parameters
+    kw = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls(params, **kw)
+
+
+def _storage_rows(mm):
+    """One row per unique storage (first occurrence): the walker's attribution."""
+    return mm.to_numpy()[mm._first]
+
+
+def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, steps=2):
+    """Run ``steps`` training steps of a deep copy of ``model``; return a dict of figures.
+
+    peak: bytes held by the copy (parameters, buffers) + the block's largest rise
+    above its start (gradients, optimizer state, activations, temporaries): the
+    step's peak apart from the inputs, which every variant shares.
+    """
+    torch = _torch()
+    from . import inspection, tracking
+
+    try:
+        probe = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001 - re-raised with what failed
+        raise MemtorchError(
+            f"advise() measures steps on a copy of the model, and copy.deepcopy(model) failed: {type(e).__name__}: {e}"
+        ) from e
+    probe.zero_grad(set_to_none=True)
+    probe.train()
+    if dtype is not None:  # the whole model and the floating-point inputs in ``dtype``
+        probe.to(dtype)
+        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    named = dict(probe.named_modules())
+    for name in checkpoint:
+        _checkpoint(named[name])
+    opt = _copy_optimizer(optimizer, [p for p in probe.parameters() if p.requires_grad])
+    base = inspection.inspect(probe).total
+    # garbage in reference cycles (an earlier copy, say) freed by the collector inside the block
+    # would lower the rise measured: collect it first
+    gc.collect()
+    ctx = (lambda: torch.autocast(autocast[0], dtype=autocast[1])) if autocast else None
+    with tracking.track(probe, optimizer=opt, leaks=False) as t:
+        for _ in range(steps):
+            probe.zero_grad(set_to_none=True)
+            if ctx is not None:
+                with ctx():
+                    out = probe(*inputs)
+                    loss = loss_fn(out)
+            else:
+                out = probe(*inputs)
+                loss = loss_fn(out)
+            del out
+            loss.backward()
+            del loss
+            if opt is not None:
+                opt.step()
+    r = t.report
+    for name in checkpoint:  # the patched forward refers to its module: break the cycle
+        named[name].__dict__.pop("forward", None)
+    result = {
+        "peak": base + r.peak_above_start,
+        "report": r,
+        "exact": r.exact,
+        "basis": MEASURED,
+        "modules": {m.name: m for m in r.modules},
+        "no_grad": [n for n, p in probe.named_parameters() if p.requires_grad and p.grad is None],
+        "probe": probe,
+        "optimizer": opt,
+    }
+    return result
+
+
+def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None):
+    """The same figures as _step_peak from memtorch.estimate (a dry run on fake tensors, no real memory)."""
+    torch = _torch()
+    from .estimation import estimate
+
+    if autocast is not None:
+        precision = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}[autocast[1]]
+    elif dtype is not None:
+        precision = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}[dtype]
+    else:
+        precision = "fp32"
+    device = _device_type(model, inputs)
+    est = estimate(
+        # a factory: estimate() then builds the same copy advise's measured runs step
+        model, *inputs, optimizer=(lambda ps: _copy_optimizer(optimizer, ps)) if optimizer is not None else "sgd",
+        loss_fn=lambda out, *a: loss_fn(out), precision=precision, device=device if device == "cuda" else "cpu",
+        checkpointing=list(checkpoint) or None,
+    )  # fmt: skip
+    return {
+        "peak": est.peak - est.breakdown.get("input", 0),  # apart from the inputs, as measured runs count
+        "report": est,
+        "exact": True,
+        "basis": ESTIMATED,
+        "modules": {m.name: m for m in est.modules},
+        "no_grad": None,  # not known from a dry run
+        "probe": None,
+        "optimizer": None,
+    }
+
+
+class _Runner:
+    """Runs (or estimates) a training step of a model variant on the user's inputs."""
+
+    def __init__(self, inputs, optimizer, loss_fn, how):
+        self.inputs, self.optimizer, self.loss_fn, self.how = inputs, optimizer, loss_fn, how
+
+    def __call__(self, model, **kw):
+        step = _step_estimate if self.how == "estimate" else _step_peak
+        return step(model, self.inputs, self.optimizer, self.loss_fn, **kw)
+
+
+def _checkpoint(module):
+    from torch.utils.checkpoint import checkpoint
+
+    orig = module.forward
+
+    @functools.wraps(orig)
+    def fwd(*args, **kwargs):
+        return checkpoint(orig, *args, use_reentrant=False, **kwargs)
+
+    module.forward = fwd
+
+
+def _fmt(n):
+    return units.format(n)
+
+
+def _both(n):
+    """'10.0 KiB (10,240 B)', or '808 B' where the two would repeat each other."""
+    text = units.format(n)
+    return text if text.endswith(" B") and not text.endswith("iB") else f"{text} ({n:,} B)"
+
+
+def _measured(*runs):
+    """The basis of a figure from step runs: 'measured', 'estimated', or why it is not exact (CUDA: sampled peaks)."""
+    if any(r.get("basis") == ESTIMATED for r in runs):
+        return ESTIMATED + " (memtorch.estimate)"
+    if all(r["exact"] for r in runs):
+        return MEASURED
+    return MEASURED + " (not exact: the counters sampled the peak)"
+
+
+def _source(run):
+    if run.get("basis") == ESTIMATED:
+        return "memtorch.estimate: a dry run on fake tensors"
+    return "two steps of a copy, memtorch.track"
+
+
+def _dtype_name(dt):
+    return str(dt).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------------
+# the suggestions
+
+
+def _precision(mm, items, notes):
+    """Parameters, gradients and optimizer state in bfloat16 instead of float32: exact arithmetic."""
+    rows = _storage_rows(mm)
+    sel = (rows["dtype"] == "float32") & (
+        (rows["category"] == "parameter")
+        | (rows["category"] == "gradient")
+        | (rows["category"] == "optimizer_state")
+    )
+    # Adam's 'step' counters are float32 scalars that stay float32: only tensors with more than one element
+    sel &= ~((rows["category"] == "optimizer_state") & (rows["numel"] <= 1))
+    fp32 = int(rows["storage_nbytes"][sel].sum())
+    if not fp32:
+        notes.append("16-bit parameters: no float32 parameters, gradients or optimizer state to halve")
+        return
+    by = {
+        c: int(rows["storage_nbytes"][sel & (rows["category"] == c)].sum())
+        for c in ("parameter", "gradient", "optimizer_state")
+    }
+    parts = ", ".join(f"{c.replace('_', ' ')} {_fmt(b)}" for c, b in by.items() if b)
+    items.append(
+        Suggestion(
+            "bf16_weights",
+            "Keep parameters, gradients and optimizer state in bfloat16",
+            fp32 // 2,
+            EXACT,
+            "model.to(torch.bfloat16) before creating the optimizer (pure bf16 training; consider fp32 master "
+            "weights, e.g. an optimizer with Kahan summation, if accuracy suffers)",
+            f"float32 tensors now: {parts} = {_fmt(fp32)}; in bfloat16 half: {_fmt(fp32 // 2)}"
+            + ("" if by["gradient"] else " (no gradients exist yet: after backward they add as much again)"),
+        )
+    )
+
+
+def _precision_step(model, run, base, items, notes):
+    """bf16 weights over a whole step (measured or estimated), in place of the held-bytes arithmetic."""
+    torch = _torch()
+    mine = [s for s in items if s.kind == "bf16_weights"]
+    if not mine:
+        return
+    step = run
+    try:
+        run = step(model, dtype=torch.bfloat16)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        notes.append(f"bf16 weights: a bfloat16 copy of the model did not run ({type(e).__name__}: {e}); "
+                     "the saving counts the bytes held only")  # fmt: skip
+        return
+    s = mine[0]
+    held = s.detail
+    s.saves = base["peak"] - run["peak"]
+    s.basis = _measured(base, run)
+    s.before, s.after = base["peak"], run["peak"]
+    s.detail = (
+        f"step peak {_fmt(base['peak'])} in float32, {_fmt(run['peak'])} with the model and inputs in bfloat16 "
+        f"({_source(run)}); of which held throughout: {held}"
+    )
+
+
+def _sparse(model, items, notes, threshold):
+    """Parameters that are mostly zero, and whether sparse storage would really be smaller."""
+    torch = _torch()
+    seen = set()
+    for name, p in model.named_parameters():
+        if p.device.type == "meta" or p.numel() < 16 or p.layout != torch.strided:
+            continue
+        key = p.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        with torch.no_grad():
+            nnz = int(torch.count_nonzero(p))
+        zeros = 1 - nnz / p.numel()
+        if zeros < threshold:
+            continue
+        dense = p.numel() * p.element_size()
+        # COO: an int64 index per dimension per non-zero, and the values
+        coo = p.dim() * nnz * 8 + nnz * p.element_size()
+        options = [("COO", coo, "w.to_sparse()")]
+        if p.dim() == 2:
+            # CSR: rows + 1 int64 row pointers, an int64 column index per non-zero, the values
+            csr = (p.shape[0] + 1) * 8 + nnz * 8 + nnz * p.element_size()
+            options.append(("CSR", csr, "w.to_sparse_csr().clone()"))
+        measured, direct_csr = _sparse_measured(p)
+        for fmt_, size_, _ in options:  # the arithmetic, held against the real tensors
+            if measured.get(fmt_) != size_:
+                raise AssertionError(f"{name}: {fmt_} measured {measured.get(fmt_)} B, counted {size_} B")
+        fmt, size, code = min(options, key=lambda o: o[1])
+        detail = (
+            f"{name}: {zeros:.1%} zeros ({nnz:,} of {p.numel():,} non-zero, {_dtype_name(p.dtype)}); dense "
+            f"{_both(dense)}; " + "; ".join(f"{f} {_both(s)}" for f, s, _ in options)
+        )
+        if direct_csr is not None and fmt == "CSR" and direct_csr != size:
+            detail += (
+                f"; w.to_sparse_csr() alone holds {_both(direct_csr)}: its column indices keep the whole COO "
+                "index storage alive, .clone() drops it"
+            )
+        if size >= dense:
+            notes.append(f"sparse storage: {detail}: sparse would not be smaller")
+            continue
+        items.append(
+            Suggestion(
+                "sparse",
+                f"Store {name} as a sparse {fmt} tensor",
+                dense - size,
+                MEASURED,
+                f"keep the weight as {code} and use torch.sparse.mm in the forward (inference, or training "
+                "with a fixed sparsity pattern); note that torch.nn.utils.prune keeps a dense mask and the "
+                "original weight, so it adds memory instead",
+                detail,
+                before=dense,
+                after=size,
+            )
+        )
+
+
+def _sparse_measured(p):
+    """{format: bytes} of p converted for real (memtorch.sizeof), and to_sparse_csr()'s bytes before .clone()."""
+    import warnings
+
+    from .inspection import sizeof
+
+    w = p.detach()
+    out = {"COO": sizeof(w.to_sparse()).total}
+    direct = None
+    if w.dim() == 2:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+            c = w.to_sparse_csr()
+            direct = sizeof(c).total
+            out["CSR"] = sizeof(c.clone()).total
+    return out, direct
+
+
+def _dead(mm, base, items, notes):
+    """Modules never called in the forward, and parameters that receive no gradient."""
+    called = set()
+    for n, m in base["modules"].items():  # a container (nn.ModuleList) is used when a module inside it runs
+        if m.calls:
+            parts = n.split(".") if n else []
+            called.update(".".join(parts[:k]) for k in range(len(parts) + 1))
+    rows = {r.name: r for r in mm.modules}
+    dead = []
+    for name, m in base["modules"].items():
+        if name in called:
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if parent != "" and parent not in called:
+            continue  # inside a dead parent: counted with it
+        row = rows.get(name)
+        if row is None or row.subtree == 0:
+            continue
+        dead.append((name, m.type, row.subtree))
+    if dead:
+        total = sum(b for _, _, b in dead)
+        items.append(
+            Suggestion(
+                "unused_modules",
+                "Remove modules the forward never calls: "
+                + ", ".join(n for n, _, _ in dead[:4])
+                + (f" and {len(dead) - 4} more" if len(dead) > 4 else ""),
+                total,
+                MEASURED,
+                "delete them from the model (or stop creating them); check first that no other code path calls them",
+                "; ".join(f"{n} ({t}) holds {_fmt(b)}" for n, t, b in dead)
+                + " (bytes from inspect: parameters, buffers, their gradients and optimizer state; "
+                "calls counted by track() over the steps run)",
+            )
+        )
+    dead_names = {n for n, _, _ in dead}
+    none = []
+    probe = base["probe"]
+    if base["no_grad"] is None:
+        notes.append("parameters without gradient: not known from an estimate (advise(measure=True) runs the steps)")
+        return
+    for name, p in probe.named_parameters():
+        if not p.requires_grad:
+            continue
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        if any(mod == d or mod.startswith(d + ".") for d in dead_names):
+            continue
+        if name in base["no_grad"]:
+            none.append((name, p.numel() * p.element_size()))
+    if none:
+        total = sum(b for _, b in none)
+        items.append(
+            Suggestion(
+                "no_gradient",
+                "Parameters that receive no gradient: "
+                + ", ".join(n for n, _ in none[:4])
+                + (f" and {len(none) - 4} more" if len(none) > 4 else ""),
+                total,
+                MEASURED,
+                "if they are not meant to learn, freeze them (p.requires_grad_(False)) and leave them out of the "
+                "optimizer; if they do not affect the output, remove them",
+                "; ".join(f"{n} {_fmt(b)}" for n, b in none)
+                + " (their bytes; .grad stayed None after backward in the steps run)",
+            )
+        )
+
+
+def _optimizer(mm_opt, optimizer, items, notes):
+    """Switching to SGD (no state) or SGD with momentum (one buffer per parameter): exact arithmetic
+    from the measured state of the optimizer after a step of the copy."""
+    torch = _torch()
+    if optimizer is None:
+        notes.append("optimizer: none given, no optimizer state to cut")
+        return
+    rows = _storage_rows(mm_opt)
+    state = rows[rows["category"] == "optimizer_state"]
+    total = int(state["storage_nbytes"].sum())
+    params = rows[(rows["category"] == "parameter") & rows["requires_grad"]]
+    pbytes = int(params["storage_nbytes"].sum())
+    name = type(optimizer).__name__
+    basis = MEASURED
+    how_known = f"{name} holds {_fmt(total)} of state after a step ({len(state)} tensors)"
+    if total == 0 and not optimizer.state:
+        # before its first step: the state each optimizer creates, counted from the parameters
+        total, how_known = _state_arithmetic(optimizer, params)
+        basis = EXACT
+        if total is None:
+            notes.append(
+                f"optimizer: {name}'s state does not exist before its first step; pass inputs to measure it"
+            )
+            return
+    if total == 0:
+        notes.append(f"optimizer: {name} keeps no state")
+        return
+    items.append(
+        Suggestion(
+            "optimizer_sgd",
+            f"Train with plain SGD instead of {name}",
+            total,
+            basis,
+            "torch.optim.SGD(model.parameters(), lr=...) (no state; expect to retune the learning rate)",
+            f"{how_known}; SGD without momentum holds none",
+            before=total,
+            after=0,
+        )
+    )
+    momentum = pbytes  # one buffer per trainable parameter, of its size and dtype
+    if total - momentum > 0 and not isinstance(optimizer, torch.optim.SGD):
+        items.append(
+            Suggestion(
+                "optimizer_momentum",
+                f"Train with SGD with momentum instead of {name}",
+                total - momentum,
+                EXACT,
+                "torch.optim.SGD(model.parameters(), lr=..., momentum=0.9) (one buffer per parameter)",
+                f"{how_known}; SGD with momentum holds one buffer per trainable parameter: {_fmt(momentum)}",
+                before=total,
+                after=momentum,
+            )
+        )
+
+
+def _state_arithmetic(optimizer, params):
+    """(bytes, explanation) of the state ``optimizer`` creates at its first step, or (None, '') for
+    classes not modelled. params: the trainable parameter rows."""
+    torch = _torch()
+    o = torch.optim
+    pbytes = int(params["storage_nbytes"].sum())
+    n = len(params)
+    name = type(optimizer).__name__
+    d = optimizer.defaults
+    if isinstance(optimizer, (o.Adam, o.AdamW)):
+        k = 3 if d.get("amsgrad") else 2
+        step = (
+            0 if d.get("fused") or d.get("capturable") else 4
+        )  # a float32 'step' scalar per parameter on the CPU
+        keys = "exp_avg, exp_avg_sq" + (", max_exp_avg_sq" if k == 3 else "")
+        total = k * pbytes + step * n
+        return total, (
+            f"{name} creates {keys} of each parameter's size ({k} x {_fmt(pbytes)}) and a 'step' scalar per "
+            f"parameter ({n} x {step} B) at its first step: {_fmt(total)}"
+        )
+    if isinstance(optimizer, o.SGD):
+        total = pbytes if d.get("momentum") else 0
+        return (
+            total,
+            f"{name} creates {'one momentum buffer per parameter' if total else 'no state'}: {_fmt(total)}",
+        )
+    return None, ""
+
+
+def _freeze(mm_opt, model, optimizer, items, notes):
+    """Freezing the largest trainable child saves its gradients and its optimizer state (exact arithmetic)."""
+    children = list(model.named_children())
+    if len(children) < 2:
+        return
+    rows = _storage_rows(mm_opt)
+    modules = {r.name: r for r in mm_opt.modules}
+    best = None
+    for name, child in children:
+        r = modules.get(name)
+        if r is None:
+            continue
+        trainable = sum(p.numel() * p.element_size() for p in child.parameters() if p.requires_grad)
+        if trainable and (best is None or trainable > best[1]):
+            best = (name, trainable, r)
+    if best is None:
+        return
+    name, grad_bytes, _row = best
+    state = rows[rows["category"] == "optimizer_state"]
+    child_state = sum(
+        int(b) for p, b in zip(state["path"].tolist(), state["storage_nbytes"].tolist()) if _under(p, name)
+    )
+    saves = grad_bytes + child_state
+    items.append(
+        Suggestion(
+            "freeze",
+            f"Freeze {name} ({type(dict(children)[name]).__name__}) if you fine-tune",
+            saves,
+            EXACT,
+            f"model.{name}.requires_grad_(False) and leave its parameters out of the optimizer",
+            f"its gradients {_fmt(grad_bytes)} (one per trainable parameter, same size) + its optimizer state "
+            f"{_fmt(child_state)}" + ("" if optimizer is not None else " (no optimizer given)"),
+        )
+    )
+
+
+def _under(path, name):
+    """Whether an optimizer-state row ('optimizer.state[<parameter name>].<key>') belongs to module ``name``."""
+    if not path.startswith("optimizer.state[") or "]" not in path:
+        return False
+    param = path[len("optimizer.state[") : path.index("]")]
+    return param.startswith(name + ".")
+
+
+def _autocast(model, run, base, items, notes):
+    """bf16 autocast (mixed precision), measured on a copy."""
+    torch = _torch()
+    dev = _device_type(model, run.inputs)
+    step = run
+    try:
+        run = step(model, autocast=(dev, torch.bfloat16))
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        notes.append(f"bf16 autocast: the model did not run under torch.autocast: {type(e).__name__}: {e}")
+        return
+    saves = base["peak"] - run["peak"]
+    detail = f"step peak {_fmt(base['peak'])} in float32, {_fmt(run['peak'])} under bf16 autocast on {dev}"
+    if saves <= 0:
+        notes.append(f"bf16 autocast: no saving ({detail})")
+        return
+    items.append(
+        Suggestion(
+            "autocast_bf16",
+            "Mixed precision: run forward and loss under bf16 autocast",
+            saves,
+            _measured(base, run),
+            f"with torch.autocast('{dev}', dtype=torch.bfloat16): loss = loss_fn(model(x)) "
+            "(fp16 on CUDA also needs torch.amp.GradScaler)",
+            detail + f" ({_source(run)})",
+            before=base["peak"],
+            after=run["peak"],
+        )
+    )
+
+
+def _peak_phase(report):
+    phases = [p for p in report.phases.values() if p.calls]
+    return max(phases, key=lambda p: p.peak).name if phases else None
+
+
+def _device_type(model, inputs):
+    for p in model.parameters():
+        return p.device.type
+    for x in inputs:
+        if hasattr(x, "device"):
+            return x.device.type
+    return "cpu"
+
+
+def _checkpoint_blocks(model, base):
+    """The siblings that hold the most activations together (e.g. the layers of an encoder)."""
+    mods = base["modules"]
+    groups = {}
+    for name, m in mods.items():
+        if not name or not m.calls:
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        groups.setdefault(parent, []).append((name, m))
+    named = dict(model.named_modules())
+    best = None
+    for parent, members in groups.items():
+        members = [(n, m) for n, m in members if len(list(named[n].children())) > 0 or len(members) > 1]
+        if len(members) < 2:
+            continue
+        total = sum(m.activation_bytes for _, m in members)
+        if best is None or total > best[0]:
+            best = (total, parent, [n for n, _ in members])
+    return best
+
+
+def _checkpointing(model, run, base, items, notes):
+    found = _checkpoint_blocks(model, base)
+    if found is None or found[0] == 0:
+        notes.append("gradient checkpointing: no group of sibling blocks holding activations")
+        return
+    total, _parent, names = found
+    step = run
+    try:
+        run = step(model, checkpoint=names)
+    except Exception as e:  # noqa: BLE001
+        notes.append(
+            f"gradient checkpointing of {', '.join(names)}: the model did not run: {type(e).__name__}: {e}"
+        )
+        return
+    saves = base["peak"] - run["peak"]
+    label = names[0] + (f" .. {names[-1]}" if len(names) > 1 else "")
+    detail = (
+        f"{len(names)} blocks ({label}) leave {_fmt(total)} of activations per forward; step peak "
+        f"{_fmt(base['peak'])} without, {_fmt(run['peak'])} with checkpointing ({_source(run)})"
+    )
+    if saves <= 0:
+        notes.append(f"gradient checkpointing: no saving ({detail})")
+        return
+    items.append(
+        Suggestion(
+            "checkpointing",
+            f"Gradient checkpointing of {label}",
+            saves,
+            _measured(base, run),
+            "wrap each block: out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) "
+            "(recomputes the block's forward in backward: about one more forward of time)",
+            detail,
+            before=base["peak"],
+            after=run["peak"],
+        )
+    )
+
+
+def _repeated_container(model):
+    """(name, container) of the largest nn.ModuleList / nn.Sequential of >= 2 blocks of one type."""
+    torch = _torch()
+    best = None
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) >= 2:
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1 and (best is None or len(m) > len(best[1])):
+                best = (name, m)
+    return best
+
+
+def _with_depth(model, name, keep):
+    smaller = copy.deepcopy(model)
+    parent = smaller
+    parts = name.split(".") if name else []
+    for part in parts[:-1]:
+        parent = getattr(parent, part)
+    old = getattr(parent, parts[-1]) if parts else smaller
+    torch = _torch()
+    blocks = list(old)[:keep]
+    new = torch.nn.ModuleList(blocks) if isinstance(old, torch.nn.ModuleList) else type(old)(*blocks)
+    if not parts:
+        return new
+    setattr(parent, parts[-1], new)
+    if hasattr(parent, "num_layers"):  # nn.TransformerEncoder/Decoder keep the count beside the list
+        parent.num_layers = keep
+    return smaller
+
+
+def _depth(model, step, base, budget, items, notes):
+    found = _repeated_container(model)
+    if found is None:
+        notes.append("smaller depth: no nn.ModuleList / nn.Sequential of identical blocks to shorten")
+        return
+    name, cont = found
+    n = len(cont)
+    lo, hi, fit = 1, n - 1, None  # largest keep in [1, n-1] whose peak fits
+    tried, run_of = {}, {}
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            run = step(_with_depth(model, name, mid))
+        except Exception as e:  # noqa: BLE001
+            notes.append(
+                f"smaller depth: {name or 'the model'} with {mid} blocks did not run: {type(e).__name__}: {e}"
+            )
+            return
+        tried[mid] = run["peak"]
+        run_of[mid] = run
+        if run["peak"] <= budget:
+            fit, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    runs = ", ".join(f"{k} blocks {_fmt(v)}" for k, v in sorted(tried.items()))
+    if fit is None:
+        notes.append(
+            f"smaller depth: even 1 of the {n} blocks of {name} does not fit {_fmt(budget)} ({runs})"
+        )
+        return
+    items.append(
+        Suggestion(
+            "depth",
+            f"Keep {fit} of the {n} blocks in {name or 'the model'} to fit the budget",
+            base["peak"] - tried[fit],
+            _measured(base, run_of[fit]),
+            f"build the model with {fit} blocks instead of {n} (then retrain)",
+            f"step peak with {n} blocks {_fmt(base['peak'])}; measured: {runs}; budget {_fmt(budget)}",
+            before=base["peak"],
+            after=tried[fit],
+        )
+    )
+
+
+def _width(model, step, base, budget, resize, items, notes):
+    """resize(factor) -> a model of width x factor: the largest of a few factors that fits, measured."""
+    tried, run_of = {}, {}
+    fit = None
+    for factor in (0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125):
+        try:
+            run = step(resize(factor))
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"smaller width: resize({factor}) did not run: {type(e).__name__}: {e}")
+            return
+        tried[factor] = run["peak"]
+        run_of[factor] = run
+        if run["peak"] <= budget:
+            fit = factor
+            break
+    runs = ", ".join(f"x{k} {_fmt(v)}" for k, v in tried.items())
+    if fit is None:
+        notes.append(f"smaller width: no factor down to 0.125 fits {_fmt(budget)} ({runs})")
+        return
+    items.append(
+        Suggestion(
+            "width",
+            f"Width x {fit} fits the budget",
+            base["peak"] - tried[fit],
+            _measured(base, run_of[fit]),
+            f"resize({fit}): the model your resize() builds at {fit:g} of the width",
+            f"step peak now {_fmt(base['peak'])}; measured: {runs}; budget {_fmt(budget)}",
+            before=base["peak"],
+            after=tried[fit],
+        )
+    )
+
+
+# ---------------------------------------------------------------------------
+
+
+def advise(
+    model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5, measure=None
+):
+    """Ranked suggestions to cut the memory of training ``model``, each with the bytes it saves.
+
+    inputs: an example batch (real tensors on the model's device); without it
+    only what inspect() can count is advised (16-bit weights, sparse weights,
+    optimizer state, freezing). optimizer: the one you train with (its class and
+    settings are copied; it is never stepped). budget: a size ("2 GiB", bytes):
+    adds the depth (and, with resize, width) that fits it. loss_fn(output) ->
+    loss; default: the sum of the output's floating-point tensors.
+    resize(factor) -> model: your model at a fraction of its width.
+    measure: True runs real steps on copies (measured); False takes every step
+    figure from memtorch.estimate (a dry run on fake tensors: no real memory,
+    any size); None (default) measures unless the model is on the meta device.
+    Returns an Advice: print it, display it in a notebook, or .to_dict().
+    """
+    torch = _torch()
+    from . import inspection
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"advise() needs a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"advise(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if budget is not None:
+        budget = units.parse(budget)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"advise(loss_fn=...) expects a callable (output) -> loss, got {type(loss_fn).__name__}"
+        )
+    if resize is not None and not callable(resize):
+        raise TypeError(
+            f"advise(resize=...) expects a callable (factor) -> model, got {type(resize).__name__}"
+        )
+    if not (isinstance(sparse_threshold, (int, float)) and 0 < sparse_threshold < 1):
+        raise ValueError(
+            f"advise(sparse_threshold=...) expects a fraction in (0, 1), got {sparse_threshold!r}"
+        )
+    if (budget is not None or resize is not None) and not inputs:
+        raise MemtorchError(
+            "advise(budget=... or resize=...) needs example inputs to measure a step: advise(model, x, ...)"
+        )
+    if measure not in (None, True, False):
+        raise ValueError(f"advise(measure=...) expects True, False or None, got {measure!r}")
+    loss_fn = default_loss if loss_fn is None else loss_fn
+    items, notes = [], []
+    held = inspection.inspect(model, optimizer=optimizer)
+    on_meta = any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+    if measure is None:
+        measure = not on_meta
+    if measure and on_meta and inputs:
+        raise MemtorchError("advise(measure=True) cannot run a model on the meta device: use measure=False (estimate)")
+    base = None
+    run = _Runner(inputs, optimizer, loss_fn, "measure" if measure else "estimate")
+    if inputs:
+        base = run(model)
+        if base["probe"] is not None:
+            # the copy after its steps: gradients of the last backward and the optimizer's state exist
+            mm_step = inspection.inspect(base["probe"], optimizer=base["optimizer"])
+        else:
+            mm_step = held
+    else:
+        mm_step = held
+    _precision(mm_step, items, notes)
+    if base is not None:
+        _precision_step(model, run, base, items, notes)
+    _sparse(model, items, notes, sparse_threshold)
+    if base is not None:
+        _dead(mm_step, base, items, notes)
+        where = _peak_phase(base["report"])
+        if where not in (None, "forward", "backward"):
+            notes.append(
+                f"the step peaks in its {where} phase, when activations are freed: changes to activations "
+                "(autocast, checkpointing) cannot lower that peak"
+            )
+        _autocast(model, run, base, items, notes)
+        _checkpointing(model, run, base, items, notes)
+        if budget is not None:
+            if base["peak"] <= budget:
+                notes.append(f"budget: the step peaks at {_fmt(base['peak'])}, within {_fmt(budget)}")
+            else:
+                _depth(model, run, base, budget, items, notes)
+                if resize is not None:
+                    _width(model, run, base, budget, resize, items, notes)
+    stepped = base is not None and base["optimizer"] is not None
+    _optimizer(mm_step, base["optimizer"] if stepped else optimizer, items, notes)
+    _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, optimizer, items, notes)
+    return Advice(
+        type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes
+    )

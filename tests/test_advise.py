@@ -1,0 +1,334 @@
+"""memtorch.advise(): each suggestion's bytes against a hand count.
+
+Hand counts: a float32 element is 4 bytes, 2 in bfloat16; Linear(i, o) holds
+i*o + o elements; Adam keeps exp_avg and exp_avg_sq of each parameter's size
+plus a float32 'step' scalar per parameter (4 B) on the CPU; a CSR matrix holds
+rows + 1 and nnz int64 indices and nnz values, a COO tensor ndim * nnz int64
+indices and nnz values. Savings measured by running steps (checkpointing,
+autocast, depth) are checked against a separate manual run under
+memtorch.cpu.Scope with the change applied by hand.
+"""
+
+import copy
+import gc
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memtorch
+from memtorch import advice
+
+F32 = 4
+
+
+def lin(i, o, bias=True):
+    return (i * o + (o if bias else 0)) * F32
+
+
+def test_bf16_weights_without_inputs_is_half_the_float32_parameters():
+    model = nn.Linear(100, 50)
+    adv = memtorch.advise(model)
+    (s,) = adv.by_kind("bf16_weights")
+    assert s.saves == lin(100, 50) // 2 == 10_100
+    assert s.basis == "exact arithmetic"
+    assert "after backward they add as much again" in s.detail
+
+
+def test_bf16_weights_after_a_step_halves_parameters_gradients_and_adam_state():
+    model = nn.Linear(100, 50)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 100)).sum().backward()
+    opt.step()
+    adv = memtorch.advise(model, optimizer=opt)
+    (s,) = adv.by_kind("bf16_weights")
+    # parameters + gradients + exp_avg + exp_avg_sq, halved; the 'step' scalars stay float32
+    assert s.saves == 4 * lin(100, 50) // 2 == 40_400
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_csr_bytes_exact():
+    model = nn.Linear(100, 100, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.weight.view(-1)[::20] = 1.0  # 500 non-zeros: 95% zeros
+    adv = memtorch.advise(model)
+    (s,) = adv.by_kind("sparse")
+    csr = 101 * 8 + 500 * 8 + 500 * F32  # 6,808 B
+    coo = 2 * 500 * 8 + 500 * F32  # 10,000 B
+    assert s.after == csr and s.before == 100 * 100 * F32
+    assert s.saves == 40_000 - 6_808
+    assert "CSR" in s.title and "COO 9.8 KiB (10,000 B)" in s.detail
+    assert s.basis == "measured"
+    # the same figures measured on the real sparse tensors (what advise() checks its count against)
+    w = model.weight.detach()
+    assert memtorch.sizeof(w.to_sparse_csr().clone()).total == csr
+    assert memtorch.sizeof(w.to_sparse()).total == coo
+    # to_sparse_csr() alone keeps the COO index storage (2 x 500 int64) behind its column indices
+    assert memtorch.sizeof(w.to_sparse_csr()).total == 101 * 8 + 2 * 500 * 8 + 500 * F32
+    assert "w.to_sparse_csr() alone holds 10.6 KiB (10,808 B)" in s.detail
+
+
+def test_sparse_not_suggested_when_it_would_be_larger():
+    model = nn.Linear(4, 100)
+    with torch.no_grad():
+        model.bias.zero_()
+        model.bias[:40] = 1.0  # 60% zeros: COO 40*8 + 40*4 = 480 B > dense 400 B
+        model.weight.fill_(1.0)
+    adv = memtorch.advise(model)
+    assert adv.by_kind("sparse") == []
+    assert any("bias" in n and "COO 480 B" in n and "would not be smaller" in n for n in adv.notes)
+
+
+class WithDeadParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.unused = nn.Linear(10, 20)
+        self.side = nn.Linear(16, 4)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        for layer in self.body:
+            x = torch.relu(layer(x))
+        self.side(x.detach())  # runs, but its output reaches no loss: no gradient
+        return self.head(x)
+
+
+def test_unused_modules_and_parameters_without_gradient():
+    model = WithDeadParts()
+    opt = torch.optim.Adam(model.parameters())
+    adv = memtorch.advise(model, torch.ones(8, 16), optimizer=opt)
+    (dead,) = adv.by_kind("unused_modules")
+    assert dead.saves == lin(10, 20) == 880  # never called: no gradient, no Adam state either
+    assert "unused" in dead.title and "body" not in dead.title  # a ModuleList runs through its layers
+    assert dead.basis == "measured"
+    (nograd,) = adv.by_kind("no_gradient")
+    assert nograd.saves == lin(16, 4) == 272
+    assert "side.weight" in nograd.title and "side.bias" in nograd.title
+    # the user's model and optimizer are untouched
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
+def test_optimizer_state_measured_after_a_step():
+    model = nn.Linear(100, 50)
+    opt = torch.optim.Adam(model.parameters())
+    adv = memtorch.advise(model, torch.ones(4, 100), optimizer=opt)
+    (sgd,) = adv.by_kind("optimizer_sgd")
+    (mom,) = adv.by_kind("optimizer_momentum")
+    assert sgd.saves == 2 * lin(100, 50) + 2 * 4 == 40_408
+    assert mom.saves == lin(100, 50) + 2 * 4 == 20_208
+    assert sgd.basis == "measured" and mom.basis == "exact arithmetic"
+
+
+def test_optimizer_state_by_arithmetic_before_the_first_step():
+    model = nn.Linear(100, 50)
+    opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    adv = memtorch.advise(model, optimizer=opt)
+    assert memtorch.advise(model, torch.ones(2, 100), optimizer=opt).by_kind("optimizer_sgd")[0].saves == (
+        3 * lin(100, 50) + 2 * 4
+    )  # the copy of an AdamW (whose defaults hold a key its constructor refuses) steps and measures the same
+    (sgd,) = adv.by_kind("optimizer_sgd")
+    assert sgd.saves == 3 * lin(100, 50) + 2 * 4
+    assert sgd.basis == "exact arithmetic" and "max_exp_avg_sq" in sgd.detail
+    plain = memtorch.advise(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert plain.by_kind("optimizer_sgd") == [] and any("SGD keeps no state" in n for n in plain.notes)
+
+
+def test_freeze_largest_child():
+    model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 5))
+    opt = torch.optim.Adam(model.parameters())
+    adv = memtorch.advise(model, torch.ones(3, 10), optimizer=opt)
+    (s,) = adv.by_kind("freeze")
+    p = lin(10, 20)
+    assert s.saves == p + 2 * p + 2 * 4  # its gradients + exp_avg + exp_avg_sq + 2 step scalars
+    assert s.title.startswith("Freeze 0 (Linear)")
+
+
+def _manual_peak(model, x, steps=2, wrap=None, autocast=False, dtype=None):
+    """A step peak measured without advise(): a copy, the change applied by hand, memtorch.cpu.Scope."""
+    m = copy.deepcopy(model)
+    if dtype is not None:
+        m.to(dtype)
+        x = x.to(dtype)
+    if wrap:
+        for name in wrap:
+            blk = m.get_submodule(name)
+            blk.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(blk.forward)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    held = sum(p.untyped_storage().nbytes() for p in m.parameters())
+    gc.collect()  # earlier copies in reference cycles must not be freed inside the scope
+    with memtorch.cpu.Scope() as s:
+        for _ in range(steps):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = m(x)
+                loss = out.float().sum()
+            del out
+            loss.backward()
+            del loss
+            opt.step()
+    for name in wrap or ():
+        m.get_submodule(name).__dict__.pop("forward", None)  # break the cycle through the patched forward
+    return held + s.peak_above_start
+
+
+def blocks(n=4, d=32):
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU()) for _ in range(n)]
+    )
+
+
+def test_checkpointing_and_autocast_match_a_manual_run():
+    torch.manual_seed(0)
+    model = blocks()
+    x = torch.randn(512, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    adv = memtorch.advise(model, x, optimizer=opt)
+    base = _manual_peak(model, x)
+    assert adv.peak == base
+    (ck,) = adv.by_kind("checkpointing")
+    assert ck.saves == base - _manual_peak(model, x, wrap=["0", "1", "2", "3"])
+    assert ck.basis == "measured" and ck.saves > 0
+    (ac,) = adv.by_kind("autocast_bf16")
+    assert ac.saves == base - _manual_peak(model, x, autocast=True)
+    (bf,) = adv.by_kind("bf16_weights")
+    assert bf.saves == base - _manual_peak(model, x, dtype=torch.bfloat16) and bf.basis == "measured"
+    # of which held all through: parameters and gradients, 4 blocks of 2 Linear(32, 32), halved
+    assert "= 66.0 KiB; in bfloat16 half: 33.0 KiB" in bf.detail  # 2 x 8 x (32*32 + 32) x 4 B = 67,584 B
+
+
+def test_depth_for_a_budget():
+    torch.manual_seed(0)
+    model = blocks(n=6)
+    x = torch.randn(256, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    full = _manual_peak(model, x)
+    three = _manual_peak(blocks(n=3), x)
+    four = _manual_peak(blocks(n=4), x)
+    adv = memtorch.advise(model, x, optimizer=opt, budget=(three + four) // 2)
+    (s,) = adv.by_kind("depth")
+    assert s.title == "Keep 3 of the 6 blocks in the model to fit the budget"
+    assert s.after == three and s.saves == full - three
+    fits = memtorch.advise(model, x, optimizer=opt, budget=full)
+    assert fits.by_kind("depth") == [] and any("within" in n for n in fits.notes)
+
+
+def test_width_with_resize():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+
+    def make(factor):
+        w = int(64 * factor)
+        return nn.Sequential(nn.Linear(32, w), nn.ReLU(), nn.Linear(w, 1))
+
+    full = _manual_peak(make(1.0), x)
+    half = _manual_peak(make(0.5), x)
+    adv = memtorch.advise(
+        make(1.0), x, optimizer=torch.optim.SGD(make(1.0).parameters(), lr=0.1), budget=half, resize=make
+    )
+    (s,) = adv.by_kind("width")
+    assert s.after <= half and s.saves == full - s.after
+
+
+def test_ranked_and_rendered():
+    model = WithDeadParts()
+    opt = torch.optim.Adam(model.parameters())
+    adv = memtorch.advise(model, torch.ones(8, 16), optimizer=opt, budget="1 MiB")
+    saves = [s.saves for s in adv]
+    assert saves == sorted(saves, reverse=True) and len(adv) >= 4
+    text = str(adv)
+    assert text.startswith("memtorch.advise for WithDeadParts")
+    for s in adv:
+        assert s.title in text and f"{s.saves:,} B" in text and s.basis in text
+    assert "savings do not add up" in text
+    page = adv._repr_html_()
+    assert page.startswith('<div class="memtorch memtorch-advice">') and "<table" in page
+    d = adv.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert [i["saves"] for i in d["items"]] == saves and d["budget"] == 2**20
+
+
+@pytest.mark.parametrize(
+    "args, kw, exc, msg",
+    [
+        ((), {}, TypeError, "advise\\(\\) needs a torch.nn.Module, got str"),
+        ((), {"optimizer": "adam"}, TypeError, "advise\\(optimizer=...\\) expects a torch.optim.Optimizer"),
+        ((), {"budget": "12 parsecs"}, memtorch.UnitError, "unknown unit"),
+        ((), {"budget": "1 MiB"}, memtorch.MemtorchError, "needs example inputs"),
+        ((), {"loss_fn": 3}, TypeError, "loss_fn=...\\) expects a callable"),
+        ((), {"sparse_threshold": 1.5}, ValueError, "a fraction in \\(0, 1\\)"),
+    ],
+)
+def test_bad_arguments(args, kw, exc, msg):
+    model = "not a model" if not kw else nn.Linear(2, 2)
+    with pytest.raises(exc, match=msg):
+        memtorch.advise(model, *args, **kw)
+
+
+def test_model_that_fails_to_run_leaves_nothing_behind():
+    model = nn.Linear(4, 2)
+    with pytest.raises(RuntimeError):
+        memtorch.advise(model, torch.ones(3, 5))  # wrong width: the forward raises; the fixture checks hooks
+
+
+def test_submodule_import_does_not_shadow_the_function():
+    import memtorch.advice  # noqa: F401
+
+    assert callable(memtorch.advise) and memtorch.advise is advice.advise
+
+
+def test_model_that_cannot_be_copied():
+    class NoCopy(nn.Linear):
+        def __deepcopy__(self, memo):
+            raise TypeError("holds a file handle")
+
+    with pytest.raises(
+        memtorch.MemtorchError, match="copy.deepcopy\\(model\\) failed: TypeError: holds a file handle"
+    ):
+        memtorch.advise(NoCopy(2, 2), torch.ones(1, 2))
+
+
+def test_sampled_peaks_are_not_called_exact():
+    assert advice._measured({"exact": True}, {"exact": True}) == "measured"
+    assert advice._measured({"exact": True}, {"exact": False}) == "measured (not exact: the counters sampled the peak)"
+
+
+def test_estimate_mode_against_estimate_and_measurement():
+    torch.manual_seed(0)
+    model = blocks()
+    x = torch.randn(512, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    est = memtorch.advise(model, x, optimizer=opt, measure=False)
+    direct = memtorch.estimate(model, x, optimizer=opt)
+    assert est.peak == direct.peak - direct.breakdown["input"]
+    (ck,) = est.by_kind("checkpointing")
+    assert ck.basis == "estimated (memtorch.estimate)" and "dry run" in ck.detail
+    with_ck = memtorch.estimate(model, x, optimizer=opt, checkpointing=["0", "1", "2", "3"])
+    assert ck.saves == direct.peak - with_ck.peak
+    # the estimate holds to the measurement (memtorch.estimate's own goal: within 3%)
+    measured = memtorch.advise(model, x, optimizer=opt)
+    assert abs(est.peak - measured.peak) <= 0.03 * measured.peak
+    assert any("not known from an estimate" in n for n in est.notes)
+
+
+def test_meta_model_is_estimated():
+    with torch.device("meta"):
+        model = blocks(n=2)
+    x = torch.empty(64, 32, device="meta")
+    adv = memtorch.advise(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert adv.peak > 0 and all(s.basis.startswith(("estimated", "exact")) for s in adv)
+    with pytest.raises(memtorch.MemtorchError, match="cannot run a model on the meta device"):
+        memtorch.advise(model, x, measure=True)
+    with pytest.raises(ValueError, match="measure=...\\) expects True, False or None"):
+        memtorch.advise(model, x, measure="yes")
+
+
+def test_estimate_mode_copies_adamw():
+    model = nn.Linear(100, 50)
+    opt = torch.optim.AdamW(model.parameters())  # its defaults hold a key its constructor refuses
+    adv = memtorch.advise(model, torch.ones(4, 100), optimizer=opt, measure=False)
+    (s,) = adv.by_kind("optimizer_sgd")
+    assert s.saves == 2 * lin(100, 50) + 2 * 4 and s.basis == "exact arithmetic"
