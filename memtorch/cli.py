@@ -299,7 +299,7 @@ def _optional_api(name):
         return getattr(memtorch, name)
     except AttributeError:
         raise Unavailable(
-            f"'{name}' is not available in this install of memtorch (memtorch.{name}() is missing); "
+            f"{name} is not available in this install of memtorch (it has no memtorch.{name}()); "
             f"inspect, diagram and diff are"
         ) from None
 
