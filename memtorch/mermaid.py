@@ -19,7 +19,12 @@ Mermaid's entity codes (``#40;`` for ``(``) wherever it could otherwise be
 read as Mermaid syntax.
 """
 
+from typing import TYPE_CHECKING, Optional
+
 from . import _torch, units
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["diagram", "KINDS"]
 
@@ -244,7 +249,7 @@ def _check_args(model, kind, depth, memory):
         raise TypeError(f"memory must be True or False, not {memory!r}")
 
 
-def diagram(model, kind="class", depth=None, memory=True):
+def diagram(model: "torch.nn.Module", kind: str = "class", depth: Optional[int] = None, memory: bool = True) -> str:
     """Mermaid text of `model`: a ``classDiagram`` (kind="class") or an ``erDiagram`` (kind="er").
 
     Class diagram: one class per distinct module (a module type with its
@@ -321,7 +326,7 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
             has_kids = any(c.alias_of is None for c in first.children)
             if has_kids and first is not root:
                 lines.append(f"        {_esc('with submodules ' + _bytes(first.subtree))}")
-            elif not first.tensors:
+            elif not has_kids and not first.tensors:
                 lines.append("        holds 0 B")
             if len(inst) > 1:
                 keys = set()
