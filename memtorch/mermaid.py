@@ -31,6 +31,7 @@ __all__ = ["diagram", "KINDS"]
 KINDS = ("class", "er")
 
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _.,:/=+-[]")
+_SAFE_LABEL = _SAFE | frozenset("()")
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 # Words Mermaid's class-diagram grammar reads as keywords where a class name stands.
 _KEYWORDS = frozenset(
@@ -39,9 +40,11 @@ _KEYWORDS = frozenset(
 )
 
 
-def _esc(text):
-    """Text Mermaid shows as is: every character outside a small safe set as an entity code."""
-    return "".join(c if c in _SAFE else f"#{ord(c)};" for c in str(text))
+def _esc(text, member=False):
+    """Text Mermaid shows as is: every character outside a small safe set as an entity code.
+    Parentheses are safe in labels and comments, not in a class member (they make it a method)."""
+    safe = _SAFE if member else _SAFE_LABEL
+    return "".join(c if c in safe else f"#{ord(c)};" for c in str(text))
 
 
 def _bytes(n):
@@ -321,11 +324,11 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
                     extra = " shares its storage with other tensors"
                 if memory:
                     extra += ", counted once"
-            lines.append(f"        +{_esc(t.describe(memory) + extra)}")
+            lines.append(f"        +{_esc(t.describe(memory) + extra, member=True)}")
         if memory:
             has_kids = any(c.alias_of is None for c in first.children)
             if has_kids and first is not root:
-                lines.append(f"        {_esc('with submodules ' + _bytes(first.subtree))}")
+                lines.append(f"        {_esc('with submodules ' + _bytes(first.subtree), member=True)}")
             elif not has_kids and not first.tensors:
                 lines.append("        holds 0 B")
             if len(inst) > 1:
@@ -333,13 +336,13 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
                 for n in inst:
                     keys |= _subtree_keys(n)
                 allb = sum(size[k] for k in keys)
-                lines.append(f"        {_esc(f'x {len(inst)} instances: {_bytes(allb)} together')}")
+                lines.append(f"        {_esc(f'x {len(inst)} instances: {_bytes(allb)} together', member=True)}")
         shallow = min(inst, key=lambda n: n.depth)
         if shallow.depth >= limit and shallow.children:
             k = _count_below(shallow)
-            lines.append(f"        {_esc(f'{k} submodules below depth {limit} not drawn')}")
+            lines.append(f"        {_esc(f'{k} submodules below depth {limit} not drawn', member=True)}")
         if first is root and total_line:
-            lines.append(f"        {_esc(total_line)}")
+            lines.append(f"        {_esc(total_line, member=True)}")
         lines.append("    }")
 
     for sig, inst in classes.items():
