@@ -64,6 +64,11 @@ def _names_label(names):
     return ", ".join(shown) + more
 
 
+def _short(path, limit=48):
+    """A long dotted path cut from the left ('...3.0.linear1'): deep nests stay linear in size."""
+    return path if len(path) <= limit else "..." + path[-(limit - 3):]
+
+
 def _shape(t):
     return "[" + ", ".join(str(d) for d in t.shape) + "]" if t.shape is not None else "[shape unknown]"
 
@@ -311,7 +316,7 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
         first = inst[0]
         label = first.type
         if len(types_seen[first.type]) > 1:
-            label += f" ({first.path or 'the model'})"
+            label += f" ({_short(first.path) or 'the model'})"
         lines.append(f'    class {cid[sig]}["{_esc(label)}"] {{')
         if first is root:
             lines.append("        <<model>>")
@@ -410,7 +415,7 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
                     for k in t.keys:
                         entity_of_key[k] = pid
                 full = f"{shown_path}.{t.name}" if shown_path else t.name
-                title = f"{prefix} {full}" + (f" x {mult}" if mult > 1 else "")
+                title = f"{prefix} {_short(full)}" + (f" x {mult}" if mult > 1 else "")
                 lines.append(f'    {pid}["{_esc(title)}"] {{')
                 lines.append(attr("string", "dtype", t.dtype))
                 lines.append(attr("string", "shape", _shape(t)))
@@ -433,7 +438,7 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
         if node is root:
             title = f"MODEL {node.type}"
         else:
-            title = f"MODULE {shown_path}: {node.type}" + (f" x {n}" if n > 1 else "")
+            title = f"MODULE {_short(shown_path)}: {node.type}" + (f" x {n}" if n > 1 else "")
             if mult > n:
                 title += f" (x {mult} in all)"
         lines.append(f'    {eid}["{_esc(title)}"] {{')

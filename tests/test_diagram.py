@@ -300,3 +300,16 @@ def test_mermaid_renders_it(case, kind, renderer, png_dir):
 def test_render_harness_catches_a_parse_error(renderer):
     out = renderer.render("classDiagram\n    class A {\n    A *-- \n")
     assert not out["ok"] and "Parse error" in out["error"], out
+
+
+def test_deep_nest_stays_linear_in_size():
+    model = nn.Linear(2, 2)
+    for _ in range(300):
+        model = nn.Sequential(model)
+    for kind in ("class", "er"):
+        text = memtorch.diagram(model, kind=kind)
+        assert len(text) < 300 * 400, len(text)  # long paths are cut from the left, not repeated in full
+        assert "..." in text
+        shallow = decode(memtorch.diagram(model, kind=kind, depth=10))
+        assert len(shallow) < 3000
+        assert "291 submodules below depth 10" in shallow  # 300 Sequential + 1 Linear, 10 drawn below the root
