@@ -312,4 +312,5 @@ def test_deep_nest_stays_linear_in_size():
         assert "..." in text
         shallow = decode(memtorch.diagram(model, kind=kind, depth=10))
         assert len(shallow) < 3000
-        assert "291 submodules below depth 10" in shallow  # 300 Sequential + 1 Linear, 10 drawn below the root
+        # 300 Sequential + 1 Linear = 301 modules; depths 0 to 10 drawn (11): 290 below.
+        assert "290 submodules below depth 10" in shallow
