@@ -39,4 +39,4 @@ def assert_budget(
     delta: Union[int, str, None] = ...,
     leak: Union[int, str, None] = ...,
 ) -> None:
-    """Raise BudgetExceeded if `report` goes over any given limit (ints of bytes or sizes such as '64 MiB')."""
+    """Raise BudgetExceeded if `report` goes over any given limit (bytes, or sizes such as '64 MiB')."""

@@ -180,7 +180,9 @@ def build_target(target):
     if isinstance(obj, torch.nn.Module):
         return obj, None
     if not callable(obj):
-        raise UsageError(f"{target} is a {type(obj).__name__}: expected a callable that returns a torch.nn.Module")
+        raise UsageError(
+            f"{target} is a {type(obj).__name__}: expected a callable that returns a torch.nn.Module"
+        )
     try:
         result = obj()
     except KeyboardInterrupt:
@@ -194,7 +196,9 @@ def build_target(target):
     got = type(result).__name__
     if isinstance(result, tuple):
         got = "(" + ", ".join(type(x).__name__ for x in result) + ")"
-    raise UsageError(f"{target}() returned {got}: expected a torch.nn.Module or a (module, example input) pair")
+    raise UsageError(
+        f"{target}() returned {got}: expected a torch.nn.Module or a (module, example input) pair"
+    )
 
 
 # ---------------------------------------------------------------- subcommands
@@ -213,7 +217,7 @@ def _html_page(title, body):
     import html
 
     return (
-        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>"
+        '<!doctype html>\n<html><head><meta charset="utf-8"><title>'
         + html.escape(title)
         + "</title></head>\n<body>\n"
         + body
@@ -249,11 +253,19 @@ def cmd_inspect(args, out, progress):
     with progress.step("inspecting"):
         mm = memtorch.inspect(model)
     if args.format == "json":
-        data = {"model": mm.root_type, "unit": "bytes", **mm.summary(), "parameters": mm.numel,
-                "shared": [list(g) for g in mm.shared], "modules": _module_dict(mm, args.depth)}
+        data = {
+            "model": mm.root_type,
+            "unit": "bytes",
+            **mm.summary(),
+            "parameters": mm.numel,
+            "shared": [list(g) for g in mm.shared],
+            "modules": _module_dict(mm, args.depth),
+        }
         _json(data, out)
     elif args.format == "html":
-        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(mm._repr_html_, args.depth)), out)
+        _print(
+            _html_page(f"memtorch inspect {args.target}", _call_with_depth(mm._repr_html_, args.depth)), out
+        )
     else:
         from . import display
 
@@ -334,7 +346,9 @@ def cmd_estimate(args, out, progress):
     model, example = _prepare(args, progress)
     inputs = _inputs(args, example, real=False)
     if not inputs:
-        raise UsageError("estimate needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
+        raise UsageError(
+            "estimate needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)"
+        )
     kwargs = {}
     for option in ("optimizer", "precision"):
         value = getattr(args, option)
@@ -363,8 +377,10 @@ def _make_optimizer(name, model):
             except TypeError as e:
                 raise UsageError(f"--optimizer {name}: torch.optim.{attr} needs settings: {e}") from None
     names = sorted(
-        a.lower() for a in dir(torch.optim)
-        if isinstance(getattr(torch.optim, a), type) and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)
+        a.lower()
+        for a in dir(torch.optim)
+        if isinstance(getattr(torch.optim, a), type)
+        and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)
         and a != "Optimizer"
     )
     raise UsageError(f"--optimizer {name!r} is not a torch.optim optimizer: one of {', '.join(names)}")
@@ -404,8 +420,10 @@ def cmd_diagram(args, out, progress):
     elif args.format == "html":
         import html
 
-        body = ('<pre class="mermaid">\n' + html.escape(text) + "</pre>\n"
-                "<!-- Mermaid text: draw it with Mermaid's script, or paste it into any Mermaid renderer -->")
+        body = (
+            '<pre class="mermaid">\n' + html.escape(text) + "</pre>\n"
+            "<!-- Mermaid text: draw it with Mermaid's script, or paste it into any Mermaid renderer -->"
+        )
         _print(_html_page(f"memtorch diagram {args.target}", body), out)
     else:
         _print(text, out)
@@ -419,8 +437,20 @@ def cmd_diagram(args, out, progress):
 
 # ---------------------------------------------------------------- diff
 
-_BYTE_FIGURES = {"peak", "delta", "reserved_peak", "start", "end", "peak_above_start", "total", "leak",
-                 "allocated", "reserved", "logical", "baseline"}
+_BYTE_FIGURES = {
+    "peak",
+    "delta",
+    "reserved_peak",
+    "start",
+    "end",
+    "peak_above_start",
+    "total",
+    "leak",
+    "allocated",
+    "reserved",
+    "logical",
+    "baseline",
+}
 
 
 def _is_bytes(key):
@@ -429,7 +459,8 @@ def _is_bytes(key):
 
 
 def _flatten(value, prefix, out):
-    """Every numeric figure of a nest of dicts (and lists) as {'dotted.key': number}; bools are not figures."""
+    """Every numeric figure of a nest of dicts (and lists) as {'dotted.key': number}.
+    Bools are not figures."""
     if isinstance(value, bool) or value is None:
         return
     if isinstance(value, (int, float)):
@@ -496,12 +527,25 @@ def diff_files(old_path, new_path, show_all=False):
                 unchanged += 1
                 if not show_all:
                     continue
-            changes.append({"test": test, "figure": key, "old": fa[key], "new": fb[key],
-                            "change": fb[key] - fa[key], "bytes": _is_bytes(key)})
+            changes.append(
+                {
+                    "test": test,
+                    "figure": key,
+                    "old": fa[key],
+                    "new": fb[key],
+                    "change": fb[key] - fa[key],
+                    "bytes": _is_bytes(key),
+                }
+            )
     return {
-        "old": old_path, "new": new_path, "tests_compared": len(common) - len(skipped),
-        "changes": changes, "unchanged": unchanged, "not_compared": skipped,
-        "only_old": [t for t in old if t not in new], "only_new": [t for t in new if t not in old],
+        "old": old_path,
+        "new": new_path,
+        "tests_compared": len(common) - len(skipped),
+        "changes": changes,
+        "unchanged": unchanged,
+        "not_compared": skipped,
+        "only_old": [t for t in old if t not in new],
+        "only_new": [t for t in new if t not in old],
     }
 
 
@@ -514,7 +558,9 @@ def _margin(text):
         except ValueError:
             value = -1.0
         if value < 0:
-            raise UsageError(f"--fail-on-increase {text!r}: expected a percentage such as 5% or a size such as 1 MiB")
+            raise UsageError(
+                f"--fail-on-increase {text!r}: expected a percentage such as 5% or a size such as 1 MiB"
+            )
         return "%", value
     try:
         return "B", units.parse(t)
@@ -546,8 +592,16 @@ def cmd_diff(args, out, progress):
 
 def _diff_text(result, margin, over):
     lines = [f"memtorch diff: {result['old']} -> {result['new']}"]
-    rows = [(c["test"], c["figure"], _fmt_figure(c["figure"], c["old"]), _fmt_figure(c["figure"], c["new"]),
-             _fmt_change(c["figure"], c["old"], c["new"])) for c in result["changes"]]
+    rows = [
+        (
+            c["test"],
+            c["figure"],
+            _fmt_figure(c["figure"], c["old"]),
+            _fmt_figure(c["figure"], c["new"]),
+            _fmt_change(c["figure"], c["old"], c["new"]),
+        )
+        for c in result["changes"]
+    ]
     if rows:
         head = ("test", "figure", "old", "new", "change")
         widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
@@ -566,11 +620,15 @@ def _diff_text(result, margin, over):
         tests = result[key]
         if tests:
             where = result["old"] if key == "only_old" else result["new"]
-            lines.append(f"{len(tests)} test(s) {what} {where}: " + ", ".join(tests[:5])
-                         + (f", ... {len(tests) - 5} more" if len(tests) > 5 else ""))
+            lines.append(
+                f"{len(tests)} test(s) {what} {where}: "
+                + ", ".join(tests[:5])
+                + (f", ... {len(tests) - 5} more" if len(tests) > 5 else "")
+            )
     for c in over:
-        lines.append(f"FAILED: {c['test']}: peak grew by {_fmt_change('peak', c['old'], c['new'])}, "
-                     f"more than {margin}")
+        lines.append(
+            f"FAILED: {c['test']}: peak grew by {_fmt_change('peak', c['old'], c['new'])}, more than {margin}"
+        )
     return "\n".join(lines)
 
 
@@ -588,20 +646,31 @@ def make_parser():
         prog="memtorch",
         description="Exact memory accounting for PyTorch models, from the command line.",
         epilog="TARGET: package.module:callable or path/to/file.py:callable returning a torch.nn.Module "
-               "or a (module, example input) pair. Exit codes: 0 done, 1 failed, 2 usage error, "
-               "3 not available in this install.",
+        "or a (module, example input) pair. Exit codes: 0 done, 1 failed, 2 usage error, "
+        "3 not available in this install.",
     )
     parser.add_argument("--version", action="version", version=f"memtorch {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{inspect,estimate,diagram,advise,diff}", parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", metavar="{inspect,estimate,diagram,advise,diff}", parser_class=_Parser
+    )
     sub.required = True
 
     def common(p, formats, inputs=False):
         p.add_argument("target", metavar="TARGET", help="package.module:callable or path/to/file.py:callable")
-        p.add_argument("--format", choices=formats, default=formats[0], help=f"output format (default {formats[0]})")
-        p.add_argument("--dtype", help="cast the model's floating-point parameters first (float16, bfloat16, ...)")
+        p.add_argument(
+            "--format", choices=formats, default=formats[0], help=f"output format (default {formats[0]})"
+        )
+        p.add_argument(
+            "--dtype", help="cast the model's floating-point parameters first (float16, bfloat16, ...)"
+        )
         if inputs:
-            p.add_argument("--input", action="append", type=_parse_shape, metavar="SHAPE[:DTYPE]",
-                           help="an example input's shape, e.g. 8x3x224x224 or 8x128:int64 (repeat for several)")
+            p.add_argument(
+                "--input",
+                action="append",
+                type=_parse_shape,
+                metavar="SHAPE[:DTYPE]",
+                help="an example input's shape, e.g. 8x3x224x224 or 8x128:int64 (repeat for several)",
+            )
             p.add_argument("--optimizer", help="optimizer name: sgd, adam, adamw, ...")
         _progress_flags(p)
 
@@ -617,7 +686,9 @@ def make_parser():
 
     p = sub.add_parser("diagram", help="Mermaid class or ER diagram with each module's memory")
     common(p, ["mermaid", "json", "html"])
-    p.add_argument("--kind", choices=["class", "er"], default="class", help="class diagram (default) or ER diagram")
+    p.add_argument(
+        "--kind", choices=["class", "er"], default="class", help="class diagram (default) or ER diagram"
+    )
     p.add_argument("--depth", type=_depth, help="deepest module level drawn (default: all)")
     p.add_argument("--no-memory", action="store_true", help="leave the byte figures out")
     p.set_defaults(func=cmd_diagram)
@@ -633,8 +704,11 @@ def make_parser():
     p.add_argument("new", metavar="NEW.json")
     p.add_argument("--format", choices=["text", "json"], default="text")
     p.add_argument("--all", action="store_true", help="list unchanged figures too")
-    p.add_argument("--fail-on-increase", metavar="MARGIN",
-                   help="exit 1 if a test's peak grew by more than MARGIN (5%% or a size such as 1 MiB)")
+    p.add_argument(
+        "--fail-on-increase",
+        metavar="MARGIN",
+        help="exit 1 if a test's peak grew by more than MARGIN (5%% or a size such as 1 MiB)",
+    )
     _progress_flags(p)
     p.set_defaults(func=cmd_diff)
     return parser

@@ -35,8 +35,26 @@ _SAFE_LABEL = _SAFE | frozenset("()")
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 # Words Mermaid's class-diagram grammar reads as keywords where a class name stands.
 _KEYWORDS = frozenset(
-    {"class", "classdiagram", "classdef", "namespace", "note", "style", "link", "click", "callback",
-     "cssclass", "direction", "end", "graph", "flowchart", "accdescr", "acctitle", "title", "default"}
+    {
+        "class",
+        "classdiagram",
+        "classdef",
+        "namespace",
+        "note",
+        "style",
+        "link",
+        "click",
+        "callback",
+        "cssclass",
+        "direction",
+        "end",
+        "graph",
+        "flowchart",
+        "accdescr",
+        "acctitle",
+        "title",
+        "default",
+    }
 )
 
 
@@ -66,7 +84,7 @@ def _names_label(names):
 
 def _short(path, limit=48):
     """A long dotted path cut from the left ('...3.0.linear1'): deep nests stay linear in size."""
-    return path if len(path) <= limit else "..." + path[-(limit - 3):]
+    return path if len(path) <= limit else "..." + path[-(limit - 3) :]
 
 
 def _shape(t):
@@ -104,8 +122,22 @@ class _Tensor:
 class _Node:
     """One module of the walk (pre-order), with its tensors and children."""
 
-    __slots__ = ("index", "path", "name", "type", "type_key", "parent", "children", "alias_of",
-                 "tensors", "own", "subtree", "depth", "sig", "keys")
+    __slots__ = (
+        "index",
+        "path",
+        "name",
+        "type",
+        "type_key",
+        "parent",
+        "children",
+        "alias_of",
+        "tensors",
+        "own",
+        "subtree",
+        "depth",
+        "sig",
+        "keys",
+    )
 
     def __init__(self, index, path, name, type_name, type_key, parent, depth):
         self.index, self.path, self.name = index, path, name
@@ -149,7 +181,7 @@ def _build(model):
         tp = type(obj) if obj is not None else None
         type_key = f"{tp.__module__}.{tp.__qualname__}" if tp is not None else type_name
         par = nodes[parent] if parent >= 0 else None
-        name = path if par is None or par.path == "" else path[len(par.path) + 1:]
+        name = path if par is None or par.path == "" else path[len(par.path) + 1 :]
         node = _Node(i, path, name, type_name, type_key, par, 0 if par is None else par.depth + 1)
         node.own, node.subtree = rows_mod[i].own, rows_mod[i].subtree
         if alias >= 0:
@@ -169,7 +201,7 @@ def _build(model):
             continue
         node = nodes[mod]
         full = mm.paths[p]
-        name = full[len(node.path) + 1:] if node.path else full
+        name = full[len(node.path) + 1 :] if node.path else full
         t = tensors.get((mod, name))
         if t is None:
             t = tensors[(mod, name)] = _Tensor(name, "parameter" if cat == 0 else "buffer")
@@ -210,7 +242,7 @@ def _build(model):
             if c.alias_of is not None:
                 target = c.alias_of.path
                 if node.path and target.startswith(node.path + "."):
-                    target = target[len(node.path):]
+                    target = target[len(node.path) :]
                 kids.append(("alias", c.name, c.alias_of.type_key, target))
             else:
                 kids.append((c.name, c.sig))
@@ -252,12 +284,16 @@ def _check_args(model, kind, depth, memory):
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(repr(k) for k in KINDS)}, not {kind!r}")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ValueError(f"depth must be None (every level) or an int >= 0 (0: the model alone), not {depth!r}")
+        raise ValueError(
+            f"depth must be None (every level) or an int >= 0 (0: the model alone), not {depth!r}"
+        )
     if not isinstance(memory, bool):
         raise TypeError(f"memory must be True or False, not {memory!r}")
 
 
-def diagram(model: "torch.nn.Module", kind: str = "class", depth: Optional[int] = None, memory: bool = True) -> str:
+def diagram(
+    model: "torch.nn.Module", kind: str = "class", depth: Optional[int] = None, memory: bool = True
+) -> str:
     """Mermaid text of `model`: a ``classDiagram`` (kind="class") or an ``erDiagram`` (kind="er").
 
     Class diagram: one class per distinct module (a module type with its
@@ -324,7 +360,11 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
             extra = ""
             if t.shared_with:
                 if len(inst) == 1:
-                    extra = " shared with " + ", ".join(t.shared_with[:3]) + (" ..." if len(t.shared_with) > 3 else "")
+                    extra = (
+                        " shared with "
+                        + ", ".join(t.shared_with[:3])
+                        + (" ..." if len(t.shared_with) > 3 else "")
+                    )
                 else:
                     extra = " shares its storage with other tensors"
                 if memory:
@@ -341,7 +381,9 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
                 for n in inst:
                     keys |= _subtree_keys(n)
                 allb = sum(size[k] for k in keys)
-                lines.append(f"        {_esc(f'x {len(inst)} instances: {_bytes(allb)} together', member=True)}")
+                lines.append(
+                    f"        {_esc(f'x {len(inst)} instances: {_bytes(allb)} together', member=True)}"
+                )
         shallow = min(inst, key=lambda n: n.depth)
         if shallow.depth >= limit and shallow.children:
             k = _count_below(shallow)
@@ -423,7 +465,9 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
                     each = _bytes(t.nbytes) + (" each" if mult > 1 else "")
                     lines.append(attr("int", "bytes", each))
                     if t.logical != t.nbytes:
-                        lines.append(attr("int", "tensor_bytes", _bytes(t.logical) + " (a view of the storage)"))
+                        lines.append(
+                            attr("int", "tensor_bytes", _bytes(t.logical) + " (a view of the storage)")
+                        )
                 if t.kind == "parameter":
                     lines.append(attr("bool", "trainable", "yes" if t.trainable else "no (frozen)"))
                 if tied:

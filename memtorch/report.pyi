@@ -28,7 +28,13 @@ class ModelMemory:
     devices: list[str]
     root_type: str
     def __init__(
-        self, rows: np.ndarray, paths: list[str], dtypes: list[str], devices: list[str], modules: Any, root_type: str = ...
+        self,
+        rows: np.ndarray,
+        paths: list[str],
+        dtypes: list[str],
+        devices: list[str],
+        modules: Any,
+        root_type: str = ...,
     ) -> None: ...
     @property
     def module_table(self) -> list[tuple[str, str, int, int]]: ...

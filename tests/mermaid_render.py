@@ -64,7 +64,8 @@ def mermaid_js():
 
 
 def _high(fd):
-    """fd moved to a number >= 10 (close-on-exec), so bash's 3</4> redirections never clash (dash takes single digits only)."""
+    """fd moved to a number >= 10 (close-on-exec), so bash's 3</4> redirections never clash
+    (bash, not sh: dash takes single-digit descriptors only)."""
     new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
     os.close(fd)
     return new
@@ -80,25 +81,39 @@ class Renderer:
         self._log = tempfile.TemporaryFile()  # chromium is chatty: a pipe could fill and stall it
         to_chrome_r, to_chrome_w = (_high(fd) for fd in os.pipe())
         from_chrome_r, from_chrome_w = (_high(fd) for fd in os.pipe())
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-                 "--hide-scrollbars", "--no-first-run", "--user-data-dir=" + os.path.join(
-                     os.environ.get("TMPDIR", "/tmp"), f"memtorch-chromium-{os.getpid()}")]
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--remote-debugging-pipe",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--user-data-dir="
+            + os.path.join(os.environ.get("TMPDIR", "/tmp"), f"memtorch-chromium-{os.getpid()}"),
+        ]
         # Never hand the sanitizer pass's preloads to the browser.
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONMALLOC")}
         script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-'
         self._proc = subprocess.Popen(
             [shutil.which("bash") or "/bin/bash", "-c", script, chromium, *flags, "about:blank"],
-            pass_fds=(to_chrome_r, from_chrome_w), env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+            pass_fds=(to_chrome_r, from_chrome_w),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
         )
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self._w, self._r = to_chrome_w, from_chrome_r
         try:
             target = self._call("Target.createTarget", {"url": "about:blank"})["targetId"]
-            self._session = self._call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-            self._eval("document.body.style.margin = '0'; document.body.style.background = 'white';"
-                       "document.body.innerHTML = '<div id=\"out\"></div>'")
+            self._session = self._call("Target.attachToTarget", {"targetId": target, "flatten": True})[
+                "sessionId"
+            ]
+            self._eval(
+                "document.body.style.margin = '0'; document.body.style.background = 'white';"
+                "document.body.innerHTML = '<div id=\"out\"></div>'"
+            )
             self._eval(js.read_text(encoding="utf-8"))
             self._eval("mermaid.initialize({startOnLoad: false, securityLevel: 'strict'})")
         except BaseException:
@@ -112,7 +127,7 @@ class Renderer:
             msg["sessionId"] = self._session
         data = json.dumps(msg).encode() + b"\0"
         while data:
-            data = data[os.write(self._w, data):]
+            data = data[os.write(self._w, data) :]
         return self._id
 
     def _call(self, method, params=None, session=False):
@@ -151,12 +166,18 @@ class Renderer:
         out = json.loads(self._eval(f"({_RENDER})({json.dumps(text)})", await_promise=True))
         if out["ok"] and png is not None:
             w, h = out["width"], out["height"]
-            self._call("Emulation.setDeviceMetricsOverride",
-                       {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": False}, session=True)
+            self._call(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": False},
+                session=True,
+            )
             shot = self._call(
                 "Page.captureScreenshot",
-                {"format": "png", "clip": {"x": 0, "y": 0, "width": w, "height": h, "scale": 1},
-                 "captureBeyondViewport": True},
+                {
+                    "format": "png",
+                    "clip": {"x": 0, "y": 0, "width": w, "height": h, "scale": 1},
+                    "captureBeyondViewport": True,
+                },
                 session=True,
             )
             pathlib.Path(png).write_bytes(base64.b64decode(shot["data"]))
@@ -179,5 +200,7 @@ class Renderer:
             except OSError:
                 pass
         self._log.close()
-        shutil.rmtree(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"memtorch-chromium-{os.getpid()}"),
-                      ignore_errors=True)
+        shutil.rmtree(
+            os.path.join(os.environ.get("TMPDIR", "/tmp"), f"memtorch-chromium-{os.getpid()}"),
+            ignore_errors=True,
+        )

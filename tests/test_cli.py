@@ -130,7 +130,10 @@ def test_live_progress_draws_and_stops():
     "target, message",
     [
         ("{name}", "TARGET must be package.module:callable or path/to/file.py:callable, not '{name}'"),
-        ("no_such_module_xyz:mlp", "cannot import 'no_such_module_xyz': no module named 'no_such_module_xyz'"),
+        (
+            "no_such_module_xyz:mlp",
+            "cannot import 'no_such_module_xyz': no module named 'no_such_module_xyz'",
+        ),
         ("{name}:nothing", "'{name}' has no attribute 'nothing'"),
         ("{name}:number", "{name}:number is a int: expected a callable that returns a torch.nn.Module"),
         ("{name}:returns_int", "{name}:returns_int() returned int: expected a torch.nn.Module"),
@@ -183,13 +186,18 @@ def test_bad_options_exit_2(models, capsys, argv, message):
 
 def test_diagram_formats(models):
     name, _ = models
-    expected = memtorch.diagram(torch.nn.Sequential(torch.nn.Linear(784, 128), torch.nn.ReLU(),
-                                                    torch.nn.Linear(128, 10)), kind="er", depth=1)
+    expected = memtorch.diagram(
+        torch.nn.Sequential(torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)),
+        kind="er",
+        depth=1,
+    )
     code, text = run("diagram", f"{name}:mlp", "--kind", "er", "--depth", "1")
     assert code == 0 and text == expected
     code, text = run("diagram", f"{name}:mlp", "--format", "json", "--no-memory")
     data = json.loads(text)
-    assert data["kind"] == "class" and data["mermaid"].startswith("classDiagram") and " B" not in data["mermaid"]
+    assert (
+        data["kind"] == "class" and data["mermaid"].startswith("classDiagram") and " B" not in data["mermaid"]
+    )
     code, text = run("diagram", f"{name}:mlp", "--format", "html")
     assert code == 0 and '<pre class="mermaid">\nclassDiagram' in text
 
@@ -199,7 +207,9 @@ def test_diagram_formats(models):
 
 def test_estimate_subcommand(models, capsys):
     name, _ = models
-    code, text = run("estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamw", "--format", "json")
+    code, text = run(
+        "estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamw", "--format", "json"
+    )
     if not hasattr(memtorch, "estimate"):
         assert code == 3
         assert "estimate is not available in this install of memtorch" in capsys.readouterr().err
@@ -235,7 +245,9 @@ def test_unknown_optimizer_name(models, capsys):
         pytest.skip("memtorch.advise is not in this install: the optimizer is built for it")
     name, _ = models
     code, _ = run("advise", f"{name}:mlp", "--optimizer", "adamz")
-    assert code == 2 and "--optimizer 'adamz' is not a torch.optim optimizer: one of" in capsys.readouterr().err
+    assert (
+        code == 2 and "--optimizer 'adamz' is not a torch.optim optimizer: one of" in capsys.readouterr().err
+    )
 
 
 # ---------------------------------------------------------------- diff
@@ -266,8 +278,21 @@ def test_diff_text(tmp_path):
     assert code == 0
     # 1 MiB -> 1.25 MiB: +256 KiB, +25.0% (by hand: 262,144 / 1,048,576).
     line = next(x for x in text.splitlines() if "test_step" in x)
-    assert line.split() == ["tests/test_a.py::test_step", "peak", "1.0", "MiB", "(1048576", "B)", "1.2", "MiB",
-                            "(1310720", "B)", "+256.0", "KiB", "(+25.0%)"]
+    assert line.split() == [
+        "tests/test_a.py::test_step",
+        "peak",
+        "1.0",
+        "MiB",
+        "(1048576",
+        "B)",
+        "1.2",
+        "MiB",
+        "(1310720",
+        "B)",
+        "+256.0",
+        "KiB",
+        "(+25.0%)",
+    ]
     assert "test_same" not in text.split("test(s) compared")[0]  # unchanged figures are not listed
     assert "2 test(s) compared: 1 figure(s) changed, 3 unchanged" in text
     assert "not compared: tests/test_a.py::test_gpu: measured on cpu, then on cuda" in text
@@ -280,12 +305,23 @@ def test_diff_json_and_fail_on_increase(tmp_path):
     code, text = run("diff", old, new, "--format", "json")
     data = json.loads(text)
     assert code == 0
-    assert data["changes"] == [{"test": "tests/test_a.py::test_step", "figure": "peak", "old": 1_048_576,
-                                "new": 1_310_720, "change": 262_144, "bytes": True}]
+    assert data["changes"] == [
+        {
+            "test": "tests/test_a.py::test_step",
+            "figure": "peak",
+            "old": 1_048_576,
+            "new": 1_310_720,
+            "change": 262_144,
+            "bytes": True,
+        }
+    ]
     code, _ = run("diff", old, new, "--fail-on-increase", "30%")
     assert code == 0  # +25% is within 30%
     code, text = run("diff", old, new, "--fail-on-increase", "10%")
-    assert code == 1 and "FAILED: tests/test_a.py::test_step: peak grew by +256.0 KiB (+25.0%), more than 10%" in text
+    assert (
+        code == 1
+        and "FAILED: tests/test_a.py::test_step: peak grew by +256.0 KiB (+25.0%), more than 10%" in text
+    )
     code, _ = run("diff", old, new, "--fail-on-increase", "256 KiB")
     assert code == 0  # exactly 262,144 B is allowed
     code, _ = run("diff", old, new, "--fail-on-increase", "255 KiB")
@@ -295,17 +331,37 @@ def test_diff_json_and_fail_on_increase(tmp_path):
 def test_diff_extended_form_compares_every_figure_in_both(tmp_path):
     # An extended save file (nested figures) against an old one: the figures present in both are compared.
     extended = {
-        "t::a": {"peak": 2048, "delta": 0, "device": "cpu", "exact": True, "end": 4096,
-                 "phases": {"forward": {"peak": 1024}, "backward": {"peak": 2048}}, "steps": 3,
-                 "at_peak": {"by_category": {"parameter": 1000, "activation": 24}}},
+        "t::a": {
+            "peak": 2048,
+            "delta": 0,
+            "device": "cpu",
+            "exact": True,
+            "end": 4096,
+            "phases": {"forward": {"peak": 1024}, "backward": {"peak": 2048}},
+            "steps": 3,
+            "at_peak": {"by_category": {"parameter": 1000, "activation": 24}},
+        },
     }
-    old = {"t::a": {"peak": 1024, "delta": 0, "device": "cpu", "exact": True,
-                    "phases": {"forward": {"peak": 1024}, "backward": {"peak": 1024}}, "steps": 2}}
-    code, text = run("diff", write(tmp_path, "o.json", old), write(tmp_path, "n.json", extended), "--format", "json")
+    old = {
+        "t::a": {
+            "peak": 1024,
+            "delta": 0,
+            "device": "cpu",
+            "exact": True,
+            "phases": {"forward": {"peak": 1024}, "backward": {"peak": 1024}},
+            "steps": 2,
+        }
+    }
+    code, text = run(
+        "diff", write(tmp_path, "o.json", old), write(tmp_path, "n.json", extended), "--format", "json"
+    )
     assert code == 0
     changed = {c["figure"]: (c["old"], c["new"], c["bytes"]) for c in json.loads(text)["changes"]}
-    assert changed == {"peak": (1024, 2048, True), "phases.backward.peak": (1024, 2048, True),
-                       "steps": (2, 3, False)}
+    assert changed == {
+        "peak": (1024, 2048, True),
+        "phases.backward.peak": (1024, 2048, True),
+        "steps": (2, 3, False),
+    }
     code, text = run("diff", write(tmp_path, "o.json", old), write(tmp_path, "n.json", extended))
     # A count is not a size: printed as a plain number.
     assert ["t::a", "steps", "2", "3", "+1", "(+50.0%)"] in [line.split() for line in text.splitlines()]
@@ -332,7 +388,9 @@ def test_diff_bad_files_exit_2(tmp_path, capsys, content, message):
 def test_diff_bad_margin(tmp_path, capsys):
     good = write(tmp_path, "good.json", OLD)
     code, _ = run("diff", good, good, "--fail-on-increase", "lots")
-    assert code == 2 and "--fail-on-increase 'lots': expected a percentage such as 5%" in capsys.readouterr().err
+    assert (
+        code == 2 and "--fail-on-increase 'lots': expected a percentage such as 5%" in capsys.readouterr().err
+    )
 
 
 def _subprocess_env():
@@ -348,18 +406,34 @@ def test_diff_of_real_save_files(tmp_path):
     test_file = tmp_path / "test_budget_size.py"
     saved = []
     for n in (1000, 3000):
-        test_file.write_text(textwrap.dedent(f"""
+        test_file.write_text(
+            textwrap.dedent(f"""
             import pytest, torch
 
             @pytest.mark.memory_budget(peak="1 MiB", device="cpu")
             def test_alloc():
                 x = torch.empty({n})
-            """))
+            """)
+        )
         out = tmp_path / f"run{n}.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-             f"--memtorch-save={out}", str(test_file)],
-            cwd=tmp_path, capture_output=True, text=True, env=_subprocess_env(), timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:xdist",
+                f"--memtorch-save={out}",
+                str(test_file),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=_subprocess_env(),
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         saved.append(out)
@@ -376,19 +450,31 @@ def test_diff_of_real_save_files(tmp_path):
 @pytest.mark.slow
 def test_python_dash_m_and_console_script(tmp_path):
     env = _subprocess_env()
-    proc = subprocess.run([sys.executable, "-m", "memtorch", "--help"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memtorch", "--help"], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 0
     assert "{inspect,estimate,diagram,advise,diff}" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "memtorch", "inspect", "no_such_pkg_q:make"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memtorch", "inspect", "no_such_pkg_q:make"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr == "memtorch: error: cannot import 'no_such_pkg_q': no module named 'no_such_pkg_q'\n"
     script = shutil.which("memtorch", path=os.path.dirname(sys.executable))
     assert script, "the memtorch console script is not installed beside this Python (pip install -e .)"
     model_file = tmp_path / "tiny_model.py"
     model_file.write_text("import torch\ndef make():\n    return torch.nn.Linear(10, 10)\n")
-    proc = subprocess.run([script, "inspect", f"{model_file}:make", "--format", "json"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [script, "inspect", f"{model_file}:make", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total"] == (10 * 10 + 10) * 4
     assert units.format((10 * 10 + 10) * 4) == "440 B"

@@ -93,7 +93,10 @@ def test_class_diagram_of_the_seed_model():
     assert "+bias float32[128] 512 B" in body
     assert "+weight float32[10, 128] 5.0 KiB (5120 B)" in body
     assert "+bias float32[10] 40 B" in body
-    assert f"model total 397.5 KiB ({401408 + 512 + 5120 + 40} B), {128 * 784 + 128 + 1280 + 10} parameter" in body
+    assert (
+        f"model total 397.5 KiB ({401408 + 512 + 5120 + 40} B), {128 * 784 + 128 + 1280 + 10} parameter"
+        in body
+    )
     assert "SimpleModel *-- Linear : fc1" in lines
     assert "SimpleModel *-- Linear_2 : fc2" in lines
 
@@ -141,7 +144,8 @@ def test_er_tied_parameter_is_one_entity_held_by_two_modules():
     labels = dict(re.findall(r'^    (MODULE_\d+)\["MODULE (\w+): ', text, re.M))
     assert sorted(labels[h] for h in holders) == ["emb", "head"]
     assert 'string shared_with "head.weight, counted once"' in text
-    # Counted once in the model's total: 10*4*4 (tied) + 4*4*4 + 4*4 (linear) + 4*4*2 + 4*4*2 + 8 (batch norm).
+    # Counted once in the model's total: 10*4*4 (tied) + 4*4*4 + 4*4 (linear)
+    # + 4*4*2 + 4*4*2 + 8 (batch norm).
     assert 'int total "312 B, each storage once"' in text
     assert 312 == 160 + 64 + 16 + 32 + 32 + 8
     # The submodule registered twice is drawn once, with a relation for its second name.
@@ -243,7 +247,9 @@ def test_meta_model_and_empty_model():
 def renderer():
     chromium = mermaid_render.find_chromium()
     if chromium is None:
-        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium): Mermaid rendering not checked")
+        pytest.skip(
+            "no chromium on PATH (Debian: apt-get install -y chromium): Mermaid rendering not checked"
+        )
     r = mermaid_render.Renderer(chromium, mermaid_render.mermaid_js())
     yield r
     r.close()

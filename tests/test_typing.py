@@ -61,7 +61,11 @@ def _class_members(cls):
                     members |= set(ast.literal_eval(item.value))
                 elif isinstance(t, ast.Name):
                     members.add(t.id)
-    return {m for m in members if not m.startswith("_") or m in ("_repr_html_", "__call__", "__enter__", "__exit__")}
+    return {
+        m
+        for m in members
+        if not m.startswith("_") or m in ("_repr_html_", "__call__", "__enter__", "__exit__")
+    }
 
 
 def _public(tree):
@@ -86,7 +90,9 @@ def test_package_stub_declares_every_export():
     lines = []
     for name in missing:
         mod, attr = memtorch._EXPORTS[name]
-        lines.append(f"from . import {mod} as {name}" if attr is None else f"from .{mod} import {attr} as {name}")
+        lines.append(
+            f"from . import {mod} as {name}" if attr is None else f"from .{mod} import {attr} as {name}"
+        )
     assert not missing, "memtorch/__init__.pyi does not declare, add:\n" + "\n".join(lines)
     assert {"__version__", "__all__"} <= declared
 
@@ -165,25 +171,45 @@ def test_mypy_sees_real_types(tmp_path):
     (tmp_path / "mistakes.py").write_text(MISTAKES)
     # mypy cannot follow setuptools' editable-install import hook: point it at the source tree.
     # torch is not analysed (slow, and not what is tested here): its names are Any to mypy.
-    (tmp_path / "mypy.ini").write_text(textwrap.dedent(f"""
+    (tmp_path / "mypy.ini").write_text(
+        textwrap.dedent(f"""
         [mypy]
         mypy_path = {ROOT}
         show_traceback = True
         [mypy-torch.*]
         follow_imports = skip
-        """))
+        """)
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONMALLOC", "MYPYPATH")}
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", os.devnull,
-         "--show-error-codes", "--no-error-summary", "--show-absolute-path", "uses_memtorch.py", "mistakes.py"],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            "mypy.ini",
+            "--cache-dir",
+            os.devnull,
+            "--show-error-codes",
+            "--no-error-summary",
+            "--show-absolute-path",
+            "uses_memtorch.py",
+            "mistakes.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     out = proc.stdout + proc.stderr
     revealed = [
         m.group(1) for m in re.finditer(r'uses_memtorch\.py:\d+: note: Revealed type is "([^"]+)"', out)
     ]
     # mypy may print builtins without their module: compare both spellings.
-    assert [r.replace("builtins.", "") for r in revealed] == [e.replace("builtins.", "") for e in EXPECTED], out
+    assert [r.replace("builtins.", "") for r in revealed] == [e.replace("builtins.", "") for e in EXPECTED], (
+        out
+    )
     assert "uses_memtorch.py" not in "".join(line for line in out.splitlines(True) if ": error:" in line), out
     errors = [line for line in out.splitlines() if "mistakes.py" in line and ": error:" in line]
     assert len(errors) == 3, out
