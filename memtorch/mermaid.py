@@ -113,7 +113,7 @@ class _Tensor:
         if memory:
             parts.append(_bytes(self.nbytes))
             if self.logical != self.nbytes:
-                parts.append(f"storage; the tensor itself {_bytes(self.logical)}")
+                parts.append(f"storage, the tensor itself {_bytes(self.logical)}")
         if self.kind == "parameter" and not self.trainable:
             parts.append("frozen")
         return " ".join(parts)
@@ -405,7 +405,13 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
         for (is_alias, target), kids in groups.items():
             names = [c.name for c in kids]
             if is_alias:
-                label = ", ".join(f"{c.name} = {c.alias_of.path or 'the model'}" for c in kids)
+                by_original = {}
+                for c in kids:
+                    by_original.setdefault(c.alias_of.path, []).append(c.name)
+                label = ", ".join(
+                    f"{_names_label(names)} = {_short(orig) or 'the model'}"
+                    for orig, names in by_original.items()
+                )
                 lines.append(f"    {cid[sig]} o-- {cid[target]} : {_esc(label + ' (same module)')}")
                 continue
             label = _names_label(names)
@@ -434,7 +440,11 @@ def _runs(children):
 def _er_diagram(root, nodes, mm, size, limit, memory):
     lines = ["erDiagram"]
     rels = []
-    entity_of_key = {}  # storage key -> entity id of its PARAMETER/BUFFER
+    # (storage keys, shape, dtype) -> entity id of its PARAMETER/BUFFER: a tied tensor is one
+    # entity; tensors that view one storage differently are entities of their own, each
+    # saying what it shares its storage with.
+    entity_of_key = {}
+    holds = []  # (index in rels, module entity, tensor entity, name)
     counter = {"MODULE": 0, "PARAMETER": 0, "BUFFER": 0}
 
     def attr(kind, name, comment):
@@ -446,7 +456,7 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
 
     def emit_tensors(node, eid, shown_path, mult):
         for t in node.tensors:
-            key = t.keys[0] if t.keys else None
+            key = (tuple(t.keys), t.shape, t.dtype, t.logical) if t.keys else None
             tied = bool(t.shared_with)
             if key is not None and key in entity_of_key:
                 pid = entity_of_key[key]
@@ -454,8 +464,7 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
                 prefix = "PARAMETER" if t.kind == "parameter" else "BUFFER"
                 pid = new_id(prefix)
                 if key is not None:
-                    for k in t.keys:
-                        entity_of_key[k] = pid
+                    entity_of_key[key] = pid
                 full = f"{shown_path}.{t.name}" if shown_path else t.name
                 title = f"{prefix} {_short(full)}" + (f" x {mult}" if mult > 1 else "")
                 lines.append(f'    {pid}["{_esc(title)}"] {{')
@@ -474,8 +483,8 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
                     also = ", ".join(t.shared_with[:4]) + (" ..." if len(t.shared_with) > 4 else "")
                     lines.append(attr("string", "shared_with", also + (", counted once" if memory else "")))
                 lines.append("    }")
-            card = "}|--o{" if tied else "||--o{"
-            rels.append(f'    {eid} {card} {pid} : "{_esc(t.name or "(empty name)")}"')
+            holds.append((len(rels), eid, pid, t.name))
+            rels.append(None)  # written once every holder of pid is known
 
     def emit_module(node, eid, shown_path, mult, run):
         n = len(run)
@@ -529,12 +538,22 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
             path = f"{shown_path}.{label}" if shown_path else label
             todo.append((first, cid, path, mult * len(group), group))
         stack.extend(reversed(todo))
+    holders = {}
+    for _, _, pid, _ in holds:
+        holders[pid] = holders.get(pid, 0) + 1
+    for i, eid, pid, name in holds:
+        # A tensor entity held by several modules (a tied weight): "one or more" on the module side.
+        card = "}|--o{" if holders[pid] > 1 else "||--o{"
+        rels[i] = f'    {eid} {card} {pid} : "{_esc(name or "(empty name)")}"'
+    grouped = {}  # (holder entity, module named again) -> the names it is held under again
     for eid, name, target in aliases:
+        grouped.setdefault((eid, id(target)), (target, []))[1].append(name)
+    for (eid, _), (target, names) in grouped.items():
         # The module named again, or its nearest drawn ancestor (depth, a collapsed run).
         t = target
         while id(t) not in entity:
             t = t.parent
-        what = "the model" if target is root else target.path
-        text = _esc(f"{name or '(empty name)'} (same module as {what})")
+        what = "the model" if target is root else _short(target.path)
+        text = _esc(f"{_names_label(names)} (same module as {what})")
         rels.append(f'    {eid} }}|--|| {entity[id(t)]} : "{text}"')
     return "\n".join(lines + rels) + "\n"

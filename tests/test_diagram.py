@@ -43,6 +43,16 @@ class Tied(nn.Module):
         self.again = self.enc
 
 
+class Flat(nn.Module):
+    """Two parameters that view one 100-element storage (as a flat-parameter wrapper does)."""
+
+    def __init__(self):
+        super().__init__()
+        buf = torch.zeros(100)
+        self.a = nn.Parameter(buf[:10])
+        self.b = nn.Parameter(buf[10:30])
+
+
 def transformer(layers=12):
     layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
@@ -278,6 +288,7 @@ CASES = {
     "transformer12": (transformer, {}),
     "transformer12-depth2": (transformer, {"depth": 2}),
     "odd-names": (odd_model, {}),
+    "views": (Flat, {}),
     "no-memory": (SimpleModel, {"memory": False}),
 }
 
@@ -320,3 +331,26 @@ def test_deep_nest_stays_linear_in_size():
         assert len(shallow) < 3000
         # 300 Sequential + 1 Linear = 301 modules; depths 0 to 10 drawn (11): 290 below.
         assert "290 submodules below depth 10" in shallow
+
+
+def test_one_module_under_many_names_is_one_line():
+    layer = nn.Linear(4, 4)
+    model = nn.Sequential(nn.ModuleList([layer] * 12))
+    assert "    ModuleList o-- Linear : 1-11 = 0.0 (same module)" in memtorch.diagram(model).splitlines()
+    er = memtorch.diagram(model, kind="er")
+    assert er.count("same module as") == 1 and '"1-11 (same module as 0.0)"' in er
+    assert 'int total "80 B, each storage once"' in er  # (4*4 + 4) * 4 bytes, once
+
+
+def test_views_of_one_storage_are_entities_of_their_own():
+    model = Flat()
+    text = decode(memtorch.diagram(model))
+    # The storage is 100 * 4 = 400 B; the tensors 10 * 4 and 20 * 4 bytes.
+    assert "+a float32[10] 400 B storage, the tensor itself 40 B shared with b, counted once" in text
+    assert "+b float32[20] 400 B storage, the tensor itself 80 B shared with a, counted once" in text
+    er = decode(memtorch.diagram(model, kind="er"))
+    assert 'PARAMETER a"]' in er and 'PARAMETER b"]' in er
+    assert 'int total "400 B, each storage once"' in er
+    assert storage_bytes(model.a, model.b) == 400
+    # Each entity has one holder: "exactly one" on the module side.
+    assert re.findall(r"^    MODEL (\S+) PARAMETER_\d : ", er, re.M) == ["||--o{", "||--o{"]
