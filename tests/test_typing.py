@@ -2,7 +2,7 @@
 
 memtorch/__init__.py exports lazily (a module __getattr__), which hides every
 name from type checkers; memtorch/__init__.pyi declares them, and stubs beside
-report.py, tracking.py and units.py give their figures real types. These tests
+report.py, tracking.py, units.py, cpu.py and cuda.py give their figures real types. These tests
 keep the stubs complete (every exported or public name declared) and run mypy
 on an example that uses the public API.
 """
@@ -21,7 +21,7 @@ import memtorch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "memtorch"
-STUBBED = ("report", "tracking", "units")
+STUBBED = ("report", "tracking", "units", "cpu", "cuda")
 
 
 def _declared(tree):
@@ -130,6 +130,11 @@ with memtorch.track(model) as t:
 reveal_type(t)
 reveal_type(t.report)
 reveal_type(t.report.peak_above_start)
+reveal_type(memtorch.cpu.allocated())
+with memtorch.cpu.Scope() as s:
+    torch.zeros(10)
+reveal_type(s.peak_above_start)
+reveal_type(memtorch.cuda.mem_info())
 memtorch.assert_budget(t.report, peak="64 MiB")
 try:
     t.report.check(peak=1 << 20)
@@ -150,6 +155,9 @@ EXPECTED = [
     "memtorch.tracking.Tracker",
     "memtorch.tracking.TrackReport",
     "builtins.int",
+    "builtins.int",
+    "builtins.int",
+    "tuple[builtins.int, builtins.int]",
     "memtorch.errors.BudgetExceeded",
 ]
 
