@@ -478,3 +478,70 @@ def test_python_dash_m_and_console_script(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total"] == (10 * 10 + 10) * 4
     assert units.format((10 * 10 + 10) * 4) == "440 B"
+
+
+class _FakeReport:
+    def __str__(self):
+        return "fake report"
+
+    def to_dict(self):
+        return {"peak": 123}
+
+    def _repr_html_(self):
+        return "<p>fake</p>"
+
+
+def test_advise_and_estimate_plumbing(models, monkeypatch):
+    """What the subcommands hand to memtorch.advise / memtorch.estimate, checked with stand-ins."""
+    name, _ = models
+    calls = []
+
+    def advise(model, *inputs, optimizer=None, budget=None):
+        calls.append(("advise", model, inputs, optimizer, budget))
+        return _FakeReport()
+
+    def estimate(model, *inputs, optimizer="adamw", precision="fp32"):
+        calls.append(("estimate", model, inputs, optimizer, precision))
+        return _FakeReport()
+
+    monkeypatch.setattr(memtorch, "advise", advise, raising=False)
+    monkeypatch.setattr(memtorch, "estimate", estimate, raising=False)
+    code, text = run(
+        "advise",
+        f"{name}:mlp",
+        "--input",
+        "8x784",
+        "--input",
+        "8:int64",
+        "--optimizer",
+        "adam",
+        "--budget",
+        "2 GiB",
+    )
+    assert code == 0 and text == "fake report\n"
+    _, model, inputs, optimizer, budget = calls.pop()
+    assert isinstance(model, torch.nn.Sequential)
+    # advise runs the model: real tensors of the shapes and dtypes asked for.
+    assert [(tuple(x.shape), x.dtype) for x in inputs] == [((8, 784), torch.float32), ((8,), torch.int64)]
+    assert type(optimizer) is torch.optim.Adam and budget == "2 GiB"
+    code, _ = run("advise", f"{name}:mlp", "--precision", "bf16-mixed")
+    assert code == 2  # this advise takes no precision
+    code, text = run(
+        "estimate",
+        f"{name}:mlp",
+        "--input",
+        "8x784",
+        "--optimizer",
+        "sgd",
+        "--precision",
+        "bf16-mixed",
+        "--format",
+        "json",
+    )
+    assert code == 0 and json.loads(text) == {"peak": 123}
+    _, _, inputs, optimizer, precision = calls.pop()
+    # estimate needs no real tensors: (shape, dtype) pairs.
+    assert inputs == (((8, 784), torch.float32),) and optimizer == "sgd" and precision == "bf16-mixed"
+    code, text = run("estimate", f"{name}:with_input", "--format", "html")
+    _, _, inputs, _, _ = calls.pop()
+    assert code == 0 and "<p>fake</p>" in text and inputs[0].shape == (4, 784)  # the TARGET's own input
