@@ -343,12 +343,33 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
     types_seen = {}
     for sig, inst in classes.items():
         types_seen.setdefault(inst[0].type, []).append(sig)
+    # Modules with no tensors and no children (ReLU, Dropout) are listed inside their
+    # parent's class instead of drawn as classes of their own: they hold nothing.
+    stateless = {
+        sig
+        for sig, inst in classes.items()
+        if inst[0] is not root and not inst[0].tensors and not inst[0].children
+    }
     used = set()
-    cid = {sig: _class_id(inst[0].type, used) for sig, inst in classes.items()}
+    cid = {sig: _class_id(inst[0].type, used) for sig, inst in classes.items() if sig not in stateless}
+
+    # Children of each class (its shallowest instance), grouped by the class they are.
+    groups = {}
+    for sig, inst in classes.items():
+        rep = min(inst, key=lambda n: n.depth)
+        groups[sig] = {}
+        if rep.depth >= limit:
+            continue
+        for c in rep.children:
+            target = c.alias_of.sig if c.alias_of is not None else c.sig
+            if target in classes:
+                groups[sig].setdefault((c.alias_of is not None, target), []).append(c)
 
     lines = ["classDiagram"]
     total_line = f"model total {_bytes(mm.total)}, {mm.numel} parameter elements" if memory else None
     for sig, inst in classes.items():
+        if sig in stateless:
+            continue
         first = inst[0]
         label = first.type
         if len(types_seen[first.type]) > 1:
@@ -370,6 +391,15 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
                 if memory:
                     extra += ", counted once"
             lines.append(f"        +{_esc(t.describe(memory) + extra, member=True)}")
+        for (is_alias, target), kids in groups[sig].items():
+            if target in stateless:
+                what = classes[target][0].type + (" x " + str(len(kids)) if len(kids) > 1 else "")
+                if is_alias:
+                    what += (
+                        " = " + ", ".join(sorted({_short(c.alias_of.path) for c in kids})) + " (same module)"
+                    )
+                text = f"{_names_label([c.name for c in kids])}: {what}, no tensors"
+                lines.append(f"        +{_esc(text, member=True)}")
         if memory:
             has_kids = any(c.alias_of is None for c in first.children)
             if has_kids and first is not root:
@@ -392,17 +422,10 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
             lines.append(f"        {_esc(total_line, member=True)}")
         lines.append("    }")
 
-    for sig, inst in classes.items():
-        rep = min(inst, key=lambda n: n.depth)
-        if rep.depth >= limit:
-            continue
-        groups = {}
-        for c in rep.children:
-            target = c.alias_of.sig if c.alias_of is not None else c.sig
-            if target not in cid:
+    for sig in cid:
+        for (is_alias, target), kids in groups[sig].items():
+            if target in stateless:
                 continue
-            groups.setdefault((c.alias_of is not None, target), []).append(c)
-        for (is_alias, target), kids in groups.items():
             names = [c.name for c in kids]
             if is_alias:
                 by_original = {}

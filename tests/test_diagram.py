@@ -68,6 +68,8 @@ def odd_model():
     root = Odd()
     for i, name in enumerate(ODD_NAMES):
         child = End() if name == "end" else nn.Linear(2, i + 1)
+        if name == "end":
+            child.p = nn.Parameter(torch.zeros(1))
         root._modules[name] = child  # add_module refuses some of these names; torch itself does not
     root._parameters['w (1) "ok"'] = nn.Parameter(torch.zeros(3))
     return root
@@ -123,6 +125,9 @@ def test_repeated_blocks_collapse_to_one_class_and_one_arrow():
     model = transformer(12)
     text = memtorch.diagram(model)
     assert text.count('class TransformerEncoderLayer["TransformerEncoderLayer"]') == 1
+    # Modules that hold nothing and have no children are listed in their parent, not drawn.
+    assert "class Dropout" not in text
+    assert "        +dropout, dropout1, dropout2: Dropout x 3, no tensors" in text.splitlines()
     assert '    ModuleList *-- "12" TransformerEncoderLayer : 0-11 x 12' in text.splitlines()
     # All 12 layers together: the bytes of their storages, each once, as torch counts them.
     together = storage_bytes(*model.layers.parameters())
