@@ -263,13 +263,13 @@ def cmd_inspect(args, out, progress):
         }
         _json(data, out)
     elif args.format == "html":
-        _print(
-            _html_page(f"memtorch inspect {args.target}", _call_with_depth(mm._repr_html_, args.depth)), out
-        )
+        to_html = getattr(mm, "to_html", None) or mm._repr_html_
+        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(to_html, args.depth)), out)
     else:
         from . import display
 
-        _print(_call_with_depth(functools.partial(display.model_memory_text, mm), args.depth), out)
+        to_text = getattr(mm, "to_text", None) or functools.partial(display.model_memory_text, mm)
+        _print(_call_with_depth(to_text, args.depth), out)
     return EXIT_OK
 
 
