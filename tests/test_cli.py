@@ -545,3 +545,16 @@ def test_advise_and_estimate_plumbing(models, monkeypatch):
     code, text = run("estimate", f"{name}:with_input", "--format", "html")
     _, _, inputs, _, _ = calls.pop()
     assert code == 0 and "<p>fake</p>" in text and inputs[0].shape == (4, 784)  # the TARGET's own input
+
+
+def test_inspect_text_depth(models, capsys):
+    name, _ = models
+    code, text = run("inspect", f"{name}:mlp", "--depth", "0")
+    err = capsys.readouterr().err
+    assert code == 0
+    mm = memtorch.inspect(torch.nn.Linear(1, 1))
+    if "depth" in getattr(mm, "to_text", lambda: None).__code__.co_varnames:
+        assert err == "" and "Linear" not in text  # the children are folded into the model's row
+    else:
+        assert err == "memtorch: note: this install's tables take no depth: the whole module tree is shown\n"
+        assert "Linear" in text
