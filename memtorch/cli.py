@@ -469,8 +469,12 @@ def _flatten(value, prefix, out):
         for k, v in value.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     elif isinstance(value, list):
+        # Rows that carry a name (per-module figures) are matched by name, not by position.
+        names = [v.get("name") if isinstance(v, dict) else None for v in value]
+        by_name = all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
         for i, v in enumerate(value):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+            part = f"[{names[i] or '(model)'}]" if by_name else str(i)
+            _flatten(v, f"{prefix}.{part}" if prefix else part, out)
 
 
 def _load_saved(path):

@@ -558,3 +558,15 @@ def test_inspect_text_depth(models, capsys):
     else:
         assert err == "memtorch: note: this install's tables take no depth: the whole module tree is shown\n"
         assert "Linear" in text
+
+
+def test_diff_matches_named_rows_by_name(tmp_path):
+    old = {"t::a": {"peak": 10, "modules": [{"name": "enc", "peak": 4}, {"name": "head", "peak": 2}]}}
+    new = {"t::a": {"peak": 10, "modules": [{"name": "head", "peak": 3}, {"name": "enc", "peak": 4}]}}
+    code, text = run(
+        "diff", write(tmp_path, "o.json", old), write(tmp_path, "n.json", new), "--format", "json"
+    )
+    assert code == 0
+    assert [(c["figure"], c["old"], c["new"]) for c in json.loads(text)["changes"]] == [
+        ("modules.[head].peak", 2, 3)
+    ]
