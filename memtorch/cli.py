@@ -759,7 +759,13 @@ def main(argv=None, out=None):
         sys.stderr.write(f"memtorch: {e}\n")
         return EXIT_UNAVAILABLE
     except BrokenPipeError:
-        return EXIT_OK  # `memtorch inspect ... | head` stopped reading
+        # `memtorch diagram ... | head` stopped reading: not an error. Point stdout at
+        # /dev/null so that the flush at exit does not complain again.
+        if out is sys.stdout:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return EXIT_OK
 
 
 def console_main():
