@@ -537,30 +537,38 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
             lines.append(attr("int", "not_drawn", f"{_count_below(node)} submodules below depth {limit}"))
         lines.append("    }")
 
-    # Pre-order walk over visible modules, runs of identical siblings drawn once.
-    entity = {id(root): "MODEL"}  # id(node) -> its entity (a run's entity for all its modules)
-    aliases = []  # (entity of the holder, name, module it names again)
-    stack = [(root, "MODEL", "", 1, [root])]
+    # Pre-order walk over visible modules, runs of identical siblings drawn once; entities
+    # are numbered in the order they are written.
+    visits = []  # (node, shown path, multiplicity, run, parent's visit index, relation label)
+    aliases = []  # (holder's visit index, name, module it names again)
+    stack = [(root, "", 1, [root], -1, None)]
     while stack:
-        node, eid, shown_path, mult, run = stack.pop()
-        emit_module(node, eid, shown_path, mult, run)
-        emit_tensors(node, eid, shown_path, mult)
+        visit = stack.pop()
+        node, shown_path, mult = visit[:3]
+        here = len(visits)
+        visits.append(visit)
         if node.depth >= limit:
             continue
         todo = []
         for first, group in _runs(node.children):
             if first.alias_of is not None:
-                aliases.append((eid, first.name, first.alias_of))
+                aliases.append((here, first.name, first.alias_of))
                 continue
             label = _names_label([c.name for c in group])
-            cid = new_id("MODULE")
-            for c in group:
-                entity[id(c)] = cid
             text = label + (f" x {len(group)}" if len(group) > 1 else "")
-            rels.append(f'    {eid} ||--o{{ {cid} : "{_esc(text)}"')
             path = f"{shown_path}.{label}" if shown_path else label
-            todo.append((first, cid, path, mult * len(group), group))
+            todo.append((first, path, mult * len(group), group, here, text))
         stack.extend(reversed(todo))
+    ids = ["MODEL"] + [new_id("MODULE") for _ in visits[1:]]
+    entity = {}  # id(node) -> its entity (a run's entity for all its modules)
+    for i, (node, shown_path, mult, run, parent, text) in enumerate(visits):
+        for m in run:
+            entity[id(m)] = ids[i]
+        emit_module(node, ids[i], shown_path, mult, run)
+        if parent >= 0:
+            rels.append(f'    {ids[parent]} ||--o{{ {ids[i]} : "{_esc(text)}"')
+        emit_tensors(node, ids[i], shown_path, mult)
+    aliases = [(ids[i], name, target) for i, name, target in aliases]
     holders = {}
     for _, _, pid, _ in holds:
         holders[pid] = holders.get(pid, 0) + 1
