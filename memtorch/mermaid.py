@@ -301,9 +301,12 @@ def diagram(
     to its children labelled with their names; identical children share
     one class and one arrow with their count (``"12"``, ``0-11 x 12``).
     ER diagram: a MODEL entity, a MODULE entity per module and a PARAMETER
-    (or BUFFER) entity per storage, with ``contains`` relations; a tied
-    parameter is one entity that two modules contain. A run of identical
-    sibling modules is drawn once (``layers.0-11``, ``x 12``).
+    (or BUFFER) entity per tensor, with ``contains`` relations; a tied
+    parameter is one entity that two modules contain (tensors that view one
+    storage differently are entities of their own, each saying what it
+    shares its storage with). A run of identical sibling modules is drawn
+    once (``layers.0-11``, ``x 12``). Modules that hold no tensors and have
+    no children are listed inside their parent's class in a class diagram.
 
     depth: None for every level, or the deepest level drawn (0: the model
     alone, 1: its children...); what is hidden stays in the figures above.
