@@ -216,8 +216,15 @@ def test_estimate_subcommand(models, capsys):
         return
     assert code == 0
     data = json.loads(text)
-    # Whatever else the estimate says, the parameters are the model's 407,080 B.
-    assert MLP_BYTES in json.dumps(data) or str(MLP_BYTES) in text
+    assert data["kind"] == "estimate" and data["optimizer"] == "adamw"
+    states = data["model_states"]
+    assert states["parameter"] == MLP_BYTES and states["gradient"] == MLP_BYTES
+    # AdamW: exp_avg and exp_avg_sq per parameter, and a float32 step per parameter tensor (4 tensors).
+    assert states["optimizer_state"] == 2 * MLP_BYTES + 4 * 4
+    code, text = run("estimate", f"{name}:mlp", "--input", "8x784", "--precision", "bf16-mixed")
+    assert code == 0 and "bf16-mixed" in text and "estimated, not measured" in text
+    code, _ = run("estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamz")
+    assert code == 2 and "adamz" in capsys.readouterr().err
 
 
 def test_estimate_needs_an_input(models, capsys):
