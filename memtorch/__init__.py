@@ -6,7 +6,7 @@
     memtorch.cpu.allocated(), memtorch.cuda.peak()
 
 The submodules behind functions are named apart from them (inspection.py holds
-inspect(), tracking.py holds track()) so that importing a submodule never
+inspect(), tracking.py holds track(), mermaid.py holds diagram()) so that importing a submodule never
 shadows the function of the same name on the package.
 
 Submodules are imported on first use so that ``import memtorch`` (and the
@@ -40,6 +40,7 @@ _EXPORTS = {
     "plot": ("plot", None),
     "estimate": ("estimation", "estimate"),
     "Estimate": ("estimation", "Estimate"),
+    "diagram": ("mermaid", "diagram"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,0 +1,42 @@
+"""Type stubs for the memtorch package: the public API, as editors and type checkers see it.
+
+memtorch/__init__.py exports its names lazily (a module __getattr__ over
+_EXPORTS) so that `import memtorch` stays cheap; this stub declares them.
+Every name in _EXPORTS must appear here: tests/test_typing.py checks it and
+says which line to add.
+"""
+
+from typing import Optional, Union
+
+import torch
+
+from . import cpu as cpu
+from . import cuda as cuda
+from . import errors as errors
+from . import units as units
+from .errors import BudgetExceeded as BudgetExceeded
+from .errors import DeviceUnavailable as DeviceUnavailable
+from .errors import MemtorchError as MemtorchError
+from .errors import UnitError as UnitError
+from .mermaid import diagram as diagram
+from .report import ModelMemory as ModelMemory
+from .tracking import Tracker as Tracker
+from .tracking import TrackReport as TrackReport
+from .tracking import track as track
+
+__version__: str
+__all__: list[str]
+
+def inspect(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = ...) -> ModelMemory:
+    """What `model` (and `optimizer`) hold in memory: each storage counted once."""
+
+def sizeof(obj: object) -> ModelMemory:
+    """Bytes held by any nest of containers of tensors, arrays, modules or optimizers (``.total``)."""
+
+def assert_budget(
+    report: TrackReport,
+    peak: Union[int, str, None] = ...,
+    delta: Union[int, str, None] = ...,
+    leak: Union[int, str, None] = ...,
+) -> None:
+    """Raise BudgetExceeded if `report` goes over any given limit (bytes, or sizes such as '64 MiB')."""

@@ -1,0 +1,772 @@
+"""The command line: python -m memtorch, or the `memtorch` console script.
+
+    memtorch inspect  pkg.module:make_model [--dtype bfloat16] [--format text|json|html]
+    memtorch estimate pkg.module:make_model --input 8x3x224x224 --optimizer adamw --precision bf16-mixed
+    memtorch diagram  path/to/file.py:make_model [--kind class|er] [--depth 2] [--no-memory]
+    memtorch advise   pkg.module:make_model --input 8x3x224x224 --optimizer adam [--budget "2 GiB"]
+    memtorch diff     OLD.json NEW.json     # two files written by pytest --memtorch-save
+
+TARGET names a callable that returns a torch.nn.Module, or a (module, example
+input) pair; a module object itself is accepted too. Exit codes: 0 done,
+1 the work itself failed (the model raised while estimating, a figure grew
+past --fail-on-increase), 2 a usage error (bad option, a TARGET that does not
+import or returns no module, an unreadable file), 3 the subcommand is not
+available in this install of memtorch.
+"""
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+
+from . import units
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: printed as 'memtorch: error: ...', exit code 2."""
+
+
+class Unavailable(Exception):
+    """The subcommand needs a part of memtorch this install does not have: exit code 3."""
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Progress:
+    """What memtorch is doing, on stderr: a live line with the elapsed time on a terminal,
+    one line per step with --progress, nothing otherwise (or with --quiet)."""
+
+    def __init__(self, mode, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.mode = mode  # "live", "lines" or "off"
+
+    def step(self, what):
+        return _Step(self, what)
+
+
+class _Step:
+    def __init__(self, progress, what):
+        self.p, self.what = progress, what
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if self.p.mode == "lines":
+            self.p.stream.write(f"memtorch: {self.what} ...\n")
+            self.p.stream.flush()
+        elif self.p.mode == "live":
+            self._thread = threading.Thread(target=self._spin, name="memtorch-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def _spin(self):
+        frames = "|/-\\"
+        i = 0
+        while not self._stop.wait(0.2):
+            elapsed = time.perf_counter() - self.t0
+            self.p.stream.write(f"\r{frames[i % 4]} memtorch: {self.what} ({elapsed:.1f} s)\033[K")
+            self.p.stream.flush()
+            i += 1
+
+    def __exit__(self, exc_type, exc, tb):
+        elapsed = time.perf_counter() - self.t0
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.p.stream.write("\r\033[K")
+            self.p.stream.flush()
+        if self.p.mode == "lines":
+            outcome = "done" if exc_type is None else "failed"
+            self.p.stream.write(f"memtorch: {self.what}: {outcome} in {elapsed:.1f} s\n")
+            self.p.stream.flush()
+        return False
+
+
+# ---------------------------------------------------------------- TARGET
+
+
+def _parse_shape(text):
+    """'8x3x224x224' or '8x128:int64' -> ((8, 3, 224, 224), dtype name or None)."""
+    shape_text, _, dtype = text.partition(":")
+    parts = shape_text.lower().replace("×", "x").split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = None
+    if not shape or any(d < 0 for d in shape):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape: write the sizes joined by x, e.g. 8x3x224x224, "
+            f"optionally with a dtype, e.g. 8x128:int64"
+        )
+    return shape, (dtype or None)
+
+
+def _torch_dtype(name, option):
+    import torch
+
+    aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64", "half": "float16"}
+    dt = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dt, torch.dtype):
+        raise UsageError(f"{option} {name!r} is not a torch dtype (e.g. float32, float16, bfloat16, int64)")
+    return dt
+
+
+def _load_target(target):
+    """The object TARGET names: 'package.module:attr' or 'path/to/file.py:attr'."""
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise UsageError(
+            f"TARGET must be package.module:callable or path/to/file.py:callable, not {target!r}"
+        )
+    is_file = module_part.endswith(".py") or os.sep in module_part or "/" in module_part
+    if is_file:
+        path = os.path.abspath(module_part)
+        if not os.path.isfile(path):
+            raise UsageError(f"cannot import {module_part!r}: no such file")
+        name = "_memtorch_target_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise UsageError(f"cannot import {module_part!r}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(path))  # its sibling modules import as in `python file.py`
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit too: a script that exits on import
+            sys.modules.pop(name, None)
+            raise UsageError(f"importing {module_part!r} raised {type(e).__name__}: {e}") from None
+        finally:
+            sys.path.remove(os.path.dirname(path))
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does, so that local packages import
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as e:
+            if e.name and (module_part == e.name or module_part.startswith(e.name + ".")):
+                raise UsageError(f"cannot import {module_part!r}: no module named {e.name!r}") from None
+            raise UsageError(f"importing {module_part!r} raised ModuleNotFoundError: {e}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            raise UsageError(f"importing {module_part!r} raised {type(e).__name__}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise UsageError(f"{module_part!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def build_target(target):
+    """(model, example input or None) from TARGET (see the module docstring)."""
+    import torch
+
+    obj = _load_target(target)
+    if isinstance(obj, torch.nn.Module):
+        return obj, None
+    if not callable(obj):
+        raise UsageError(
+            f"{target} is a {type(obj).__name__}: expected a callable that returns a torch.nn.Module"
+        )
+    try:
+        result = obj()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        raise UsageError(f"calling {target}() raised {type(e).__name__}: {e}") from None
+    if isinstance(result, torch.nn.Module):
+        return result, None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
+        return result
+    got = type(result).__name__
+    if isinstance(result, tuple):
+        got = "(" + ", ".join(type(x).__name__ for x in result) + ")"
+    raise UsageError(
+        f"{target}() returned {got}: expected a torch.nn.Module or a (module, example input) pair"
+    )
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def _print(text, out):
+    out.write(text if text.endswith("\n") else text + "\n")
+
+
+def _json(data, out):
+    json.dump(data, out, indent=1, default=str)
+    out.write("\n")
+
+
+def _html_page(title, body):
+    import html
+
+    return (
+        '<!doctype html>\n<html><head><meta charset="utf-8"><title>'
+        + html.escape(title)
+        + "</title></head>\n<body>\n"
+        + body
+        + "\n</body></html>\n"
+    )
+
+
+def _prepare(args, progress, cast=True):
+    with progress.step(f"building the model from {args.target}"):
+        model, example = build_target(args.target)
+    if cast and getattr(args, "dtype", None):
+        dt = _torch_dtype(args.dtype, "--dtype")
+        if not dt.is_floating_point:
+            raise UsageError(f"--dtype {args.dtype!r}: the model's parameters take a floating-point dtype")
+        model = model.to(dt)
+    return model, example
+
+
+def _module_dict(mm, depth):
+    rows = []
+    for r in mm.modules:
+        level = 0 if r.name == "" else r.name.count(".") + 1
+        if depth is not None and level > depth:
+            continue
+        rows.append({**r._asdict(), "depth": level})
+    return rows
+
+
+def cmd_inspect(args, out, progress):
+    import memtorch
+
+    model, _ = _prepare(args, progress)
+    with progress.step("inspecting"):
+        mm = memtorch.inspect(model)
+    if args.format == "json":
+        data = {
+            "model": mm.root_type,
+            "unit": "bytes",
+            **mm.summary(),
+            "parameters": mm.numel,
+            "shared": [list(g) for g in mm.shared],
+            "modules": _module_dict(mm, args.depth),
+        }
+        _json(data, out)
+    elif args.format == "html":
+        to_html = getattr(mm, "to_html", None) or mm._repr_html_
+        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(to_html, args.depth)), out)
+    else:
+        from . import display
+
+        to_text = getattr(mm, "to_text", None) or functools.partial(display.model_memory_text, mm)
+        _print(_call_with_depth(to_text, args.depth), out)
+    return EXIT_OK
+
+
+def _call_with_depth(fn, depth):
+    """fn(depth=depth) where the renderer takes a depth; otherwise fn() and a note."""
+    if depth is None:
+        return fn()
+    if _accepts(fn, "depth"):
+        return fn(depth=depth)
+    sys.stderr.write("memtorch: note: this install's tables take no depth: the whole module tree is shown\n")
+    return fn()
+
+
+def _inputs(args, example, real):
+    """The example inputs: --input shapes (real tensors when `real`, else (shape, dtype)
+    pairs), or the one TARGET returned."""
+    if not args.input:
+        if example is None:
+            return ()
+        return example if isinstance(example, tuple) else (example,)
+    import torch
+
+    made = []
+    for shape, dtype in args.input:
+        dt = _torch_dtype(dtype, "--input") if dtype else torch.float32
+        if not real:
+            made.append((shape, dt))
+        elif dt.is_floating_point:
+            made.append(torch.randn(shape, dtype=dt))
+        else:
+            made.append(torch.zeros(shape, dtype=dt))
+    return tuple(made)
+
+
+def _optional_api(name):
+    import memtorch
+
+    try:
+        return getattr(memtorch, name)
+    except AttributeError:
+        raise Unavailable(
+            f"{name} is not available in this install of memtorch (it has no memtorch.{name}()); "
+            f"inspect, diagram and diff are"
+        ) from None
+
+
+def _accepts(fn, name):
+    import inspect as pyinspect
+
+    try:
+        params = pyinspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _render_report(report, fmt, title, out):
+    if fmt == "json":
+        to_dict = getattr(report, "to_dict", None)
+        if to_dict is None:
+            raise UsageError("--format json is not available for this report")
+        _json(to_dict(), out)
+    elif fmt == "html":
+        to_html = getattr(report, "_repr_html_", None)
+        if to_html is None:
+            raise UsageError("--format html is not available for this report")
+        _print(_html_page(title, to_html()), out)
+    else:
+        _print(str(report), out)
+
+
+def cmd_estimate(args, out, progress):
+    estimate = _optional_api("estimate")
+    model, example = _prepare(args, progress)
+    inputs = _inputs(args, example, real=False)
+    if not inputs:
+        raise UsageError(
+            "estimate needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)"
+        )
+    kwargs = {}
+    for option in ("optimizer", "precision"):
+        value = getattr(args, option)
+        if value is not None:
+            if not _accepts(estimate, option):
+                raise UsageError(f"memtorch.estimate() in this install takes no {option}")
+            kwargs[option] = value
+    with progress.step("estimating one training step"):
+        try:
+            est = estimate(model, *inputs, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"estimate: {e}") from None
+    _render_report(est, args.format, f"memtorch estimate {args.target}", out)
+    return EXIT_OK
+
+
+def _make_optimizer(name, model):
+    import torch
+
+    wanted = name.replace("-", "").replace("_", "").lower()
+    for attr in dir(torch.optim):
+        cls = getattr(torch.optim, attr)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and attr.lower() == wanted:
+            try:
+                return cls(model.parameters())
+            except TypeError as e:
+                raise UsageError(f"--optimizer {name}: torch.optim.{attr} needs settings: {e}") from None
+    names = sorted(
+        a.lower()
+        for a in dir(torch.optim)
+        if isinstance(getattr(torch.optim, a), type)
+        and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)
+        and a != "Optimizer"
+    )
+    raise UsageError(f"--optimizer {name!r} is not a torch.optim optimizer: one of {', '.join(names)}")
+
+
+def cmd_advise(args, out, progress):
+    advise = _optional_api("advise")
+    model, example = _prepare(args, progress)
+    inputs = _inputs(args, example, real=True)
+    kwargs = {}
+    if args.optimizer is not None:
+        kwargs["optimizer"] = _make_optimizer(args.optimizer, model)
+    if args.precision is not None:
+        if not _accepts(advise, "precision"):
+            raise UsageError("advise takes no --precision: it weighs bf16 and fp16 itself")
+        kwargs["precision"] = args.precision
+    if args.budget is not None:
+        try:
+            units.parse(args.budget)
+        except ValueError as e:
+            raise UsageError(f"--budget: {e}") from None
+        kwargs["budget"] = args.budget
+    with progress.step("weighing what to change"):
+        advice = advise(model, *inputs, **kwargs)
+    _render_report(advice, args.format, f"memtorch advise {args.target}", out)
+    return EXIT_OK
+
+
+def cmd_diagram(args, out, progress):
+    import memtorch
+
+    model, _ = _prepare(args, progress)
+    with progress.step(f"drawing the {args.kind} diagram"):
+        text = memtorch.diagram(model, kind=args.kind, depth=args.depth, memory=not args.no_memory)
+    if args.format == "json":
+        _json({"kind": args.kind, "depth": args.depth, "mermaid": text}, out)
+    elif args.format == "html":
+        import html
+
+        body = (
+            '<pre class="mermaid">\n' + html.escape(text) + "</pre>\n"
+            "<!-- Mermaid text: draw it with Mermaid's script, or paste it into any Mermaid renderer -->"
+        )
+        _print(_html_page(f"memtorch diagram {args.target}", body), out)
+    else:
+        _print(text, out)
+    if len(text) > 50_000:
+        sys.stderr.write(
+            f"memtorch: note: the diagram is {len(text)} characters; Mermaid refuses more than 50,000 "
+            f"by default (maxTextSize): --depth draws fewer levels\n"
+        )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- diff
+
+_BYTE_FIGURES = {
+    "peak",
+    "delta",
+    "reserved_peak",
+    "start",
+    "end",
+    "peak_above_start",
+    "total",
+    "leak",
+    "allocated",
+    "reserved",
+    "logical",
+    "baseline",
+}
+
+
+def _is_bytes(key):
+    last = key.rsplit(".", 1)[-1]
+    return last in _BYTE_FIGURES or last.endswith("bytes") or last.endswith("_peak")
+
+
+def _flatten(value, prefix, out):
+    """Every numeric figure of a nest of dicts (and lists) as {'dotted.key': number}.
+    Bools are not figures."""
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, (int, float)):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, list):
+        # Rows that carry a name (per-module figures) are matched by name, not by position.
+        names = [v.get("name") if isinstance(v, dict) else None for v in value]
+        by_name = all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
+        for i, v in enumerate(value):
+            part = f"[{names[i] or '(model)'}]" if by_name else str(i)
+            _flatten(v, f"{prefix}.{part}" if prefix else part, out)
+
+
+def _load_saved(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise UsageError(f"{path} is not JSON: {e}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise UsageError(
+            f"{path} is not a file written by pytest --memtorch-save ({{test id: {{'peak': bytes, ...}}}})"
+        )
+    return data
+
+
+def _fmt_figure(key, value):
+    if _is_bytes(key) and float(value).is_integer():
+        v = int(value)
+        return units.format(v) if abs(v) < 1024 else f"{units.format(v)} ({v} B)"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _fmt_change(key, old, new):
+    d = new - old
+    if _is_bytes(key) and float(d).is_integer():
+        text = units.format_delta(int(d))
+    else:
+        text = f"{d:+g}"
+    if old:
+        text += f" ({d * 100 / abs(old):+.1f}%)"
+    return text
+
+
+def diff_files(old_path, new_path, show_all=False):
+    """What changed between two --memtorch-save files: a dict (see cmd_diff's JSON)."""
+    old, new = _load_saved(old_path), _load_saved(new_path)
+    changes, skipped = [], []
+    common = [t for t in old if t in new]
+    unchanged = 0
+    for test in common:
+        a, b = old[test], new[test]
+        if "device" in a and "device" in b and a["device"] != b["device"]:
+            skipped.append({"test": test, "reason": f"measured on {a['device']}, then on {b['device']}"})
+            continue
+        fa, fb = {}, {}
+        _flatten(a, "", fa)
+        _flatten(b, "", fb)
+        for key in fa:
+            if key not in fb:
+                continue
+            if fa[key] == fb[key]:
+                unchanged += 1
+                if not show_all:
+                    continue
+            changes.append(
+                {
+                    "test": test,
+                    "figure": key,
+                    "old": fa[key],
+                    "new": fb[key],
+                    "change": fb[key] - fa[key],
+                    "bytes": _is_bytes(key),
+                }
+            )
+    return {
+        "old": old_path,
+        "new": new_path,
+        "tests_compared": len(common) - len(skipped),
+        "changes": changes,
+        "unchanged": unchanged,
+        "not_compared": skipped,
+        "only_old": [t for t in old if t not in new],
+        "only_new": [t for t in new if t not in old],
+    }
+
+
+def _margin(text):
+    """'5%' -> ('%', 5.0); '1 MiB' -> ('B', 1048576)."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            value = float(t[:-1])
+        except ValueError:
+            value = -1.0
+        if value < 0:
+            raise UsageError(
+                f"--fail-on-increase {text!r}: expected a percentage such as 5% or a size such as 1 MiB"
+            )
+        return "%", value
+    try:
+        return "B", units.parse(t)
+    except ValueError:
+        raise UsageError(
+            f"--fail-on-increase {text!r}: expected a percentage such as 5% or a size such as 1 MiB"
+        ) from None
+
+
+def cmd_diff(args, out, progress):
+    margin = _margin(args.fail_on_increase) if args.fail_on_increase else None
+    result = diff_files(args.old, args.new, show_all=args.all)
+    over = []
+    if margin is not None:
+        for c in result["changes"]:
+            if c["figure"] != "peak" or c["change"] <= 0:
+                continue
+            kind, value = margin
+            allowed = value if kind == "B" else abs(c["old"]) * value / 100
+            if c["change"] > allowed:
+                over.append(c)
+    result["over_margin"] = [f"{c['test']}: {c['figure']}" for c in over]
+    if args.format == "json":
+        _json(result, out)
+    else:
+        _print(_diff_text(result, args.fail_on_increase, over), out)
+    return EXIT_FAILED if over else EXIT_OK
+
+
+def _diff_text(result, margin, over):
+    lines = [f"memtorch diff: {result['old']} -> {result['new']}"]
+    rows = [
+        (
+            c["test"],
+            c["figure"],
+            _fmt_figure(c["figure"], c["old"]),
+            _fmt_figure(c["figure"], c["new"]),
+            _fmt_change(c["figure"], c["old"], c["new"]),
+        )
+        for c in result["changes"]
+    ]
+    if rows:
+        head = ("test", "figure", "old", "new", "change")
+        widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
+        fmt = lambda r: "  ".join(  # noqa: E731
+            (r[i].ljust(widths[i]) if i < 2 else r[i].rjust(widths[i])) for i in range(5)
+        ).rstrip()
+        lines += [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+    n = result["tests_compared"]
+    lines.append(
+        f"{n} test(s) compared: {len([c for c in result['changes'] if c['change']])} figure(s) changed, "
+        f"{result['unchanged']} unchanged"
+    )
+    for s in result["not_compared"]:
+        lines.append(f"not compared: {s['test']}: {s['reason']}")
+    for key, what in (("only_old", "only in"), ("only_new", "only in")):
+        tests = result[key]
+        if tests:
+            where = result["old"] if key == "only_old" else result["new"]
+            lines.append(
+                f"{len(tests)} test(s) {what} {where}: "
+                + ", ".join(tests[:5])
+                + (f", ... {len(tests) - 5} more" if len(tests) > 5 else "")
+            )
+    for c in over:
+        lines.append(
+            f"FAILED: {c['test']}: peak grew by {_fmt_change('peak', c['old'], c['new'])}, more than {margin}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        raise UsageError(message)
+
+
+def make_parser():
+    parser = _Parser(
+        prog="memtorch",
+        description="Exact memory accounting for PyTorch models, from the command line.",
+        epilog="TARGET: package.module:callable or path/to/file.py:callable returning a torch.nn.Module "
+        "or a (module, example input) pair. Exit codes: 0 done, 1 failed, 2 usage error, "
+        "3 not available in this install.",
+    )
+    parser.add_argument("--version", action="version", version=f"memtorch {_version()}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{inspect,estimate,diagram,advise,diff}", parser_class=_Parser
+    )
+    sub.required = True
+
+    def common(p, formats, inputs=False):
+        p.add_argument("target", metavar="TARGET", help="package.module:callable or path/to/file.py:callable")
+        p.add_argument(
+            "--format", choices=formats, default=formats[0], help=f"output format (default {formats[0]})"
+        )
+        p.add_argument(
+            "--dtype", help="cast the model's floating-point parameters first (float16, bfloat16, ...)"
+        )
+        if inputs:
+            p.add_argument(
+                "--input",
+                action="append",
+                type=_parse_shape,
+                metavar="SHAPE[:DTYPE]",
+                help="an example input's shape, e.g. 8x3x224x224 or 8x128:int64 (repeat for several)",
+            )
+            p.add_argument("--optimizer", help="optimizer name: sgd, adam, adamw, ...")
+        _progress_flags(p)
+
+    p = sub.add_parser("inspect", help="what the model holds: per module, dtype, category (bytes)")
+    common(p, ["text", "json", "html"])
+    p.add_argument("--depth", type=_depth, help="module tree levels shown (default: all)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("estimate", help="peak of one training step, estimated without running it")
+    common(p, ["text", "json", "html"], inputs=True)
+    p.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true, ...")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("diagram", help="Mermaid class or ER diagram with each module's memory")
+    common(p, ["mermaid", "json", "html"])
+    p.add_argument(
+        "--kind", choices=["class", "er"], default="class", help="class diagram (default) or ER diagram"
+    )
+    p.add_argument("--depth", type=_depth, help="deepest module level drawn (default: all)")
+    p.add_argument("--no-memory", action="store_true", help="leave the byte figures out")
+    p.set_defaults(func=cmd_diagram)
+
+    p = sub.add_parser("advise", help="ranked changes that cut memory, with the bytes each saves")
+    common(p, ["text", "json", "html"], inputs=True)
+    p.add_argument("--precision", help="(passed on where memtorch.advise takes it)")
+    p.add_argument("--budget", help="a size to fit, e.g. '2 GiB'")
+    p.set_defaults(func=cmd_advise)
+
+    p = sub.add_parser("diff", help="compare two files written by pytest --memtorch-save")
+    p.add_argument("old", metavar="OLD.json")
+    p.add_argument("new", metavar="NEW.json")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--all", action="store_true", help="list unchanged figures too")
+    p.add_argument(
+        "--fail-on-increase",
+        metavar="MARGIN",
+        help="exit 1 if a test's peak grew by more than MARGIN (5%% or a size such as 1 MiB)",
+    )
+    _progress_flags(p)
+    p.set_defaults(func=cmd_diff)
+    return parser
+
+
+def _progress_flags(p):
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", action="store_true", help="say each step on stderr, even off a terminal")
+    g.add_argument("--quiet", action="store_true", help="say nothing on stderr but errors")
+
+
+def _depth(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a depth: an int >= 0 (0: the model alone)")
+    return value
+
+
+def _version():
+    from . import __version__
+
+    return __version__
+
+
+def main(argv=None, out=None):
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    out = out if out is not None else sys.stdout
+    try:
+        args = make_parser().parse_args(argv)
+        if args.quiet:
+            mode = "off"
+        elif args.progress:
+            mode = "lines"
+        else:
+            mode = "live" if sys.stderr.isatty() else "off"
+        return args.func(args, out, Progress(mode))
+    except UsageError as e:
+        sys.stderr.write(f"memtorch: error: {e}\n")
+        return EXIT_USAGE
+    except Unavailable as e:
+        sys.stderr.write(f"memtorch: {e}\n")
+        return EXIT_UNAVAILABLE
+    except BrokenPipeError:
+        # `memtorch diagram ... | head` stopped reading: not an error. Point stdout at
+        # /dev/null so that the flush at exit does not complain again.
+        if out is sys.stdout:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return EXIT_OK
+
+
+def console_main():
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Type stubs for memtorch.tracking (track(), Tracker and its reports).
+
+tests/test_typing.py checks that every public name of tracking.py (module level,
+and each class's methods, properties and attributes) is declared here.
+"""
+
+import types
+from typing import Any, Callable, Optional, TypeVar, Union
+
+import numpy as np
+import torch
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+PHASES: tuple[str, ...]
+
+class PhaseStats:
+    name: str
+    calls: int
+    delta: int
+    peak: int
+    peak_above_start: int
+    seconds: float
+    exact: bool
+    def __init__(self, name: str) -> None: ...
+
+class ModuleStats:
+    name: str
+    type: str
+    calls: int
+    activation_bytes: int
+    activation_total: int
+    peak_above_start: int
+    exact: bool
+    def __init__(self, name: str, type_name: str) -> None: ...
+
+class TensorInfo:
+    shape: tuple[Any, ...]
+    dtype: str
+    device: str
+    nbytes: int
+    has_graph: bool
+    graph_bytes: Optional[int]
+    step: Optional[int]
+    name: Optional[str]
+    ref: Any
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        step: Optional[int] = ...,
+        name: Optional[str] = ...,
+        graph_bytes: Optional[int] = ...,
+    ) -> None: ...
+    def describe(self) -> str: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+class LeakReport:
+    steps: list[int]
+    warmup: int
+    per_step: Optional[int]
+    leaking: bool
+    survivors: list[TensorInfo]
+    exact: bool
+    def __init__(self, steps: list[int], warmup: int, survivors: list[TensorInfo], exact: bool) -> None: ...
+    def plot(self, *args: Any, **kwargs: Any) -> Any: ...
+    def _repr_html_(self) -> str: ...
+
+class TrackReport:
+    device: str
+    exact: bool
+    mechanism: Optional[str]
+    start: int
+    end: int
+    delta: int
+    peak: int
+    peak_above_start: int
+    peak_upper: Optional[int]
+    reserved_peak: Optional[int]
+    phases: dict[str, PhaseStats]
+    modules: list[ModuleStats]
+    timeline: Optional[tuple[np.ndarray, np.ndarray]]
+    leak: Optional[LeakReport]
+    largest: list[TensorInfo]
+    seconds: float
+    steps: int
+    live: bool
+    unseen_frees: int
+    unseen_bytes: int
+    at_peak: Any
+    caveats: list[Any]
+    step_series: list[Any]
+    marks: Any
+    rank: Optional[int]
+    world_size: Optional[int]
+    def __init__(self, **kw: Any) -> None: ...
+    def check(
+        self,
+        peak: Union[int, str, None] = ...,
+        delta: Union[int, str, None] = ...,
+        leak: Union[int, str, None] = ...,
+    ) -> None: ...
+    def to_dict(self) -> dict[str, Any]: ...
+    def to_text(self, *args: Any, **kwargs: Any) -> str: ...
+    def to_html(self, *args: Any, **kwargs: Any) -> str: ...
+    def plot(self, *args: Any, **kwargs: Any) -> Any: ...
+    def gather(self, *args: Any, **kwargs: Any) -> Any: ...
+    def _repr_html_(self) -> str: ...
+
+def module_figures(times: Any, nbytes: Any, starts: Any, ends: Any, known_from: Any = ...) -> Any: ...
+
+class Tracker:
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = ...,
+        optimizer: Optional[torch.optim.Optimizer] = ...,
+        device: Union[str, torch.device] = ...,
+        timeline: bool = ...,
+        modules: bool = ...,
+        leaks: bool = ...,
+        warmup: int = ...,
+        largest: int = ...,
+    ) -> None: ...
+    def __enter__(self) -> Tracker: ...
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[types.TracebackType],
+    ) -> None: ...
+    def __call__(self, fn: _F) -> _F: ...
+    @property
+    def report(self) -> TrackReport: ...
+    def step(self) -> None: ...
+    def watch(
+        self, model: Optional[torch.nn.Module] = ..., optimizer: Optional[torch.optim.Optimizer] = ...
+    ) -> None: ...
+    def _repr_html_(self) -> str: ...
+
+def track(
+    model: Optional[torch.nn.Module] = ...,
+    optimizer: Optional[torch.optim.Optimizer] = ...,
+    device: Union[str, torch.device] = ...,
+    timeline: bool = ...,
+    modules: bool = ...,
+    leaks: bool = ...,
+    warmup: int = ...,
+    largest: int = ...,
+) -> Tracker: ...
