@@ -26,6 +26,8 @@ _EXPORTS = {
     "Tracker": ("tracking", "Tracker"),
     "TrackReport": ("tracking", "TrackReport"),
     "assert_budget": ("budget", "assert_budget"),
+    "distributed": ("distributed", None),
+    "MultiRankReport": ("distributed", "MultiRankReport"),
     "units": ("units", None),
     "cpu": ("cpu", None),
     "cuda": ("cuda", None),

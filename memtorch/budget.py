@@ -106,6 +106,9 @@ def _fmt(value, signed=False):
 
 def breakdown(report, modules=5, tensors=5):
     """Text breakdown of a report: totals, phases, top modules, largest live tensors, leak."""
+    own = getattr(report, "budget_breakdown", None)
+    if callable(own):  # a report that knows its own layout (memtorch.distributed.MultiRankReport)
+        return own()
     lines = []
     device = _get(report, "device", "?")
     exact = _get(report, "exact", None)

@@ -244,6 +244,15 @@ class TrackReport:
         # after the first block: memtorch.cpu.keep_counting()).
         self.unseen_frees = kw.get("unseen_frees", 0)
         self.unseen_bytes = kw.get("unseen_bytes", 0)
+        # Under an initialised torch.distributed process group: this process's rank and the world size.
+        self.rank = kw.get("rank")
+        self.world_size = kw.get("world_size")
+
+    def gather(self, group=None, dst=0, timeout=60.0):
+        """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
+        from .distributed import gather
+
+        return gather(self, group=group, dst=dst, timeout=timeout)
 
     def check(self, peak=None, delta=None, leak=None):
         """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
@@ -349,6 +358,15 @@ class TrackReport:
             f"TrackReport(device={self.device!r}, exact={self.exact}, start={self.start}, end={self.end}, "
             f"peak={self.peak}, peak_above_start={self.peak_above_start})"
         )
+
+
+def _rank_info():
+    """{"rank", "world_size"} under an initialised torch.distributed process group, else {}."""
+    if "torch.distributed" not in sys.modules:
+        return {}
+    from .distributed import rank_info
+
+    return rank_info()
 
 
 def _table(header, rows):
@@ -787,6 +805,11 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and "torch.distributed" in sys.modules:
+            from .distributed import note_failure
+
+            self._failure = f"{exc_type.__name__}: {exc}"
+            note_failure(exc)  # the other ranks' gather() raises instead of waiting; never raises
         try:
             report = self._finish()
         except Exception:
@@ -838,7 +861,7 @@ class Tracker:
             if self._timeline:
                 timeline = (t - t[0] if len(t) else t, b)
         seconds = time.perf_counter() - self._t0
-        extra = {}
+        extra = _rank_info()
         if self._kind == "cpu":
             mechanism = cpu.mechanism()
             exact = exact and cpu.exact()
@@ -876,7 +899,7 @@ class Tracker:
         """A report of the open block so far: start, current as end, peak so far, steps."""
         self._sample()
         s = self._scope
-        extra = {}
+        extra = _rank_info()
         if self._kind == "cpu":
             start, end, peak = s.start, s.current, s.peak
             exact, mechanism, device = bool(s.exact) and cpu.exact(), cpu.mechanism(), "cpu"
