@@ -28,6 +28,7 @@ _EXPORTS = {
     "assert_budget": ("budget", "assert_budget"),
     "distributed": ("distributed", None),
     "MultiRankReport": ("distributed", "MultiRankReport"),
+    "plan": ("planning", "plan"),
     "units": ("units", None),
     "cpu": ("cpu", None),
     "cuda": ("cuda", None),
