@@ -27,7 +27,7 @@ world_size=N, sharding=...) per rank, when this memtorch has it; the error is
 (estimate - measured) / measured.
 
     python benchmarks/bench_distributed.py [--models mlp,gpt,cnn] [--ways ddp,zero1,zero2,zero3]
-                                           [--worlds 2,4] [--steps 3] [--no-write]
+                                           [--worlds 2,4] [--steps 3] [--repeat 2] [--no-write]
 """
 
 import argparse
@@ -187,6 +187,10 @@ def worker(model_name, way, steps):
             t.step()
     seconds = time.perf_counter() - t0
     r = t.report
+    try:  # this rank's model states after the run (FSDP2's DTensors count their local shard)
+        states = {k: int(v) for k, v in memtorch.inspect(model, optimizer=opt).by_category.items()}
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        states = {"error": f"{type(e).__name__}: {e}"}
     out = {
         "rank": rank,
         "world": world,
@@ -195,6 +199,7 @@ def worker(model_name, way, steps):
         "end": r.end - base,
         "phases": {n: p.peak - base for n, p in r.phases.items()},
         "exact": r.exact and not r.unseen_frees,
+        "states": states,
         "seconds": seconds,
     }
     print("RESULT " + json.dumps(out), flush=True)
@@ -264,6 +269,7 @@ def main():
     ap.add_argument("--ways", default="ddp,zero1,zero2,zero3")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each configuration (the peak: the highest)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", help="also write the raw results to this file")
     args = ap.parse_args()
@@ -282,7 +288,19 @@ def main():
         for way in args.ways.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
                 t0 = time.perf_counter()
-                res, why = launch(model_name, way, world, args.steps)
+                runs = []
+                why = None
+                for _ in range(args.repeat):
+                    res, why = launch(model_name, way, world, args.steps)
+                    if res is None:
+                        break
+                    runs.append(res)
+                res = None
+                if runs and why is None:
+                    res = runs[0]
+                    for r in res:  # the peak: highest and lowest over the runs
+                        peaks = [run[r["rank"]]["peak"] for run in runs]
+                        r["peak"], r["peak_low"] = max(peaks), min(peaks)
                 wall = time.perf_counter() - t0
                 est, est_why = estimates(model_name, way, world)
                 raw.append({"model": model_name, "way": way, "world": world, "ranks": res, "why": why,
@@ -297,7 +315,10 @@ def main():
                         err = f"{(est['peak'] - r['peak']) / r['peak'] * 100:+.1f}%"
                     else:
                         e_txt, err = "-", (est_why or "")[:60]
-                    rows.append([model_name, WAYS[way], str(world), str(r["rank"]), f(r["peak"]),
+                    measured = f(r["peak"])
+                    if r["peak_low"] != r["peak"]:
+                        measured += f" (runs: {f(r['peak_low'])} to {f(r['peak'])})"
+                    rows.append([model_name, WAYS[way], str(world), str(r["rank"]), measured,
                                  f(r["built"]), e_txt, err])  # fmt: skip
                 print(model_name, way, world, [f(r["peak"]) for r in res], f"{wall:.0f} s", flush=True)
         del model, inputs
@@ -318,7 +339,8 @@ def main():
         "token embedding; cnn = 3 conv-BatchNorm-ReLU-pool blocks (32, 64, 128 channels) and a linear layer, "
         "batch 16x3x32x32. Each rank uses one batch of that shape per step.",
         "",
-        "*measured peak*: bytes PyTorch's CPU allocator had handed out on that rank at the highest point of the "
+        f"*measured peak*: the highest over {args.repeat} runs (the range where the runs differ) of "
+        "the bytes PyTorch's CPU allocator had handed out on that rank at the highest point of the "
         "steps, counted by memtorch's exact CPU counters from before the model was built (parameters, gradients, "
         "optimizer state, activations, the batch and the wrappers' communication buffers; not gloo's own "
         "buffers, which do not come from that allocator). *after wrapping*: what was allocated once the model "
