@@ -28,6 +28,7 @@ world_size=N, sharding=...) per rank, when this memtorch has it; the error is
 
     python benchmarks/bench_distributed.py [--models mlp,gpt,cnn] [--ways ddp,zero1,zero2,zero3]
                                            [--worlds 2,4] [--steps 3] [--repeat 2] [--no-write]
+                                           [--json FILE] [--from-json FILE]
 """
 
 import argparse
@@ -272,6 +273,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=2, help="runs of each configuration (the peak: the highest)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", help="also write the raw results to this file")
+    ap.add_argument("--from-json", help="take the measurements from this file (written by --json); run the rest")
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)
@@ -281,27 +283,33 @@ def main():
 
     f = memtorch.units.format
     rows, raw = [], []
+    measured = {}
+    if args.from_json:  # measurements of an earlier run: only the estimates are computed now
+        with open(args.from_json) as fh:
+            for d in json.load(fh):
+                measured[(d["model"], d["way"], d["world"])] = d
     for model_name in args.models.split(","):
-        model, inputs = make_model(model_name)
-        mm = memtorch.inspect(model)
-        numel = mm.numel
         for way in args.ways.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
                 t0 = time.perf_counter()
-                runs = []
-                why = None
-                for _ in range(args.repeat):
-                    res, why = launch(model_name, way, world, args.steps)
-                    if res is None:
-                        break
-                    runs.append(res)
-                res = None
-                if runs and why is None:
-                    res = runs[0]
-                    for r in res:  # the peak: highest and lowest over the runs
-                        peaks = [run[r["rank"]]["peak"] for run in runs]
-                        r["peak"], r["peak_low"] = max(peaks), min(peaks)
-                wall = time.perf_counter() - t0
+                if (model_name, way, world) in measured:
+                    d = measured[(model_name, way, world)]
+                    res, why, wall = d["ranks"], d["why"], d["wall"]
+                else:
+                    runs = []
+                    why = None
+                    for _ in range(args.repeat):
+                        res, why = launch(model_name, way, world, args.steps)
+                        if res is None:
+                            break
+                        runs.append(res)
+                    res = None
+                    if runs and why is None:
+                        res = runs[0]
+                        for r in res:  # the peak: highest and lowest over the runs
+                            peaks = [run[r["rank"]]["peak"] for run in runs]
+                            r["peak"], r["peak_low"] = max(peaks), min(peaks)
+                    wall = time.perf_counter() - t0
                 est, est_why = estimates(model_name, way, world)
                 raw.append({"model": model_name, "way": way, "world": world, "ranks": res, "why": why,
                             "estimate": est, "estimate_why": est_why, "wall": wall})  # fmt: skip
@@ -321,7 +329,6 @@ def main():
                     rows.append([model_name, WAYS[way], str(world), str(r["rank"]), measured,
                                  f(r["built"]), e_txt, err])  # fmt: skip
                 print(model_name, way, world, [f(r["peak"]) for r in res], f"{wall:.0f} s", flush=True)
-        del model, inputs
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(raw, fh, indent=1)
