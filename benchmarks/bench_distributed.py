@@ -283,17 +283,17 @@ def main():
 
     f = memtorch.units.format
     rows, raw = [], []
-    measured = {}
+    earlier = {}
     if args.from_json:  # measurements of an earlier run: only the estimates are computed now
         with open(args.from_json) as fh:
             for d in json.load(fh):
-                measured[(d["model"], d["way"], d["world"])] = d
+                earlier[(d["model"], d["way"], d["world"])] = d
     for model_name in args.models.split(","):
         for way in args.ways.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
                 t0 = time.perf_counter()
-                if (model_name, way, world) in measured:
-                    d = measured[(model_name, way, world)]
+                if (model_name, way, world) in earlier:
+                    d = earlier[(model_name, way, world)]
                     res, why, wall = d["ranks"], d["why"], d["wall"]
                 else:
                     runs = []
