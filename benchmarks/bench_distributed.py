@@ -189,7 +189,8 @@ def worker(model_name, way, steps):
     seconds = time.perf_counter() - t0
     r = t.report
     try:  # this rank's model states after the run (FSDP2's DTensors count their local shard)
-        states = {k: int(v) for k, v in memtorch.inspect(model, optimizer=opt).by_category.items()}
+        inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's state in .optim
+        states = {k: int(v) for k, v in memtorch.inspect(model, optimizer=inner).by_category.items()}
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         states = {"error": f"{type(e).__name__}: {e}"}
     out = {
