@@ -159,3 +159,50 @@ def test_plan_without_estimate_says_so(monkeypatch):
         pytest.skip("this memtorch has estimate(): tested in test_plan_with_estimate")
     with pytest.raises(MemtorchError, match="needs memtorch.estimate"):
         mplan.plan(torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+
+# ---------------------------------------------------------------------------
+# With memtorch.estimate(): the dry runs behind plan()
+
+
+def _estimate_or_skip():
+    import memtorch
+
+    if "estimate" not in memtorch._EXPORTS:
+        pytest.skip("this memtorch has no estimate() yet")
+    return memtorch
+
+
+def test_plan_with_estimate():
+    memtorch = _estimate_or_skip()
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))  # 9,352 elements
+    x = torch.randn(16, 64)
+    est = memtorch.estimate(model, x, optimizer="adamw", device="cpu")
+    b = mplan.breakdown_of(est, model)
+    assert b.numel == 64 * 128 + 128 + 128 * 8 + 8
+    assert b.parameter == 4 * b.numel  # fp32
+    assert b.largest_block == 4 * (64 * 128 + 128)  # the first Linear
+    p = memtorch.plan(model, x, device_memory="1 GiB", world_sizes=[1, 2], precisions=["fp32"],
+                      checkpointing=[None], device="cpu", reserve=0)  # fmt: skip
+    one = [o for o in p.options if o.world_size == 1][0]
+    assert one.peak == est.peak  # one rank: the dry run itself
+    z1 = [o for o in p.options if o.world_size == 2 and o.sharding == "zero1"][0]
+    assert z1.peak == per_rank(b, 2, "zero1")["peak"]
+    assert p.best == one and p.dry_runs == 1
+
+
+def test_plan_needs_inputs_and_a_module():
+    memtorch = _estimate_or_skip()
+    import torch
+
+    with pytest.raises(MemtorchError, match="needs example inputs"):
+        memtorch.plan(torch.nn.Linear(4, 4))
+    with pytest.raises(MemtorchError, match="needs a torch.nn.Module, got str"):
+        memtorch.plan("model", torch.randn(2, 4))
+    with pytest.raises(MemtorchError, match="unknown sharding 'zero9'"):
+        memtorch.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), shardings=["zero9"])
+    with pytest.raises(MemtorchError, match="micro_batches must be positive ints, got 0"):
+        memtorch.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), micro_batches=[0])
