@@ -19,6 +19,10 @@ import pytest
 
 import memtorch
 from memtorch import distributed as mdist
+
+# Tests that start ranks are slow (a process per rank, each importing torch): they run in the
+# normal pass, not in the sanitizer and -X dev passes (the ranks run no C code these tests target).
+slow = pytest.mark.slow
 from memtorch.errors import BudgetExceeded, MemtorchError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,15 +77,18 @@ def run_ranks(scenario, world=2, timeout=180):
 
 @pytest.fixture(scope="module")
 def basic():
+    """Two ranks that each allocate a known number of bytes, then gather (tests/_dist_workers.py basic)."""
     return run_ranks("basic", world=2)
 
 
+@slow
 def test_each_rank_knows_its_rank_and_world_size(basic):
     for rank, res in enumerate(basic):
         assert res["own"]["rank"] == rank
         assert res["own"]["world_size"] == 2
 
 
+@slow
 def test_gathered_rows_are_each_ranks_own_figures(basic):
     def figures(own):
         return {k: v for k, v in own.items() if k not in ("rank", "world_size")}
@@ -93,6 +100,7 @@ def test_gathered_rows_are_each_ranks_own_figures(basic):
             assert set(res["rows2"][r]["phases"]) == {"forward", "backward", "optimizer"}
 
 
+@slow
 def test_gathered_figures_match_what_each_rank_allocated(basic):
     # rank r allocated and freed (r + 1) * 256 KiB: peak above start exactly that, delta 0
     for r in range(2):
@@ -107,12 +115,14 @@ def test_gathered_figures_match_what_each_rank_allocated(basic):
     assert s["imbalance"] == pytest.approx(512 / 384)  # max / mean of 256 and 512 KiB
 
 
+@slow
 def test_the_report_lives_on_dst_only(basic):
     assert basic[0]["dst0_is_none"] is False
     assert basic[1]["dst0_is_none"] is True
     assert "text" not in basic[1]
 
 
+@slow
 def test_text_and_dict(basic):
     text = basic[0]["text"]
     assert "2 rank(s)" in text
@@ -124,6 +134,7 @@ def test_text_and_dict(basic):
     json.dumps(d)
 
 
+@slow
 def test_budget_applies_to_the_highest_rank(basic):
     over = basic[0]["over"]
     assert over.startswith("peak 512.000 KiB exceeds budget 511.999 KiB by 1 B"), over
