@@ -261,7 +261,17 @@ def estimates(model_name, way, world):
         return None, f"{type(e).__name__}: {e}"
     per_rank = getattr(est, "per_rank", None)
     peak = per_rank["peak"] if isinstance(per_rank, dict) and "peak" in per_rank else est.peak
-    return {"peak": int(peak), "per_rank": per_rank}, None
+    out = {"peak": int(peak), "per_rank": per_rank}
+    # memtorch.plan's figure: one dry run on one process, then planning.per_rank's arithmetic
+    from memtorch import planning
+
+    if model_name not in _ONE:
+        _ONE[model_name] = planning.breakdown_of(memtorch.estimate(model, *inputs, optimizer="adamw"), model)
+    out["plan"] = planning.per_rank(_ONE[model_name], world, way)["peak"]
+    return out, None
+
+
+_ONE = {}  # model name -> planning.Breakdown of its one-process estimate
 
 
 def main():
@@ -315,25 +325,28 @@ def main():
                 raw.append({"model": model_name, "way": way, "world": world, "ranks": res, "why": why,
                             "estimate": est, "estimate_why": est_why, "wall": wall})  # fmt: skip
                 if res is None:
-                    rows.append([model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", ""])
+                    rows.append([model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", "", "", ""])
                     print(model_name, way, world, "FAILED", why, flush=True)
                     continue
                 for r in res:
                     if est is not None:
                         e_txt = f(est["peak"])
+                        p_txt = f(est["plan"])
+                        p_err = f"{(est['plan'] - r['peak']) / r['peak'] * 100:+.1f}%"
                         err = f"{(est['peak'] - r['peak']) / r['peak'] * 100:+.1f}%"
                     else:
-                        e_txt, err = "-", (est_why or "")[:60]
+                        e_txt, err, p_txt, p_err = "-", (est_why or "")[:60], "-", ""
                     measured = f(r["peak"])
                     if r["peak_low"] != r["peak"]:
                         measured += f" (runs: {f(r['peak_low'])} to {f(r['peak'])})"
                     rows.append([model_name, WAYS[way], str(world), str(r["rank"]), measured,
-                                 f(r["built"]), e_txt, err])  # fmt: skip
+                                 f(r["built"]), e_txt, err, p_txt, p_err])  # fmt: skip
                 print(model_name, way, world, [f(r["peak"]) for r in res], f"{wall:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(raw, fh, indent=1)
-    header = ["model", "sharding", "ranks", "rank", "measured peak", "after wrapping", "estimate", "error"]
+    header = ["model", "sharding", "ranks", "rank", "measured peak", "after wrapping", "estimate", "error",
+              "plan", "plan error"]  # fmt: skip
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     table += ["| " + " | ".join(r) + " |" for r in rows]
     md = "\n".join([
@@ -353,7 +366,9 @@ def main():
         "optimizer state, activations, the batch and the wrappers' communication buffers; not gloo's own "
         "buffers, which do not come from that allocator). *after wrapping*: what was allocated once the model "
         "and optimizer were built and wrapped, before the first step. *estimate*: memtorch.estimate(model, "
-        "batch, optimizer='adamw', world_size=N, sharding=...) per rank; *error*: (estimate - measured) / measured.",
+        "batch, optimizer='adamw', world_size=N, sharding=...) per rank; *error*: (estimate - measured) / measured. "
+        "*plan*: what memtorch.plan() uses, memtorch.planning.per_rank() applied to one one-process estimate "
+        "(the same for every rank), and its error.",
         "",
         *table,
     ])  # fmt: skip
