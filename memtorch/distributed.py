@@ -308,8 +308,10 @@ class MultiRankReport:
         ]
         if self.delta_rank is not None and self.delta:
             lines.append(f"largest delta: rank {self.delta_rank}, {units.format_delta(self.delta)}")
-        if self.leak is not None:
+        if self.leak is not None and self.leak.per_step > 0:
             lines.append(f"largest leak: rank {self.leak_rank}, {units.format_delta(self.leak.per_step)} per step")
+        elif self.leak is not None:
+            lines.append("leak: no rank grew per step after warm-up")
         if not self.exact:
             lines.append("some ranks' figures are not exact (see their rows)")
         return lines
