@@ -258,6 +258,9 @@ def test_multi_rank_arithmetic():
     assert m.leak.per_step == 10 and m.leak_rank == 2
     assert m.phases["forward"]["peak_above_start"] == 70
     assert m.exact is False and "not exact" in str(m)
+    assert "largest leak: rank 2, +10 B per step" in str(m)
+    calm = mdist.MultiRankReport([_rank(0, 0, 10, 0, leak=0), _rank(1, 0, 10, 0, leak=-4)])
+    assert calm.leak.per_step == 0 and "leak: no rank grew per step after warm-up" in str(calm)
     with pytest.raises(BudgetExceeded, match="leak 10 B exceeds budget 9 B by 1 B"):
         m.check(leak=9)
     m.check(peak=600, delta=50, leak=10)
