@@ -123,6 +123,9 @@ def breakdown(report, modules=5, tensors=5, owners=5):
     """Text breakdown of a report: totals, phases, top modules, the largest owners at the peak,
     largest live tensors, leak, and what the counters could not see."""
     owners_n = owners
+    own = getattr(report, "budget_breakdown", None)
+    if callable(own):  # a report that knows its own layout (memtorch.distributed.MultiRankReport)
+        return own()
     lines = []
     device = _get(report, "device", "?")
     exact = _get(report, "exact", None)

@@ -251,6 +251,9 @@ class TrackReport:
         self.caveats = list(kw.get("caveats") or [])
         # per step (t.step()): [(peak, end)] absolute bytes
         self.step_series = list(kw.get("step_series") or [])
+        # Under an initialised torch.distributed process group: this process's rank and the world size.
+        self.rank = kw.get("rank")
+        self.world_size = kw.get("world_size")
 
     def _settle(self):
         pending, self._pending = self._pending, None
@@ -291,6 +294,7 @@ class TrackReport:
             "peak_above_start": int(self.peak_above_start), "seconds": float(self.seconds), "steps": int(self.steps),
             "live": bool(self.live), "caveats": list(self.caveats),
             "unseen_frees": int(self.unseen_frees), "unseen_bytes": int(self.unseen_bytes),
+            "rank": self.rank, "world_size": self.world_size,
         }  # fmt: skip
         if self.peak_upper is not None:
             d["peak_upper"] = int(self.peak_upper)
@@ -313,6 +317,12 @@ class TrackReport:
         if self.timeline is not None:
             d["timeline"] = {"times_ns": self.timeline[0].tolist(), "bytes": self.timeline[1].tolist()}
         return d
+
+    def gather(self, group=None, dst=0, timeout=60.0):
+        """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
+        from .distributed import gather
+
+        return gather(self, group=group, dst=dst, timeout=timeout)
 
     def check(self, peak=None, delta=None, leak=None):
         """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
@@ -431,6 +441,15 @@ class TrackReport:
             f"TrackReport(device={self.device!r}, exact={self.exact}, start={self.start}, end={self.end}, "
             f"peak={self.peak}, peak_above_start={self.peak_above_start})"
         )
+
+
+def _rank_info():
+    """{"rank", "world_size"} under an initialised torch.distributed process group, else {}."""
+    if "torch.distributed" not in sys.modules:
+        return {}
+    from .distributed import rank_info
+
+    return rank_info()
 
 
 def _table(header, rows):
@@ -1202,6 +1221,11 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and "torch.distributed" in sys.modules:
+            from .distributed import note_failure
+
+            self._failure = f"{exc_type.__name__}: {exc}"
+            note_failure(exc)  # the other ranks' gather() raises instead of waiting; never raises
         try:
             report = self._finish()
         except Exception:
@@ -1279,7 +1303,7 @@ class Tracker:
             t0 = int(t[0]) if len(t) else 0
             extra_marks = [(ns - t0, kind, label) for ns, kind, label in self._tl_marks]
         seconds = time.perf_counter() - self._t0
-        extra = {}
+        extra = _rank_info()
         if self._kind == "cpu":
             mechanism = cpu.mechanism()
             exact = exact and cpu.exact()
@@ -1319,7 +1343,7 @@ class Tracker:
         """A report of the open block so far: start, current as end, peak so far, steps."""
         self._sample()
         s = self._scope
-        extra = {}
+        extra = _rank_info()
         if self._kind == "cpu":
             start, end, peak = s.start, s.current, s.peak
             exact, mechanism, device = bool(s.exact) and cpu.exact(), cpu.mechanism(), "cpu"

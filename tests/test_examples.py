@@ -25,7 +25,17 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("test_")))
+# examples that start several processes (torchrun) are slow: the normal pass runs them
+_SLOW = {"ddp_torchrun.py"}
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n
+        for n in sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("test_"))
+    ],
+)
 def test_example_script_runs(script):
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300

@@ -1,0 +1,417 @@
+"""plan(): which ways of training a model fit in a device's memory, cheapest first.
+
+    p = memtorch.plan(model, x, device_memory="80 GiB", global_batch=1024)
+    print(p)            # one row per combination: world size, sharding, precision,
+                        # checkpointing, micro-batch, per-rank peak, margin
+    p.best              # the cheapest combination that fits (an Option), or None
+
+How. For each (precision, checkpointing, micro-batch) memtorch.estimate() dry-runs
+one training step on one process (fake tensors, no real memory); every world
+size and sharding after that is arithmetic on that one-process breakdown
+(``per_rank``), so thousands of world sizes cost no more than one. The
+arithmetic, with P, G, O the bytes of parameters, gradients and optimizer state
+of one process, G_peak and O_peak the gradient and optimizer-state bytes alive
+at its peak, U the parameter bytes of the largest block, and shard(x) = x / n
+rounded up to a whole element:
+
+    ddp    peak + G                             (the reducer's gradient buckets: a
+                                                 second copy of the gradients; none
+                                                 on one rank, trained unwrapped)
+    zero1  peak - O_peak + shard(O_peak)        (optimizer state split)
+    zero2  zero1 - G_peak + shard(G_peak)       (gradients split as well)
+    zero3  zero2 - P + shard(P) + 2 (U - shard(U))
+                                                (parameters split; a block's full
+                                                 parameters gathered for its compute,
+                                                 and the next block's prefetched)
+
+These are the ZeRO paper's model-state formulas (Rajbhandari et al. 2020,
+section 5) applied to the measured breakdown; ``zero_model_states`` gives the
+paper's own figures (16-bit parameters and gradients, K = 12 bytes of fp32
+master weights and Adam state per parameter). Where a figure is approximate the
+plan says so: the gradient buckets, the gathered blocks and the micro-batch's
+activations are modelled, not measured, per world size.
+
+(Named planning.py, not plan.py, so that importing the submodule never
+shadows memtorch.plan the function.)
+
+Cheapest first means: fewest devices; then without checkpointing (recomputing a
+forward costs about a third more compute); then the sharding that communicates
+least (ddp, zero1, zero2, zero3); then the largest micro-batch (fewest
+accumulation steps); then the precision in the order given.
+"""
+
+import math
+from collections import namedtuple
+
+from . import units
+from .errors import MemtorchError
+
+__all__ = ["plan", "plan_from", "per_rank", "zero_model_states", "Breakdown", "Option", "Plan", "SHARDINGS"]
+
+SHARDINGS = ("ddp", "zero1", "zero2", "zero3")
+_CHEAP = {s: i for i, s in enumerate(SHARDINGS)}
+
+Breakdown = namedtuple(
+    "Breakdown",
+    "peak parameter gradient optimizer_state gradient_at_peak optimizer_state_at_peak numel largest_block",
+)
+Breakdown.__doc__ = """One process's training step, in bytes (what per_rank() splits).
+
+peak: the step's peak, model states included; parameter, gradient,
+optimizer_state: the model states' totals; gradient_at_peak,
+optimizer_state_at_peak: the parts of them alive at the peak; numel: trainable
+parameter elements (what ZeRO splits); largest_block: parameter bytes of the
+largest block that FSDP gathers at once (zero3).
+"""
+
+Option = namedtuple(
+    "Option", "world_size sharding precision checkpointing micro_batch accumulation peak margin fits"
+)
+Option.__doc__ = """One combination: per-rank peak and margin (device memory - reserve - peak) in bytes.
+
+accumulation: micro-batches per optimizer step on each rank (global_batch /
+(world_size * micro_batch)), or None without a global batch.
+"""
+
+
+def _check_sharding(sharding):
+    if sharding not in SHARDINGS:
+        raise MemtorchError(f"unknown sharding {sharding!r}: expected one of {', '.join(SHARDINGS)}")
+
+
+def _check_world(world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise MemtorchError(f"world_size must be a positive int, got {world_size!r}")
+
+
+def _shard(nbytes, numel, n, pad, what, sharding):
+    """Bytes of one rank's shard of ``nbytes`` spread over ``numel`` elements split across n ranks."""
+    if nbytes == 0 or n == 1:
+        return nbytes
+    if numel <= 0:
+        return math.ceil(nbytes / n)
+    if numel % n and not pad:
+        raise MemtorchError(
+            f"world_size {n} does not divide the {numel} trainable parameter elements that {sharding} splits "
+            f"evenly ({what}); pass pad=True to round each shard up as FSDP and DeepSpeed do, or pick a "
+            "world size that divides it"
+        )
+    per_elem = nbytes / numel
+    return int(math.ceil(numel / n) * per_elem)
+
+
+def per_rank(b, world_size, sharding, pad=True):
+    """One rank's figures for ``world_size`` ranks: {parameter, gradient, optimizer_state, buckets, gathered, peak}.
+
+    b: a Breakdown of one process. pad=False refuses a world size that does not
+    divide b.numel for a sharding that splits the parameters' elements.
+    """
+    _check_sharding(sharding)
+    _check_world(world_size)
+    n = world_size
+    P, G, O = b.parameter, b.gradient, b.optimizer_state
+    Gp, Op = b.gradient_at_peak, b.optimizer_state_at_peak
+    sh = lambda x, what: _shard(x, b.numel, n, pad, what, sharding)  # noqa: E731
+    out = {"parameter": P, "gradient": G, "optimizer_state": O, "buckets": 0, "gathered": 0}
+    peak = b.peak
+    if sharding == "ddp":
+        if n > 1:  # one rank trains without a DDP wrapper: no buckets
+            out["buckets"] = G
+            peak += G
+    else:
+        out["optimizer_state"] = sh(O, "optimizer state")
+        peak += sh(Op, "optimizer state") - Op
+        if sharding in ("zero2", "zero3"):
+            out["gradient"] = sh(G, "gradients")
+            peak += sh(Gp, "gradients") - Gp
+        if sharding == "zero3":
+            out["parameter"] = sh(P, "parameters")
+            U = min(b.largest_block, P)
+            gathered = 0 if n == 1 else 2 * (U - math.ceil(U / n))
+            out["gathered"] = gathered
+            peak += out["parameter"] - P + gathered
+    out["peak"] = int(peak)
+    return out
+
+
+def zero_model_states(numel, world_size, sharding, param_bytes=2, grad_bytes=2, k=12):
+    """The ZeRO paper's model-state bytes per rank (section 5): (2 + 2 + K) * numel split per stage.
+
+    ddp (baseline): (p + g + K) numel; zero1 (P_os): (p + g) numel + K numel / n;
+    zero2 (P_os+g): p numel + (g + K) numel / n; zero3 (P_os+g+p): (p + g + K) numel / n.
+    """
+    _check_sharding(sharding)
+    _check_world(world_size)
+    n = world_size
+    p, g, o = param_bytes * numel, grad_bytes * numel, k * numel
+    if sharding == "ddp":
+        return p + g + o
+    if sharding == "zero1":
+        return p + g + o / n
+    if sharding == "zero2":
+        return p + (g + o) / n
+    return (p + g + o) / n
+
+
+def _order_key(opt, precisions):
+    return (
+        opt.world_size,
+        0 if not opt.checkpointing else 1,
+        _CHEAP[opt.sharding],
+        -opt.micro_batch,
+        precisions.index(opt.precision) if opt.precision in precisions else len(precisions),
+    )
+
+
+class Plan:
+    """The combinations tried, cheapest first. options: [Option]; fits: those that fit; best: the first that fits."""
+
+    def __init__(self, options, device_memory, reserve, notes, seconds, dry_runs):
+        self.options = list(options)
+        self.fits = [o for o in self.options if o.fits]
+        self.best = self.fits[0] if self.fits else None
+        self.device_memory = device_memory
+        self.reserve = reserve
+        self.notes = list(notes)
+        self.seconds = seconds
+        self.dry_runs = dry_runs
+
+    def __str__(self, limit=20):
+        from .tracking import _table
+
+        f = units.format
+        head = (
+            f"memtorch.plan: {len(self.fits)} of {len(self.options)} combination(s) fit in "
+            f"{f(self.device_memory)} per device"
+            + (f" ({f(self.reserve)} kept free)" if self.reserve else "")
+            + f"; {self.dry_runs} dry run(s), {self.seconds:.1f} s"
+        )
+        rows = [
+            (
+                str(o.world_size), o.sharding, o.precision, o.checkpointing or "-", str(o.micro_batch),
+                "-" if o.accumulation is None else str(o.accumulation), f(o.peak),
+                units.format_delta(o.margin), "yes" if o.fits else "no",
+            )  # fmt: skip
+            for o in (self.fits or self.options)[:limit]
+        ]
+        header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation",
+                  "peak per rank", "margin", "fits"]  # fmt: skip
+        shown = "cheapest that fit" if self.fits else "none fits; the combinations tried"
+        out = [head, f"{shown} (first {len(rows)}):"] + _table(header, rows)
+        out += ["note: " + n for n in self.notes]
+        return "\n".join(out)
+
+    def to_dict(self):
+        return {
+            "device_memory": self.device_memory,
+            "reserve": self.reserve,
+            "options": [o._asdict() for o in self.options],
+            "best": None if self.best is None else self.best._asdict(),
+            "notes": list(self.notes),
+        }
+
+    def __repr__(self):
+        return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"
+
+
+def _world_sizes(world_sizes, max_world_size, global_batch):
+    if world_sizes is None:
+        _check_world(max_world_size)
+        out, n = [], 1
+        while n <= max_world_size:
+            out.append(n)
+            n *= 2
+        if global_batch is not None:
+            out = [n for n in out if global_batch % n == 0]
+        return out
+    out = list(world_sizes)
+    if not out:
+        raise MemtorchError("plan() world_sizes is empty: give at least one world size")
+    for n in out:
+        _check_world(n)
+        if global_batch is not None and global_batch % n:
+            raise MemtorchError(
+                f"world_size {n} does not divide global_batch {global_batch}: each rank must get the same "
+                "number of samples per step"
+            )
+    return out
+
+
+def plan_from(
+    breakdowns,
+    device_memory="80 GiB",
+    world_sizes=None,
+    max_world_size=1024,
+    shardings=SHARDINGS,
+    global_batch=None,
+    reserve=0,
+    pad=True,
+    notes=(),
+    seconds=0.0,
+):
+    """The arithmetic of plan(): breakdowns {(precision, checkpointing, micro_batch): Breakdown} -> Plan.
+
+    device_memory, reserve: sizes (memtorch.units.parse); a combination fits
+    when its per-rank peak <= device_memory - reserve. world_sizes: the world
+    sizes to try (default: powers of two up to max_world_size, those dividing
+    global_batch). global_batch: samples per optimizer step over all ranks;
+    combinations whose world_size * micro_batch does not divide it are skipped.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    memory = units.parse(device_memory)
+    keep = units.parse(reserve)
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):  # fmt: skip
+        raise MemtorchError(f"global_batch must be a positive int, got {global_batch!r}")
+    shardings = list(shardings)
+    for s in shardings:
+        _check_sharding(s)
+    worlds = _world_sizes(world_sizes, max_world_size, global_batch)
+    precisions = []
+    for prec, _ckpt, _mb in breakdowns:
+        if prec not in precisions:
+            precisions.append(prec)
+    options = []
+    skipped = 0
+    for (prec, ckpt, mb), b in breakdowns.items():
+        for n in worlds:
+            accumulation = None
+            if global_batch is not None:
+                if global_batch % (n * mb):
+                    skipped += 1
+                    continue
+                accumulation = global_batch // (n * mb)
+            for s in shardings:
+                if n == 1 and s != "ddp":
+                    continue  # one rank: nothing to shard
+                peak = per_rank(b, n, s, pad=pad)["peak"]
+                margin = memory - keep - peak
+                options.append(Option(n, s, prec, ckpt, mb, accumulation, peak, margin, margin >= 0))
+    options.sort(key=lambda o: _order_key(o, precisions))
+    notes = list(notes)
+    if skipped:
+        notes.append(
+            f"{skipped} (world size, micro-batch) pair(s) skipped: world_size * micro_batch does not divide "
+            f"global_batch {global_batch}"
+        )
+    return Plan(options, memory, keep, notes, seconds + time.perf_counter() - t0, len(breakdowns))
+
+
+# ---------------------------------------------------------------------------
+# From a model: one dry run per (precision, checkpointing, micro-batch)
+
+
+def _largest_block(model):
+    """Parameter bytes of the largest block FSDP would gather at once: each child holding parameters
+    (the items of a ModuleList), or the whole model when it has no such children."""
+    import torch
+
+    blocks = []
+    for child in model.children():
+        items = list(child.children()) if isinstance(child, torch.nn.ModuleList) else [child]
+        blocks += items
+    best = 0
+    for blk in blocks:
+        seen = {}
+        for p in blk.parameters():
+            seen[id(p)] = p.numel() * p.element_size()
+        best = max(best, sum(seen.values()))
+    if best == 0:
+        best = sum({id(p): p.numel() * p.element_size() for p in model.parameters()}.values())
+    return best
+
+
+def _with_batch(x, mb):
+    import torch
+
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        return torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+    return x
+
+
+def breakdown_of(estimate_report, model):
+    """A Breakdown from one process's memtorch.estimate() report (world_size=1)."""
+    states = estimate_report.model_states
+    at_peak = estimate_report.breakdown
+    numel = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
+    return Breakdown(
+        peak=int(estimate_report.peak),
+        parameter=int(states.get("parameter", 0)),
+        gradient=int(states.get("gradient", 0)),
+        optimizer_state=int(states.get("optimizer_state", 0)),
+        gradient_at_peak=int(at_peak.get("gradient", 0)),
+        optimizer_state_at_peak=int(at_peak.get("optimizer_state", 0)),
+        numel=numel,
+        largest_block=_largest_block(model),
+    )
+
+
+def plan(
+    model,
+    *inputs,
+    device_memory="80 GiB",
+    world_sizes=None,
+    max_world_size=1024,
+    shardings=SHARDINGS,
+    precisions=("fp32", "bf16-mixed"),
+    checkpointing=(None, "blocks"),
+    micro_batches=None,
+    global_batch=None,
+    optimizer="adamw",
+    device="cuda",
+    reserve="1 GiB",
+    pad=True,
+):
+    """Which (world size, sharding, precision, checkpointing, micro-batch) fit in ``device_memory``, cheapest first.
+
+    inputs: one micro-batch of example inputs (tensors; dimension 0 is the
+    batch). micro_batches: batch sizes to try (default: the inputs' own).
+    global_batch: samples per optimizer step over all ranks (sets the gradient
+    accumulation; world sizes and micro-batches must divide it). device: what
+    estimate() models ("cuda": the caching allocator's rounding). reserve:
+    memory kept free per device for what no estimate sees (the CUDA context,
+    typically 300-600 MiB, and library workspaces). Returns a Plan.
+    """
+    import time
+
+    import torch
+
+    from . import _EXPORTS
+
+    t0 = time.perf_counter()
+    if "estimate" not in _EXPORTS:
+        raise MemtorchError("plan() needs memtorch.estimate(), which this memtorch does not have")
+    from . import estimate
+
+    if not isinstance(model, torch.nn.Module):
+        raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
+    if not inputs:
+        raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
+    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if micro_batches is None:
+        if batch is None:
+            raise MemtorchError("plan() could not read a batch size from the inputs: pass micro_batches=[...]")
+        micro_batches = [batch]
+    for mb in micro_batches:
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise MemtorchError(f"plan() micro_batches must be positive ints, got {mb!r}")
+    for s in shardings:
+        _check_sharding(s)
+    breakdowns = {}
+    for prec in precisions:
+        for ckpt in checkpointing:
+            for mb in micro_batches:
+                xs = [_with_batch(x, mb) for x in inputs]
+                est = estimate(model, *xs, optimizer=optimizer, precision=prec, device=device, checkpointing=ckpt)
+                breakdowns[(prec, ckpt, mb)] = breakdown_of(est, model)
+    notes = [
+        "per-rank figures: one dry run per (precision, checkpointing, micro-batch), then the sharding "
+        "arithmetic of memtorch.plan (ZeRO paper's model states; DDP's gradient buckets; FSDP's gathered blocks)"
+    ]
+    return plan_from(
+        breakdowns, device_memory=device_memory, world_sizes=world_sizes, max_world_size=max_world_size,
+        shardings=shardings, global_batch=global_batch, reserve=reserve, pad=pad, notes=notes,
+        seconds=time.perf_counter() - t0,
+    )  # fmt: skip

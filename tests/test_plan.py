@@ -1,0 +1,208 @@
+"""memtorch.plan: the sharding arithmetic against formulas worked by hand, ordering, bad input."""
+
+import pytest
+
+from memtorch import planning as mplan
+from memtorch.errors import MemtorchError, UnitError
+from memtorch.planning import Breakdown, per_rank, plan_from, zero_model_states
+
+GB = 10**9
+MIB = 2**20
+
+
+# ---------------------------------------------------------------------------
+# The ZeRO paper's own example (Rajbhandari et al. 2020, figure 1): a 7.5B-parameter
+# model on 64 devices with mixed-precision Adam (K = 12): 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
+
+
+@pytest.mark.parametrize(
+    "sharding, expected_gb, by_hand",
+    [
+        ("ddp", 120, (2 + 2 + 12) * 7.5),  # baseline: 16 bytes per parameter
+        ("zero1", 31.4, 4 * 7.5 + 12 * 7.5 / 64),  # P_os
+        ("zero2", 16.6, 2 * 7.5 + 14 * 7.5 / 64),  # P_os+g
+        ("zero3", 1.88, 16 * 7.5 / 64),  # P_os+g+p
+    ],
+)
+def test_zero_paper_model_states(sharding, expected_gb, by_hand):
+    got = zero_model_states(7_500_000_000, 64, sharding) / GB
+    assert got == pytest.approx(by_hand)
+    assert round(got, 1 if expected_gb > 2 else 2) == expected_gb
+
+
+# ---------------------------------------------------------------------------
+# per_rank on a breakdown written by hand: P = 1000 B (250 fp32 elements),
+# G = 1000 B, O = 2000 B (AdamW: two states); the one-process peak 5000 B holds
+# all of them plus 1000 B of activations; the largest block holds 400 B.
+
+B = Breakdown(
+    peak=5000, parameter=1000, gradient=1000, optimizer_state=2000, gradient_at_peak=1000,
+    optimizer_state_at_peak=2000, numel=250, largest_block=400,
+)  # fmt: skip
+
+
+def test_per_rank_by_hand():
+    # ddp: + a second copy of the gradients (buckets)
+    assert per_rank(B, 2, "ddp")["peak"] == 5000 + 1000
+    assert per_rank(B, 1, "ddp")["peak"] == 5000  # one rank: no wrapper, no buckets
+    # zero1 on 2 ranks: optimizer state 2000 -> 1000
+    assert per_rank(B, 2, "zero1")["peak"] == 5000 - 2000 + 1000
+    # zero2 on 2 ranks: and gradients 1000 -> 500
+    assert per_rank(B, 2, "zero2")["peak"] == 5000 - 2000 + 1000 - 1000 + 500
+    # zero3 on 2 ranks: and parameters 1000 -> 500, plus 2 blocks gathered: 2 * (400 - 200)
+    z3 = per_rank(B, 2, "zero3")
+    assert z3["parameter"] == 500 and z3["gathered"] == 400
+    assert z3["peak"] == (5000 - 2000 + 1000 - 1000 + 500) - 1000 + 500 + 400
+    # zero3 on 5 ranks: 250 elements split in 50s, 200 B per 1000 B; block 400 -> 80 of its own
+    assert per_rank(B, 5, "zero3")["peak"] == 5000 - 2000 + 400 - 1000 + 200 - 1000 + 200 + 2 * (400 - 80)
+
+
+def test_uneven_split_pads_or_refuses():
+    # 250 elements over 3 ranks: 84 per rank (padded, as FSDP and DeepSpeed do) = 336 B of 1000
+    assert per_rank(B, 3, "zero1")["optimizer_state"] == 84 * 8
+    with pytest.raises(MemtorchError, match="world_size 3 does not divide the 250 trainable parameter elements"):
+        per_rank(B, 3, "zero1", pad=False)
+    assert per_rank(B, 3, "ddp", pad=False)["peak"] == 6000  # ddp splits nothing
+
+
+@pytest.mark.parametrize("bad", ["zero4", "fsdp", None, "ZeRO1"])
+def test_unknown_sharding_names_the_value(bad):
+    with pytest.raises(MemtorchError, match=f"unknown sharding {bad!r}: expected one of ddp, zero1, zero2, zero3"):
+        per_rank(B, 2, bad)
+    with pytest.raises(MemtorchError, match="unknown sharding"):
+        plan_from({("fp32", None, 8): B}, shardings=["ddp", bad])
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "8"])
+def test_bad_world_size_names_the_value(bad):
+    with pytest.raises(MemtorchError, match=f"world_size must be a positive int, got {bad!r}"):
+        per_rank(B, bad, "ddp")
+
+
+# ---------------------------------------------------------------------------
+# plan_from: which fit, cheapest first
+
+
+def test_plan_from_orders_cheapest_first_and_reports_the_margin():
+    # device 4000 B: one rank needs 5000 (no); 2 ranks: ddp 6000, zero1 4000 (fits, margin 0)
+    p = plan_from({("fp32", None, 8): B}, device_memory=4000, world_sizes=[1, 2, 4])
+    assert p.best.world_size == 2 and p.best.sharding == "zero1"
+    assert p.best.peak == 4000 and p.best.margin == 0
+    assert [(o.world_size, o.sharding) for o in p.options][:5] == [
+        (1, "ddp"), (2, "ddp"), (2, "zero1"), (2, "zero2"), (2, "zero3"),
+    ]  # fmt: skip
+    assert not p.options[0].fits and p.options[0].margin == -1000
+    text = str(p)
+    assert "fit in 3.9 KiB per device" in text and "zero1" in text
+    assert p.to_dict()["best"]["sharding"] == "zero1"
+
+
+def test_checkpointing_and_micro_batch_order():
+    small = B._replace(peak=4000)  # e.g. with checkpointing: 1000 B fewer activations
+    p = plan_from(
+        {("fp32", None, 8): B, ("fp32", "blocks", 8): small, ("fp32", None, 4): small},
+        device_memory=4000, world_sizes=[1], global_batch=64,
+    )  # fmt: skip
+    # one rank: without checkpointing first, at the largest micro-batch (8), which does not fit
+    assert [(o.checkpointing, o.micro_batch, o.accumulation, o.fits) for o in p.options] == [
+        (None, 8, 8, False), (None, 4, 16, True), ("blocks", 8, 8, True),
+    ]  # fmt: skip
+    assert p.best.micro_batch == 4
+
+
+def test_reserve_is_kept_free():
+    # on 2 ranks (test_per_rank_by_hand): ddp 6000, zero1 4000, zero2 3500, zero3 3400
+    assert plan_from({("fp32", None, 8): B}, device_memory=8000, world_sizes=[2]).best.sharding == "ddp"
+    p = plan_from({("fp32", None, 8): B}, device_memory=8000, reserve=4500, world_sizes=[2])
+    assert p.best.sharding == "zero2" and p.best.margin == 0  # 8000 - 4500 = 3500 left
+
+
+def test_world_size_not_dividing_the_global_batch_names_the_value():
+    with pytest.raises(MemtorchError, match="world_size 6 does not divide global_batch 64"):
+        plan_from({("fp32", None, 8): B}, world_sizes=[2, 6], global_batch=64)
+    # by default only the world sizes that divide it are tried
+    p = plan_from({("fp32", None, 8): B}, max_world_size=4096, global_batch=96)
+    assert sorted({o.world_size for o in p.options}) == [1, 2, 4]  # 8 * 8 = 64 does not divide 96
+    assert any("skipped" in n for n in p.notes)
+
+
+def test_thousands_of_world_sizes_are_arithmetic():
+    p = plan_from({("fp32", None, 1): B}, world_sizes=list(range(1, 4097)), device_memory=2000)
+    assert len(p.options) == 1 + 4095 * 4
+    # zero3 on n ranks: 5000 - 2000 - 1000 - 1000 + 16 c + 2 (400 - ceil(400 / n)), c = ceil(250 / n)
+    # elements per shard (8 B of state, 4 of gradient, 4 of parameter each): n = 16 gives
+    # 1000 + 256 + 2 * 375 = 2006 > 2000; n = 17 gives 1000 + 240 + 2 * 376 = 1992, the first that fits
+    assert p.best.world_size == 17 and p.best.sharding == "zero3"
+    assert p.best.peak == 1992 and p.best.margin == 8
+    assert per_rank(B, 16, "zero3")["peak"] == 2006
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"device_memory": "80 GiBs"}, UnitError, "80 GiBs"),
+        ({"global_batch": 0}, MemtorchError, "global_batch must be a positive int, got 0"),
+        ({"world_sizes": []}, MemtorchError, "world_sizes is empty"),
+        ({"world_sizes": [0]}, MemtorchError, "world_size must be a positive int, got 0"),
+    ],
+)
+def test_bad_plan_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        plan_from({("fp32", None, 8): B}, **kwargs)
+
+
+def test_plan_without_estimate_says_so(monkeypatch):
+    import memtorch
+    import torch
+
+    if "estimate" in memtorch._EXPORTS:
+        pytest.skip("this memtorch has estimate(): tested in test_plan_with_estimate")
+    with pytest.raises(MemtorchError, match="needs memtorch.estimate"):
+        mplan.plan(torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+
+# ---------------------------------------------------------------------------
+# With memtorch.estimate(): the dry runs behind plan()
+
+
+def _estimate_or_skip():
+    import memtorch
+
+    if "estimate" not in memtorch._EXPORTS:
+        pytest.skip("this memtorch has no estimate() yet")
+    return memtorch
+
+
+def test_plan_with_estimate():
+    memtorch = _estimate_or_skip()
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))  # 9,352 elements
+    x = torch.randn(16, 64)
+    est = memtorch.estimate(model, x, optimizer="adamw", device="cpu")
+    b = mplan.breakdown_of(est, model)
+    assert b.numel == 64 * 128 + 128 + 128 * 8 + 8
+    assert b.parameter == 4 * b.numel  # fp32
+    assert b.largest_block == 4 * (64 * 128 + 128)  # the first Linear
+    p = memtorch.plan(model, x, device_memory="1 GiB", world_sizes=[1, 2], precisions=["fp32"],
+                      checkpointing=[None], device="cpu", reserve=0)  # fmt: skip
+    one = [o for o in p.options if o.world_size == 1][0]
+    assert one.peak == est.peak  # one rank: the dry run itself
+    z1 = [o for o in p.options if o.world_size == 2 and o.sharding == "zero1"][0]
+    assert z1.peak == per_rank(b, 2, "zero1")["peak"]
+    assert p.best == one and p.dry_runs == 1
+
+
+def test_plan_needs_inputs_and_a_module():
+    memtorch = _estimate_or_skip()
+    import torch
+
+    with pytest.raises(MemtorchError, match="needs example inputs"):
+        memtorch.plan(torch.nn.Linear(4, 4))
+    with pytest.raises(MemtorchError, match="needs a torch.nn.Module, got str"):
+        memtorch.plan("model", torch.randn(2, 4))
+    with pytest.raises(MemtorchError, match="unknown sharding 'zero9'"):
+        memtorch.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), shardings=["zero9"])
+    with pytest.raises(MemtorchError, match="micro_batches must be positive ints, got 0"):
+        memtorch.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), micro_batches=[0])
