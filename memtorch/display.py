@@ -352,32 +352,35 @@ _MM_AGG = ["sum"] * 6
 
 
 def _mm_nodes(mm):
-    """One node per module with the figures of its whole subtree, each storage once."""
+    """One node per module with the figures of its whole subtree, under ModelMemory's one
+    rule (report.MODULE_RULE): each storage is charged to the first module that holds
+    it, so a parent is the sum of its children and its own, and the root row plus the
+    bytes outside any module is the total."""
     table = mm.module_table
     n = len(table)
     if n == 0:
         return []
+    mods = mm.modules
     r = mm.rows
-    first = mm._first
-    size = dict(zip(r["storage"][first].tolist(), mm._first_size.tolist()))
-    cat = dict(zip(r["storage"][first].tolist(), r["category"][first].tolist()))
-    numel = dict(zip(r["storage"][first].tolist(), r["numel"][first].tolist()))
-    parent = [p for _path, _t, p, _a in table]
-    seen = [set() for _ in range(n)]
-    vals = [[0] * 6 for _ in range(n)]
-    for m, k in zip(r["module"].tolist(), r["storage"].tolist()):
-        if m < 0:
+    # parameter elements charged to each module: the first module (walk order) holding the storage
+    count = [0] * n
+    first = r[mm._first]
+    numel = dict(zip(first["storage"].tolist(), first["numel"].tolist()))
+    charged = set()
+    for m, k, c in zip(r["module"].tolist(), r["storage"].tolist(), r["category"].tolist()):
+        if m < 0 or c != 0 or k in charged:
             continue
-        c = cat[k]
-        while m >= 0 and k not in seen[m]:
-            seen[m].add(k)
-            v = vals[m]
-            if c == 0:
-                v[0] += numel[k]
-            if c < 4:
-                v[1 + c] += size[k]
-            v[5] += size[k]
-            m = parent[m]
+        charged.add(k)
+        count[m] += numel[k]
+    vals = [
+        [count[i], row.parameters, row.buffers, row.gradients, row.optimizer_state, row.own]
+        for i, row in enumerate(mods)
+    ]
+    parent = [p for _path, _t, p, _a in table]
+    for i in range(n - 1, 0, -1):  # walk (pre-)order: children come after their parent
+        p = parent[i]
+        if p >= 0:
+            vals[p] = [a + b for a, b in zip(vals[p], vals[i])]
     entries = []
     for i, (path, tname, p, alias) in enumerate(table):
         if alias >= 0:
@@ -386,6 +389,21 @@ def _mm_nodes(mm):
         else:
             entries.append((path, tname, p, vals[i], None))
     return _build(entries)
+
+
+def _rule_lines(mm):
+    """What the per-module figures mean, printed under the table."""
+    from .report import MODULE_RULE
+
+    lines = [f"(each row: the module with everything inside it; {MODULE_RULE})"]
+    shared = [m for m in mm.modules if m.shared]
+    for m in shared[:5]:
+        lines.append(f"(also held by {m.name or '(model)'}, counted under an earlier module: {_fmt(m.shared)})")
+    if len(shared) > 5:
+        lines.append(f"(... {len(shared) - 5} more module(s) hold storages counted elsewhere)")
+    if mm.outside_modules:
+        lines.append(f"(outside any module: {_fmt(mm.outside_modules)})")
+    return lines
 
 
 def _mm_cells(r):
@@ -456,6 +474,7 @@ def model_memory_text(mm, depth=_DEFAULT, max_rows=_DEFAULT):
         out += _tree_text(rows, _MM_HEADER, _mm_cells)
         if note:
             out.append(note)
+        out += _rule_lines(mm)
     out.append("")
     lines = _totals(mm)
     w = max(len(k) for k, _ in lines)
@@ -475,9 +494,7 @@ def model_memory_html(mm, depth=_DEFAULT, max_rows=_DEFAULT):
     if nodes:
         rows, note = _layout(nodes, _MM_AGG, depth, max_rows)
         parts.append(_tree_html(rows, _MM_HEADER, _mm_cells, "memtorch-modules", f"modules ({len(nodes)})"))
-        parts.append(
-            '<p style="font-size:smaller">Each row: the module with everything inside it, each storage once.'
-        )
+        parts.append('<p style="font-size:smaller">' + "<br>".join(_e(x.strip("()")) for x in _rule_lines(mm)))
         if note:
             parts.append(" " + _e(note))
         parts.append("</p>")
