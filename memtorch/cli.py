@@ -25,6 +25,7 @@ import threading
 import time
 
 from . import units
+from .errors import MemtorchError
 
 __all__ = ["main"]
 
@@ -359,7 +360,7 @@ def cmd_estimate(args, out, progress):
     with progress.step("estimating one training step"):
         try:
             est = estimate(model, *inputs, **kwargs)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, MemtorchError) as e:  # a bad name, a model that cannot run on fakes
             raise UsageError(f"estimate: {e}") from None
     _render_report(est, args.format, f"memtorch estimate {args.target}", out)
     return EXIT_OK
