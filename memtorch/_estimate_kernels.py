@@ -165,6 +165,7 @@ def kernels_for(device):
 PROBE_CAP = 32 << 20  # bytes of a kernel's arguments and outputs above which it is not probed
 _probe_cache = {}
 _skip_ops = set()
+_writes = {}  # op -> positions of the arguments it writes
 # id(fake storage) -> the model's own CPU tensor it stands for, during a dry run: probes read
 # the user's weights instead of allocating copies (only kernels that write no argument run)
 originals = {}
@@ -201,11 +202,9 @@ def _probeable(func):
     ok = (
         schema.name.startswith("aten::")
         and torch.Tag.nondeterministic_seeded not in func.tags
-        and not any(r.alias_info is not None for r in schema.returns)  # views and in-place: no new storage
+        and not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)  # views
         and schema.name not in ("aten::_local_scalar_dense", "aten::lift_fresh", "aten::detach", "aten::clone",
                                 "aten::_to_copy", "aten::copy_", "aten::empty", "aten::empty_strided")
-        and len(schema.returns) > 0
-        and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     )  # fmt: skip
     if not ok:
         _skip_ops.add(func)
@@ -225,6 +224,13 @@ def probe_extra(func, args, kwargs, out):
     from . import cpu
 
     if not _probeable(func) or not cpu.exact():
+        return None
+    writes = _writes.get(func)
+    if writes is None:
+        writes = _writes[func] = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    # a kernel that writes an argument runs on zero-filled copies only, never on the model's own tensors
+    if writes and any(isinstance(args[i], torch.Tensor) and id(args[i].untyped_storage()) in originals
+                      for i in writes if i < len(args)):  # fmt: skip
         return None
     key = _probe_key(func, args, kwargs)
     if key is None:

@@ -752,6 +752,13 @@ def estimate(
             "measured on the real kernel: their scratch space inside the kernel is not in the estimate"
         )
     notes += sorted(_estimate_kernels.notes)
+    from . import cpu
+
+    if not cpu.exact():
+        notes.append(
+            "this process has no exact CPU counters (memtorch.cpu.mechanism() is not libc10-got): the scratch "
+            "space CPU kernels allocate inside themselves was not measured and is not in the estimate"
+        )
     return _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import memtorch
 from memtorch import cpu
 from memtorch.errors import BudgetExceeded, MemtorchError
-from memtorch.estimation import _make_optimizer, checkpointing, default_loss
+from memtorch.estimation import OPTIMIZERS, _make_optimizer, checkpointing, default_loss
 
 OPTIMIZER_NAMES = ["sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adagrad", "rmsprop"]
 
@@ -88,7 +88,7 @@ def test_model_states_by_hand():
 # ---------------------------------------------------------------- peak vs track()
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_peak_matches_track_mlp(optimizer):
     measured, model, x, _opt = measured_peak(small_mlp, lambda: torch.randn(16, 32), optimizer)
     est = memtorch.estimate(model, x, optimizer=optimizer)
