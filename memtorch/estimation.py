@@ -278,7 +278,13 @@ def default_loss(output, *inputs):
 def _make_optimizer(optimizer, params, device):
     torch = _torch()
     if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer)(params, **optimizer.defaults)
+        import inspect
+
+        # defaults may hold keys the constructor does not take (AdamW: decoupled_weight_decay)
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        return cls(params, **{k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted})
     if callable(optimizer) and not isinstance(optimizer, str):
         opt = optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):

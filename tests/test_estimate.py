@@ -447,3 +447,16 @@ def test_custom_op_without_fake_kernel():
     with pytest.raises(MemtorchError, match="cannot run on fake tensors.*fake kernel"):
         memtorch.estimate(model, (4, 8))
     _state_is_clean(model, forwards)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+def test_optimizer_instance_is_copied_with_its_settings(cls):
+    # An optimizer instance is copied (same class and settings) over the fakes; AdamW's
+    # defaults hold a key its constructor does not take (decoupled_weight_decay).
+    model = nn.Linear(10, 10)
+    opt = cls(model.parameters(), lr=0.1)
+    by_instance = memtorch.estimate(model, torch.randn(4, 10), optimizer=opt)
+    by_factory = memtorch.estimate(model, torch.randn(4, 10), optimizer=lambda p: cls(p, lr=0.1))
+    assert by_instance.model_states == by_factory.model_states
+    assert by_instance.peak == by_factory.peak
+    assert len(opt.state) == 0  # the user's optimizer is not stepped
