@@ -37,6 +37,8 @@ _EXPORTS = {
     "BudgetExceeded": ("errors", "BudgetExceeded"),
     "UnitError": ("errors", "UnitError"),
     "DeviceUnavailable": ("errors", "DeviceUnavailable"),
+    "estimate": ("estimation", "estimate"),
+    "Estimate": ("estimation", "Estimate"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
