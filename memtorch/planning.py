@@ -378,12 +378,9 @@ def plan(
 
     import torch
 
-    from . import _EXPORTS
+    from .estimation import estimate
 
     t0 = time.perf_counter()
-    if "estimate" not in _EXPORTS:
-        raise MemtorchError("plan() needs memtorch.estimate(), which this memtorch does not have")
-    from . import estimate
 
     if not isinstance(model, torch.nn.Module):
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")

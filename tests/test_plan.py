@@ -151,30 +151,12 @@ def test_bad_plan_arguments(kwargs, error, match):
         plan_from({("fp32", None, 8): B}, **kwargs)
 
 
-def test_plan_without_estimate_says_so(monkeypatch):
-    import memtorch
-    import torch
-
-    if "estimate" in memtorch._EXPORTS:
-        pytest.skip("this memtorch has estimate(): tested in test_plan_with_estimate")
-    with pytest.raises(MemtorchError, match="needs memtorch.estimate"):
-        mplan.plan(torch.nn.Linear(4, 4), torch.randn(2, 4))
-
-
 # ---------------------------------------------------------------------------
 # With memtorch.estimate(): the dry runs behind plan()
 
 
-def _estimate_or_skip():
-    import memtorch
-
-    if "estimate" not in memtorch._EXPORTS:
-        pytest.skip("this memtorch has no estimate() yet")
-    return memtorch
-
-
 def test_plan_with_estimate():
-    memtorch = _estimate_or_skip()
+    import memtorch
     import torch
 
     torch.manual_seed(0)
@@ -195,7 +177,7 @@ def test_plan_with_estimate():
 
 
 def test_plan_needs_inputs_and_a_module():
-    memtorch = _estimate_or_skip()
+    import memtorch
     import torch
 
     with pytest.raises(MemtorchError, match="needs example inputs"):
