@@ -274,6 +274,50 @@ def estimates(model_name, way, world):
 _ONE = {}  # model name -> planning.Breakdown of its one-process estimate
 
 
+def findings(raw):
+    """Lines saying where the estimate misses, with figures from the runs (nothing typed by hand)."""
+    import memtorch
+
+    f = memtorch.units.format
+    by = {(d["model"], d["way"], d["world"]): d for d in raw if d["ranks"]}
+    out = ["", "Where the per-rank figures miss, from the runs above:", ""]
+    z = by.get(("mlp", "zero1", 2))
+    if z and "optimizer_state" in z["ranks"][0]["states"]:
+        a, b = (r["states"]["optimizer_state"] for r in z["ranks"][:2])
+        out.append(
+            f"- ZeRO-1: ZeroRedundancyOptimizer gives each rank whole parameters (greedily by size), not 1/N of "
+            f"the elements: on mlp at 2 ranks rank 0 holds {f(a)} of optimizer state and rank 1 {f(b)}, where an "
+            f"even split gives {f((a + b) // 2)} each; the rank holding the largest parameter also keeps AdamW's "
+            "temporaries for it. DeepSpeed's ZeRO-1 splits the flattened elements evenly, which is what the "
+            "estimate models."
+        )
+    g = by.get(("gpt", "zero1", 2))
+    if g and g.get("estimate") and "parameter" in g["ranks"][0]["states"]:
+        gap = g["ranks"][0]["peak"] - g["estimate"]["peak"]
+        out.append(
+            f"- ZeRO-1 runs under DDP here (ZeroRedundancyOptimizer only shards the optimizer), so DDP's gradient "
+            f"buckets, a copy of the gradients, are still allocated: on gpt at 2 ranks the estimate is "
+            f"{f(gap)} under the measured peak, and the parameters (so the buckets) are "
+            f"{f(g['ranks'][0]['states']['parameter'])}."
+        )
+    m = by.get(("mlp", "zero2", 4))
+    if m:
+        ph = m["ranks"][0]["phases"]
+        out.append(
+            f"- FSDP2 shards the optimizer step too: on mlp at 4 ranks the optimizer phase peaks at "
+            f"{f(ph.get('optimizer', 0))} and the step's peak moves to forward ({f(ph.get('forward', 0))}) and "
+            f"backward ({f(ph.get('backward', 0))}); an estimate that keeps the one-process optimizer step's "
+            "temporaries (AdamW's per-parameter scratch, as large as the largest parameter) overestimates by up "
+            "to that scratch."
+        )
+    out.append(
+        "- FSDP2 with reshard_after_forward=True gathers one unit's parameters at a time (plus one prefetched); "
+        "the units here are each block (mlp: each Linear), which neither figure can know from the model alone: "
+        "both assume a unit, and the error follows how far that assumption is from the wrapping used."
+    )
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "WAY"))
@@ -371,6 +415,7 @@ def main():
         "(the same for every rank), and its error.",
         "",
         *table,
+        *findings(raw),
     ])  # fmt: skip
     if args.no_write:
         print(md)
