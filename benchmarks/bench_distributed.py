@@ -68,10 +68,15 @@ def make_model(name):
         model = TinyGPT(vocab=2048, d=128, heads=4, layers=2, seq=64)
         return model, (torch.randint(0, 2048, (8, 64)),)
     if name == "cnn":
-        def block(cin, cout):
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2))
 
-        model = nn.Sequential(block(3, 32), block(32, 64), block(64, 128), nn.Flatten(), nn.Linear(128 * 4 * 4, 16))
+        def block(cin, cout):
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)
+            )
+
+        model = nn.Sequential(
+            block(3, 32), block(32, 64), block(64, 128), nn.Flatten(), nn.Linear(128 * 4 * 4, 16)
+        )
         return model, (torch.randn(16, 3, 32, 32),)
     raise SystemExit(f"unknown model {name!r}: expected mlp, gpt or cnn")
 
@@ -131,7 +136,9 @@ def shard_units(model):
 
     if hasattr(model, "blocks"):
         return list(model.blocks)
-    return [m for m in model.children() if any(True for _ in m.parameters()) and not isinstance(m, nn.Flatten)]
+    return [
+        m for m in model.children() if any(True for _ in m.parameters()) and not isinstance(m, nn.Flatten)
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +185,9 @@ def worker(model_name, way, steps):
     with memtorch.track(model, optimizer=opt, modules=False) as t:
         for _ in range(steps):
             batch = [
-                torch.randint(0, 2048, s, generator=gen) if dt == torch.int64 else torch.randn(s, generator=gen)
+                torch.randint(0, 2048, s, generator=gen)
+                if dt == torch.int64
+                else torch.randn(s, generator=gen)
                 for s, dt in shapes
             ]
             model(*batch).sum().backward()
@@ -229,7 +238,11 @@ def launch(model_name, way, world, steps, timeout=600):
             MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
         )  # fmt: skip
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name, way, "--steps", str(steps)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outs = []
     try:
         for p in procs:
@@ -325,10 +338,14 @@ def main():
     ap.add_argument("--ways", default="ddp,zero1,zero2,zero3")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each configuration (the peak: the highest)")
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="runs of each configuration (the peak: the highest)"
+    )
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", help="also write the raw results to this file")
-    ap.add_argument("--from-json", help="take the measurements from this file (written by --json); run the rest")
+    ap.add_argument(
+        "--from-json", help="take the measurements from this file (written by --json); run the rest"
+    )
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)
@@ -369,7 +386,9 @@ def main():
                 raw.append({"model": model_name, "way": way, "world": world, "ranks": res, "why": why,
                             "estimate": est, "estimate_why": est_why, "wall": wall})  # fmt: skip
                 if res is None:
-                    rows.append([model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", "", "", ""])
+                    rows.append(
+                        [model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", "", "", ""]
+                    )
                     print(model_name, way, world, "FAILED", why, flush=True)
                     continue
                 for r in res:
