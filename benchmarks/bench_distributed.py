@@ -68,10 +68,15 @@ def make_model(name):
         model = TinyGPT(vocab=2048, d=128, heads=4, layers=2, seq=64)
         return model, (torch.randint(0, 2048, (8, 64)),)
     if name == "cnn":
-        def block(cin, cout):
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2))
 
-        model = nn.Sequential(block(3, 32), block(32, 64), block(64, 128), nn.Flatten(), nn.Linear(128 * 4 * 4, 16))
+        def block(cin, cout):
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)
+            )
+
+        model = nn.Sequential(
+            block(3, 32), block(32, 64), block(64, 128), nn.Flatten(), nn.Linear(128 * 4 * 4, 16)
+        )
         return model, (torch.randn(16, 3, 32, 32),)
     raise SystemExit(f"unknown model {name!r}: expected mlp, gpt or cnn")
 
@@ -131,7 +136,9 @@ def shard_units(model):
 
     if hasattr(model, "blocks"):
         return list(model.blocks)
-    return [m for m in model.children() if any(True for _ in m.parameters()) and not isinstance(m, nn.Flatten)]
+    return [
+        m for m in model.children() if any(True for _ in m.parameters()) and not isinstance(m, nn.Flatten)
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +185,9 @@ def worker(model_name, way, steps):
     with memtorch.track(model, optimizer=opt, modules=False) as t:
         for _ in range(steps):
             batch = [
-                torch.randint(0, 2048, s, generator=gen) if dt == torch.int64 else torch.randn(s, generator=gen)
+                torch.randint(0, 2048, s, generator=gen)
+                if dt == torch.int64
+                else torch.randn(s, generator=gen)
                 for s, dt in shapes
             ]
             model(*batch).sum().backward()
@@ -229,7 +238,11 @@ def launch(model_name, way, world, steps, timeout=600):
             MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
         )  # fmt: skip
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name, way, "--steps", str(steps)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outs = []
     try:
         for p in procs:
@@ -274,6 +287,50 @@ def estimates(model_name, way, world):
 _ONE = {}  # model name -> planning.Breakdown of its one-process estimate
 
 
+def findings(raw):
+    """Lines saying where the estimate misses, with figures from the runs (nothing typed by hand)."""
+    import memtorch
+
+    f = memtorch.units.format
+    by = {(d["model"], d["way"], d["world"]): d for d in raw if d["ranks"]}
+    out = ["", "Where the per-rank figures miss, from the runs above:", ""]
+    z = by.get(("mlp", "zero1", 2))
+    if z and "optimizer_state" in z["ranks"][0]["states"]:
+        a, b = (r["states"]["optimizer_state"] for r in z["ranks"][:2])
+        out.append(
+            f"- ZeRO-1: ZeroRedundancyOptimizer gives each rank whole parameters (greedily by size), not 1/N of "
+            f"the elements: on mlp at 2 ranks rank 0 holds {f(a)} of optimizer state and rank 1 {f(b)}, where an "
+            f"even split gives {f((a + b) // 2)} each; the rank holding the largest parameter also keeps AdamW's "
+            "temporaries for it. DeepSpeed's ZeRO-1 splits the flattened elements evenly, which is what the "
+            "estimate models."
+        )
+    g = by.get(("gpt", "zero1", 2))
+    if g and g.get("estimate") and "parameter" in g["ranks"][0]["states"]:
+        gap = g["ranks"][0]["peak"] - g["estimate"]["peak"]
+        out.append(
+            f"- ZeRO-1 runs under DDP here (ZeroRedundancyOptimizer only shards the optimizer), so DDP's gradient "
+            f"buckets, a copy of the gradients, are still allocated: on gpt at 2 ranks the estimate is "
+            f"{f(gap)} under the measured peak, and the parameters (so the buckets) are "
+            f"{f(g['ranks'][0]['states']['parameter'])}."
+        )
+    m = by.get(("mlp", "zero2", 4))
+    if m:
+        ph = m["ranks"][0]["phases"]
+        out.append(
+            f"- FSDP2 shards the optimizer step too: on mlp at 4 ranks the optimizer phase peaks at "
+            f"{f(ph.get('optimizer', 0))} and the step's peak moves to forward ({f(ph.get('forward', 0))}) and "
+            f"backward ({f(ph.get('backward', 0))}); an estimate that keeps the one-process optimizer step's "
+            "temporaries (AdamW's per-parameter scratch, as large as the largest parameter) overestimates by up "
+            "to that scratch."
+        )
+    out.append(
+        "- FSDP2 with reshard_after_forward=True gathers one unit's parameters at a time (plus one prefetched); "
+        "the units here are each block (mlp: each Linear), which neither figure can know from the model alone: "
+        "both assume a unit, and the error follows how far that assumption is from the wrapping used."
+    )
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "WAY"))
@@ -281,10 +338,14 @@ def main():
     ap.add_argument("--ways", default="ddp,zero1,zero2,zero3")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each configuration (the peak: the highest)")
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="runs of each configuration (the peak: the highest)"
+    )
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", help="also write the raw results to this file")
-    ap.add_argument("--from-json", help="take the measurements from this file (written by --json); run the rest")
+    ap.add_argument(
+        "--from-json", help="take the measurements from this file (written by --json); run the rest"
+    )
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)
@@ -325,7 +386,9 @@ def main():
                 raw.append({"model": model_name, "way": way, "world": world, "ranks": res, "why": why,
                             "estimate": est, "estimate_why": est_why, "wall": wall})  # fmt: skip
                 if res is None:
-                    rows.append([model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", "", "", ""])
+                    rows.append(
+                        [model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", "", "", ""]
+                    )
                     print(model_name, way, world, "FAILED", why, flush=True)
                     continue
                 for r in res:
@@ -371,6 +434,7 @@ def main():
         "(the same for every rank), and its error.",
         "",
         *table,
+        *findings(raw),
     ])  # fmt: skip
     if args.no_write:
         print(md)

@@ -39,7 +39,7 @@ import time
 from . import units
 from .errors import MemtorchError
 
-__all__ = ["gather", "MultiRankReport", "RankReport", "rank_info"]
+__all__ = ["MultiRankReport", "RankReport", "gather", "rank_info"]
 
 _PREFIX = "memtorch/gather"
 _rounds = {}  # group key -> gather() calls made by this process on that group
@@ -125,7 +125,8 @@ def figures(report):
             "warmup": int(_get(leak, "warmup", 0) or 0),
             "leaking": bool(_get(leak, "leaking", False)),
             "survivors": [
-                s.describe() if hasattr(s, "describe") else str(s) for s in (_get(leak, "survivors") or [])[:5]
+                s.describe() if hasattr(s, "describe") else str(s)
+                for s in (_get(leak, "survivors") or [])[:5]
             ],
         }
     return {
@@ -151,7 +152,7 @@ def figures(report):
 class _Leak:
     """A leak figure: ``per_step`` bytes (the most of any rank in a MultiRankReport)."""
 
-    __slots__ = ("per_step", "steps", "warmup", "leaking", "survivors")
+    __slots__ = ("leaking", "per_step", "steps", "survivors", "warmup")
 
     def __init__(self, per_step, steps=(), warmup=0, leaking=False, survivors=()):
         self.per_step = per_step
@@ -309,7 +310,9 @@ class MultiRankReport:
         if self.delta_rank is not None and self.delta:
             lines.append(f"largest delta: rank {self.delta_rank}, {units.format_delta(self.delta)}")
         if self.leak is not None and self.leak.per_step > 0:
-            lines.append(f"largest leak: rank {self.leak_rank}, {units.format_delta(self.leak.per_step)} per step")
+            lines.append(
+                f"largest leak: rank {self.leak_rank}, {units.format_delta(self.leak.per_step)} per step"
+            )
         elif self.leak is not None:
             lines.append("leak: no rank grew per step after warm-up")
         if not self.exact:
@@ -494,7 +497,12 @@ def gather(report, group=None, dst=0, timeout=60.0):
             "memtorch gather() needs an initialised torch.distributed process group, and this process has none: "
             "call torch.distributed.init_process_group(...) first (torchrun sets up its environment)"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0) or math.isinf(timeout):
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (timeout > 0)
+        or math.isinf(timeout)
+    ):
         raise MemtorchError(f"gather() timeout must be a positive number of seconds, got {timeout!r}")
     gkey, ranks = _group_key(dist, group)
     if ranks is None:
@@ -503,7 +511,9 @@ def gather(report, group=None, dst=0, timeout=60.0):
     if me not in ranks:
         raise MemtorchError(f"gather(): this process (rank {me}) is not in the given group (ranks {ranks})")
     if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int) or dst not in ranks):
-        raise MemtorchError(f"gather() dst must be one of the group's ranks {ranks} or None (every rank), got {dst!r}")
+        raise MemtorchError(
+            f"gather() dst must be one of the group's ranks {ranks} or None (every rank), got {dst!r}"
+        )
     status, figs = _own_figures(report)
     store = _store(dist, group)
     n = _rounds.get(gkey, 0)
@@ -513,16 +523,22 @@ def gather(report, group=None, dst=0, timeout=60.0):
         try:
             seen = _handshake(store, prefix, me, ranks, status, timeout)
         except Exception as e:
-            raise MemtorchError(f"gather(): lost contact with the process group's store ({type(e).__name__}: {e})")
-        failed = {r: s[len("failed:"):] for r, s in seen.items() if s.startswith("failed:")}
+            raise MemtorchError(
+                f"gather(): lost contact with the process group's store ({type(e).__name__}: {e})"
+            )
+        failed = {r: s[len("failed:") :] for r, s in seen.items() if s.startswith("failed:")}
         if failed:
             what = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
-            raise MemtorchError(f"gather() on rank {me}: a rank's track() block raised, no figures gathered ({what})")
+            raise MemtorchError(
+                f"gather() on rank {me}: a rank's track() block raised, no figures gathered ({what})"
+            )
         missing = [r for r in ranks if r not in seen]
         if missing:
             # a rank arriving later must not wait in the collective for us: it reads this and raises
             try:
-                store.set(f"{prefix}/{me}", f"failed:gave up after {timeout:g} s waiting for rank(s) {missing}")
+                store.set(
+                    f"{prefix}/{me}", f"failed:gave up after {timeout:g} s waiting for rank(s) {missing}"
+                )
             except Exception:
                 pass
             raise MemtorchError(
@@ -536,7 +552,7 @@ def gather(report, group=None, dst=0, timeout=60.0):
             except Exception:
                 pass
     elif status.startswith("failed:"):  # pragma: no cover - no store: nothing to tell before the collective
-        raise MemtorchError(f"gather() on rank {me}: {status[len('failed:'):]}")
+        raise MemtorchError(f"gather() on rank {me}: {status[len('failed:') :]}")
     device = _device_for(dist.get_backend(group))
     blobs = _exchange(dist, group, json.dumps(figs).encode(), device)
     if dst is not None and me != dst:

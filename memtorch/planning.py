@@ -46,7 +46,7 @@ from collections import namedtuple
 from . import units
 from .errors import MemtorchError
 
-__all__ = ["plan", "plan_from", "per_rank", "zero_model_states", "Breakdown", "Option", "Plan", "SHARDINGS"]
+__all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
 
 SHARDINGS = ("ddp", "zero1", "zero2", "zero3")
 _CHEAP = {s: i for i, s in enumerate(SHARDINGS)}
@@ -111,7 +111,7 @@ def per_rank(b, world_size, sharding, pad=True):
     n = world_size
     P, G, O = b.parameter, b.gradient, b.optimizer_state
     Gp, Op = b.gradient_at_peak, b.optimizer_state_at_peak
-    sh = lambda x, what: _shard(x, b.numel, n, pad, what, sharding)  # noqa: E731
+    sh = lambda x, what: _shard(x, b.numel, n, pad, what, sharding)
     out = {"parameter": P, "gradient": G, "optimizer_state": O, "buckets": 0, "gathered": 0}
     peak = b.peak
     if sharding == "ddp":
@@ -188,9 +188,15 @@ class Plan:
         )
         rows = [
             (
-                str(o.world_size), o.sharding, o.precision, o.checkpointing or "-", str(o.micro_batch),
-                "-" if o.accumulation is None else str(o.accumulation), f(o.peak),
-                units.format_delta(o.margin), "yes" if o.fits else "no",
+                str(o.world_size),
+                o.sharding,
+                o.precision,
+                o.checkpointing or "-",
+                str(o.micro_batch),
+                "-" if o.accumulation is None else str(o.accumulation),
+                f(o.peak),
+                units.format_delta(o.margin),
+                "yes" if o.fits else "no",
             )  # fmt: skip
             for o in (self.fits or self.options)[:limit]
         ]
@@ -378,12 +384,9 @@ def plan(
 
     import torch
 
-    from . import _EXPORTS
+    from .estimation import estimate
 
     t0 = time.perf_counter()
-    if "estimate" not in _EXPORTS:
-        raise MemtorchError("plan() needs memtorch.estimate(), which this memtorch does not have")
-    from . import estimate
 
     if not isinstance(model, torch.nn.Module):
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
@@ -392,7 +395,9 @@ def plan(
     batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     if micro_batches is None:
         if batch is None:
-            raise MemtorchError("plan() could not read a batch size from the inputs: pass micro_batches=[...]")
+            raise MemtorchError(
+                "plan() could not read a batch size from the inputs: pass micro_batches=[...]"
+            )
         micro_batches = [batch]
     for mb in micro_batches:
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
@@ -404,7 +409,9 @@ def plan(
         for ckpt in checkpointing:
             for mb in micro_batches:
                 xs = [_with_batch(x, mb) for x in inputs]
-                est = estimate(model, *xs, optimizer=optimizer, precision=prec, device=device, checkpointing=ckpt)
+                est = estimate(
+                    model, *xs, optimizer=optimizer, precision=prec, device=device, checkpointing=ckpt
+                )
                 breakdowns[(prec, ckpt, mb)] = breakdown_of(est, model)
     notes = [
         "per-rank figures: one dry run per (precision, checkpointing, micro-batch), then the sharding "

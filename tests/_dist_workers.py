@@ -16,8 +16,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import memtorch  # noqa: E402
-from memtorch.errors import BudgetExceeded, MemtorchError  # noqa: E402
+import memtorch
+from memtorch.errors import BudgetExceeded, MemtorchError
 
 KIB = 1024
 

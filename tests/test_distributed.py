@@ -48,8 +48,12 @@ def run_ranks(scenario, world=2, timeout=180):
         )  # fmt: skip
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario], env=env, cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [sys.executable, str(WORKER), scenario],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )  # fmt: skip
         )
     outs = []
@@ -67,7 +71,7 @@ def run_ranks(scenario, world=2, timeout=180):
         assert p.returncode == 0, f"rank {rank} failed:\n{out}"
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         assert len(lines) == 1, out
-        results.append(json.loads(lines[0][len("RESULT "):]))
+        results.append(json.loads(lines[0][len("RESULT ") :]))
     return results
 
 
@@ -241,7 +245,7 @@ def _rank(rank, start, peak, end, leak=None, phases=None, exact=True):
 
 
 def test_multi_rank_arithmetic():
-    ph = lambda pas: {"forward": {"calls": 1, "delta": 0, "peak": 0, "peak_above_start": pas, "seconds": 0.0,  # noqa: E731
+    ph = lambda pas: {"forward": {"calls": 1, "delta": 0, "peak": 0, "peak_above_start": pas, "seconds": 0.0,
                                   "exact": True}}  # fmt: skip
     m = mdist.MultiRankReport([
         _rank(2, 100, 400, 150, leak=10, phases=ph(30)),

@@ -60,14 +60,18 @@ def test_per_rank_by_hand():
 def test_uneven_split_pads_or_refuses():
     # 250 elements over 3 ranks: 84 per rank (padded, as FSDP and DeepSpeed do) = 336 B of 1000
     assert per_rank(B, 3, "zero1")["optimizer_state"] == 84 * 8
-    with pytest.raises(MemtorchError, match="world_size 3 does not divide the 250 trainable parameter elements"):
+    with pytest.raises(
+        MemtorchError, match="world_size 3 does not divide the 250 trainable parameter elements"
+    ):
         per_rank(B, 3, "zero1", pad=False)
     assert per_rank(B, 3, "ddp", pad=False)["peak"] == 6000  # ddp splits nothing
 
 
 @pytest.mark.parametrize("bad", ["zero4", "fsdp", None, "ZeRO1"])
 def test_unknown_sharding_names_the_value(bad):
-    with pytest.raises(MemtorchError, match=f"unknown sharding {bad!r}: expected one of ddp, zero1, zero2, zero3"):
+    with pytest.raises(
+        MemtorchError, match=f"unknown sharding {bad!r}: expected one of ddp, zero1, zero2, zero3"
+    ):
         per_rank(B, 2, bad)
     with pytest.raises(MemtorchError, match="unknown sharding"):
         plan_from({("fp32", None, 8): B}, shardings=["ddp", bad])
@@ -151,34 +155,19 @@ def test_bad_plan_arguments(kwargs, error, match):
         plan_from({("fp32", None, 8): B}, **kwargs)
 
 
-def test_plan_without_estimate_says_so(monkeypatch):
-    import memtorch
-    import torch
-
-    if "estimate" in memtorch._EXPORTS:
-        pytest.skip("this memtorch has estimate(): tested in test_plan_with_estimate")
-    with pytest.raises(MemtorchError, match="needs memtorch.estimate"):
-        mplan.plan(torch.nn.Linear(4, 4), torch.randn(2, 4))
-
-
 # ---------------------------------------------------------------------------
 # With memtorch.estimate(): the dry runs behind plan()
 
 
-def _estimate_or_skip():
-    import memtorch
-
-    if "estimate" not in memtorch._EXPORTS:
-        pytest.skip("this memtorch has no estimate() yet")
-    return memtorch
-
-
 def test_plan_with_estimate():
-    memtorch = _estimate_or_skip()
     import torch
 
+    import memtorch
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))  # 9,352 elements
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)
+    )  # 9,352 elements
     x = torch.randn(16, 64)
     est = memtorch.estimate(model, x, optimizer="adamw", device="cpu")
     b = mplan.breakdown_of(est, model)
@@ -195,8 +184,9 @@ def test_plan_with_estimate():
 
 
 def test_plan_needs_inputs_and_a_module():
-    memtorch = _estimate_or_skip()
     import torch
+
+    import memtorch
 
     with pytest.raises(MemtorchError, match="needs example inputs"):
         memtorch.plan(torch.nn.Linear(4, 4))

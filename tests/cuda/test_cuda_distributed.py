@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import memtorch  # noqa: E402
+import memtorch
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
