@@ -35,6 +35,8 @@ _EXPORTS = {
     "UnitError": ("errors", "UnitError"),
     "DeviceUnavailable": ("errors", "DeviceUnavailable"),
     "diagram": ("mermaid", "diagram"),
+    "estimate": ("estimation", "estimate"),
+    "Estimate": ("estimation", "Estimate"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

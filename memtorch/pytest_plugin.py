@@ -439,3 +439,23 @@ def memtorch_tracker(request):
     if budget is None:
         budget = item.stash[_BUDGET] = _Budget({}, _resolve_device("auto", "'auto'"))
     return budget.make_tracker()
+
+
+@pytest.fixture
+def memtorch_estimate():
+    """Assert an estimated budget: ``memtorch_estimate(model, x, peak="8 GiB", device="cuda", ...)``.
+
+    Runs memtorch.estimate(model, *inputs, **options), which runs no real step (so a
+    CUDA budget can be checked on a CPU-only runner), raises memtorch.BudgetExceeded
+    when the estimated peak (or the steady bytes, as ``delta``) exceeds its budget,
+    and returns the Estimate.
+    """
+
+    def check(model, *inputs, peak=None, delta=None, **options):
+        from .estimation import estimate
+
+        est = estimate(model, *inputs, **options)
+        est.check(peak=peak, delta=delta)
+        return est
+
+    return check

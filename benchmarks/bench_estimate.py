@@ -1,0 +1,188 @@
+"""memtorch.estimate() against the peak memtorch.track() measures, beside accelerate and torchinfo.
+
+For each case (benchmarks/_estimate_cases.py): a fresh model, counting started
+before it is built, two real training steps (forward, loss, backward,
+optimizer step, zero_grad) inside memtorch.track(); the measured peak is
+track()'s peak minus what was allocated before the model was built, i.e. the
+step's high-water mark with the model, its gradients, optimizer state and the
+input batch included. Then memtorch.estimate() of the same model, input,
+optimizer, loss, precision and checkpointing. Model states: a third forward
+and backward after the steps (so that gradients exist), then
+memtorch.inspect(model, optimizer=opt) by category against the estimate's.
+
+Peers on the same cases: accelerate's "Training using Adam" figure (the
+largest of its model, gradients, optimizer and step sizes from
+accelerate.commands.estimate, as `accelerate estimate-memory` prints it) and
+torchinfo's "Estimated Total Size" (input + forward/backward pass + parameter
+bytes, from summary(model, input_data=x)).
+
+Scale: a 7-billion-parameter Llama-style decoder built on the meta device
+from its configuration, estimated in a subprocess; its wall time and the
+subprocess's peak resident set size (ru_maxrss).
+
+    python benchmarks/bench_estimate.py [--no-write] [--skip-scale]
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import memtorch  # noqa: E402
+from memtorch import cpu, units  # noqa: E402
+from benchmarks._common import machine, write_section  # noqa: E402
+import _estimate_cases as C  # noqa: E402
+
+
+def peers(model, x, precision):
+    acc = ti = None
+    try:
+        from accelerate.commands.estimate import calculate_maximum_sizes, estimate_training_usage
+
+        total, _largest = calculate_maximum_sizes(model)
+        acc = max(estimate_training_usage(total, "float32" if precision == "fp32" else "bfloat16").values())
+    except Exception as e:  # noqa: BLE001
+        acc = f"failed: {type(e).__name__}"
+    try:
+        import torchinfo
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            st = torchinfo.summary(model, input_data=[x], verbose=0)
+        ti = int(st.total_input + st.total_output_bytes + st.total_param_bytes)
+    except Exception as e:  # noqa: BLE001
+        ti = f"failed: {type(e).__name__}"
+    return acc, ti
+
+
+def run_case(name):
+    mf, xf, opt_name, loss_fn, precision, ck = C.CASES[name]
+    gc.collect()
+    torch.manual_seed(0)
+    base = cpu.allocated()
+    model, x = mf(), xf()
+    report, opt = C.real_step(model, x, opt_name, loss_fn, precision, ck)
+    measured = report.peak - base
+    # model states after real steps: one more forward/backward so that gradients exist
+    out = model(x)
+    (loss_fn or memtorch.estimation.default_loss)(out, x).backward()
+    del out
+    mm = memtorch.inspect(model, optimizer=opt).by_category
+    real_states = {k: mm.get(k, 0) for k in ("parameter", "buffer", "gradient", "optimizer_state")}
+    opt.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    est = memtorch.estimate(model, x, optimizer=opt_name, loss_fn=loss_fn, precision=precision, checkpointing=ck)
+    seconds = time.perf_counter() - t0
+    acc, ti = peers(model, x, precision)
+    row = dict(name=name, measured=measured, estimate=est.peak, seconds=seconds, accelerate=acc, torchinfo=ti,
+               states_exact=est.model_states == real_states, est_states=est.model_states, real_states=real_states)
+    del model, x, opt, report, est
+    gc.collect()
+    return row
+
+
+SCALE = r"""
+import json, resource, sys, time
+sys.path.insert(0, {bench!r})
+import torch, memtorch
+import _estimate_cases as C
+t0 = time.perf_counter()
+with torch.device("meta"):
+    model = C.Llama(**C.LLAMA_7B)
+built = time.perf_counter() - t0
+n = sum(p.numel() for p in model.parameters())
+t1 = time.perf_counter()
+est = memtorch.estimate(model, ((1, {seq}), torch.long), optimizer="adamw", precision={prec!r})
+sec = time.perf_counter() - t1
+print(json.dumps(dict(params=n, seconds=sec, build=built, peak=est.peak, steady=est.steady,
+    breakdown=est.breakdown, states=est.model_states,
+    rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+"""
+
+
+def scale(seq=2048, precision="bf16-mixed"):
+    code = SCALE.format(bench=os.path.dirname(os.path.abspath(__file__)), seq=seq, prec=precision)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if out.returncode:
+        raise SystemExit("scale run failed:\n" + out.stderr[-3000:])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["wall"] = wall
+    return res
+
+
+def pct(fig, measured):
+    if not isinstance(fig, int):
+        return str(fig), "n/a"
+    return units.format(fig), f"{100 * (fig - measured) / measured:+.1f}%"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    cpu.start()
+    torch.set_num_threads(1)
+    rows = [run_case(n) for n in C.CASES if args.only in n]
+    lines = [
+        "Estimate vs the peak `memtorch.track()` measures for the same two training steps on the CPU "
+        "(exact counters; the peak includes the model, gradients, optimizer state and the input batch). "
+        "Error = (figure - measured) / measured. accelerate: its `estimate-memory` \"Training using Adam\" "
+        "figure (no activations, no batch); torchinfo: its \"Estimated Total Size\" (a forward in eval mode). "
+        "Model states: parameters, buffers, gradients and optimizer state of the estimate equal to the byte "
+        "those of `memtorch.inspect(model, optimizer=opt)` after real steps.",
+        "",
+        f"Machine: {machine()}",
+        "",
+        "| case | measured peak | memtorch.estimate | error | model states exact | accelerate | error | torchinfo | error | estimate time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    worst = 0.0
+    for r in rows:
+        err = 100 * (r["estimate"] - r["measured"]) / r["measured"]
+        worst = max(worst, abs(err))
+        a, ae = pct(r["accelerate"], r["measured"])
+        t, te = pct(r["torchinfo"], r["measured"])
+        lines.append(
+            f"| {r['name']} | {units.format(r['measured'], precision=2)} ({r['measured']} B) | "
+            f"{units.format(r['estimate'], precision=2)} ({r['estimate']} B) | {err:+.3f}% | "
+            f"{'yes' if r['states_exact'] else 'NO'} | {a} | {ae} | {t} | {te} | {r['seconds']:.2f} s |"
+        )
+        print(lines[-1])
+        if not r["states_exact"]:
+            print("   states differ:", r["est_states"], r["real_states"])
+    lines += ["", f"Largest error of memtorch.estimate: {worst:.3f}% (target: within 3% in every case)."]
+    if not args.skip_scale:
+        res = scale()
+        lines += [
+            "",
+            f"Scale: a Llama-style decoder from its configuration ({C.LLAMA_7B}), "
+            f"{res['params'] / 1e9:.2f} billion parameters, built on the meta device (no weights), "
+            "estimated for one sequence of 2048 tokens, AdamW, bf16 autocast: "
+            f"estimate {res['seconds']:.1f} s (building the meta model {res['build']:.1f} s; the subprocess "
+            f"{res['wall']:.1f} s with imports), peak resident set size of that process "
+            f"{units.format(res['rss'])}. Estimated peak {units.format(res['peak'])}, steady "
+            f"{units.format(res['steady'])}; at the peak: "
+            + ", ".join(f"{k} {units.format(v)}" for k, v in res["breakdown"].items() if v)
+            + ".",
+        ]
+        print(lines[-1])
+    lines += ["", "Rewrite with `python benchmarks/bench_estimate.py`."]
+    if not args.no_write:
+        write_section("estimate", "## estimate\n\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

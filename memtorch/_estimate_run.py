@@ -1,0 +1,202 @@
+"""The dry run behind estimate(): one training step, twice, on fake tensors, with allocation accounting.
+
+The user's own model runs on FakeTensorMode tensors that say they live on the
+CPU (so that every device-dependent choice, such as the attention backend or
+the recurrent layers' implementation, is the one the real CPU step makes) but
+own no memory. A TorchDispatchMode above FakeTensorMode sees every operator's
+outputs; each new storage is an allocation of its nbytes, and its free is the
+moment the storage dies (storages keep their Python object alive while the
+C++ StorageImpl lives, so a weakref finalizer on the storage fires exactly at
+the StorageImpl's death, as the real allocator's free would).
+
+Where a CPU kernel allocates something its fake kernel does not show (internal
+temporaries, a different saved tensor), ``_estimate_kernels`` adds it.
+
+Nothing real is allocated for the model: parameters, buffers and inputs are
+replaced by fake tensors of the same shape, dtype and strides through
+torch.func.functional_call, which restores the module's own tensors on exit.
+"""
+
+import contextlib
+import weakref
+
+from .errors import MemtorchError
+
+_torch_mod = None
+
+
+def _torch():
+    global _torch_mod
+    if _torch_mod is None:
+        from ._torch import torch
+
+        _torch_mod = torch()
+    return _torch_mod
+
+
+class Ledger:
+    """Allocation events of the dry run: (+/- bytes, storage key, tag) in order.
+
+    ``current``/``peak`` follow the events. Keys are small ints given out per
+    storage; ``info[key]`` is [nbytes, phase, module, category or None].
+    """
+
+    def __init__(self, rounding=None):
+        self.current = 0
+        self.peak = 0
+        self.events = []  # (key, +1 alloc / -1 free)
+        self.info = {}
+        self.live = {}  # id(storage object) -> key
+        self._next = 0
+        self.phase = None
+        self.module = None
+        self.closed = False
+        self.trace = None  # [(op, modelled transient bytes)] when set to a list (tests, calibration)
+        self._round = rounding or (lambda n: n)
+
+    def add_storage(self, storage, category=None):
+        """Count ``storage`` as allocated now unless it is already counted; returns its key."""
+        sid = id(storage)
+        key = self.live.get(sid)
+        if key is not None:
+            return key
+        nbytes = self._round(int(storage.nbytes()))
+        key = self._next
+        self._next += 1
+        self.live[sid] = key
+        self.info[key] = [nbytes, self.phase, self.module, category]
+        self.events.append((key, 1))
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+        weakref.finalize(storage, self._free, sid, key)
+        return key
+
+    def add_extra(self, nbytes, category="temporary", transient=True):
+        """An allocation no fake storage shows (a CPU kernel's internal buffer).
+
+        transient: allocated and freed inside the kernel (raises the peak only);
+        otherwise returns the key, to be freed with free_key().
+        """
+        key = self._next
+        self._next += 1
+        self.info[key] = [int(nbytes), self.phase, self.module, category]
+        self.events.append((key, 1))
+        self.current += int(nbytes)
+        if self.current > self.peak:
+            self.peak = self.current
+        if transient:
+            self.events.append((key, -1))
+            self.current -= int(nbytes)
+            return None
+        return key
+
+    def free_key(self, key):
+        self.events.append((key, -1))
+        self.current -= self.info[key][0]
+
+    def _free(self, sid, key):
+        if self.closed:
+            return
+        if self.live.get(sid) == key:
+            del self.live[sid]
+        self.events.append((key, -1))
+        self.current -= self.info[key][0]
+
+    def key_of(self, tensor):
+        return self.live.get(id(tensor.untyped_storage()))
+
+    def mark(self, keys, category):
+        for k in keys:
+            if k is not None and self.info[k][3] is None:
+                self.info[k][3] = category
+
+    def replay(self):
+        """(peak, index of the event reaching it, keys live at that moment)."""
+        cur = best = 0
+        at = -1
+        for i, (key, sign) in enumerate(self.events):
+            cur += sign * self.info[key][0]
+            if cur > best:
+                best, at = cur, i
+        live = set()
+        for key, sign in self.events[: at + 1]:
+            if sign > 0:
+                live.add(key)
+            else:
+                live.discard(key)
+        return best, at, live
+
+
+def _accounting_mode(ledger, kernels, allow_item):
+    from ._estimate_kernels import probe_extra, scalar_extra
+
+    probe = kernels.get("probe", True)
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    torch = _torch()
+    local_scalar = torch.ops.aten._local_scalar_dense.default
+
+    class Accounting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is local_scalar:
+                if allow_item[0]:
+                    # The optimizers read their step count with .item(); any plausible value
+                    # gives the same memory.
+                    return 1.0 if args[0].dtype.is_floating_point else 1
+                raise _DataDependent("calls .item() (or converts a tensor to a Python number or bool)")
+            fix = kernels.get(func)
+            out = func(*args, **kwargs)
+            if fix is not None:
+                extra = fix(args, kwargs, out)
+            else:
+                extra = probe_extra(func, args, kwargs, out) if probe else None
+                if extra is None:
+                    extra = scalar_extra(func, args, out)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    ledger.add_storage(t.untyped_storage())
+            if extra:
+                ledger.add_extra(extra)
+            if ledger.trace is not None:
+                ledger.trace.append((str(func), extra, ledger.current))
+            return out
+
+    return Accounting()
+
+
+class _DataDependent(MemtorchError):
+    pass
+
+
+def fake_like(t, device, dtype=None, requires_grad=None):
+    """A fake tensor shaped like ``t`` (real, meta or fake) on ``device``, no data copied."""
+    torch = _torch()
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype or t.dtype, device=device)
+    if requires_grad is None:
+        requires_grad = t.requires_grad
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+@contextlib.contextmanager
+def fake_mode():
+    """FakeTensorMode entered with the default device left as it was."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import logging
+
+    # FakeTensorMode logs the traceback of a kernel that rejects its inputs before raising;
+    # estimate() turns that error into its own message, so the log line is noise.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = log.disabled
+    log.disabled = True
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            yield mode
+    finally:
+        log.disabled = disabled

@@ -1,0 +1,922 @@
+"""estimate(): a training step's memory before running it.
+
+    est = memtorch.estimate(model, torch.randn(64, 784), optimizer="adamw")
+    print(est); est.peak; est.breakdown; est.check(peak="2 GiB")
+
+How. The user's own model runs one forward, loss, backward and optimizer step,
+twice (the first step creates the optimizer's state lazily, the second has it
+in its peak), on fake tensors that own no memory (see _estimate_run). Every
+storage an operator creates is counted as allocated at its nbytes and freed
+when the storage dies, as PyTorch's CPU allocator would see it; CPU kernels
+that allocate what their fake kernels do not show are modelled in
+_estimate_kernels. Model states (parameters, buffers, gradients, optimizer
+state) come out of the same run, so they are exact to the byte.
+
+Kernel scratch space. Most CPU kernels allocate nothing beyond their outputs, but
+some allocate temporaries inside (a convolution's reordered tensors, a batch
+norm backward's buffer, a Python number wrapped into a tensor). estimate()
+runs each such kernel once per signature (shapes, strides, dtypes, arguments)
+on zero-filled real tensors under memtorch.cpu's exact counters and caches what
+it allocated beyond its outputs; kernels whose tensors exceed 32 MiB, random
+kernels and views are not run, and the report's notes say how many were left
+out. So estimate() does allocate real memory, up to 32 MiB at a time for these
+probes (and one LSTM layer's tensors, see _estimate_kernels), never the model's
+parameters.
+
+This file is named estimation.py, apart from the function, so that importing
+the submodule never shadows ``memtorch.estimate`` (as inspection.py/tracking.py).
+
+What the figures are: ``peak`` is the step's high-water mark of tensor bytes,
+parameters, buffers and the example inputs included; ``steady`` is what stays
+between steps (parameters, buffers, optimizer state, the inputs); ``breakdown``
+splits the peak by category (the words of track()'s and inspect()'s reports).
+``device="cuda"`` applies the CUDA caching allocator's rules to each allocation
+(see _estimate_cuda); the kernels are still the CPU's, and the CUDA context
+(hundreds of MiB) is outside the counters and outside this estimate.
+"""
+
+import contextlib
+import functools
+import html
+
+from . import units
+from ._estimate_run import Ledger, _accounting_mode, _DataDependent, fake_like, fake_mode
+from .errors import MemtorchError
+
+__all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
+
+CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input")
+PHASES = ("forward", "backward", "optimizer")
+
+OPTIMIZERS = (
+    "sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adagrad", "rmsprop",
+    "sgd-foreach", "sgd-momentum-foreach", "adam-foreach", "adamw-foreach", "amsgrad-foreach",
+    "adagrad-foreach", "rmsprop-foreach",
+    "sgd-fused", "sgd-momentum-fused", "adam-fused", "adamw-fused", "amsgrad-fused", "adagrad-fused",
+)  # fmt: skip
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "mixed-zero", "fp16-zero")
+SHARDINGS = (None, "ddp", "zero1", "zero2", "zero3")
+DEVICES = ("cpu", "cuda")
+
+_torch_mod = None
+
+
+def _torch():
+    global _torch_mod
+    if _torch_mod is None:
+        from ._torch import torch
+
+        _torch_mod = torch()
+    return _torch_mod
+
+
+# ---------------------------------------------------------------------------
+# The report
+
+
+class Estimate:
+    """What estimate() predicts for one training step. All sizes are ints of bytes.
+
+    peak (parameters included), steady (between steps), breakdown {category:
+    bytes at the peak}, model_states {parameter, buffer, gradient,
+    optimizer_state: bytes, exact}, phases {name: PhaseStats}, modules
+    [ModuleStats] (activation_bytes: what the module's forward leaves alive),
+    device, precision, optimizer, world_size, sharding, per_rank (dict or None),
+    reserved_peak (device="cuda": the caching allocator's segments at the peak),
+    seconds (time the estimate took). start is 0, end = delta = steady and
+    peak_above_start = peak, so that a budget check reads it as it reads a
+    track() report of a step that builds its model inside the block.
+    """
+
+    exact = False
+    live = False
+
+    def __init__(self, **kw):
+        self.device = kw["device"]
+        self.precision = kw["precision"]
+        self.optimizer = kw["optimizer"]
+        self.world_size = kw.get("world_size", 1)
+        self.sharding = kw.get("sharding")
+        self.peak = int(kw["peak"])
+        self.steady = int(kw["steady"])
+        self.breakdown = dict(kw["breakdown"])
+        self.model_states = dict(kw["model_states"])
+        self.phases = kw.get("phases", {})
+        self.modules = kw.get("modules", [])
+        self.reserved_peak = kw.get("reserved_peak")
+        self.reserved_steady = kw.get("reserved_steady")
+        self.per_rank = kw.get("per_rank")
+        self.notes = list(kw.get("notes", []))
+        self.seconds = kw.get("seconds", 0.0)
+        self.start = 0
+        self.end = self.steady
+        self.delta = self.steady
+        self.peak_above_start = self.peak
+        self.mechanism = "estimate (dry run on fake tensors)"
+
+    def check(self, peak=None, delta=None):
+        """Raise memtorch.BudgetExceeded if the estimated peak (or steady bytes, as delta) exceeds its budget."""
+        from .budget import assert_budget
+
+        assert_budget(self, peak=peak, delta=delta)
+
+    def to_dict(self):
+        """Plain ints, strings and dicts, with track()'s field names (peak, delta, phases, modules)."""
+        return {
+            "kind": "estimate",
+            "device": self.device,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "world_size": self.world_size,
+            "sharding": self.sharding,
+            "exact": False,
+            "start": 0,
+            "end": self.end,
+            "delta": self.delta,
+            "peak": self.peak,
+            "peak_above_start": self.peak_above_start,
+            "steady": self.steady,
+            "reserved_peak": self.reserved_peak,
+            "breakdown": dict(self.breakdown),
+            "model_states": dict(self.model_states),
+            "phases": {
+                n: {"calls": p.calls, "delta": p.delta, "peak": p.peak, "peak_above_start": p.peak_above_start}
+                for n, p in self.phases.items()
+            },
+            "modules": [
+                {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": m.activation_bytes,
+                 "peak_above_start": m.peak_above_start}
+                for m in self.modules
+            ],  # fmt: skip
+            "per_rank": None if self.per_rank is None else dict(self.per_rank),
+            "notes": list(self.notes),
+        }
+
+    # -- presentation ------------------------------------------------------
+    def _title(self):
+        extra = f", {self.world_size} ranks, {self.sharding or 'replicated'}" if self.world_size > 1 else ""
+        return (
+            f"memtorch.estimate on {self.device} ({self.precision}, optimizer {self.optimizer}{extra}): "
+            f"estimated, not measured"
+        )
+
+    def _summary_rows(self):
+        f = units.format
+        rows = [
+            ("peak", f(self.peak), "the step's high-water mark, parameters and inputs included"),
+            ("steady", f(self.steady), "held between steps"),
+        ]
+        if self.reserved_peak is not None:
+            rows.append(("reserved peak", f(self.reserved_peak), "held by the CUDA caching allocator"))
+        return rows
+
+    def _category_rows(self):
+        total = max(1, self.peak)
+        return [
+            (c, units.format(b), f"{100 * b / total:.1f}%")
+            for c, b in self.breakdown.items()
+            if b
+        ]
+
+    def _phase_rows(self):
+        return [
+            (p.name, str(p.calls), units.format_delta(p.delta), units.format(p.peak_above_start))
+            for p in self.phases.values()
+            if p.calls
+        ]
+
+    def _module_rows(self, limit=30):
+        mods = [m for m in self.modules if m.calls]
+        if len(mods) > limit:
+            mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
+        return [
+            (m.name or "(model)", m.type, str(m.calls), units.format(m.activation_bytes),
+             units.format(m.peak_above_start))
+            for m in mods
+        ]  # fmt: skip
+
+    def _rank_rows(self):
+        if not self.per_rank:
+            return []
+        return [(k, units.format(v)) for k, v in self.per_rank.items() if isinstance(v, int)]
+
+    def _sections(self):
+        from .tracking import _table
+
+        out = [("", _table(["", "bytes", ""], self._summary_rows()))]
+        out.append(("at the peak", _table(["category", "bytes", "share"], self._category_rows())))
+        if self._phase_rows():
+            out.append(("", _table(["phase", "calls", "delta", "peak above start"], self._phase_rows())))
+        if self._rank_rows():
+            out.append((f"per rank ({self.sharding or 'replicated'}, {self.world_size} ranks)",
+                        _table(["figure", "bytes"], self._rank_rows())))  # fmt: skip
+        if self._module_rows():
+            out.append(("", _table(["module", "type", "calls", "left alive (activations)", "peak inside"],
+                                   self._module_rows())))  # fmt: skip
+        return out
+
+    def __str__(self):
+        lines = [self._title()]
+        for head, table in self._sections():
+            lines.append("")
+            if head:
+                lines.append(head + ":")
+            lines += table
+        for note in self.notes:
+            lines.append("note: " + note)
+        return "\n".join(lines)
+
+    def _repr_html_(self):
+        from .tracking import _html_table
+
+        parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
+        parts.append(_html_table(["", "bytes", ""], self._summary_rows()))
+        parts.append("<p>at the peak:</p>" + _html_table(["category", "bytes", "share"], self._category_rows()))
+        if self._phase_rows():
+            parts.append(_html_table(["phase", "calls", "delta", "peak above start"], self._phase_rows()))
+        if self._rank_rows():
+            parts.append(_html_table(["figure", "bytes"], self._rank_rows()))
+        if self._module_rows():
+            parts.append(_html_table(["module", "type", "calls", "left alive (activations)", "peak inside"],
+                                     self._module_rows()))  # fmt: skip
+        parts += [f"<p>note: {html.escape(n)}</p>" for n in self.notes]
+        return "<div>" + "".join(parts) + "</div>"
+
+    def __repr__(self):
+        return (
+            f"Estimate(device={self.device!r}, precision={self.precision!r}, peak={self.peak}, "
+            f"steady={self.steady})"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+
+
+def default_loss(output, *inputs):
+    """The loss estimate() uses without loss_fn: the sum of every floating-point tensor in the output."""
+    from torch.utils._pytree import tree_leaves
+
+    torch = _torch()
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise MemtorchError(
+            "the model's output holds no floating-point tensor to sum into a loss: pass loss_fn=(output, *inputs) -> loss"
+        )
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def _make_optimizer(optimizer, params, device):
+    torch = _torch()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer)(params, **optimizer.defaults)
+    if callable(optimizer) and not isinstance(optimizer, str):
+        opt = optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise MemtorchError(
+                f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer"
+            )
+        return opt
+    name = optimizer.lower()
+    variant = {}
+    base = name
+    for suffix, kw in (("-foreach", {"foreach": True}), ("-fused", {"fused": True})):
+        if name.endswith(suffix):
+            base, variant = name[: -len(suffix)], kw
+    if not variant:
+        # The step the target device would run by default: foreach on CUDA, a loop on the CPU.
+        variant = {"foreach": device == "cuda"}
+    o = torch.optim
+    if base == "sgd":
+        return o.SGD(params, lr=1e-3, **variant)
+    if base == "sgd-momentum":
+        return o.SGD(params, lr=1e-3, momentum=0.9, **variant)
+    if base == "adam":
+        return o.Adam(params, lr=1e-3, **variant)
+    if base == "adamw":
+        return o.AdamW(params, lr=1e-3, **variant)
+    if base == "amsgrad":
+        return o.Adam(params, lr=1e-3, amsgrad=True, **variant)
+    if base == "adagrad":
+        return o.Adagrad(params, lr=1e-2, **variant)
+    if base == "rmsprop":
+        return o.RMSprop(params, lr=1e-2, **variant)
+    raise AssertionError(base)  # names are checked before
+
+
+def _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn):
+    torch = _torch()
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZERS:
+            raise MemtorchError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}, "
+                                "a torch.optim.Optimizer, or a callable taking the parameters")  # fmt: skip
+    elif not (callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
+        raise MemtorchError(f"optimizer must be a name or a callable taking the parameters, got {type(optimizer).__name__}")
+    if precision not in PRECISIONS:
+        raise MemtorchError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    dev = str(device)
+    if dev.split(":")[0] not in DEVICES:
+        raise MemtorchError(f"unknown device {device!r}: expected 'cpu' or 'cuda' (the rules of that device's allocator)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise MemtorchError(f"world_size must be a positive int, got {world_size!r}")
+    if sharding not in SHARDINGS:
+        raise MemtorchError(f"unknown sharding {sharding!r}: expected one of ddp, zero1, zero2, zero3 (or None)")
+    if checkpointing is not None and checkpointing != "blocks" and not (
+        isinstance(checkpointing, (list, tuple)) and all(isinstance(n, str) for n in checkpointing)
+    ):
+        raise MemtorchError(f"checkpointing must be None, 'blocks' or a list of module names, got {checkpointing!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise MemtorchError(f"loss_fn must be callable as loss_fn(output, *inputs), got {type(loss_fn).__name__}")
+
+
+def _input_spec(x, i):
+    """(shape, stride, dtype, requires_grad) of one example input, or a non-tensor passed through."""
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and all(isinstance(d, int) for d in x)):
+        return torch.empty(tuple(x), device="meta")
+    if (
+        isinstance(x, (tuple, list))
+        and len(x) == 2
+        and isinstance(x[1], torch.dtype)
+        and isinstance(x[0], (tuple, list, torch.Size))
+        and all(isinstance(d, int) for d in x[0])
+    ):
+        return torch.empty(tuple(x[0]), dtype=x[1], device="meta")
+    raise MemtorchError(
+        f"input {i} is a {type(x).__name__}: pass example tensors (real, meta or fake), shapes such as "
+        "(64, 784), or (shape, dtype) pairs such as ((8, 128), torch.long)"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Checkpointing
+
+
+def _checkpoint_targets(model, spec):
+    torch = _torch()
+    named = dict(model.named_modules())
+    if spec == "blocks":
+        lists = [(n, m) for n, m in named.items() if isinstance(m, torch.nn.ModuleList) and len(m)]
+        if not lists:
+            raise MemtorchError(
+                "checkpointing='blocks' found no nn.ModuleList of blocks in the model: "
+                "pass the names of the modules to recompute, e.g. ['encoder.0', 'encoder.1']"
+            )
+        return [m for _, lst in lists for m in lst]
+    missing = [n for n in spec if n not in named]
+    if missing:
+        raise MemtorchError(f"checkpointing: no module named {', '.join(map(repr, missing))} in the model")
+    return [named[n] for n in spec]
+
+
+@contextlib.contextmanager
+def checkpointing(model, spec, _on_call=None):
+    """Run ``model`` with the modules ``spec`` names ("blocks": each block of every nn.ModuleList)
+    recomputed in backward (torch.utils.checkpoint, non-reentrant); restores them on exit.
+
+    estimate(checkpointing=...) uses it; use it around a real step to measure the same step.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if spec is None:
+        yield model
+        return
+    mods = _checkpoint_targets(model, spec)
+    patched = []
+    try:
+        for m in mods:
+            if "forward" in m.__dict__:
+                raise MemtorchError(f"checkpointing: module {type(m).__name__} already has a patched forward")
+            orig = m.forward
+
+            def fwd(*args, _orig=orig, **kwargs):
+                if _on_call is None:
+                    return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+                return checkpoint(_on_call(_orig), *args, use_reentrant=False, **kwargs)
+
+            m.forward = fwd
+            patched.append(m)
+        yield model
+    finally:
+        for m in patched:
+            m.__dict__.pop("forward", None)
+
+
+# ---------------------------------------------------------------------------
+# The dry run
+
+
+class _Hooks:
+    """Module forward hooks (per-module figures) and phase spans, recorded as event indices."""
+
+    def __init__(self, ledger, model):
+        from .tracking import ModuleStats
+
+        self.ledger = ledger
+        self.rows = []
+        self.ids = {}
+        for i, (name, mod) in enumerate(model.named_modules()):
+            self.rows.append(ModuleStats(name, type(mod).__name__))
+            self.ids[id(mod)] = i
+        self.stack = []
+        self.calls = []  # (row, start event index, end event index)
+        self.spans = []  # (phase, start, end)
+        self.recording = False
+        self.handles = []
+
+    def pre(self, mod, args):
+        i = self.ids.get(id(mod))
+        if i is not None and self.recording:
+            self.stack.append((i, len(self.ledger.events), self.ledger.current))
+        self.ledger.module = i if i is not None else self.ledger.module
+
+    def post(self, mod, args, out):
+        i = self.ids.get(id(mod))
+        if i is None or not self.recording:
+            return
+        for j in range(len(self.stack) - 1, -1, -1):
+            if self.stack[j][0] == i:
+                _, start, _cur = self.stack.pop(j)
+                self.calls.append((i, start, len(self.ledger.events)))
+                break
+        self.ledger.module = self.stack[-1][0] if self.stack else None
+
+    def install(self):
+        from torch.nn.modules import module as torch_module
+
+        self.handles.append(torch_module.register_module_forward_pre_hook(self.pre))
+        self.handles.append(torch_module.register_module_forward_hook(self.post, always_call=True))
+
+    def remove(self):
+        while self.handles:
+            self.handles.pop().remove()
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        self.ledger.phase = name
+        start = len(self.ledger.events)
+        try:
+            yield
+        finally:
+            self.spans.append((name, start, len(self.ledger.events)))
+            self.ledger.phase = None
+
+
+@contextlib.contextmanager
+def _swapped(model, fakes):
+    """The model's parameters and buffers replaced by fakes (``fakes``: id of the original -> fake)
+    for the whole step (backward recomputation included); restored on exit, errors included."""
+    saved = []
+    try:
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for k, v in list(table.items()):
+                    if v is not None and id(v) in fakes:
+                        saved.append((table, k, v))
+                        table[k] = fakes[id(v)]
+        yield
+    finally:
+        for table, k, v in reversed(saved):
+            table[k] = v
+
+
+def _unique_tensors(named):
+    """[(names, tensor)] with each tensor object once (tied weights share one entry)."""
+    by_id = {}
+    for name, t in named:
+        entry = by_id.get(id(t))
+        if entry is None:
+            by_id[id(t)] = ([name], t)
+        else:
+            entry[0].append(name)
+    return list(by_id.values())
+
+
+def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2):
+    """Run the steps on fake tensors; returns (ledger, hooks, facts)."""
+    torch = _torch()
+
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    prec_kind = precision.split("-")[1] if "-" in precision else None
+    low = half.get(precision.split("-")[0], torch.bfloat16)
+    cast_params = prec_kind in ("true", "zero")
+    autocast = prec_kind == "mixed"
+
+    ledger = Ledger()
+    hooks = _Hooks(ledger, model)
+    allow_item = [False]
+    from ._estimate_kernels import kernels_for
+
+    facts = {}
+    params = _unique_tensors(model.named_parameters(remove_duplicate=False))
+    buffers = _unique_tensors(model.named_buffers(remove_duplicate=False))
+    specs = [_input_spec(x, i) for i, x in enumerate(inputs)]
+    grads_keys, state_keys = set(), set()
+    rng_bytes = torch.get_rng_state().untyped_storage().nbytes() if checkpoint_spec is not None else 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_mode())
+        stack.enter_context(_accounting_mode(ledger, kernels_for("cpu"), allow_item))
+        ledger.phase = "setup"
+
+        def dt(t):
+            return low if cast_params and t.is_floating_point() else t.dtype
+
+        fparams = [(names, fake_like(p, "cpu", dtype=dt(p), requires_grad=p.requires_grad)) for names, p in params]
+        fbufs = [(names, fake_like(b, "cpu", dtype=dt(b), requires_grad=False)) for names, b in buffers]
+        ledger.mark([ledger.key_of(t) for _, t in fparams], "parameter")
+        ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
+        finputs = [fake_like(s, "cpu") if isinstance(s, torch.Tensor) else s for s in specs]
+        ledger.mark([ledger.key_of(t) for t in finputs if isinstance(t, torch.Tensor)], "input")
+        from . import _estimate_kernels
+
+        for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
+            if p.device.type == "cpu" and p.dtype == f.dtype and not p.is_sparse:
+                _estimate_kernels.originals[id(f.untyped_storage())] = p  # detached when probed
+        stack.callback(_estimate_kernels.originals.clear)
+        fakes = {id(p): f for (_, p), (_, f) in zip(params, fparams)}
+        fakes.update({id(b): f for (_, b), (_, f) in zip(buffers, fbufs)})
+        trainable = [t for _, t in fparams if t.requires_grad]
+        if not trainable:
+            raise MemtorchError("the model has no parameter that requires grad: there is no training step to estimate")
+        if precision in ("mixed-zero", "fp16-zero"):
+            # 16-bit parameters and gradients; fp32 master weights that the optimizer steps (ZeRO/DeepSpeed).
+            masters = [fake_like(t, "cpu", dtype=torch.float32, requires_grad=True) for t in trainable]
+            ledger.mark([ledger.key_of(t) for t in masters], "optimizer_state")
+            opt_params = masters
+        else:
+            masters = None
+            opt_params = trainable
+        opt = _make_optimizer(optimizer, opt_params, device)
+        facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
+        ledger.phase = None
+        rng_held = []
+
+        def on_call(fn):
+            # checkpoint keeps the CPU RNG state (a real tensor, unseen by the fake run) from the
+            # forward until the recomputation in backward
+            key = ledger.add_extra(rng_bytes, "activation", transient=False)
+            calls = [0]
+
+            def run(*a, **k):
+                calls[0] += 1
+                if calls[0] != 2:
+                    return fn(*a, **k)
+                # recomputation: the blocks recomputed before have finished their backward (their
+                # checkpoint frames and RNG copies are gone); torch.random.fork_rng keeps a copy of
+                # the current state while this one recomputes
+                while rng_held:
+                    ledger.free_key(rng_held.pop())
+                fork = ledger.add_extra(rng_bytes, "temporary", transient=False)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    ledger.free_key(fork)
+                    rng_held.append(key)  # the forward's copy lives until this block's backward is done
+
+            return run
+
+        stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call))
+        stack.enter_context(_swapped(model, fakes))
+        hooks.install()
+        stack.callback(hooks.remove)
+        loss_fn = loss_fn or default_loss
+        for _step in range(steps):
+            with hooks.phase("forward"):
+                hooks.recording = True
+                ctx = torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext()
+                with ctx:
+                    out = model(*finputs)
+                hooks.recording = False
+            with hooks.phase("backward"):
+                with torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext():
+                    loss = loss_fn(out, *finputs)
+                del out
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise MemtorchError("loss_fn must return a one-element tensor (the loss)")
+                loss.backward()
+                del loss
+                while rng_held:
+                    ledger.free_key(rng_held.pop())
+                grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
+            allow_item[0] = True
+            with hooks.phase("optimizer"):
+                if masters is not None:
+                    for m, p in zip(masters, trainable):
+                        m.grad = None if p.grad is None else p.grad.to(torch.float32)
+                    for p in trainable:
+                        p.grad = None
+                opt.step()
+                if masters is not None:
+                    with torch.no_grad():
+                        for m, p in zip(masters, trainable):
+                            p.copy_(m)
+            # zero_grad outside the phase, as track() sees a step (its hooks wrap step() only)
+            opt.zero_grad(set_to_none=True)
+            allow_item[0] = False
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        state_keys.add(ledger.key_of(v))
+        facts["fparams"] = fparams
+        facts["largest_unit"] = _largest_unit(model, {id(f): f.untyped_storage().nbytes() for _, f in fparams})
+        facts["trainable_numel"] = sum(t.numel() for t in trainable)
+        ledger.mark(grads_keys, "gradient")
+        ledger.mark(state_keys, "optimizer_state")
+        facts["end_live"] = set(ledger.live.values())
+        facts["end_current"] = ledger.current
+        del opt, fparams, fbufs, finputs, fakes, trainable, masters, opt_params
+        facts.pop("fparams")
+        ledger.closed = True
+    return ledger, hooks, facts
+
+
+def _classify(ledger, hooks):
+    """Give every unlabelled allocation a category: activation (made in forward, alive after it) or temporary."""
+    end_of_fwd = sorted(e for ph, _s, e in hooks.spans if ph == "forward")
+    freed_at = {}
+    for i, (key, sign) in enumerate(ledger.events):
+        if sign < 0:
+            freed_at[key] = i
+    alloc_at = {}
+    for i, (key, sign) in enumerate(ledger.events):
+        if sign > 0 and key not in alloc_at:
+            alloc_at[key] = i
+    import bisect
+
+    for key, info in ledger.info.items():
+        if info[3] is not None:
+            continue
+        if info[1] == "forward":
+            j = bisect.bisect_left(end_of_fwd, alloc_at[key])
+            fwd_end = end_of_fwd[j] if j < len(end_of_fwd) else len(ledger.events)
+            info[3] = "activation" if freed_at.get(key, len(ledger.events)) >= fwd_end else "temporary"
+        else:
+            info[3] = "temporary"
+
+
+def _curve(ledger, sizes=None):
+    """Allocated bytes after each event (a list), with sizes[key] overriding the ledger's."""
+    cur = 0
+    out = []
+    info = ledger.info
+    for key, sign in ledger.events:
+        cur += sign * (info[key][0] if sizes is None else sizes[key])
+        out.append(cur)
+    return out
+
+
+def _peak_set(ledger, curve):
+    at, best = -1, 0
+    for i, v in enumerate(curve):
+        if v > best:
+            best, at = v, i
+    live = set()
+    for key, sign in ledger.events[: at + 1]:
+        if sign > 0:
+            live.add(key)
+        else:
+            live.discard(key)
+    return best, at, live
+
+
+def estimate(
+    model,
+    *inputs,
+    optimizer="adamw",
+    loss_fn=None,
+    precision="fp32",
+    device="cpu",
+    checkpointing=None,
+    world_size=1,
+    sharding=None,
+):
+    """Estimate the memory of one training step of ``model`` on ``inputs`` without running it for real.
+
+    inputs: example tensors (real, meta or fake; their values are never read),
+    shapes such as (64, 784) (float32) or (shape, dtype) pairs. optimizer: a
+    name (memtorch.estimation.OPTIMIZERS: sgd, sgd-momentum, adam, adamw,
+    amsgrad, adagrad, rmsprop, and -foreach/-fused variants), an optimizer to
+    copy the class and settings of, or a callable taking the parameters.
+    loss_fn(output, *inputs) -> loss; default: the sum of the output's
+    floating-point tensors. precision: fp32, bf16-mixed/fp16-mixed (autocast),
+    bf16-true/fp16-true (parameters cast), mixed-zero/fp16-zero (bf16/fp16
+    parameters and gradients, fp32 master weights and optimizer state, as
+    ZeRO/DeepSpeed). device: "cpu" or "cuda" (the CUDA caching allocator's
+    rules). checkpointing: None, "blocks" or module names recomputed in
+    backward. world_size, sharding (ddp, zero1, zero2, zero3 = FSDP full
+    shard): per-rank figures. Returns an Estimate.
+    """
+    import time
+
+    torch = _torch()
+    t0 = time.perf_counter()
+    if not isinstance(model, torch.nn.Module):
+        raise MemtorchError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
+    _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn)
+    if not inputs:
+        raise MemtorchError("estimate() needs example inputs: estimate(model, x) with a tensor or a shape")
+    device = str(device).split(":")[0]
+    if world_size > 1 and sharding is None:
+        sharding = "ddp"
+    notes = []
+    from . import _estimate_kernels
+
+    skipped0 = _estimate_kernels.probe_stats["skipped_large"]
+    try:
+        ledger, hooks, facts = _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpointing)
+    except _DataDependent as e:
+        raise MemtorchError(
+            f"the model {e}: estimate() runs it on fake tensors that hold no values, so a step whose "
+            "memory depends on tensor values cannot be estimated"
+        ) from None
+    except MemtorchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with what failed
+        raise MemtorchError(_explain(e)) from e
+    _classify(ledger, hooks)
+    skipped = _estimate_kernels.probe_stats["skipped_large"] - skipped0
+    if skipped:
+        notes.append(
+            f"{skipped} kernel call(s) with more than {units.format(_estimate_kernels.PROBE_CAP)} of tensors were not "
+            "measured on the real kernel: their scratch space inside the kernel is not in the estimate"
+        )
+    notes += sorted(_estimate_kernels.notes)
+    from . import cpu
+
+    if not cpu.exact():
+        notes.append(
+            "this process has no exact CPU counters (memtorch.cpu.mechanism() is not libc10-got): the scratch "
+            "space CPU kernels allocate inside themselves was not measured and is not in the estimate"
+        )
+    return _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0)
+
+
+def _explain(e):
+    name = type(e).__name__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else name
+    if "DataDependent" in name or "data-dependent" in text.lower():
+        return (f"the model runs an operation whose output depends on tensor values ({text}); estimate() runs "
+                "the step on fake tensors that hold no values")  # fmt: skip
+    if "Unsupported" in name or "meta" in text.lower() or "no fake impl" in text.lower():
+        return (f"an operation of the model cannot run on fake tensors ({name}: {text}): a custom operator "
+                "needs a meta/fake kernel for estimate() to run it")  # fmt: skip
+    return f"the model's training step failed on fake tensors: {name}: {text}"
+
+
+def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds):
+    from .tracking import PhaseStats
+
+    info = ledger.info
+    sizes = None
+    reserved_peak = reserved_steady = None
+    if device == "cuda":
+        from ._estimate_cuda import CachingAllocator
+
+        alloc_curve, reserved_curve = CachingAllocator().replay(ledger.events, {k: v[0] for k, v in info.items()})
+        sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
+        reserved_peak = max(reserved_curve, default=0)
+        reserved_steady = reserved_curve[-1] if reserved_curve else 0
+        notes.append(
+            "device='cuda': the CUDA context (typically 300-600 MiB per process) and cuBLAS/cuDNN workspaces "
+            "are outside these figures, as they are outside torch.cuda.memory_allocated(); the kernels "
+            "modelled are the CPU's"
+        )
+        curve = alloc_curve
+    else:
+        curve = _curve(ledger)
+    peak, at, live = _peak_set(ledger, curve)
+
+    def size(k):
+        return info[k][0] if sizes is None else sizes[k]
+
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    for k in live:
+        breakdown[info[k][3]] += size(k)
+    end_live = facts["end_live"]
+    steady = sum(size(k) for k in end_live)
+    # Model states, exact: every storage ever given the category (gradients and optimizer state
+    # are all alive together at their own high points).
+    states = dict.fromkeys(("parameter", "buffer", "gradient", "optimizer_state"), 0)
+    grads_step = {}
+    for k, v in info.items():
+        if v[3] in ("parameter", "buffer", "optimizer_state") and k in end_live:
+            states[v[3]] += size(k)
+        elif v[3] == "gradient" and k in grads_step.setdefault(0, _grads_of_last_step(ledger)):
+            states["gradient"] += size(k)
+    phases = {}
+    for name, s, e in hooks.spans:
+        ps = phases.setdefault(name, PhaseStats(name))
+        before = curve[s - 1] if s > 0 else 0
+        end = curve[e - 1] if e > 0 else 0
+        top = max(curve[s:e], default=before)
+        ps._add(before, end, max(top, before), True, 0.0)
+    forwards = max(1, sum(1 for n, _s, _e in hooks.spans if n == "forward"))
+    for i, s, e in hooks.calls:
+        row = hooks.rows[i]
+        before = curve[s - 1] if s > 0 else 0
+        end = curve[e - 1] if e > 0 else 0
+        row.calls += 1
+        row.activation_total += end - before
+        row.peak_above_start = max(row.peak_above_start, max(curve[s:e], default=before) - before)
+    for row in hooks.rows:
+        row.activation_bytes = row.activation_total // forwards
+    per_rank = None
+    if world_size > 1:
+        per_rank, peak_rank = _per_rank(states, breakdown, peak, world_size, sharding, facts, hooks)
+        notes.append(
+            f"per-rank figures for {sharding} on {world_size} ranks: model states by the ZeRO paper's formulas; "
+            "the inputs given are one rank's batch; zero3 adds two units' gathered parameters (the block "
+            "computing and the next one prefetched, each block of an nn.ModuleList being a unit); "
+            "communication buffers other than DDP's gradient buckets are not modelled"
+        )
+        peak, steady = peak_rank, per_rank["steady"]
+    return Estimate(
+        device=device, precision=precision, optimizer=facts["optimizer_name"], world_size=world_size,
+        sharding=sharding, peak=peak, steady=steady, breakdown={k: v for k, v in breakdown.items()},
+        model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
+        reserved_steady=reserved_steady, per_rank=per_rank, notes=notes, seconds=seconds,
+    )  # fmt: skip
+
+
+def _cuda_block(n):
+    from ._estimate_cuda import round_size
+
+    return round_size(n)
+
+
+def _grads_of_last_step(ledger):
+    """Keys of the gradients alive together at the end of the last backward."""
+    grads = [k for k, v in ledger.info.items() if v[3] == "gradient"]
+    if not grads:
+        return set()
+    # the gradients of the last step are the last allocated ones with that category
+    live, best = set(), set()
+    gset = set(grads)
+    for key, sign in ledger.events:
+        if key not in gset:
+            continue
+        if sign > 0:
+            live.add(key)
+        else:
+            if len(live) >= len(best):
+                best = set(live)
+            live.discard(key)
+    if len(live) >= len(best):
+        best = set(live)
+    return best
+
+
+def _largest_unit(model, nbytes):
+    """Parameter bytes of the largest block of any nn.ModuleList (the whole model without one):
+    what FSDP/ZeRO-3 gathers unsharded while it computes one wrapped unit."""
+    torch = _torch()
+    units_ = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    if not units_:
+        units_ = [model]
+    best = 0
+    for m in units_:
+        ids = {id(p) for p in m.parameters()}
+        best = max(best, sum(nbytes.get(i, 0) for i in ids))
+    return best
+
+
+def _per_rank(states, breakdown, peak, n, sharding, facts, hooks):
+    """Per-rank model states (ZeRO paper, section 5) and the peak with them replaced."""
+    numel = facts["trainable_numel"]
+    if sharding in ("zero1", "zero2", "zero3") and numel % n:
+        raise MemtorchError(
+            f"world_size {n} does not divide the {numel} trainable parameter elements that {sharding} splits "
+            "evenly across ranks (DeepSpeed and FSDP pad the last shard; pick a world size that divides it)"
+        )
+    p, g, o = states["parameter"], states["gradient"], states["optimizer_state"]
+    if sharding == "ddp":
+        rp, rg, ro, extra = p, g, o, g  # DDP's reducer keeps gradient buckets as large as the gradients
+    elif sharding == "zero1":
+        rp, rg, ro, extra = p, g, o // n, 0
+    elif sharding == "zero2":
+        rp, rg, ro, extra = p, g // n, o // n, 0
+    else:
+        rp, rg, ro, extra = p // n, g // n, o // n, 0
+    # ZeRO-3/FSDP: one unit's parameters gathered whole while it computes, the next prefetched
+    gathered = 2 * facts["largest_unit"] if sharding == "zero3" else 0
+    saved = (p - rp) + (o - ro)
+    # gradients: at the peak only what was alive of them is replaced
+    g_at_peak = breakdown.get("gradient", 0)
+    g_rank_at_peak = g_at_peak if sharding in ("ddp", "zero1") else g_at_peak // n
+    peak_rank = peak - saved - (g_at_peak - g_rank_at_peak) + extra + gathered
+    steady = p + states["buffer"] + o - saved + extra + breakdown.get("input", 0)
+    out = {
+        "parameter": rp,
+        "gradient": rg,
+        "optimizer_state": ro,
+        "communication_buckets": extra,
+        "gathered_parameters": gathered,
+        "peak": peak_rank,
+        "steady": steady,
+    }
+    return out, peak_rank
