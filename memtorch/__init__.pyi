@@ -18,6 +18,8 @@ from .errors import BudgetExceeded as BudgetExceeded
 from .errors import DeviceUnavailable as DeviceUnavailable
 from .errors import MemtorchError as MemtorchError
 from .errors import UnitError as UnitError
+from .estimation import Estimate as Estimate
+from .estimation import estimate as estimate
 from .mermaid import diagram as diagram
 from .report import ModelMemory as ModelMemory
 from .tracking import Tracker as Tracker

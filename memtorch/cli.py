@@ -360,7 +360,9 @@ def cmd_estimate(args, out, progress):
     with progress.step("estimating one training step"):
         try:
             est = estimate(model, *inputs, **kwargs)
-        except (TypeError, ValueError, MemtorchError) as e:  # a bad name, a model that cannot run on fakes
+        except (TypeError, ValueError, MemtorchError) as e:
+            # memtorch's own refusals (an unknown optimizer, an input it cannot use) are
+            # messages for the user; anything else the model raises keeps its traceback.
             raise UsageError(f"estimate: {e}") from None
     _render_report(est, args.format, f"memtorch estimate {args.target}", out)
     return EXIT_OK
@@ -405,7 +407,10 @@ def cmd_advise(args, out, progress):
             raise UsageError(f"--budget: {e}") from None
         kwargs["budget"] = args.budget
     with progress.step("weighing what to change"):
-        advice = advise(model, *inputs, **kwargs)
+        try:
+            advice = advise(model, *inputs, **kwargs)
+        except (TypeError, ValueError, MemtorchError) as e:
+            raise UsageError(f"advise: {e}") from None
     _render_report(advice, args.format, f"memtorch advise {args.target}", out)
     return EXIT_OK
 
