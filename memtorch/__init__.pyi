@@ -14,6 +14,13 @@ from . import cpu as cpu
 from . import cuda as cuda
 from . import errors as errors
 from . import units as units
+from . import display as display
+from . import distributed as distributed
+from . import plot as plot
+from .advice import Advice as Advice
+from .advice import advise as advise
+from .distributed import MultiRankReport as MultiRankReport
+from .planning import plan as plan
 from .errors import BudgetExceeded as BudgetExceeded
 from .errors import DeviceUnavailable as DeviceUnavailable
 from .errors import MemtorchError as MemtorchError
