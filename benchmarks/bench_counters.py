@@ -148,14 +148,20 @@ def chained_hook_cost(rounds, n=200_000):
     from memtorch import _C
 
     extra = []
+    # The tool must sit under memtorch (installed first, forwarding to libc), as
+    # memray does when its Tracker starts before memtorch installs: release
+    # memtorch's own held installation first, and take it back after.
+    cpu.keep_counting(False)
     _C._counters_tool("chain")
     try:
         with cpu.Scope():
+            assert _C._counters_slot_info("posix_memalign")[2] != _C._counters_slot_info("posix_memalign")[0]
             for _ in range(rounds):
                 d, h = _C._counters_bench(n, 256)
                 extra.append(h - d)
     finally:
         _C._counters_tool("uninstall")
+        cpu.keep_counting(True)
     return statistics.median(extra)
 
 

@@ -99,22 +99,13 @@ static _Atomic(mt_free_fn) mt_bottom_free;
 static _Thread_local int mt_fwd_pm;
 static _Thread_local int mt_fwd_free;
 
-static int
-mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
+/* The forwarding when another tool lies under us (a cycle is possible):
+ * kept out of line so that the fast path stays a leaf-like call. */
+static __attribute__((noinline)) int
+mt_pm_slow(void **out, size_t alignment, size_t size, mt_posix_memalign_fn real)
 {
-    mt_posix_memalign_fn real =
-        atomic_load_explicit(&mt_real_posix_memalign, memory_order_acquire);
-    int depth, rc;
+    int depth = mt_fwd_pm, rc;
     mt_posix_memalign_fn next = NULL;
-    if (real == atomic_load_explicit(&mt_bottom_posix_memalign, memory_order_relaxed)) {
-        /* Fast path, no other tool under us: no cycle possible, no guard. */
-        rc = real(out, alignment, size);
-        if (rc == 0 && *out != NULL) {
-            mt_counters_on_alloc(*out, size);
-        }
-        return rc;
-    }
-    depth = mt_fwd_pm;
     if (depth == 0) {
         next = real;
     }
@@ -135,20 +126,28 @@ mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
     return rc;
 }
 
-static inline void
-mt_free_common(void *ptr, int kind)
+static int
+mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
 {
-    mt_free_fn real = atomic_load_explicit(&mt_real_free, memory_order_acquire);
-    int depth;
-    mt_free_fn next = NULL;
-    if (real == atomic_load_explicit(&mt_bottom_free, memory_order_relaxed)) {
-        if (ptr != NULL) {
-            mt_counters_on_free(ptr, kind);
-        }
-        real(ptr);
-        return;
+    mt_posix_memalign_fn real =
+        atomic_load_explicit(&mt_real_posix_memalign, memory_order_acquire);
+    int rc;
+    if (real != atomic_load_explicit(&mt_bottom_posix_memalign, memory_order_relaxed)) {
+        return mt_pm_slow(out, alignment, size, real);
     }
-    depth = mt_fwd_free;
+    /* Fast path, nothing under us but the bottom function: no cycle possible. */
+    rc = real(out, alignment, size);
+    if (rc == 0 && *out != NULL) {
+        mt_counters_on_alloc(*out, size);
+    }
+    return rc;
+}
+
+static __attribute__((noinline)) void
+mt_free_slow(void *ptr, int kind, mt_free_fn real)
+{
+    int depth = mt_fwd_free;
+    mt_free_fn next = NULL;
     if (depth == 0) {
         if (ptr != NULL) {
             /* Before the real free: the address cannot be reused meanwhile. */
@@ -165,6 +164,21 @@ mt_free_common(void *ptr, int kind)
     mt_fwd_free = depth + 1;
     next(ptr);
     mt_fwd_free = depth;
+}
+
+static inline void
+mt_free_common(void *ptr, int kind)
+{
+    mt_free_fn real = atomic_load_explicit(&mt_real_free, memory_order_acquire);
+    if (real != atomic_load_explicit(&mt_bottom_free, memory_order_relaxed)) {
+        mt_free_slow(ptr, kind, real);
+        return;
+    }
+    if (ptr != NULL) {
+        /* Before the real free: the address cannot be reused meanwhile. */
+        mt_counters_on_free(ptr, kind);
+    }
+    real(ptr);
 }
 
 /* libc10's direct calls of free (c10::free_cpu among them). */
