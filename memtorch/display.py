@@ -395,7 +395,8 @@ def _rule_lines(mm):
     """What the per-module figures mean, printed under the table."""
     from .report import MODULE_RULE
 
-    lines = [f"(each row: the module with everything inside it; {MODULE_RULE})"]
+    rule = MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
+    lines = [f"(each row: the module with everything inside it; {rule}: a tied weight counts under its first holder)"]
     shared = [m for m in mm.modules if m.shared]
     for m in shared[:5]:
         lines.append(f"(also held by {m.name or '(model)'}, counted under an earlier module: {_fmt(m.shared)})")

@@ -120,7 +120,10 @@ class AtPeak:
         owners = self.owners if limit is None else self.owners[:limit]
         how = "" if self.exact else " (not exact)"
         head = f"at the peak ({units.format(self.peak)}{how}), held by:"
-        out = [head] + ["  " + o.describe() for o in owners if o.nbytes]
+        shown = [o for o in owners if o.nbytes]
+        w = max((len(units.format(o.nbytes)) for o in shown), default=0)
+        # sizes right-aligned in one column, then the owner
+        out = [head] + ["  " + o.describe().rjust(len(o.describe()) - len(units.format(o.nbytes)) + w) for o in shown]
         rest = [o for o in self.owners[len(owners):] if o.nbytes]
         if rest:
             out.append(f"  ... and {len(rest)} more owner(s), {units.format(sum(o.nbytes for o in rest))}")
