@@ -404,6 +404,16 @@ def plan(
             raise MemtorchError(f"plan() micro_batches must be positive ints, got {mb!r}")
     for s in shardings:
         _check_sharding(s)
+    notes = []
+    checkpointing = list(checkpointing)
+    if "blocks" in checkpointing:
+        torch = _torch_mod()
+        if not any(isinstance(m, torch.nn.ModuleList) and len(m) for m in model.modules()):
+            # the default option: a model with no nn.ModuleList of blocks is planned without it
+            checkpointing.remove("blocks")
+            notes.append("checkpointing='blocks' left out: the model has no nn.ModuleList of blocks")
+            if not checkpointing:
+                checkpointing = [None]
     breakdowns = {}
     for prec in precisions:
         for ckpt in checkpointing:
@@ -413,7 +423,7 @@ def plan(
                     model, *xs, optimizer=optimizer, precision=prec, device=device, checkpointing=ckpt
                 )
                 breakdowns[(prec, ckpt, mb)] = breakdown_of(est, model)
-    notes = [
+    notes = notes + [
         "per-rank figures: one dry run per (precision, checkpointing, micro-batch), then the sharding "
         "arithmetic of memtorch.plan (ZeRO paper's model states; DDP's gradient buckets; FSDP's gathered blocks)"
     ]
@@ -422,3 +432,9 @@ def plan(
         shardings=shardings, global_batch=global_batch, reserve=reserve, pad=pad, notes=notes,
         seconds=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def _torch_mod():
+    import torch
+
+    return torch

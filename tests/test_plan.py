@@ -196,3 +196,15 @@ def test_plan_needs_inputs_and_a_module():
         memtorch.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), shardings=["zero9"])
     with pytest.raises(MemtorchError, match="micro_batches must be positive ints, got 0"):
         memtorch.plan(torch.nn.Linear(4, 4), torch.randn(2, 4), micro_batches=[0])
+
+
+def test_plan_of_a_model_without_blocks_leaves_checkpointing_out():
+    # the default checkpointing=(None, "blocks") needs an nn.ModuleList; a plain Sequential has none
+    import torch
+
+    import memtorch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    p = memtorch.plan(model, torch.randn(8, 64), device_memory="1 GiB", max_world_size=4)
+    assert "checkpointing='blocks' left out" in str(p)
+    assert all(not o.checkpointing for o in p.options)
