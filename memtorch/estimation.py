@@ -40,7 +40,7 @@ import functools
 import html
 
 from . import units
-from ._estimate_run import Ledger, _accounting_mode, _DataDependent, fake_like, fake_mode
+from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
@@ -58,16 +58,6 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "mix
 SHARDINGS = (None, "ddp", "zero1", "zero2", "zero3")
 DEVICES = ("cpu", "cuda")
 
-_torch_mod = None
-
-
-def _torch():
-    global _torch_mod
-    if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
-    return _torch_mod
 
 
 # ---------------------------------------------------------------------------

@@ -407,7 +407,6 @@ def plan(
     notes = []
     checkpointing = list(checkpointing)
     if "blocks" in checkpointing:
-        torch = _torch_mod()
         if not any(isinstance(m, torch.nn.ModuleList) and len(m) for m in model.modules()):
             # the default option: a model with no nn.ModuleList of blocks is planned without it
             checkpointing.remove("blocks")
@@ -432,9 +431,3 @@ def plan(
         shardings=shardings, global_batch=global_batch, reserve=reserve, pad=pad, notes=notes,
         seconds=time.perf_counter() - t0,
     )  # fmt: skip
-
-
-def _torch_mod():
-    import torch
-
-    return torch
