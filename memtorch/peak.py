@@ -144,65 +144,31 @@ class AtPeak:
         return f"AtPeak(peak={self.peak}, owners={len(self.owners)}, exact={self.exact})"
 
 
-def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
-    """Replay ``events`` (eventlog_read_all's array, allocations and frees only, in
-    log order) and group the live bytes at the event that reached ``peak``.
+def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, token, rows):
+    """Group the live bytes at the event that reached ``peak``, from ``replayed``, what
+    ``_C.eventlog_replay`` found in one pass over the block's event log (the live set
+    at the peak, and the first event of each address of ``queries``).
 
+    kept: allocation events of the block the log still held; dropped: events lost.
     snapshots: [(head, {address: (name, kind, phase, shape, dtype)})], walks of the
     model, optimizer and inputs, each with the log index at which it was taken: a
     name applies to the storage that lived at its address at that moment.
+    queries: the addresses of the snapshots, in the order ``replayed`` answers them.
     sizes_now: maps a list of addresses to the counted sizes now (-1: none);
     token: this block's tag token; rows: (name, type) of the modules by row.
     """
-    import numpy as np
-
+    base, k, at, reached, live, freed_before, firsts, _, _ = replayed
     notes = []
     exact = True
-    n = len(events)
-    delta = events["delta"]
-    ptr = events["ptr"]
-    gidx = events["index"].astype(np.int64)
     if dropped:
         exact = False
         notes.append(
-            f"the event log kept only the latest {n} events of this block ({dropped} lost): "
+            f"the event log kept only the latest {kept} events of this block ({dropped} lost): "
             "bytes allocated before the oldest one kept are grouped as not identified"
         )
-        base = int(events["bytes"][0] - delta[0]) if n else start
-    else:
-        base = start
-    # the event that reached the peak (the first one, in log order)
-    if peak <= base or n == 0:
-        k = -1
-    else:
-        hits = np.flatnonzero(events["bytes"] == peak)
-        if len(hits):
-            k = int(hits[0])
-        else:
-            k = int(np.argmax(events["bytes"]))
-            exact = False
-            notes.append("no event of the log reached the peak: the live set is taken at the log's highest point")
-    at = int(peak) if k < 0 else int(events["bytes"][k])
-    # per address, in log order: the first event, and for each event the next one
-    order = np.lexsort((np.arange(n), ptr))
-    sp = ptr[order]
-    nxt = np.full(n, n, dtype=np.int64)
-    first_of = {}
-    if n:
-        same = sp[1:] == sp[:-1]
-        nxt[order[:-1][same]] = order[1:][same]
-        starts = np.flatnonzero(np.r_[True, ~same])
-        first_of = dict(zip(sp[starts].tolist(), order[starts].tolist()))
-    gnext = np.append(gidx, np.iinfo(np.int64).max)[nxt]  # log index of the next event of the address
-    # allocations live at the peak: made at or before k, next event after k
-    idx = np.arange(max(k + 1, 0))
-    live = idx[(delta[: k + 1] >= 0) & (nxt[: k + 1] > k)].tolist() if k >= 0 else []
-    # storages made before the log that were freed at or before the peak
-    freed_before = 0
-    if k >= 0:
-        firsts = np.fromiter(first_of.values(), dtype=np.int64, count=len(first_of))
-        pre_freed = firsts[(firsts <= k) & (delta[firsts] < 0)]
-        freed_before = int(-delta[pre_freed].sum())
+    if not reached:
+        exact = False
+        notes.append("no event of the log reached the peak: the live set is taken at the log's highest point")
     owners = {}
     storages = []
 
@@ -215,26 +181,18 @@ def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
         if not group:
             storages.append(StorageAtPeak(name, kind, phase, nbytes, shape, dtype))
 
-    gidx_l, gnext_l = gidx.tolist(), gnext.tolist()
-    ptr_l, delta_l, tag_l = ptr.tolist(), delta.tolist(), events["tag"].tolist()
-
-    def name_of_alloc(i, a):
-        g, gn = gidx_l[i], gnext_l[i]
-        for h, names in snapshots:
-            if g < h <= gn:
-                found = names.get(a)
-                if found is not None:
-                    return found
-        return None
-
     in_block = 0
     mask = (1 << (TAG_BITS - 2)) - 1
-    for i in live:
-        a, size, tag = ptr_l[i], delta_l[i], tag_l[i]
+    for a, size, tag, g, gn in live.tolist():
         in_block += size
         mine = (tag >> TAG_BITS) == token
         phase = PHASE_NAMES.get(tag & 3) if mine else None
-        named = name_of_alloc(i, a)
+        named = None
+        for h, names in snapshots:  # a walk taken while this storage lived names it
+            if g < h <= gn:
+                named = names.get(a)
+                if named is not None:
+                    break
         if named is not None:
             nm, kind, _, shape, dtype = named
             add(nm, kind, phase, size, shape, dtype)
@@ -257,6 +215,7 @@ def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
     # storages made before the log and live at the peak: a walk saw them live, their
     # address has no event up to the peak, and their counted size is known (a free
     # after the peak, or counted now)
+    first = dict(zip(queries, firsts.tolist()))
     pre_named = 0
     done = set()
     lookups = []
@@ -264,14 +223,14 @@ def attribute(events, dropped, start, peak, snapshots, sizes_now, token, rows):
         for a, named in names.items():
             if a in done:
                 continue
-            f = first_of.get(a)
-            if f is None:
+            f, fdelta, findex = first[a]
+            if f < 0:
                 done.add(a)
                 lookups.append((a, named))
-            elif f > k and delta_l[f] < 0 and gidx_l[f] >= h:
+            elif f > k and fdelta < 0 and findex >= h:
                 done.add(a)
-                add(named[0], named[1], None, -delta_l[f], named[3], named[4])
-                pre_named += -delta_l[f]
+                add(named[0], named[1], None, -fdelta, named[3], named[4])
+                pre_named += -fdelta
     if lookups:
         sizes = sizes_now([a for a, _ in lookups]).tolist()
         for (a, named), size in zip(lookups, sizes):

@@ -634,29 +634,31 @@ class _SavedBytes:
         self.examples = []
 
 
-def _phase_figures(ev, kind, b, phases):
-    """Fill PhaseStats bytes from the phase marks (kind 3, number 0x100|code begins, 0x200|code ends)."""
-    import numpy as np
-
-    num = ev["ptr"]
-    marks = np.flatnonzero((kind == 3) & (num >= 0x100))
-    names = attribution.PHASE_NAMES
-    seen = {name: 0 for name in phases}
-    open_at = {}
-    for j, n in zip(marks.tolist(), num[marks].tolist()):
-        code = n & 0xFF
-        if n & 0x100:
-            open_at[code] = j
-        elif code in open_at:
-            p0 = open_at.pop(code)
-            peak = int(b[p0 : j + 1].max())
+def _apply_replay(replayed, n_events, mod_rows, phases):
+    """Per-module and per-phase figures from eventlog_replay()'s pass over the marks."""
+    if phases:
+        names = attribution.PHASE_NAMES
+        seen = {name: 0 for name in phases}
+        for code, b0, b1, peak in replayed[8]:
             name = names.get(code)
             if name in phases:
-                phases[name]._add_bytes(int(b[p0]), int(b[j]), peak, True)
+                phases[name]._add_bytes(b0, b1, peak, True)
                 seen[name] += 1
-    for name, p in phases.items():
-        if seen[name] < p.calls:  # begun before the oldest event kept
-            p.exact = False
+        for name, p in phases.items():
+            if seen[name] < p.calls:  # begun before the oldest event kept
+                p.exact = False
+    if not n_events:
+        return
+    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, replayed[7].tolist()):
+        if not calls:
+            continue
+        row.calls += calls
+        row._measured += measured
+        row.activation_total += act
+        if measured:
+            row.peak_above_start = max(row.peak_above_start, above)
+        if unmatched:
+            row.exact = False
 
 
 def _average_modules(rows, forwards):
@@ -668,14 +670,16 @@ def _average_modules(rows, forwards):
         row.activation_bytes = row.activation_total // forwards
 
 
-def _replay(record_marks, ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, forwards, caveats, exact,
-            phases=None):
+def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, forwards, caveats, exact, phases=None):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak."""
-    record_marks(ev, dropped, start, rows, phases)
+    queries = list({a for _, names in snapshots for a in names})
+    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
+    _apply_replay(replayed, len(ev), rows, phases)
     _average_modules(rows, forwards)
     names = [(r.name, r.type) for r in rows]
+    kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
     at_peak = attribution.attribute(
-        ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots,
+        replayed, queries, kept, dropped, peak_bytes, snapshots,
         lambda addrs: _np_int64([sizes.get(a, -1) for a in addrs]), token, names,
     )  # fmt: skip
     at_peak.notes += caveats
@@ -1037,66 +1041,6 @@ class Tracker:
         row.peak_above_start = max(row.peak_above_start, peak - start)
         row.exact = row.exact and exact
 
-    @staticmethod
-    def _record_marks(ev, dropped, start, mod_rows, phases=None):
-        """Per-module and per-phase figures from the event log's marks (event-log mode)."""
-        import numpy as np
-
-        if not len(ev):
-            for p in (phases or {}).values():
-                p.exact = p.exact and not p.calls
-            return
-        kind = ev["kind"]
-        # bytes after each event; a mark carries -1: it takes the bytes of the event before
-        b = ev["bytes"].copy()
-        alloc = kind == 0
-        idx = np.where(alloc, np.arange(len(ev)), -1)
-        np.maximum.accumulate(idx, out=idx)
-        first_b = int(start) if not dropped else (int(b[alloc][0] - ev["delta"][alloc][0]) if alloc.any() else 0)
-        b = np.where(idx >= 0, b[np.maximum(idx, 0)], first_b)
-        if phases:
-            _phase_figures(ev, kind, b, phases)
-        marks = np.flatnonzero((kind == 1) | (kind == 2))
-        open_calls = {}
-        pairs_p, pairs_q, rows = [], [], []
-        unmatched = 0
-        for j, k, i in zip(marks.tolist(), kind[marks].tolist(), ev["ptr"][marks].tolist()):
-            if k == 1:
-                open_calls.setdefault(i, []).append(j)
-            elif open_calls.get(i):
-                pairs_p.append(open_calls[i].pop())
-                pairs_q.append(j)
-                rows.append(i)
-            elif i < len(mod_rows):
-                unmatched += 1  # began before the oldest event kept
-                mod_rows[i].calls += 1
-                mod_rows[i].exact = False
-        for i, starts in open_calls.items():  # interrupted forwards end with the block
-            for j in starts:
-                pairs_p.append(j)
-                pairs_q.append(len(ev) - 1)
-                rows.append(i)
-        if not rows:
-            return
-        p = np.asarray(pairs_p, dtype=np.intp)
-        q = np.asarray(pairs_q, dtype=np.intp)
-        idx2 = np.empty(2 * len(p), dtype=np.intp)
-        idx2[0::2] = p
-        idx2[1::2] = q + 1
-        padded = np.append(b, b[-1])
-        peak = np.maximum.reduceat(padded, idx2)[0::2]
-        act = (b[q] - b[p]).tolist()
-        pas = (peak - b[p]).tolist()
-        n_rows = len(mod_rows)
-        for i, a_, p_ in zip(rows, act, pas):
-            if i >= n_rows:
-                continue
-            row = mod_rows[i]
-            row.calls += 1
-            row._measured += 1
-            row.activation_total += a_
-            row.peak_above_start = max(row.peak_above_start, p_)
-
     def _install_hooks(self):
         model = None if self._model is None else self._model()
         if model is not None:
@@ -1292,7 +1236,7 @@ class Tracker:
             addrs = list({a for _, names in snapshots for a in names})
             sizes = dict(zip(addrs, _C.counters_sizes(addrs).tolist()))
             pending = functools.partial(
-                _replay, self._record_marks, ev, dropped, start, peak_bytes, snapshots, sizes,
+                _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._forwards,
                 list(getattr(self._scope, "caveats", None) or []), exact, self._phases,
             )  # fmt: skip

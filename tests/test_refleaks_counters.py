@@ -68,6 +68,11 @@ def _calls(handle):
         "eventlog_head": _C.eventlog_head,
         "eventlog_read_all": lambda: (_C.eventlog_read_all(0, _C.eventlog_head()),
                                       raises(_C.eventlog_read_all, -1, 0)()),
+        "eventlog_replay": lambda: (
+            _C.eventlog_replay(_C.eventlog_read_all(0, _C.eventlog_head())[0], 0, 0, 0, 1, 3, [0, 64]),
+            raises(_C.eventlog_replay, [1], 0, 0, 0, 1, 0, [])(),
+            raises(_C.eventlog_replay, _C.eventlog_read_all(0, 0)[0], 0, 0, 0, 1, 0, [-1])(),
+        ),
         "eventlog_mark": lambda: (_C.eventlog_mark(3, 0, 0), raises(_C.eventlog_mark, 9, 0, 0)(),
                                   raises(_C.eventlog_mark, 1, 0)()),
         "counters_sizes": lambda: (_C.counters_sizes([0, 0x7A00_0000_0040]), raises(_C.counters_sizes, [-1])(),
