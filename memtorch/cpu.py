@@ -74,7 +74,7 @@ import os
 import sys
 import threading
 
-from . import _C, _torch
+from . import _C, _torch, units
 from .errors import MemtorchError
 
 __all__ = [
@@ -555,8 +555,6 @@ class Scope:
     @property
     def caveats(self):
         """What these figures could not see, as sentences for a user; [] when all is well."""
-        from . import units
-
         self._need_opened()
         out = []
         if self._mechanism == FALLBACK:

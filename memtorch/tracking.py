@@ -445,7 +445,13 @@ class TrackReport:
 
 def _rank_info():
     """{"rank", "world_size"} under an initialised torch.distributed process group, else {}."""
-    if "torch.distributed" not in sys.modules:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return {}
+    try:
+        if not dist.is_initialized():  # cheap: the check before distributed.rank_info's
+            return {}
+    except Exception:  # noqa: BLE001 - a build without distributed support, or one being torn down
         return {}
     from .distributed import rank_info
 
@@ -670,8 +676,11 @@ def _average_modules(rows, forwards):
         row.activation_bytes = row.activation_total // forwards
 
 
-def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, forwards, caveats, exact, phases=None):
-    """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak."""
+def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
+            phases=None):
+    """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
+    ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
+    rows.extend(ModuleStats(name, type_name) for name, type_name in specs)
     queries = list({a for _, names in snapshots for a in names})
     replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
     _apply_replay(replayed, len(ev), rows, phases)
@@ -755,13 +764,62 @@ _META_HINT = (
 )
 
 
+class _Plan:
+    """What a block reads of a model's structure, kept between blocks (the Tracker of a
+    training loop opens one per step) while the structure stays the same: the modules by
+    name, the parameters and buffers by name. Only weak references: a module or tensor
+    the user drops is never kept alive by memtorch."""
+
+    __slots__ = ("mods", "ids", "specs", "params", "buffers", "fp", "__weakref__")
+
+    def __init__(self, model):
+        named = list(model.named_modules())
+        self.mods = [weakref.ref(m) for _, m in named]
+        self.ids = {id(m): i for i, (_, m) in enumerate(named)}
+        self.specs = [(name, type(m).__name__) for name, m in named]
+        self.params, self.buffers, seen = [], [], set()
+        for prefix, mod in named:
+            pre = prefix + "." if prefix else ""
+            for k, p in mod._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append((pre + k, weakref.ref(p)))
+            for k, b in mod._buffers.items():
+                if b is not None:
+                    self.buffers.append((pre + k, weakref.ref(b)))
+        self.fp = _C.modules_fingerprint([m for _, m in named])
+
+    def first(self):
+        """The model's first parameter, else its first buffer, else None."""
+        for _, r in self.params:
+            t = r()
+            if t is not None:
+                return t
+        for _, r in self.buffers:
+            t = r()
+            if t is not None:
+                return t
+        return None
+
+
+_plans = weakref.WeakKeyDictionary()  # model -> _Plan
+
+
+def _plan_of(model):
+    """The model's _Plan, rebuilt when a module, parameter or buffer was added, removed or
+    replaced anywhere in it since the last block (or one the plan names was freed)."""
+    plan = _plans.get(model)
+    if plan is not None:
+        mods = [r() for r in plan.mods]
+        if None not in mods and _C.modules_fingerprint(mods) == plan.fp and mods[0] is model:
+            return plan
+    plan = _plans[model] = _Plan(model)
+    return plan
+
+
 def _first_tensor(model):
     """The model's first parameter, else its first buffer, else None."""
-    for p in model.parameters():
-        return p
-    for b in model.buffers():
-        return b
-    return None
+    return _plan_of(model).first()
 
 
 def _on_meta(model):
@@ -810,7 +868,6 @@ class Tracker:
         self._open = False
         self._last = None  # decorator: the Tracker of the last call
         self._evmode = False
-        self._nmods = None
         self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
 
     # -- counters ----------------------------------------------------------
@@ -926,7 +983,6 @@ class Tracker:
 
         full=False (the walks inside the block): only gradients and optimizer state, over
         the parameters the first full walk listed (named_parameters() once per block)."""
-        Tensor = _torch().Tensor
         names = {}
 
         def put(t, name, kind):
@@ -939,16 +995,9 @@ class Tracker:
             params = []
             model = None if self._model is None else self._model()
             if model is not None:
-                seen = set()
-                for prefix, mod in self._named_modules(model):
-                    pre = prefix + "." if prefix else ""
-                    for k, p in mod._parameters.items():
-                        if p is not None and id(p) not in seen:
-                            seen.add(id(p))
-                            params.append((pre + k, weakref.ref(p)))
-                    for k, b in mod._buffers.items():
-                        if b is not None:
-                            put(b, pre + k, "buffer")
+                plan = _plan_of(model)
+                params = list(plan.params)
+                _C.names_walk(names, plan.buffers, None, 1 | 8)
             del model
             opt = None if self._optimizer is None else self._optimizer()
             if opt is not None:
@@ -961,23 +1010,13 @@ class Tracker:
             self._params = params
         opt = None if self._optimizer is None else self._optimizer()
         st_all = None if opt is None or not (state or full) else opt.state
+        del opt
         if st_all is not None:
             self._state_n = len(st_all)
-        for name, ref in params:
-            p = ref()
-            if p is None:
-                continue
-            if full:
-                put(p, name, "parameter")
-            if grads or full:
-                g = p.grad
-                if g is not None:
-                    put(g, name + ".grad", "gradient")
-            st = None if st_all is None else st_all.get(p)
-            if st:
-                for key, v in st.items():
-                    if isinstance(v, Tensor):
-                        put(v, f"{name}.{key}", "optimizer state")
+            if not isinstance(st_all, dict):  # an optimizer of its own kind: read as a dict
+                st_all = dict(st_all)
+        # in C: the names of the parameters, their gradients and their optimizer state
+        _C.names_walk(names, params, st_all, (1 if full else 0) | (2 if grads or full else 0) | 4)
         return names
 
     def _note_inputs(self, args):
@@ -1050,20 +1089,16 @@ class Tracker:
         if opt is not None:
             self._hook_optimizer(opt)
 
-    def _named_modules(self, model):
-        """model.named_modules(), listed once per block."""
-        if self._nmods is None or self._nmods[0]() is not model:
-            self._nmods = (weakref.ref(model), list(model.named_modules()))
-        return self._nmods[1]
-
     def _hook_model(self, model):
-        from torch.nn.modules import module as torch_module
-
+        torch_module = sys.modules["torch.nn.modules.module"]
         self._root_id = id(model)
         if self._modules_on:
-            for i, (name, mod) in enumerate(self._named_modules(model)):
-                self._mod_rows.append(ModuleStats(name, type(mod).__name__))
-                self._ids[id(mod)] = i
+            plan = _plan_of(model)
+            if self._evmode:  # the rows are made when the report is first read
+                self._mod_specs = plan.specs
+            else:
+                self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
+            self._ids = plan.ids
         self._handles.append(torch_module.register_module_forward_pre_hook(self._pre))
         self._handles.append(torch_module.register_module_forward_hook(self._post, always_call=True))
 
@@ -1115,13 +1150,13 @@ class Tracker:
         self._phase = None
         self._phases = {name: PhaseStats(name) for name in PHASES}
         self._mod_rows = []
+        self._mod_specs = ()  # event-log mode: (name, type name) of the rows, made at the replay
         self._mod_stack = []
         self._tags = []  # event-log mode: owner tags of the modules whose forward is running
         self._phase_code = 0
         self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
         self._state_n = 0
         self._params = None  # event-log mode: [(name, weakref)] of the parameters, from the first walk
-        self._nmods = None  # (weakref to the model, its named_modules() list)
         self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
         self._at_peak = None
         # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
@@ -1201,7 +1236,6 @@ class Tracker:
                 s.close()
             self._cuda_open = []
             self._ids = {}
-            self._nmods = None
             self._params = None
             self._scope = None
             self._snap = None
@@ -1223,6 +1257,7 @@ class Tracker:
             _C.eventlog_mark(3, 0, 0)
             head = _C.eventlog_head()
         start, end, peak_bytes, exact = self._close_scope(self._scope)
+        caveats = list(getattr(self._scope, "caveats", None) or [])
         timeline = None
         extra_marks = []
         pending = None
@@ -1237,8 +1272,8 @@ class Tracker:
             sizes = dict(zip(addrs, _C.counters_sizes(addrs).tolist()))
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
-                self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._forwards,
-                list(getattr(self._scope, "caveats", None) or []), exact, self._phases,
+                self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
+                caveats, exact, self._phases,
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:
@@ -1277,10 +1312,11 @@ class Tracker:
             largest = self._scan_largest(self._largest)
         return TrackReport(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
-            phases={k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
+            phases={k: v for k, v in self._phases.items() if v.calls},
+            modules=self._mod_rows if pending is not None else list(self._mod_rows),  # filled at the replay
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
             step_series=self._step_series, largest_n=self._largest,
-            caveats=list(getattr(self._scope, "caveats", None) or []), marks=extra_marks, **extra,
+            caveats=caveats, marks=extra_marks, **extra,
         )  # fmt: skip
 
     def _snapshot(self):

@@ -1,0 +1,284 @@
+/* names.c: the storage addresses of parameters, gradients and optimizer state, by name (track()'s at_peak). */
+#include "mt.h"
+
+#include <stdint.h>
+
+/* The attribute and kind strings of one call (new references, released by mt_strs_clear). */
+typedef struct {
+    PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype;
+    PyObject *parameter, *gradient, *state, *buffer;
+} mt_strs;
+
+static void
+mt_strs_clear(mt_strs *s)
+{
+    Py_CLEAR(s->untyped_storage);
+    Py_CLEAR(s->data_ptr);
+    Py_CLEAR(s->grad);
+    Py_CLEAR(s->shape);
+    Py_CLEAR(s->dtype);
+    Py_CLEAR(s->parameter);
+    Py_CLEAR(s->gradient);
+    Py_CLEAR(s->state);
+    Py_CLEAR(s->buffer);
+}
+
+static int
+mt_strs_init(mt_strs *s)
+{
+    s->untyped_storage = PyUnicode_InternFromString("untyped_storage");
+    s->data_ptr = PyUnicode_InternFromString("data_ptr");
+    s->grad = PyUnicode_InternFromString("grad");
+    s->shape = PyUnicode_InternFromString("shape");
+    s->dtype = PyUnicode_InternFromString("dtype");
+    s->parameter = PyUnicode_FromString("parameter");
+    s->gradient = PyUnicode_FromString("gradient");
+    s->state = PyUnicode_FromString("optimizer state");
+    s->buffer = PyUnicode_FromString("buffer");
+    if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->parameter ||
+        !s->gradient || !s->state || !s->buffer) {
+        return -1;
+    }
+    return 0;
+}
+
+/* names[address of t's storage] = (name, kind, None, t.shape, t.dtype) unless the
+ * address is named already. t, py_name and py_kind are borrowed. 0, or -1 with an
+ * exception set. A tensor without a single storage with data is left unnamed. */
+static int
+mt_put(PyObject *names, PyObject *t, PyObject *py_name, PyObject *py_kind, const mt_strs *s)
+{
+    PyObject *py_storage = NULL, *py_addr = NULL, *py_shape = NULL, *py_dtype = NULL, *py_val = NULL;
+    int rc = -1;
+    py_storage = PyObject_CallMethodNoArgs(t, s->untyped_storage); /* new reference */
+    if (py_storage != NULL) {
+        py_addr = PyObject_CallMethodNoArgs(py_storage, s->data_ptr); /* new reference */
+    }
+    if (py_addr == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            goto error;
+        }
+        PyErr_Clear(); /* nested, sparse and wrapper tensors have no single storage: unnamed, as in Python */
+        rc = 0;
+        goto error;
+    }
+    int truth = PyObject_IsTrue(py_addr);
+    if (truth <= 0) { /* 0: a storage without data; -1: an error */
+        rc = truth == 0 ? 0 : -1;
+        goto error;
+    }
+    int has = PyDict_Contains(names, py_addr);
+    if (has != 0) {
+        rc = has > 0 ? 0 : -1;
+        goto error;
+    }
+    py_shape = PyObject_GetAttr(t, s->shape); /* new reference */
+    if (py_shape == NULL) {
+        goto error;
+    }
+    py_dtype = PyObject_GetAttr(t, s->dtype); /* new reference */
+    if (py_dtype == NULL) {
+        goto error;
+    }
+    py_val = PyTuple_Pack(5, py_name, py_kind, Py_None, py_shape, py_dtype); /* new reference */
+    if (py_val == NULL || PyDict_SetItem(names, py_addr, py_val) < 0) {
+        goto error;
+    }
+    rc = 0;
+error:
+    Py_XDECREF(py_storage);
+    Py_XDECREF(py_addr);
+    Py_XDECREF(py_shape);
+    Py_XDECREF(py_dtype);
+    Py_XDECREF(py_val);
+    return rc;
+}
+
+/* The optimizer state of one parameter: each tensor value of py_st (a dict,
+ * borrowed) named "<name>.<key>". 0, or -1 with an exception set. */
+static int
+mt_put_state(PyObject *names, PyObject *py_st, PyObject *py_name, PyObject *tensor_type, const mt_strs *s)
+{
+    PyObject *py_items = NULL, *py_sname = NULL;
+    int rc = -1;
+    py_items = PyDict_Items(py_st); /* new reference: a snapshot, user code may run below */
+    if (py_items == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(py_items); i++) {
+        PyObject *py_kv = PyList_GET_ITEM(py_items, i); /* borrowed from py_items */
+        PyObject *py_v = PyTuple_GET_ITEM(py_kv, 1);     /* borrowed from py_kv */
+        int is_tensor = PyObject_IsInstance(py_v, tensor_type);
+        if (is_tensor < 0) {
+            goto error;
+        }
+        if (!is_tensor) {
+            continue;
+        }
+        py_sname = PyUnicode_FromFormat("%U.%S", py_name, PyTuple_GET_ITEM(py_kv, 0)); /* new reference */
+        if (py_sname == NULL || mt_put(names, py_v, py_sname, s->state, s) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_sname);
+    }
+    rc = 0;
+error:
+    Py_XDECREF(py_items);
+    Py_XDECREF(py_sname);
+    return rc;
+}
+
+PyDoc_STRVAR(names_walk_doc,
+"names_walk($module, names, params, state, want, /)\n--\n\n"
+"Fill the dict names with {storage address: (name, kind, None, shape, dtype)}\n"
+"for params, a list of (name, weakref to a parameter): with want & 1 each\n"
+"parameter (& 8: named as a buffer instead), & 2 its .grad (\"<name>.grad\"), & 4 the tensors of state[param]\n"
+"(\"<name>.<key>\"; state: the optimizer's state dict or None). An address\n"
+"already in names keeps its name. Returns None.");
+
+static PyObject *
+names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    mt_strs s = {0};
+    PyObject *py_params = NULL, *py_p = NULL, *py_g = NULL, *py_gname = NULL, *py_st = NULL;
+    PyObject *py_result = NULL;
+    mt_state *st = mt_get_state(module);
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "names_walk() takes 4 arguments (%zd given)", nargs);
+        goto error;
+    }
+    if (st->tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "names_walk(): the torch types were not handed over (_set_types)");
+        goto error;
+    }
+    PyObject *names = args[0], *state = args[2]; /* borrowed arguments */
+    if (!PyDict_Check(names) || !PyList_Check(args[1]) || (state != Py_None && !PyDict_Check(state))) {
+        PyErr_SetString(PyExc_TypeError, "names_walk() expects a dict, a list of (name, weakref) and a dict or None");
+        goto error;
+    }
+    long want = PyLong_AsLong(args[3]);
+    if (want == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    if (mt_strs_init(&s) < 0) {
+        goto error;
+    }
+    py_params = PySequence_Tuple(args[1]); /* new reference: a snapshot of the list */
+    if (py_params == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(py_params); i++) {
+        PyObject *py_pair = PyTuple_GET_ITEM(py_params, i); /* borrowed from py_params */
+        if (!PyTuple_Check(py_pair) || PyTuple_GET_SIZE(py_pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(py_pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "names_walk(): params must hold (name, weakref) pairs");
+            goto error;
+        }
+        PyObject *py_name = PyTuple_GET_ITEM(py_pair, 0); /* borrowed from py_pair */
+        py_p = PyObject_CallNoArgs(PyTuple_GET_ITEM(py_pair, 1)); /* new reference: the parameter or None */
+        if (py_p == NULL) {
+            goto error;
+        }
+        if (py_p == Py_None) {
+            Py_CLEAR(py_p);
+            continue;
+        }
+        if ((want & 1) && mt_put(names, py_p, py_name, (want & 8) ? s.buffer : s.parameter, &s) < 0) {
+            goto error;
+        }
+        if (want & 2) {
+            py_g = PyObject_GetAttr(py_p, s.grad); /* new reference */
+            if (py_g == NULL) {
+                goto error;
+            }
+            if (py_g != Py_None) {
+                py_gname = PyUnicode_FromFormat("%U.grad", py_name); /* new reference */
+                if (py_gname == NULL || mt_put(names, py_g, py_gname, s.gradient, &s) < 0) {
+                    goto error;
+                }
+                Py_CLEAR(py_gname);
+            }
+            Py_CLEAR(py_g);
+        }
+        if ((want & 4) && state != Py_None) {
+            if (PyDict_GetItemRef(state, py_p, &py_st) < 0) { /* py_st: new reference or NULL */
+                goto error;
+            }
+            if (py_st != NULL && PyDict_Check(py_st) &&
+                mt_put_state(names, py_st, py_name, st->tensor_type, &s) < 0) {
+                goto error;
+            }
+            Py_CLEAR(py_st);
+        }
+        Py_CLEAR(py_p);
+    }
+    py_result = Py_NewRef(Py_None);
+error:
+    mt_strs_clear(&s);
+    Py_XDECREF(py_params);
+    Py_XDECREF(py_p);
+    Py_XDECREF(py_g);
+    Py_XDECREF(py_gname);
+    Py_XDECREF(py_st);
+    return py_result;
+}
+
+/* Mix every (key, value) identity of the dict py_d (borrowed) into *h. Reads the
+ * dict directly: no user code runs. */
+static void
+mt_mix_dict(uint64_t *h, PyObject *py_d)
+{
+    PyObject *py_k, *py_v; /* borrowed from py_d */
+    Py_ssize_t pos = 0;
+    *h = (*h ^ (uint64_t)PyDict_GET_SIZE(py_d)) * UINT64_C(0x100000001B3);
+    while (PyDict_Next(py_d, &pos, &py_k, &py_v)) {
+        *h = (*h ^ (uint64_t)(uintptr_t)py_k) * UINT64_C(0x100000001B3);
+        *h = (*h ^ (uint64_t)(uintptr_t)py_v) * UINT64_C(0x100000001B3);
+    }
+}
+
+PyDoc_STRVAR(modules_fingerprint_doc,
+"modules_fingerprint($module, modules, /)\n--\n\n"
+"A hash of the identities of every module's children, parameters and buffers\n"
+"(the _modules, _parameters and _buffers dicts of each module of the list, read\n"
+"directly): it changes when any of them is added, removed or replaced.");
+
+static PyObject *
+modules_fingerprint(PyObject *module, PyObject *py_mods)
+{
+    static const char *const keys[] = {"_modules", "_parameters", "_buffers"};
+    PyObject *py_seq = NULL, *py_dict = NULL, *py_result = NULL;
+    uint64_t h = UINT64_C(0xCBF29CE484222325);
+    (void)module;
+    py_seq = PySequence_Fast(py_mods, "modules_fingerprint() expects a list of modules"); /* new reference */
+    if (py_seq == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(py_seq); i++) {
+        PyObject *py_m = PySequence_Fast_GET_ITEM(py_seq, i); /* borrowed from py_seq */
+        py_dict = PyObject_GenericGetDict(py_m, NULL);          /* new reference: the instance __dict__ */
+        if (py_dict == NULL) {
+            goto error;
+        }
+        for (size_t j = 0; j < 3; j++) {
+            PyObject *py_d = PyDict_GetItemString(py_dict, keys[j]); /* borrowed */
+            if (py_d != NULL && PyDict_Check(py_d)) {
+                mt_mix_dict(&h, py_d);
+            }
+            else {
+                h = (h ^ (uint64_t)(j + 1)) * UINT64_C(0x100000001B3);
+            }
+        }
+        Py_CLEAR(py_dict);
+    }
+    py_result = PyLong_FromUnsignedLongLong((unsigned long long)h);
+error:
+    Py_XDECREF(py_seq);
+    Py_XDECREF(py_dict);
+    return py_result;
+}
+
+PyMethodDef mt_names_methods[] = {
+    {"modules_fingerprint", (PyCFunction)modules_fingerprint, METH_O, modules_fingerprint_doc},
+    {"names_walk", (PyCFunction)(void (*)(void))names_walk, METH_FASTCALL, names_walk_doc},
+    {NULL, NULL, 0, NULL},
+};
