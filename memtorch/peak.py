@@ -90,9 +90,17 @@ class AtPeak:
     def __init__(self, peak, owners, storages, exact, notes):
         self.peak = peak
         self.owners = sorted(owners, key=lambda o: (-o.nbytes, o.name))
-        self.storages = sorted(storages, key=lambda s: (-s.nbytes, s.name))
+        self._storages = storages  # (name, kind, phase, nbytes, shape, dtype) tuples until first read
         self.exact = exact
         self.notes = list(notes)
+
+    @property
+    def storages(self):
+        """[StorageAtPeak] of every storage live at the peak, largest first."""
+        if self._storages and not isinstance(self._storages[0], StorageAtPeak):
+            made = [StorageAtPeak(*s) for s in self._storages]
+            self._storages = sorted(made, key=lambda s: (-s.nbytes, s.name))
+        return self._storages
 
     @property
     def total(self):
@@ -154,7 +162,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     model, optimizer and inputs, each with the log index at which it was taken: a
     name applies to the storage that lived at its address at that moment.
     queries: the addresses of the snapshots, in the order ``replayed`` answers them.
-    sizes_now: maps a list of addresses to the counted sizes now (-1: none);
+    sizes_now: maps a list of addresses to a list of the counted sizes now (-1: none);
     token: this block's tag token; rows: (name, type) of the modules by row.
     """
     base, k, at, reached, live, freed_before, firsts, _, _ = replayed
@@ -179,7 +187,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         o.nbytes += nbytes
         o.count += 1
         if not group:
-            storages.append(StorageAtPeak(name, kind, phase, nbytes, shape, dtype))
+            storages.append((name, kind, phase, nbytes, shape, dtype))
 
     in_block = 0
     mask = (1 << (TAG_BITS - 2)) - 1
@@ -232,7 +240,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
                 add(named[0], named[1], None, -fdelta, named[3], named[4])
                 pre_named += -fdelta
     if lookups:
-        sizes = sizes_now([a for a, _ in lookups]).tolist()
+        sizes = sizes_now([a for a, _ in lookups])
         for (a, named), size in zip(lookups, sizes):
             if size >= 0:
                 add(named[0], named[1], None, int(size), named[3], named[4])

@@ -689,18 +689,12 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
     at_peak = attribution.attribute(
         replayed, queries, kept, dropped, peak_bytes, snapshots,
-        lambda addrs: _np_int64([sizes.get(a, -1) for a in addrs]), token, names,
+        lambda addrs: [sizes.get(a, -1) for a in addrs], token, names,
     )  # fmt: skip
     at_peak.notes += caveats
     if not exact:
         at_peak.exact = False
     return at_peak
-
-
-def _np_int64(values):
-    import numpy as np
-
-    return np.asarray(values, dtype=np.int64)
 
 
 _token = [0]
