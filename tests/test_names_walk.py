@@ -1,0 +1,180 @@
+"""_C.names_walk and _C.modules_fingerprint (track()'s names for at_peak and its per-model
+plan kept between blocks): held against plain Python, their leaks, and the plan's rebuilds."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from memtorch import _C, _torch, track
+from memtorch import tracking
+
+from test_refleaks_walker import assert_no_leak
+
+NAMES_FUNCTIONS = {"names_walk", "modules_fingerprint"}
+
+
+def _trained():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _python_names(params, state, want):
+    """What names_walk computes, in plain Python (first name of an address wins)."""
+    names = {}
+
+    def put(t, name, kind):
+        a = t.untyped_storage().data_ptr()
+        if a and a not in names:
+            names[a] = (name, kind, None, t.shape, t.dtype)
+
+    for name, ref in params:
+        p = ref()
+        if p is None:
+            continue
+        if want & 1:
+            put(p, name, "buffer" if want & 8 else "parameter")
+        if want & 2 and p.grad is not None:
+            put(p.grad, name + ".grad", "gradient")
+        if want & 4 and state is not None:
+            for key, v in state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    put(v, f"{name}.{key}", "optimizer state")
+    return names
+
+
+@pytest.mark.parametrize("want", [0, 1, 2, 4, 7, 9, 15])
+def test_names_walk_matches_python(want):
+    _torch.torch()
+    model, opt = _trained()
+    params = [(n, weakref.ref(p)) for n, p in model.named_parameters()]
+    names = {}
+    _C.names_walk(names, params, opt.state, want)
+    assert names == _python_names(params, opt.state, want)
+    if want & 4:  # Adam's state by the names a user knows
+        assert {v[0] for v in names.values()} >= {"0.weight.exp_avg", "2.bias.exp_avg_sq"}
+
+
+def test_names_walk_keeps_a_known_address_and_skips_dead_and_storageless():
+    _torch.torch()
+    model, opt = _trained()
+    w = model[0].weight
+    names = {w.untyped_storage().data_ptr(): ("mine", "input", None, None, None)}
+    dead = torch.nn.Parameter(torch.zeros(2))
+    dead_ref = weakref.ref(dead)
+    del dead
+    gc.collect()
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    _C.names_walk(names, [("0.weight", weakref.ref(w)), ("gone", dead_ref), ("m", weakref.ref(meta))], None, 1)
+    assert names[w.untyped_storage().data_ptr()][0] == "mine"
+    assert len(names) == 1  # nothing for the freed parameter, nothing for a storage without data
+
+
+def test_names_walk_bad_input():
+    _torch.torch()
+    with pytest.raises(TypeError, match="names_walk"):
+        _C.names_walk([], [], None, 1)
+    with pytest.raises(TypeError, match="pairs"):
+        _C.names_walk({}, [("a",)], None, 1)
+    with pytest.raises(TypeError, match="weakref"):
+        _C.names_walk({}, [], [], 1)
+    with pytest.raises(TypeError, match="4 arguments"):
+        _C.names_walk({}, [])
+    with pytest.raises(TypeError):
+        _C.names_walk({}, [("a", 5)], None, 1)  # not callable
+
+
+def test_fingerprint_changes_with_structure():
+    model, _ = _trained()
+    mods = list(model.modules())
+    fp = _C.modules_fingerprint(mods)
+    assert _C.modules_fingerprint(mods) == fp
+    fp1 = fp
+    model.add_module("extra", torch.nn.ReLU())  # added
+    assert _C.modules_fingerprint(mods) != fp1
+    fp2 = _C.modules_fingerprint(mods)
+    del model.extra  # removed
+    assert _C.modules_fingerprint(mods) != fp2
+    model[1].register_buffer("more", torch.zeros(1))  # a buffer added
+    assert _C.modules_fingerprint(mods) != fp1
+    with pytest.raises(TypeError, match="list of modules"):
+        _C.modules_fingerprint(5)
+
+
+def test_fingerprint_changes_when_a_parameter_is_replaced():
+    model, _ = _trained()
+    mods = list(model.modules())
+    fp = _C.modules_fingerprint(mods)
+    model[2].weight = torch.nn.Parameter(torch.zeros(2, 3))
+    assert _C.modules_fingerprint(mods) != fp
+
+
+def test_plan_rebuilt_between_blocks_when_the_model_changes():
+    model, opt = _trained()
+    x = torch.randn(5, 4)
+    with track(model, optimizer=opt) as t:
+        model(x)
+    assert [m.name for m in t.report.modules] == ["", "0", "1", "2"]
+    model.add_module("3", torch.nn.ReLU())  # a module appended between blocks
+    with track(model, optimizer=opt) as t:
+        model(x)
+    rows = {m.name: m for m in t.report.modules}
+    assert list(rows) == ["", "0", "1", "2", "3"] and rows["3"].calls == 1
+    # a parameter replaced between blocks is named by the new plan: its 2x3 float32 storage
+    new = torch.nn.Parameter(torch.ones(2, 3))
+    model[2].weight = new
+    with track(model, optimizer=opt) as t:
+        keep = torch.empty(1000)  # noqa: F841  the peak is inside the block
+    assert t.report.at_peak["2.weight"] == new.untyped_storage().nbytes()
+
+
+def test_plan_keeps_no_module_alive():
+    model, opt = _trained()
+    head = model[2]
+    with track(model, optimizer=opt):
+        model(torch.randn(5, 4))
+    ref = weakref.ref(head)
+    del model[2], head
+    gc.collect()
+    assert ref() is None  # memtorch's plan holds only weak references
+    assert model in tracking._plans  # the root's plan is still there (until rebuilt or the model dies)
+    ref_model = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref_model() is None
+
+
+def test_names_walk_does_not_leak():
+    _torch.torch()
+    model, opt = _trained()
+    params = [(n, weakref.ref(p)) for n, p in model.named_parameters()]
+    tracked = list(model.parameters()) + [p.grad for p in model.parameters()]
+    tracked += [v for st in opt.state.values() for v in st.values()]
+
+    def call():
+        _C.names_walk({}, params, opt.state, 7)
+        _C.names_walk({}, params, None, 9)
+        try:
+            _C.names_walk({}, [("a",)], None, 1)
+        except TypeError:
+            pass
+
+    assert_no_leak(call, tracked)
+
+
+def test_modules_fingerprint_does_not_leak():
+    model, _ = _trained()
+    mods = list(model.modules())
+
+    def call():
+        _C.modules_fingerprint(mods)
+        try:
+            _C.modules_fingerprint(5)
+        except TypeError:
+            pass
+
+    assert_no_leak(call, list(model.parameters()) + mods)
