@@ -844,7 +844,9 @@ class Tracker:
         for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
             if not isinstance(value, bool):
                 raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
-        first = None if model is None else _first_tensor(model)
+        self._plan = None if model is None else _plan_of(model)  # this block's; see _model_plan
+        self._plan_fresh = self._plan is not None
+        first = None if model is None else self._plan.first()
         if first is not None and first.device.type == "meta":
             raise DeviceUnavailable(_META_HINT)
         # the decorator's arguments; model and optimizer only by weakref
@@ -989,7 +991,7 @@ class Tracker:
             params = []
             model = None if self._model is None else self._model()
             if model is not None:
-                plan = _plan_of(model)
+                plan = self._model_plan(model)
                 params = list(plan.params)
                 _C.names_walk(names, plan.buffers, None, 1 | 8)
             del model
@@ -1083,11 +1085,18 @@ class Tracker:
         if opt is not None:
             self._hook_optimizer(opt)
 
+    def _model_plan(self, model):
+        """The model's _Plan, checked once per block (its hooks and walks share it)."""
+        plan = self._plan
+        if plan is None or plan.mods[0]() is not model:
+            plan = self._plan = _plan_of(model)
+        return plan
+
     def _hook_model(self, model):
         torch_module = sys.modules["torch.nn.modules.module"]
         self._root_id = id(model)
         if self._modules_on:
-            plan = _plan_of(model)
+            plan = self._model_plan(model)
             if self._evmode:  # the rows are made when the report is first read
                 self._mod_specs = plan.specs
             else:
@@ -1138,6 +1147,9 @@ class Tracker:
         if self._open:
             raise MemtorchError("this track() block is already open; use a new memtorch.track() to nest blocks")
         self._open = True
+        if not self._plan_fresh:  # a decorator's Tracker: the model may have changed since
+            self._plan = None
+        self._plan_fresh = False
         self._report = None
         self._handles = []
         self._cuda_open = []
