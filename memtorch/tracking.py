@@ -343,10 +343,12 @@ class TrackReport:
         if self.reserved_peak is not None:
             rows.append(("reserved peak", f(self.reserved_peak), "held by the caching allocator"))
         if self.unseen_frees:
+            said = any("before counting began" in c for c in self.caveats)  # the note says the rest
             rows.append((
                 "unseen frees", f(self.unseen_bytes),
-                f"{self.unseen_frees} free(s) of memory allocated before counting began: delta and peak may be "
-                "that much too high (memtorch.cpu.start() at start-up counts from the start)",
+                f"{self.unseen_frees} free(s) of memory allocated before counting began"
+                + (" (see the note below)" if said else ": delta and peak may be that much too high "
+                   "(memtorch.cpu.start() at start-up counts from the start)"),
             ))  # fmt: skip
         return rows
 
@@ -401,14 +403,16 @@ class TrackReport:
         if self.leak is not None:
             out.append("")
             out.append(str(self.leak))
+        noted = set()
         if self.at_peak is not None:
             out.append("")
             out += self.at_peak.lines(limit=15)
+            noted = set(self.at_peak.notes)  # the block's caveats are among them: said once
         if self.largest:
             out.append("")
             out.append(f"largest live tensors {self._largest_when()}:")
             out += ["  " + t.describe() for t in self.largest]
-        out += ["note: " + c for c in self.caveats]
+        out += ["note: " + c for c in self.caveats if c not in noted]
         return "\n".join(out)
 
     def _largest_when(self):

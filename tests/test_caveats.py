@@ -20,6 +20,7 @@ import warnings
 import pytest
 import torch
 
+import memtorch
 from memtorch import _C, cpu
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact mechanism is Linux-only")
@@ -153,6 +154,25 @@ def test_a_tensor_made_before_counting_is_an_unseen_free(exact_mode):
         del x
     assert s.unseen_frees == 1 and s.unseen_bytes >= 4000
     assert any(c.startswith("1 free of memory allocated before counting began") for c in s.caveats)
+
+
+def test_a_printed_report_says_each_caveat_once(exact_mode):
+    """The unseen free is a row of the table pointing at its note, and the note (also one of
+    at_peak's notes) is printed once."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(1000)  # made before counting began
+    with memtorch.track(model, optimizer=opt) as t:
+        del x
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    r = t.report
+    assert r.unseen_frees == 1
+    caveat = next(c for c in r.caveats if "before counting began" in c)
+    assert caveat in r.at_peak.notes
+    text = str(r)
+    assert text.count(caveat) == 1
+    assert "(see the note below)" in text
 
 
 def test_demangled_names_are_not_unseen_frees(exact_mode):
