@@ -768,7 +768,7 @@ class _Plan:
     name, the parameters and buffers by name. Only weak references: a module or tensor
     the user drops is never kept alive by memtorch."""
 
-    __slots__ = ("mods", "ids", "specs", "params", "buffers", "fp", "__weakref__")
+    __slots__ = ("mods", "ids", "specs", "params", "buffers", "fp", "names", "__weakref__")
 
     def __init__(self, model):
         named = list(model.named_modules())
@@ -786,6 +786,10 @@ class _Plan:
                 if b is not None:
                     self.buffers.append((pre + k, weakref.ref(b)))
         self.fp = _C.modules_fingerprint([m for _, m in named])
+        # the last block's names of parameters, buffers and optimizer state: (weakref to the
+        # optimizer or None, its state count, shape flag, params, addresses, their allocation
+        # numbers, {address: name...}); see Tracker._walk_names
+        self.names = None
 
     def first(self):
         """The model's first parameter, else its first buffer, else None."""
@@ -982,41 +986,56 @@ class Tracker:
         gradients and the optimizer's state (one read of each; no reference kept).
 
         full=False (the walks inside the block): only gradients and optimizer state, over
-        the parameters the first full walk listed (named_parameters() once per block)."""
-        names = {}
-
-        def put(t, name, kind):
-            a = _data_ptr(t)
-            if a and a not in names:
-                names[a] = (name, kind, None, t.shape, t.dtype)
-
-        params = self._params
-        if full or params is None:
-            params = []
-            model = None if self._model is None else self._model()
-            if model is not None:
-                plan = self._model_plan(model)
-                params = list(plan.params)
-                _C.names_walk(names, plan.buffers, None, 1 | 8)
-            del model
-            opt = None if self._optimizer is None else self._optimizer()
+        the parameters the first full walk listed. full=True (a block's start): the names
+        of the parameters, buffers and optimizer state come from the model's plan when the
+        counters show every one of those storages is still the very allocation named last
+        time (same address, same allocation number) and the optimizer has no new state;
+        else they are read again. Gradients are always read."""
+        shape = 0 if self._largest else 16  # shapes and dtypes only for largest=
+        opt = None if self._optimizer is None else self._optimizer()
+        st_all = None if opt is None or not (state or full) else opt.state
+        if st_all is not None:
+            self._state_n = len(st_all)
+            if not isinstance(st_all, dict):  # an optimizer of its own kind: read as a dict
+                st_all = dict(st_all)
+        if not full and self._params is not None:
+            del opt
+            names = {}
+            _C.names_walk(names, self._params, st_all, (2 if grads else 0) | 4 | shape)
+            return names
+        model = None if self._model is None else self._model()
+        plan = None if model is None else self._model_plan(model)
+        del model
+        cache = None if plan is None else plan.names
+        if (
+            cache is not None and (None if cache[0] is None else cache[0]()) is opt and cache[1] == self._state_n
+            and cache[2] == shape and _C.counters_serials(cache[4]).tolist() == cache[5]
+        ):  # fmt: skip
+            del opt
+            self._params = cache[3]
+            names = dict(cache[6])
+        else:
+            params = [] if plan is None else list(plan.params)
+            names = {}
+            if plan is not None:
+                _C.names_walk(names, plan.buffers, None, 1 | 8 | shape)
             if opt is not None:
                 known = {id(r()) for _, r in params}
                 for gi, group in enumerate(opt.param_groups):
                     for pi, p in enumerate(group["params"]):
                         if id(p) not in known:
                             params.append((f"param_groups[{gi}][{pi}]", weakref.ref(p)))
-            del opt
             self._params = params
-        opt = None if self._optimizer is None else self._optimizer()
-        st_all = None if opt is None or not (state or full) else opt.state
-        del opt
-        if st_all is not None:
-            self._state_n = len(st_all)
-            if not isinstance(st_all, dict):  # an optimizer of its own kind: read as a dict
-                st_all = dict(st_all)
-        # in C: the names of the parameters, their gradients and their optimizer state
-        _C.names_walk(names, params, st_all, (1 if full else 0) | (2 if grads or full else 0) | 4)
+            # in C: the names of the parameters and their optimizer state
+            _C.names_walk(names, params, st_all, 1 | 4 | shape)
+            if plan is not None:
+                addrs = list(names)
+                plan.names = (
+                    None if opt is None else weakref.ref(opt), self._state_n, shape, params, addrs,
+                    _C.counters_serials(addrs).tolist(), dict(names),
+                )  # fmt: skip
+            del opt
+        _C.names_walk(names, self._params, None, 2 | shape)  # the gradients
         return names
 
     def _note_inputs(self, args):

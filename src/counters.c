@@ -41,6 +41,7 @@
 typedef struct {
     uintptr_t key; /* 0: empty */
     size_t size;
+    uint64_t serial; /* this allocation among all counted ones: stripe << 56 | its number there */
 } mt_entry;
 
 /* One stripe of the table: open addressing, linear probing, backward-shift
@@ -61,6 +62,7 @@ typedef struct {
      * (through libc10's address-taken &free, or not aligned as
      * c10::alloc_cpu aligns) are only counted, as foreign. */
     int64_t unseen, unseen_bytes, foreign;
+    uint64_t serials; /* allocations numbered in this stripe (never reset) */
 } mt_stripe;
 
 typedef struct {
@@ -209,12 +211,14 @@ mt_stripe_put(mt_stripe *s, uintptr_t key, size_t size, uint64_t h)
             /* Cannot happen while every free is seen; kept exact anyway. */
             int64_t old = (int64_t)s->slots[j].size;
             s->slots[j].size = size;
+            s->slots[j].serial = ((uint64_t)(s - mt_stripes) << 56) | ++s->serials;
             return old;
         }
         j = (j + 1) & (s->cap - 1);
     }
     s->slots[j].key = key;
     s->slots[j].size = size;
+    s->slots[j].serial = ((uint64_t)(s - mt_stripes) << 56) | ++s->serials;
     s->count++;
     return 0;
 }
@@ -439,7 +443,18 @@ mt_check_locked(void)
 int64_t
 mt_counters_size_of(const void *ptr)
 {
+    int64_t serial;
+    return mt_counters_lookup(ptr, &serial);
+}
+
+/* The counted size of the live allocation at ptr (-1: none), and in *serial
+ * the number that tells this allocation from any other made at the same
+ * address before or after it (-1: none). Takes the pointer's stripe lock. */
+int64_t
+mt_counters_lookup(const void *ptr, int64_t *serial)
+{
     int64_t size = -1;
+    *serial = -1;
     uint64_t h = mt_hash((uintptr_t)ptr);
     mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
     mt_stripe_lock(s);
@@ -448,6 +463,7 @@ mt_counters_size_of(const void *ptr)
         while (s->slots[j].key != 0) {
             if (s->slots[j].key == (uintptr_t)ptr) {
                 size = (int64_t)s->slots[j].size;
+                *serial = (int64_t)(s->slots[j].serial & INT64_MAX);
                 break;
             }
             j = (j + 1) & (s->cap - 1);

@@ -26,6 +26,7 @@ void mt_counters_on_free(void *ptr, int kind);
 
 /* The counted size of the live allocation at ptr, or -1 if not counted. */
 int64_t mt_counters_size_of(const void *ptr);
+int64_t mt_counters_lookup(const void *ptr, int64_t *serial);
 
 /* ---- interpose_linux.c / interpose_other.c: the platform mechanism ---- */
 

@@ -342,16 +342,13 @@ error:
     return NULL;
 }
 
-PyDoc_STRVAR(sizes_doc,
-"counters_sizes($module, ptrs, /)\n--\n\n"
-"For each address of the sequence `ptrs` (ints), the counted size of the live\n"
-"allocation there, or -1 where the counters hold none: an int64 array.");
-
+/* counters_sizes() and counters_serials(): one int64 per address of arg, from
+ * mt_counters_lookup(). Returns a new reference, or NULL with an exception. */
 static PyObject *
-counters_sizes(PyObject *module, PyObject *arg)
+mt_lookup_all(PyObject *arg, int want_serial, const char *msg)
 {
     PyObject *py_seq = NULL, *py_out = NULL;
-    py_seq = PySequence_Fast(arg, "counters_sizes() expects a sequence of ints");  /* new ref */
+    py_seq = PySequence_Fast(arg, msg);  /* new ref */
     if (py_seq == NULL) {
         goto error;
     }
@@ -367,7 +364,8 @@ counters_sizes(PyObject *module, PyObject *arg)
         if (p == (unsigned long long)-1 && PyErr_Occurred()) {
             goto error;
         }
-        out[i] = p == 0 ? -1 : mt_counters_size_of((const void *)(uintptr_t)p);
+        int64_t serial = -1, size = p == 0 ? -1 : mt_counters_lookup((const void *)(uintptr_t)p, &serial);
+        out[i] = want_serial ? serial : size;
     }
     Py_DECREF(py_seq);
     return py_out;
@@ -375,6 +373,30 @@ error:
     Py_XDECREF(py_seq);
     Py_XDECREF(py_out);
     return NULL;
+}
+
+PyDoc_STRVAR(sizes_doc,
+"counters_sizes($module, ptrs, /)\n--\n\n"
+"For each address of the sequence `ptrs` (ints), the counted size of the live\n"
+"allocation there, or -1 where the counters hold none: an int64 array.");
+
+static PyObject *
+counters_sizes(PyObject *module, PyObject *arg)
+{
+    return mt_lookup_all(arg, 0, "counters_sizes() expects a sequence of ints");
+}
+
+PyDoc_STRVAR(serials_doc,
+"counters_serials($module, ptrs, /)\n--\n\n"
+"For each address of the sequence `ptrs` (ints), a number that tells the live\n"
+"allocation there from any other made at that address before or after it, or\n"
+"-1 where the counters hold none: an int64 array. Two reads that give the same\n"
+"number saw the same allocation.");
+
+static PyObject *
+counters_serials(PyObject *module, PyObject *arg)
+{
+    return mt_lookup_all(arg, 1, "counters_serials() expects a sequence of ints");
 }
 
 PyDoc_STRVAR(head_doc,
@@ -403,6 +425,7 @@ PyMethodDef mt_eventlog_methods[] = {
      read_all_doc},
     {"eventlog_mark", (PyCFunction)(void (*)(void))eventlog_mark, METH_FASTCALL, mark_doc},
     {"counters_sizes", counters_sizes, METH_O, sizes_doc},
+    {"counters_serials", counters_serials, METH_O, serials_doc},
     {"eventlog_head", eventlog_head, METH_NOARGS, head_doc},
     {"monotonic_ns", monotonic_ns, METH_NOARGS, monotonic_doc},
     {NULL, NULL, 0, NULL},

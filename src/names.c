@@ -7,6 +7,7 @@
 typedef struct {
     PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype;
     PyObject *parameter, *gradient, *state, *buffer;
+    int no_shape; /* want & 16: shape and dtype left None */
 } mt_strs;
 
 static void
@@ -72,6 +73,14 @@ mt_put(PyObject *names, PyObject *t, PyObject *py_name, PyObject *py_kind, const
         rc = has > 0 ? 0 : -1;
         goto error;
     }
+    if (s->no_shape) {
+        py_val = PyTuple_Pack(5, py_name, py_kind, Py_None, Py_None, Py_None); /* new reference */
+        if (py_val == NULL || PyDict_SetItem(names, py_addr, py_val) < 0) {
+            goto error;
+        }
+        rc = 0;
+        goto error;
+    }
     py_shape = PyObject_GetAttr(t, s->shape); /* new reference */
     if (py_shape == NULL) {
         goto error;
@@ -133,8 +142,8 @@ PyDoc_STRVAR(names_walk_doc,
 "Fill the dict names with {storage address: (name, kind, None, shape, dtype)}\n"
 "for params, a list of (name, weakref to a parameter): with want & 1 each\n"
 "parameter (& 8: named as a buffer instead), & 2 its .grad (\"<name>.grad\"), & 4 the tensors of state[param]\n"
-"(\"<name>.<key>\"; state: the optimizer's state dict or None). An address\n"
-"already in names keeps its name. Returns None.");
+"(\"<name>.<key>\"; state: the optimizer's state dict or None); & 16: shape\n"
+"and dtype left None. An address already in names keeps its name. Returns None.");
 
 static PyObject *
 names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -163,6 +172,7 @@ names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (mt_strs_init(&s) < 0) {
         goto error;
     }
+    s.no_shape = (want & 16) != 0;
     py_params = PySequence_Tuple(args[1]); /* new reference: a snapshot of the list */
     if (py_params == NULL) {
         goto error;

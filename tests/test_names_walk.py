@@ -178,3 +178,44 @@ def test_modules_fingerprint_does_not_leak():
             pass
 
     assert_no_leak(call, list(model.parameters()) + mods)
+
+
+def test_block_names_come_from_the_plan_only_while_the_same_allocations_live():
+    """The second block reuses the first one's names (same storages, same allocation
+    numbers); a parameter whose storage is replaced in place (p.data = ...) or new optimizer
+    state is read again: at_peak names them right."""
+    from memtorch import cpu
+
+    cpu.start()  # count from here: the model's storages get allocation numbers
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(4, 8)
+
+    def block():
+        with track(model, optimizer=opt) as t:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        return t.report.at_peak
+
+    block()  # the first block starts before the optimizer has state
+    block()
+    plan = tracking._plans[model]
+    cached = plan.names
+    assert cached is not None and "weight.exp_avg" in {v[0] for v in cached[6].values()}
+    at = block()
+    assert plan.names is cached  # reused: nothing was read again
+    assert at["weight"] == at["weight.exp_avg"] == 8 * 8 * 4
+    model.weight.data = torch.zeros(8, 8)  # a new storage behind the same Parameter
+    at = block()
+    assert plan.names is not cached
+    assert model.weight.untyped_storage().data_ptr() in plan.names[6]
+    assert at["weight"] == 8 * 8 * 4
+    before = plan.names
+    opt.state.clear()  # the next step makes new state
+    at = block()
+    assert plan.names is not before
+    assert at["weight.exp_avg_sq"] == 8 * 8 * 4
+    assert _C.counters_serials([0])[0] == -1
+    with pytest.raises(TypeError):
+        _C.counters_serials(5)

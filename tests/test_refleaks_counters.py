@@ -77,6 +77,8 @@ def _calls(handle):
                                   raises(_C.eventlog_mark, 1, 0)()),
         "counters_sizes": lambda: (_C.counters_sizes([0, 0x7A00_0000_0040]), raises(_C.counters_sizes, [-1])(),
                                    raises(_C.counters_sizes, 5)()),
+        "counters_serials": lambda: (_C.counters_serials([0, 0x7A00_0000_0040]), raises(_C.counters_serials, [-1])(),
+                                     raises(_C.counters_serials, 5)()),
         "monotonic_ns": _C.monotonic_ns,
         "torch_alloc": lambda: torch.empty(100),  # the hook path itself
     }
