@@ -295,6 +295,7 @@ def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
 
 
 def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G):
+    gloo = facts.get("device", "cpu") == "cpu"
     info = ledger.info
     owner = ledger.owner
     shapes = facts["param_shapes"]
@@ -371,6 +372,13 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
             pseudo[key] = (int(nbytes), cat)
             return key
 
+        def scratch(pos, nbytes):
+            # gloo's all-gather and reduce-scatter work through a scratch tensor as large as the
+            # gathered output / the reduce-scatter input, freed when the collective returns
+            if gloo:
+                key = new("gloo scratch", nbytes, "communication")
+                at(pos, (key, 1), (key, -1))
+
         unsharded = [None] * len(units)
         prefetched = {}
         st = {"ag": None, "rs": None}
@@ -393,6 +401,7 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
             at(pos, (rin, 1), *[(g, -1) for g in grads])
             rout = new("sharded gradients", rs_out_u[u], "gradient")
             at(pos, (rout, 1))
+            scratch(pos, rs_in_u[u])
             st["rs"] = rin
             frees = [grad_free[k] for k in unit_gkeys.pop(u, []) if k in grad_free]
             at(min(frees) if frees else len(ledger.events), (rout, -1))
@@ -405,10 +414,11 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
                 if unsharded[x] is None and units[x]:
                     ag = new("all-gather output", full_u[x], "communication")
                     at(pos, (ag, 1))
-                    if st["ag"] is not None:  # the previous unit's, kept until this copy-out
-                        at(pos, (st["ag"], -1))
+                    scratch(pos, full_u[x])
                     unsharded[x] = new("unsharded parameters", full_u[x], "parameter")
                     at(pos, (unsharded[x], 1))
+                    if st["ag"] is not None:  # the previous unit's, freed once this one is copied out
+                        at(pos, (st["ag"], -1))
                     st["ag"] = ag
             elif kind == "fwd_post":
                 if x == root:
@@ -426,6 +436,7 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
                     if ag is None:
                         ag = new("all-gather output", full_u[x], "communication")
                         at(pos, (ag, 1))
+                        scratch(pos, full_u[x])
                     unsharded[x] = new("unsharded parameters", full_u[x], "parameter")
                     at(pos, (unsharded[x], 1), (ag, -1))
                 if x in post_order:  # prefetch the unit whose forward ended before this one's
@@ -434,6 +445,7 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
                     if t is not None and unsharded[t] is None and t not in prefetched:
                         prefetched[t] = new("all-gather output", full_u[t], "communication")
                         at(pos, (prefetched[t], 1))
+                        scratch(pos, full_u[t])
             elif kind == "grad":
                 g = new("gradient", size0(x), "gradient")
                 at(pos, (g, 1))

@@ -988,6 +988,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         from . import _estimate_ranks
 
         facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
+        facts["device"] = device
         per_rank = _estimate_ranks.per_rank(
             ledger, hooks, facts, world_size, sharding, None if sizes is None else _cuda_block
         )
