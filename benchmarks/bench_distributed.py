@@ -131,14 +131,11 @@ def TinyGPT(**kw):
 
 
 def shard_units(model):
-    """The submodules FSDP2 shards on their own before the root: each block."""
-    from torch import nn
-
+    """[(name, module)] FSDP2 shards on their own before the root: each block (gpt), else each child with
+    parameters. estimate() is given the same names (fsdp_units=)."""
     if hasattr(model, "blocks"):
-        return list(model.blocks)
-    return [
-        m for m in model.children() if any(True for _ in m.parameters()) and not isinstance(m, nn.Flatten)
-    ]
+        return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
 
 
 # ---------------------------------------------------------------------------
@@ -172,7 +169,7 @@ def worker(model_name, way, steps):
         from torch.distributed.fsdp import fully_shard
 
         reshard = way == "zero3"
-        for unit in shard_units(model):
+        for _, unit in shard_units(model):
             fully_shard(unit, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -268,19 +265,29 @@ def estimates(model_name, way, world):
     if "estimate" not in getattr(memtorch, "_EXPORTS", {}):
         return None, "no memtorch.estimate() in this tree"
     model, inputs = make_model(model_name)
+    kw = {}
+    if way in ("zero2", "zero3"):  # the units the runs wrap
+        kw["fsdp_units"] = [name for name, _ in shard_units(model)]
     try:
-        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way)
+        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, **kw)
     except Exception as e:  # noqa: BLE001 - reported in the table
         return None, f"{type(e).__name__}: {e}"
     per_rank = getattr(est, "per_rank", None)
-    peak = per_rank["peak"] if isinstance(per_rank, dict) and "peak" in per_rank else est.peak
-    out = {"peak": int(peak), "per_rank": per_rank}
+    if isinstance(per_rank, list):
+        peaks = [int(r["peak"]) for r in per_rank]
+        rows = [{k: v for k, v in r.items() if k != "spans"} for r in per_rank]
+    else:  # one figure for every rank (an older memtorch)
+        peaks = [int(per_rank["peak"] if isinstance(per_rank, dict) else est.peak)] * world
+        rows = per_rank
+    out = {"peak": max(peaks), "peaks": peaks, "per_rank": rows}
     # memtorch.plan's figure: one dry run on one process, then planning.per_rank's arithmetic
     from memtorch import planning
 
     if model_name not in _ONE:
         _ONE[model_name] = planning.breakdown_of(memtorch.estimate(model, *inputs, optimizer="adamw"), model)
-    out["plan"] = planning.per_rank(_ONE[model_name], world, way)["peak"]
+    pr = planning.per_rank(_ONE[model_name], world, way)
+    out["plan"] = pr["peak"]
+    out["plan_peaks"] = pr.get("rank_peaks") or [pr["peak"]] * world
     return out, None
 
 
@@ -288,46 +295,50 @@ _ONE = {}  # model name -> planning.Breakdown of its one-process estimate
 
 
 def findings(raw):
-    """Lines saying where the estimate misses, with figures from the runs (nothing typed by hand)."""
+    """Lines saying how many rank rows are within 5% and where the estimate misses, with figures from the
+    runs (nothing typed by hand)."""
     import memtorch
 
     f = memtorch.units.format
-    by = {(d["model"], d["way"], d["world"]): d for d in raw if d["ranks"]}
-    out = ["", "Where the per-rank figures miss, from the runs above:", ""]
-    z = by.get(("mlp", "zero1", 2))
-    if z and "optimizer_state" in z["ranks"][0]["states"]:
-        a, b = (r["states"]["optimizer_state"] for r in z["ranks"][:2])
-        out.append(
-            f"- ZeRO-1: ZeroRedundancyOptimizer gives each rank whole parameters (greedily by size), not 1/N of "
-            f"the elements: on mlp at 2 ranks rank 0 holds {f(a)} of optimizer state and rank 1 {f(b)}, where an "
-            f"even split gives {f((a + b) // 2)} each; the rank holding the largest parameter also keeps AdamW's "
-            "temporaries for it. DeepSpeed's ZeRO-1 splits the flattened elements evenly, which is what the "
-            "estimate models."
-        )
-    g = by.get(("gpt", "zero1", 2))
-    if g and g.get("estimate") and "parameter" in g["ranks"][0]["states"]:
-        gap = g["ranks"][0]["peak"] - g["estimate"]["peak"]
-        out.append(
-            f"- ZeRO-1 runs under DDP here (ZeroRedundancyOptimizer only shards the optimizer), so DDP's gradient "
-            f"buckets, a copy of the gradients, are still allocated: on gpt at 2 ranks the estimate is "
-            f"{f(gap)} under the measured peak, and the parameters (so the buckets) are "
-            f"{f(g['ranks'][0]['states']['parameter'])}."
-        )
-    m = by.get(("mlp", "zero2", 4))
-    if m:
-        ph = m["ranks"][0]["phases"]
-        out.append(
-            f"- FSDP2 shards the optimizer step too: on mlp at 4 ranks the optimizer phase peaks at "
-            f"{f(ph.get('optimizer', 0))} and the step's peak moves to forward ({f(ph.get('forward', 0))}) and "
-            f"backward ({f(ph.get('backward', 0))}); an estimate that keeps the one-process optimizer step's "
-            "temporaries (AdamW's per-parameter scratch, as large as the largest parameter) overestimates by up "
-            "to that scratch."
-        )
-    out.append(
-        "- FSDP2 with reshard_after_forward=True gathers one unit's parameters at a time (plus one prefetched); "
-        "the units here are each block (mlp: each Linear), which neither figure can know from the model alone: "
-        "both assume a unit, and the error follows how far that assumption is from the wrapping used."
-    )
+    total = within = 0
+    plan_within = 0
+    misses = []
+    for d in raw:
+        if not d["ranks"] or not d.get("estimate"):
+            continue
+        for r in d["ranks"]:
+            total += 1
+            e = d["estimate"]["peaks"][r["rank"]]
+            err = (e - r["peak"]) / r["peak"]
+            if abs(err) <= 0.05:
+                within += 1
+            else:
+                misses.append((d, r, e, err))
+            if abs((d["estimate"]["plan_peaks"][r["rank"]] - r["peak"]) / r["peak"]) <= 0.05:
+                plan_within += 1
+    out = [
+        "",
+        f"**{within} of {total} rank rows are within 5% of the measured peak** (estimate column); the plan "
+        f"column (memtorch.planning's arithmetic on one one-process estimate, what plan() uses to cover "
+        f"thousands of world sizes) has {plan_within} of {total}.",
+        "",
+    ]
+    if misses:
+        out.append("Where the estimate misses, from the runs above:")
+        out.append("")
+    for d, r, e, err in misses:
+        what = f"- {d['model']}, {WAYS[d['way']]}, {d['world']} ranks, rank {r['rank']}: estimate {f(e)}, measured {f(r['peak'])} ({err * 100:+.1f}%)"
+        low = r.get("peak_low", r["peak"])
+        if low != r["peak"] and abs((e - low) / low) <= 0.05:
+            steady = [x["rank"] for x in d["ranks"] if x.get("peak_low", x["peak"]) == x["peak"] and x is not r]
+            what += (
+                f". The runs of this configuration differ on this rank: the lower peaked at {f(low)} "
+                f"({(e - low) / low * 100:+.1f}% from the estimate), the higher {f(r['peak'] - low)} above it"
+                + (f", while rank(s) {', '.join(map(str, steady))} peaked the same in every run" if steady else "")
+                + ". The extra allocation comes and goes from run to run (its source is not identified; it is "
+                "not modelled)."
+            )
+        out.append(what)
     return out
 
 
@@ -393,10 +404,12 @@ def main():
                     continue
                 for r in res:
                     if est is not None:
-                        e_txt = f(est["peak"])
-                        p_txt = f(est["plan"])
-                        p_err = f"{(est['plan'] - r['peak']) / r['peak'] * 100:+.1f}%"
-                        err = f"{(est['peak'] - r['peak']) / r['peak'] * 100:+.1f}%"
+                        e_peak = est["peaks"][r["rank"]]
+                        e_txt = f(e_peak)
+                        p_peak = est["plan_peaks"][r["rank"]]
+                        p_txt = f(p_peak)
+                        p_err = f"{(p_peak - r['peak']) / r['peak'] * 100:+.1f}%"
+                        err = f"{(e_peak - r['peak']) / r['peak'] * 100:+.1f}%"
                     else:
                         e_txt, err, p_txt, p_err = "-", (est_why or "")[:60], "-", ""
                     measured = f(r["peak"])

@@ -101,6 +101,9 @@ class Estimate:
         self.reserved_steady = kw.get("reserved_steady")
         self.per_rank = kw.get("per_rank")
         self.peak_rank = kw.get("peak_rank")
+        self._param_numels = kw.get("_param_numels")
+        self._param_groups = kw.get("_param_groups")
+        self._step_scratch_at_peak = kw.get("_step_scratch_at_peak", 0)
         self.notes = list(kw.get("notes", []))
         self.seconds = kw.get("seconds", 0.0)
         self.start = 0
@@ -525,6 +528,17 @@ def _swapped(model, fakes):
             table[k] = v
 
 
+def _own(ledger, trainable, masters, grad_of):
+    """Give each parameter's storages (itself, its gradient, its master copy) its index as owner.
+    A function, so that no loop variable keeps a gradient alive past zero_grad."""
+    for i, t in enumerate(trainable):
+        if t.grad is not None and ledger.key_of(t.grad) is not None:
+            grad_of[ledger.key_of(t.grad)] = i
+        for x in (t, t.grad) + ((masters[i], masters[i].grad) if masters is not None else ()):
+            if x is not None and ledger.key_of(x) is not None:
+                ledger.owner[ledger.key_of(x)] = i
+
+
 def _unit_hooks(stack, units, ledger, hooks, record):
     """Record, as ledger positions, where FSDP2 would run its hooks for each unit: pre/post forward
     (module hooks), pre-backward (a hook on the forward's outputs, the first to fire) and
@@ -723,12 +737,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     ledger.free_key(rng_held.pop())
                 grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
             allow_item[0] = True
-            for i, t in enumerate(trainable):  # whose is what, for the per-rank figures
-                if t.grad is not None and ledger.key_of(t.grad) is not None:
-                    grad_of[ledger.key_of(t.grad)] = i
-                for x in (t, t.grad) + ((masters[i], masters[i].grad) if masters is not None else ()):
-                    if x is not None and ledger.key_of(x) is not None:
-                        ledger.owner[ledger.key_of(x)] = i
+            _own(ledger, trainable, masters, grad_of)  # whose is what, for the per-rank figures
             ledger.attribute = True
             with hooks.phase("optimizer"):
                 if masters is not None:
@@ -870,7 +879,7 @@ def estimate(
     device = str(device).split(":")[0]
     if world_size > 1 and sharding is None:
         sharding = "ddp"
-    units = None
+    fsdp_mods = None
     if fsdp_units is not None and sharding not in ("zero2", "zero3"):
         raise MemtorchError(
             f"fsdp_units applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
@@ -878,14 +887,14 @@ def estimate(
     if world_size > 1 and sharding in ("zero2", "zero3"):
         from ._estimate_ranks import resolve_units
 
-        units = resolve_units(model, fsdp_units, torch)
+        fsdp_mods = resolve_units(model, fsdp_units, torch)
     notes = []
     from . import _estimate_kernels
 
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
         ledger, hooks, facts = _dry_run(
-            model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=units
+            model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods
         )
     except _DataDependent as e:
         raise MemtorchError(
@@ -983,6 +992,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         row.peak_above_start = max(row.peak_above_start, max(curve[s:e], default=before) - before)
     for row in hooks.rows:
         row.activation_bytes = row.activation_total // forwards
+    # for memtorch.planning's zero1 arithmetic: the parameters' sizes and the step's scratch at the peak
+    step_scratch = sum(size(k) for k in live if info[k][3] == "temporary" and info[k][1] == "optimizer")
     per_rank = peak_rank = None
     if world_size > 1:
         from . import _estimate_ranks
@@ -1012,6 +1023,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         sharding=sharding, peak=peak, steady=steady, breakdown={k: v for k, v in breakdown.items()},
         model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
         reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, notes=notes, seconds=seconds,
+        _param_numels=facts["param_numels"], _param_groups=facts["param_groups"], _step_scratch_at_peak=step_scratch,
     )  # fmt: skip
 
 
