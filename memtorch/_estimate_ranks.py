@@ -143,6 +143,30 @@ def unit_params(units, param_index):
     return out
 
 
+def unit_sizes(facts, n):
+    """[{name, gathered_bytes}]: each FSDP unit holding parameters and its parameters' padded unsharded bytes
+    (what its all-gather brings back on every rank)."""
+    out = []
+    for name, ps in zip(facts["unit_names"], facts["units"]):
+        if ps:
+            full = sum(_padded(facts, i, n) * _esize(facts, i) for i in ps)
+            out.append({"name": name or "(root)", "gathered_bytes": int(full)})
+    return out
+
+
+def _padded(facts, i, n):
+    """Padded unsharded elements of parameter i: ceil(dim0 / n) rows on each of n ranks."""
+    shape = facts["param_shapes"][i]
+    d0 = shape[0] if shape else 1
+    _, cs = _chunk_rows(d0, n, 0)
+    return cs * n * (facts["param_numels"][i] // d0 if d0 else 0)
+
+
+def _esize(facts, i):
+    numel = facts["param_numels"][i]
+    return facts["param_bytes"][i] // numel if numel else 0
+
+
 def _chunk_rows(d0, n, rank):
     """Rows of dim 0 that torch.chunk(n) gives ``rank`` (FSDP2's _chunk_with_empty) and the padded chunk rows."""
     cs = math.ceil(d0 / n) if d0 else 0
@@ -259,18 +283,20 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None):
         for k in info:
             o = owner.get(k)
             if o is not None and o >= 0 and in_step(k):
-                over[k] = rnd(_scaled(info[k][0], numels[o], numels[o] / n))
+                over[k] = rnd(_scaled(info[k][0], numels[o], numels[o] / n, ledger.elements.get(k)))
         rep = _replay(ledger, sized(over), {}, hooks.spans)
         fig = _figures(0, rep, sized(over), info, pseudo, facts, G, 0, 0)
         return [dict(fig, rank=r) for r in range(n)]
     return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G)
 
 
-def _scaled(nbytes, numel, part):
-    """Bytes of an elementwise tensor of a parameter (nbytes a multiple of its numel) for ``part`` of its elements."""
-    if numel and nbytes >= numel and nbytes % numel == 0:
+def _scaled(nbytes, numel, part, elements):
+    """Bytes of a storage of a parameter's step for ``part`` of the parameter's elements: scaled when the
+    storage has as many elements as the parameter (elementwise: a moment, a temporary), else kept whole (a
+    step count, a scalar)."""
+    if numel and elements == numel:
         return int(nbytes // numel * part)
-    return nbytes  # a scalar (a step count) or something not elementwise: kept whole
+    return nbytes
 
 
 def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
@@ -279,10 +305,13 @@ def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
     for k in live:
         cat = pseudo[k][1] if isinstance(k, tuple) else info[k][3]
         breakdown[cat] = breakdown.get(cat, 0) + size_of(k)
+    # between steps: what the one process keeps (parameters, buffers, state, inputs) at this rank's
+    # sizes, and DDP's buckets
+    steady = sum(size_of(k) for k in facts["end_live"]) + buckets
     return {
         "rank": rank,
         "peak": int(peak),
-        "steady": int(end),
+        "steady": int(steady),
         "parameter": sum(size_of(k) for k in facts["param_keys"]),
         "gradient": int(grads),
         "optimizer_state": sum(size_of(k) for k in facts["last_state"]),
@@ -300,7 +329,6 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
     owner = ledger.owner
     shapes = facts["param_shapes"]
     numels = facts["param_numels"]
-    pbytes = facts["param_bytes"]
     units = facts["units"]  # [[param index]]: innermost first, the root last
     root = len(units) - 1
     grad_keys = facts["grad_keys"]  # key -> parameter index
@@ -310,12 +338,10 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
     def d0_of(i):
         return shapes[i][0] if shapes[i] else 1
 
-    def padded(i):  # padded unsharded elements: ceil(dim0 / n) rows on each of n ranks
-        d0 = d0_of(i)
-        _, cs = _chunk_rows(d0, n, 0)
-        return cs * n * (numels[i] // d0 if d0 else 0)
+    def padded(i):
+        return _padded(facts, i, n)
 
-    esize = [pbytes[i] // numels[i] if numels[i] else 0 for i in range(len(numels))]
+    esize = [_esize(facts, i) for i in range(len(numels))]
     gsize = dict(enumerate(esize))
     for k, i in grad_keys.items():
         if numels[i]:
@@ -357,7 +383,7 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
             if o is not None and o >= 0 and in_step(k):
                 d0 = d0_of(o)
                 part = rows[o] * (numels[o] // d0) if d0 else 0
-                over[k] = rnd(_scaled(info[k][0], numels[o], part))
+                over[k] = rnd(_scaled(info[k][0], numels[o], part, ledger.elements.get(k)))
         for k in grad_keys:  # autograd's unsharded gradient: replaced by a pseudo key freed when reduced
             over[k] = 0
         inserts = {}

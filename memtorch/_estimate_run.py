@@ -56,6 +56,7 @@ class Ledger:
         # gradient, optimizer state, or a temporary the optimizer made from them), -1 for several;
         # followed from the operators' inputs to their outputs while ``attribute`` is set
         self.owner = {}
+        self.elements = {}  # key -> elements of an owned storage (its parameter's numel: elementwise)
         self.attribute = False
         self._round = rounding or (lambda n: n)
 
@@ -168,6 +169,7 @@ def _accounting_mode(ledger, kernels, allow_item):
                         o = owners(i)
                         if o is not None:
                             ledger.owner[key] = o
+                            ledger.elements[key] = t.untyped_storage().nbytes() // max(1, t.element_size())
             if extra:
                 ledger.add_extra(extra)
                 if owners is not None and owners(None) is not None:

@@ -75,7 +75,8 @@ class Estimate:
     rank, else one dict per rank: rank, peak, steady, parameter, gradient,
     optimizer_state, communication_buckets, gathered_parameters, breakdown,
     phases), peak_rank (the first rank with the highest peak; peak, steady,
-    breakdown and phases are that rank's),
+    breakdown and phases are that rank's), fsdp_units (zero2/zero3: [{name,
+    gathered_bytes}], each unit's padded unsharded parameters),
     reserved_peak (device="cuda": the caching allocator's segments at the peak),
     seconds (time the estimate took). start is 0, end = delta = steady and
     peak_above_start = peak, so that a budget check reads it as it reads a
@@ -101,6 +102,7 @@ class Estimate:
         self.reserved_steady = kw.get("reserved_steady")
         self.per_rank = kw.get("per_rank")
         self.peak_rank = kw.get("peak_rank")
+        self.fsdp_units = kw.get("fsdp_units")
         self._param_numels = kw.get("_param_numels")
         self._param_groups = kw.get("_param_groups")
         self._step_scratch_at_peak = kw.get("_step_scratch_at_peak", 0)
@@ -151,6 +153,7 @@ class Estimate:
                 for r in self.per_rank
             ],
             "peak_rank": self.peak_rank,
+            "fsdp_units": None if self.fsdp_units is None else [dict(u) for u in self.fsdp_units],
             "notes": list(self.notes),
         }
 
@@ -537,6 +540,7 @@ def _own(ledger, trainable, masters, grad_of):
         for x in (t, t.grad) + ((masters[i], masters[i].grad) if masters is not None else ()):
             if x is not None and ledger.key_of(x) is not None:
                 ledger.owner[ledger.key_of(x)] = i
+                ledger.elements[ledger.key_of(x)] = x.numel()
 
 
 def _unit_hooks(stack, units, ledger, hooks, record):
@@ -670,6 +674,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             from ._estimate_ranks import unit_params
 
             facts["units"] = unit_params(units, orig_index)
+            facts["unit_names"] = [name for name, _ in units]
             order = {id(m): j for j, (_, m) in enumerate(model.named_modules())}
             facts["unit_module_order"] = sorted(range(len(units)), key=lambda u: order[id(units[u][1])])
             _unit_hooks(stack, units, ledger, hooks, facts["unit_events"])
@@ -679,6 +684,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             # 16-bit parameters and gradients; fp32 master weights that the optimizer steps (ZeRO/DeepSpeed).
             masters = [fake_like(t, "cpu", dtype=torch.float32, requires_grad=True) for t in trainable]
             ledger.mark([ledger.key_of(t) for t in masters], "optimizer_state")
+            state_keys.update(ledger.key_of(t) for t in masters)
             opt_params = masters
         else:
             masters = None
@@ -761,6 +767,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                         state_keys.add(ledger.key_of(v))
                         if id(p_) in index:
                             ledger.owner[ledger.key_of(v)] = index[id(p_)]
+                            ledger.elements[ledger.key_of(v)] = v.numel()
         index = {id(t): i for i, t in enumerate(opt_params)}
         facts["param_groups"] = [[index[id(p_)] for p_ in g["params"] if id(p_) in index] for g in opt.param_groups]
         facts["param_shapes"] = [tuple(t.shape) for t in trainable]
@@ -994,7 +1001,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         row.activation_bytes = row.activation_total // forwards
     # for memtorch.planning's zero1 arithmetic: the parameters' sizes and the step's scratch at the peak
     step_scratch = sum(size(k) for k in live if info[k][3] == "temporary" and info[k][1] == "optimizer")
-    per_rank = peak_rank = None
+    per_rank = peak_rank = fsdp_units = None
     if world_size > 1:
         from . import _estimate_ranks
 
@@ -1013,6 +1020,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         if device == "cuda":
             notes.append("per rank on cuda: each block rounded as the caching allocator does; reserved figures "
                          "are one process's")  # fmt: skip
+        if sharding in ("zero2", "zero3"):
+            fsdp_units = _estimate_ranks.unit_sizes(facts, world_size)
         peak, steady = top["peak"], top["steady"]
         breakdown = {c: top["breakdown"].get(c, 0) for c in CATEGORIES + ("communication",)}
         phases = {}
@@ -1022,7 +1031,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         device=device, precision=precision, optimizer=facts["optimizer_name"], world_size=world_size,
         sharding=sharding, peak=peak, steady=steady, breakdown={k: v for k, v in breakdown.items()},
         model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
-        reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, notes=notes, seconds=seconds,
+        reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, fsdp_units=fsdp_units,
+        notes=notes, seconds=seconds,
         _param_numels=facts["param_numels"], _param_groups=facts["param_groups"], _step_scratch_at_peak=step_scratch,
     )  # fmt: skip
 
