@@ -927,7 +927,9 @@ def estimate(
             "this process has no exact CPU counters (memtorch.cpu.mechanism() is not libc10-got): the scratch "
             "space CPU kernels allocate inside themselves was not measured and is not in the estimate"
         )
-    return _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0)
+    return _report(
+        ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0, checkpointing
+    )
 
 
 def _explain(e):
@@ -942,7 +944,7 @@ def _explain(e):
     return f"the model's training step failed on fake tensors: {name}: {text}"
 
 
-def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds):
+def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds, checkpointing=None):
     from .tracking import PhaseStats
 
     info = ledger.info
@@ -1014,9 +1016,18 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         peak_rank = top["rank"]
         notes.append(_RANK_NOTES[sharding].format(n=world_size))
         notes.append(
-            "per rank: the inputs given are one rank's batch; the figures replay this step's allocations with "
-            "what each rank holds (memtorch._estimate_ranks says how each wrapper is modelled)"
+            "per rank: the inputs given are one rank's batch; each rank's figures replay this step's "
+            "allocations with what that rank holds, and its wrapper's own buffers where the wrapper allocates them"
         )
+        if sharding in ("zero2", "zero3"):
+            notes.append(
+                "FSDP units: " + ", ".join(u["name"] for u in _estimate_ranks.unit_sizes(facts, world_size))
+                + (" (device='cpu': gloo's all-gather and reduce-scatter use a scratch tensor as large as the "
+                   "gathered output / the reduce-scatter input, included)" if device == "cpu" else
+                   " (device='cuda': NCCL's collectives are taken to allocate no tensor of their own)")
+            )  # fmt: skip
+            if checkpointing is not None:
+                notes.append("with checkpointing, FSDP gathering a unit again for its recomputation is not modelled")
         if device == "cuda":
             notes.append("per rank on cuda: each block rounded as the caching allocator does; reserved figures "
                          "are one process's")  # fmt: skip
