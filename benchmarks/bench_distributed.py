@@ -14,7 +14,8 @@ one torch thread each) and, on every rank:
                backward (ZeRO-2-like)
        zero3   FSDP2 fully_shard(reshard_after_forward=True): parameters re-sharded
                after forward and gathered again in backward (ZeRO-3)
-     (FSDP2 shards each block, then the root; AdamW everywhere, lr 1e-3.)
+     (FSDP2 shards each block (gpt) or each child holding parameters (mlp, cnn), then
+     the root; AdamW everywhere, lr 1e-3.)
   3. runs --steps training steps (loss = output.sum(), as estimate()'s default)
      inside memtorch.track(), each on a fresh batch of the same shape;
   4. reports the peak: bytes allocated at the highest point of the steps, counted
@@ -23,12 +24,16 @@ one torch thread each) and, on every rank:
      PyTorch's CPU allocator handed out on that rank).
 
 The estimate column is memtorch.estimate(model, one rank's batch, optimizer="adamw",
-world_size=N, sharding=...) per rank, when this memtorch has it; the error is
-(estimate - measured) / measured.
+world_size=N, sharding=..., fsdp_units=<the units wrapped>) for that rank, when this
+memtorch has it; the error is (estimate - measured) / measured.
+
+--from-json FILE takes the measurements from FILE (written by --json) and computes
+only the estimates (seconds); --remeasure MODEL:WAY:WORLD[,...] runs those
+configurations again even when FILE has them (the rest still come from FILE).
 
     python benchmarks/bench_distributed.py [--models mlp,gpt,cnn] [--ways ddp,zero1,zero2,zero3]
                                            [--worlds 2,4] [--steps 3] [--repeat 2] [--no-write]
-                                           [--json FILE] [--from-json FILE]
+                                           [--json FILE] [--from-json FILE] [--remeasure mlp:zero2:2,...]
 """
 
 import argparse
@@ -294,6 +299,14 @@ def estimates(model_name, way, world):
 _ONE = {}  # model name -> planning.Breakdown of its one-process estimate
 
 
+def _commit():
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
 def findings(raw):
     """Lines saying how many rank rows are within 5% and where the estimate misses, with figures from the
     runs (nothing typed by hand)."""
@@ -357,6 +370,9 @@ def main():
     ap.add_argument(
         "--from-json", help="take the measurements from this file (written by --json); run the rest"
     )
+    ap.add_argument(
+        "--remeasure", default="", help="MODEL:WAY:WORLD,... to run again even when --from-json has them"
+    )
     args = ap.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)
@@ -371,6 +387,12 @@ def main():
         with open(args.from_json) as fh:
             for d in json.load(fh):
                 earlier[(d["model"], d["way"], d["world"])] = d
+    for item in filter(None, args.remeasure.split(",")):
+        try:
+            m_, w_, n_ = item.split(":")
+            earlier.pop((m_, w_, int(n_)), None)
+        except ValueError:
+            raise SystemExit(f"--remeasure takes MODEL:WAY:WORLD items, got {item!r}") from None
     for model_name in args.models.split(","):
         for way in args.ways.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
@@ -378,7 +400,9 @@ def main():
                 if (model_name, way, world) in earlier:
                     d = earlier[(model_name, way, world)]
                     res, why, wall = d["ranks"], d["why"], d["wall"]
+                    measured_at = d.get("measured_at", "?")
                 else:
+                    measured_at = _commit()
                     runs = []
                     why = None
                     for _ in range(args.repeat):
@@ -395,7 +419,8 @@ def main():
                     wall = time.perf_counter() - t0
                 est, est_why = estimates(model_name, way, world)
                 raw.append({"model": model_name, "way": way, "world": world, "ranks": res, "why": why,
-                            "estimate": est, "estimate_why": est_why, "wall": wall})  # fmt: skip
+                            "estimate": est, "estimate_why": est_why, "wall": wall,
+                            "measured_at": measured_at})  # fmt: skip
                 if res is None:
                     rows.append(
                         [model_name, WAYS[way], str(world), "-", f"could not run: {why}", "", "", "", "", ""]
@@ -430,6 +455,9 @@ def main():
         "",
         f"Machine: {machine()}.",
         "",
+        "Measured at memtorch " + ", ".join(sorted({d.get("measured_at", "?") for d in raw})) + "; estimates "
+        f"at {_commit()}.",
+        "",
         "`python benchmarks/bench_distributed.py` (gloo on localhost, one process per rank, one torch thread "
         f"each, AdamW, {args.steps} steps, loss = output.sum()). Models: mlp = Linear 512-1024-1024-16, batch 64; "
         "gpt = 2 pre-LN blocks, d 128, 4 heads, vocab 2048, sequence 64, batch 8, output layer tied to the "
@@ -439,12 +467,16 @@ def main():
         f"*measured peak*: the highest over {args.repeat} runs (the range where the runs differ) of "
         "the bytes PyTorch's CPU allocator had handed out on that rank at the highest point of the "
         "steps, counted by memtorch's exact CPU counters from before the model was built (parameters, gradients, "
-        "optimizer state, activations, the batch and the wrappers' communication buffers; not gloo's own "
-        "buffers, which do not come from that allocator). *after wrapping*: what was allocated once the model "
+        "optimizer state, activations, the batch, the wrappers' communication buffers and the scratch tensors "
+        "gloo's all-gather and reduce-scatter take from that allocator; not what gloo allocates elsewhere). "
+        "*after wrapping*: what was allocated once the model "
         "and optimizer were built and wrapped, before the first step. *estimate*: memtorch.estimate(model, "
-        "batch, optimizer='adamw', world_size=N, sharding=...) per rank; *error*: (estimate - measured) / measured. "
-        "*plan*: what memtorch.plan() uses, memtorch.planning.per_rank() applied to one one-process estimate "
-        "(the same for every rank), and its error.",
+        "batch, optimizer='adamw', world_size=N, sharding=..., fsdp_units=the units wrapped) for that rank; "
+        "*error*: (estimate - measured) / measured. *plan*: what memtorch.plan() uses, memtorch.planning.per_rank() "
+        "applied to one one-process estimate (arithmetic, so that thousands of world sizes cost one dry run; per "
+        "rank for ZeroRedundancyOptimizer, the same for every rank otherwise), and its error. "
+        "`python benchmarks/bench_distributed.py --from-json benchmarks/bench_distributed.json --json "
+        "benchmarks/bench_distributed.json` recomputes the estimate and plan columns from these measurements.",
         "",
         *table,
         *findings(raw),
