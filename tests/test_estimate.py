@@ -676,3 +676,38 @@ def test_zero1_per_rank_against_real_gloo_ranks():
     for rank in (0, 1):
         # within the 5% target of benchmarks/bench_distributed.py (on torch 2.13 they agree to the byte)
         assert got[rank] == pytest.approx(measured[rank], rel=0.05), (rank, got, measured)
+
+
+def test_cli_estimate_per_rank(tmp_path, monkeypatch, capsys):
+    import json
+
+    from memtorch import cli
+
+    name = f"est_cli_models_{abs(hash(str(tmp_path)))}"
+    (tmp_path / f"{name}.py").write_text(
+        "from torch import nn\n"
+        "def mlp():\n    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import io
+    import sys
+
+    try:
+        out = io.StringIO()
+        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--optimizer", "adam", "--world-size", "2",
+                "--sharding", "zero1", "--format", "json"]  # fmt: skip
+        assert cli.main(argv, out=out) == 0
+        data = json.loads(out.getvalue())
+        # the partition of test_zero1_per_rank_state_and_ddp_buckets_by_hand: 2048 elements; 584 in 3
+        assert [r["optimizer_state"] for r in data["per_rank"]] == [8 * 2048 + 4, 8 * 584 + 12]
+        assert data["peak_rank"] == 0 and data["sharding"] == "zero1"
+        out = io.StringIO()
+        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--world-size", "2", "--sharding", "zero3",
+                "--fsdp-units", "0,2"]  # fmt: skip
+        assert cli.main(argv, out=out) == 0
+        assert "FSDP units: 0, 2" in out.getvalue()
+        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--world-size", "2", "--sharding", "zero9"]
+        assert cli.main(argv, out=io.StringIO()) == 2
+        assert "unknown sharding 'zero9'" in capsys.readouterr().err
+    finally:
+        sys.modules.pop(name, None)
