@@ -340,7 +340,10 @@ def findings(raw):
         out.append("Where the estimate misses, from the runs above:")
         out.append("")
     for d, r, e, err in misses:
-        what = f"- {d['model']}, {WAYS[d['way']]}, {d['world']} ranks, rank {r['rank']}: estimate {f(e)}, measured {f(r['peak'])} ({err * 100:+.1f}%)"
+        what = (
+            f"- {d['model']}, {WAYS[d['way']]}, {d['world']} ranks, rank {r['rank']}: estimate {f(e)}, "
+            f"measured {f(r['peak'])} ({err * 100:+.1f}%)"
+        )
         low = r.get("peak_low", r["peak"])
         if low != r["peak"] and abs((e - low) / low) <= 0.05:
             steady = [x["rank"] for x in d["ranks"] if x.get("peak_low", x["peak"]) == x["peak"] and x is not r]

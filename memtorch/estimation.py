@@ -23,6 +23,13 @@ out. So estimate() does allocate real memory, up to 32 MiB at a time for these
 probes (and one LSTM layer's tensors, see _estimate_kernels), never the model's
 parameters.
 
+Per rank (world_size > 1, sharding=...): the same dry run, replayed once per
+distinct rank with what that rank holds and its wrapper's buffers inserted where
+the wrapper allocates them (DDP's buckets, ZeroRedundancyOptimizer's partition,
+FSDP2's all-gather and reduce-scatter); _estimate_ranks holds the rules and the
+torch source each follows. For FSDP the dry run records where each unit's
+forward, backward start and backward end fall (_unit_hooks).
+
 This file is named estimation.py, apart from the function, so that importing
 the submodule never shadows ``memtorch.estimate`` (as inspection.py/tracking.py).
 

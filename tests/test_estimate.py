@@ -633,20 +633,14 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
-def test_zero1_per_rank_against_real_gloo_ranks():
-    # Two real ranks (gloo on localhost) train with DDP + ZeroRedundancyOptimizer(AdamW); each rank's
-    # peak, counted by memtorch's exact CPU counters from before the model was built, beside
-    # estimate(world_size=2, sharding="zero1")'s figure for that rank. The ranks hold different
-    # parameters (512x512 on rank 0; the rest on rank 1), so their peaks differ.
+def _two_gloo_ranks(code, timeout=120):
+    """Run ``code`` on 2 gloo ranks (localhost); the JSON after each rank's 'RESULT ' line, by rank."""
     import json
     import os
     import socket
     import subprocess
     import sys
 
-    if not cpu.exact():
-        pytest.skip("no exact CPU counters in this process (memtorch.cpu.mechanism() is not libc10-got)")
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         port = so.getsockname()[1]
@@ -654,20 +648,62 @@ def test_zero1_per_rank_against_real_gloo_ranks():
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-c", _ZERO_RANK], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    measured = {}
+    results = {}
     for out in outs:
         line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         assert line, out[-2000:]
         d = json.loads(line[0][7:])
-        assert d["exact"]
-        measured[d["rank"]] = d["peak"]
+        results[d["rank"]] = d
+    return results
+
+
+_GLOO_SCRATCH = r"""
+import json
+import memtorch
+memtorch.cpu.start()
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+inp, out = torch.ones(1 << 18), torch.empty(1 << 17)
+with memtorch.track() as t:
+    dist.reduce_scatter_tensor(out, inp)
+rs = t.report.peak - t.report.start
+gathered, shard = torch.empty(1 << 18), torch.ones(1 << 17)
+with memtorch.track() as t:
+    dist.all_gather_into_tensor(gathered, shard)
+print("RESULT " + json.dumps({"rank": dist.get_rank(), "rs": rs, "ag": t.report.peak - t.report.start}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_gloo_collectives_take_scratch_as_modelled():
+    # What estimate(sharding="zero2"/"zero3", device="cpu") assumes of gloo: its reduce-scatter and
+    # all-gather take, from PyTorch's allocator, a scratch tensor as large as the reduce-scatter's input
+    # / the gathered output (here 2**18 float32 = 1 MiB), freed when they return.
+    if not cpu.exact():
+        pytest.skip("no exact CPU counters in this process (memtorch.cpu.mechanism() is not libc10-got)")
+    for r in _two_gloo_ranks(_GLOO_SCRATCH).values():
+        assert r["rs"] == 4 * (1 << 18) and r["ag"] == 4 * (1 << 18)
+
+
+@pytest.mark.slow
+def test_zero1_per_rank_against_real_gloo_ranks():
+    # Two real ranks (gloo on localhost) train with DDP + ZeroRedundancyOptimizer(AdamW); each rank's
+    # peak, counted by memtorch's exact CPU counters from before the model was built, beside
+    # estimate(world_size=2, sharding="zero1")'s figure for that rank. The ranks hold different
+    # parameters (512x512 on rank 0; the rest on rank 1), so their peaks differ.
+    if not cpu.exact():
+        pytest.skip("no exact CPU counters in this process (memtorch.cpu.mechanism() is not libc10-got)")
+    results = _two_gloo_ranks(_ZERO_RANK)
+    assert all(d["exact"] for d in results.values())
+    measured = {r: d["peak"] for r, d in results.items()}
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
     est = memtorch.estimate(model, (32, 256), optimizer="adamw", world_size=2, sharding="zero1")
