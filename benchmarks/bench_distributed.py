@@ -342,7 +342,7 @@ def _late_scratch(model_name, way, world, rank, high):
     for u in est.fsdp_units:
         for cur, key in curve:
             gap = abs(cur + u["gathered_bytes"] - high)
-            if gap <= 0.001 * high and (best is None or gap < best[2]):
+            if gap <= 256 and (best is None or gap < best[2]):  # a few small tensors at most
                 what = key[0] if isinstance(key, tuple) else "a tensor"
                 best = (u["name"], u["gathered_bytes"], gap, what)
     return best
@@ -399,8 +399,8 @@ def findings(raw):
             if late:
                 what += (
                     f" The higher peak equals, within {late[2]} B, the estimate's own curve for this rank at a "
-                    f"moment of the step (the allocation of {late[3]}) plus {f(late[1])}, the size of unit "
-                    f"{late[0]!r}'s gloo scratch (its all-gather's or reduce-scatter's): what one sees if gloo "
+                    f"moment of the step (the allocation of {late[3]}) plus {f(late[1])}, the size of the gloo "
+                    f"scratch of unit {late[0]!r} (its all-gather's or reduce-scatter's): what one sees if gloo "
                     "frees that scratch some time after the collective returns, as it seems to in some runs and "
                     "not in others. The estimate frees it when the collective returns (timing is not modelled)."
                 )
