@@ -30,11 +30,17 @@ rounded up to a whole element:
                                                  peak_fb the forward/backward peak)
     zero1-even peak - O_peak + shard(O_peak)    (DeepSpeed stage 1: optimizer state
                                                  split evenly by elements)
-    zero2  zero1-even - G_peak + shard(G_peak)  (gradients split as well)
+    zero2  zero1-even - G_peak + shard(G_peak) - S + shard(S)
+                                                (gradients split as well; FSDP steps
+                                                 shards, so the step's scratch is a
+                                                 shard's)
     zero3  zero2 - P + shard(P) + 2 (U - shard(U))
                                                 (parameters split; a block's full
                                                  parameters gathered for its compute,
                                                  and the next block's prefetched)
+    and, given peak_fb, at least the forward/backward peak with the state
+    sharded: zero2 peak_fb - O + shard(O) + shard(P) (every parameter gathered,
+    and the shards), zero3 peak_fb - O + shard(O) - P + shard(P) + 2 U.
 
 These are the ZeRO paper's model-state formulas (Rajbhandari et al. 2020,
 section 5) applied to the measured breakdown; ``zero_model_states`` gives the
@@ -150,12 +156,24 @@ def per_rank(b, world_size, sharding, pad=True):
         if sharding in ("zero2", "zero3"):
             out["gradient"] = sh(G, "gradients")
             peak += sh(Gp, "gradients") - Gp
+            # FSDP steps each rank's shard: the step's elementwise scratch is a shard's
+            S = b.step_scratch_at_peak
+            peak += sh(S, "the optimizer step's scratch") - S
         if sharding == "zero3":
             out["parameter"] = sh(P, "parameters")
             U = min(b.largest_block, P)
             gathered = 0 if n == 1 else 2 * (U - math.ceil(U / n))
             out["gathered"] = gathered
             peak += out["parameter"] - P + gathered
+        if sharding in ("zero2", "zero3") and b.peak_outside_step is not None and n > 1:
+            # the forward/backward peak: state sharded; zero2 keeps every parameter gathered besides the
+            # shards, zero3 the shards and two blocks gathered
+            fb = b.peak_outside_step - O + out["optimizer_state"]
+            if sharding == "zero2":
+                fb += sh(P, "parameters")
+            else:
+                fb += out["parameter"] - P + 2 * min(b.largest_block, P)
+            peak = max(peak, fb)
     out["peak"] = int(peak)
     out["peak_rank"] = 0
     out["rank_peaks"] = [int(peak)] * n

@@ -73,6 +73,18 @@ def test_per_rank_by_hand():
     assert per_rank(B, 5, "zero3")["peak"] == 5000 - 2000 + 400 - 1000 + 200 - 1000 + 200 + 2 * (400 - 80)
 
 
+def test_fsdp_plan_with_step_scratch_and_forward_backward_peak_by_hand():
+    # B with 600 B of optimizer-step scratch at the peak and a forward/backward peak of 4000, 2 ranks
+    b = B._replace(step_scratch_at_peak=600, peak_outside_step=4000)
+    # zero2: the step's moment: 5000 - 2000 + 1000 (state) - 1000 + 500 (gradients) - 600 + 300 (scratch on
+    # a shard) = 3200; forward/backward: 4000 - 2000 + 1000 (state) + 500 (the shards beside the gathered
+    # parameters) = 3500, the higher
+    assert per_rank(b, 2, "zero2")["peak"] == 3500
+    # zero3: the step's moment 3200 - 1000 + 500 (parameters) + 2 * (400 - 200) = 3100; forward/backward
+    # 4000 - 2000 + 1000 - 1000 + 500 + 2 * 400 (two blocks gathered) = 3300
+    assert per_rank(b, 2, "zero3")["peak"] == 3300
+
+
 def test_uneven_split_pads_or_refuses():
     # 250 elements over 3 ranks: 84 per rank (padded, as FSDP and DeepSpeed do) = 336 B of 1000
     assert per_rank(B, 3, "zero1-even")["optimizer_state"] == 84 * 8
