@@ -52,6 +52,12 @@ class Ledger:
         self.module = None
         self.closed = False
         self.trace = None  # [(op, modelled transient bytes)] when set to a list (tests, calibration)
+        # owner[key] = index of the trainable parameter a storage belongs to (its parameter,
+        # gradient, optimizer state, or a temporary the optimizer made from them), -1 for several;
+        # followed from the operators' inputs to their outputs while ``attribute`` is set
+        self.owner = {}
+        self.elements = {}  # key -> elements of an owned storage (its parameter's numel: elementwise)
+        self.attribute = False
         self._round = rounding or (lambda n: n)
 
     def add_storage(self, storage, category=None):
@@ -155,16 +161,57 @@ def _accounting_mode(ledger, kernels, allow_item):
                 extra = probe_extra(func, args, kwargs, out) if probe else None
                 if extra is None:
                     extra = scalar_extra(func, args, out)
-            for t in tree_leaves(out):
+            owners = _owners(ledger, args, kwargs, out) if ledger.attribute else None
+            for i, t in enumerate(tree_leaves(out)):
                 if isinstance(t, torch.Tensor):
-                    ledger.add_storage(t.untyped_storage())
+                    key = ledger.add_storage(t.untyped_storage())
+                    if owners is not None and key not in ledger.owner:
+                        o = owners(i)
+                        if o is not None:
+                            ledger.owner[key] = o
+                            ledger.elements[key] = t.untyped_storage().nbytes() // max(1, t.element_size())
             if extra:
                 ledger.add_extra(extra)
+                if owners is not None and owners(None) is not None:
+                    ledger.owner[ledger._next - 1] = owners(None)
             if ledger.trace is not None:
                 ledger.trace.append((str(func), extra, ledger.current))
             return out
 
     return Accounting()
+
+
+def _owners(ledger, args, kwargs, out):
+    """owner(i): the parameter index the i-th output tensor of an operator belongs to, from its inputs.
+
+    A foreach operator (lists of tensors in, a list out) pairs its i-th output with the i-th
+    tensor of each input list; any other operator gives every output the one owner of all its
+    inputs (-1 when they belong to several parameters, None when to none). owner(None): the
+    owner of the operator as a whole (for a kernel's scratch space).
+    """
+    from torch.utils._pytree import tree_leaves
+
+    torch = _torch()
+    own = ledger.owner
+    live = ledger.live
+
+    def of(t):
+        k = live.get(id(t.untyped_storage()))
+        return None if k is None else own.get(k)
+
+    def merge(os_):
+        os_ = {o for o in os_ if o is not None}
+        if not os_:
+            return None
+        return os_.pop() if len(os_) == 1 else -1
+
+    lists = [a for a in list(args) + list(kwargs.values())
+             if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)]  # fmt: skip
+    whole = merge(of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    if lists and isinstance(out, (list, tuple)) and all(len(a) == len(out) for a in lists):
+        per = [merge(of(a[i]) for a in lists) for i in range(len(out))]
+        return lambda i: whole if i is None or i >= len(per) else per[i]
+    return lambda i: whole
 
 
 class _DataDependent(MemtorchError):

@@ -351,12 +351,12 @@ def cmd_estimate(args, out, progress):
             "estimate needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)"
         )
     kwargs = {}
-    for option in ("optimizer", "precision"):
-        value = getattr(args, option)
+    for option in ("optimizer", "precision", "world_size", "sharding", "fsdp_units"):
+        value = getattr(args, option, None)
         if value is not None:
             if not _accepts(estimate, option):
                 raise UsageError(f"memtorch.estimate() in this install takes no {option}")
-            kwargs[option] = value
+            kwargs[option] = value.split(",") if option == "fsdp_units" else value
     with progress.step("estimating one training step"):
         try:
             est = estimate(model, *inputs, **kwargs)
@@ -692,6 +692,9 @@ def make_parser():
     p = sub.add_parser("estimate", help="peak of one training step, estimated without running it")
     common(p, ["text", "json", "html"], inputs=True)
     p.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true, ...")
+    p.add_argument("--world-size", type=int, help="ranks: per-rank figures (with --sharding)")
+    p.add_argument("--sharding", help="ddp, zero1 (ZeroRedundancyOptimizer), zero1-even, zero2, zero3 (FSDP2)")
+    p.add_argument("--fsdp-units", help="zero2/zero3: module names fully_shard wraps, comma-separated")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("diagram", help="Mermaid class or ER diagram with each module's memory")

@@ -798,9 +798,9 @@ def _estimate_sections(est):
         out.append(
             (
                 f"per rank ({est.sharding or 'replicated'}, {est.world_size} ranks)",
-                ["figure", "bytes"],
+                getattr(est, "_rank_header", lambda: ["figure", "bytes"])(),
                 ranks,
-                {1},
+                set(range(1, len(ranks[0]))),
             )
         )
     return out

@@ -23,6 +23,13 @@ out. So estimate() does allocate real memory, up to 32 MiB at a time for these
 probes (and one LSTM layer's tensors, see _estimate_kernels), never the model's
 parameters.
 
+Per rank (world_size > 1, sharding=...): the same dry run, replayed once per
+distinct rank with what that rank holds and its wrapper's buffers inserted where
+the wrapper allocates them (DDP's buckets, ZeroRedundancyOptimizer's partition,
+FSDP2's all-gather and reduce-scatter); _estimate_ranks holds the rules and the
+torch source each follows. For FSDP the dry run records where each unit's
+forward, backward start and backward end fall (_unit_hooks).
+
 This file is named estimation.py, apart from the function, so that importing
 the submodule never shadows ``memtorch.estimate`` (as inspection.py/tracking.py).
 
@@ -55,7 +62,7 @@ OPTIMIZERS = (
     "sgd-fused", "sgd-momentum-fused", "adam-fused", "adamw-fused", "amsgrad-fused", "adagrad-fused",
 )  # fmt: skip
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "mixed-zero", "fp16-zero")
-SHARDINGS = (None, "ddp", "zero1", "zero2", "zero3")
+SHARDINGS = (None, "ddp", "zero1", "zero1-even", "zero2", "zero3")
 DEVICES = ("cpu", "cuda")
 
 
@@ -71,7 +78,12 @@ class Estimate:
     bytes at the peak}, model_states {parameter, buffer, gradient,
     optimizer_state: bytes, exact}, phases {name: PhaseStats}, modules
     [ModuleStats] (activation_bytes: what the module's forward leaves alive),
-    device, precision, optimizer, world_size, sharding, per_rank (dict or None),
+    device, precision, optimizer, world_size, sharding, per_rank (None on one
+    rank, else one dict per rank: rank, peak, steady, parameter, gradient,
+    optimizer_state, communication_buckets, gathered_parameters, breakdown,
+    phases), peak_rank (the first rank with the highest peak; peak, steady,
+    breakdown and phases are that rank's), fsdp_units (zero2/zero3: [{name,
+    gathered_bytes}], each unit's padded unsharded parameters),
     reserved_peak (device="cuda": the caching allocator's segments at the peak),
     seconds (time the estimate took). start is 0, end = delta = steady and
     peak_above_start = peak, so that a budget check reads it as it reads a
@@ -96,6 +108,11 @@ class Estimate:
         self.reserved_peak = kw.get("reserved_peak")
         self.reserved_steady = kw.get("reserved_steady")
         self.per_rank = kw.get("per_rank")
+        self.peak_rank = kw.get("peak_rank")
+        self.fsdp_units = kw.get("fsdp_units")
+        self._param_numels = kw.get("_param_numels")
+        self._param_groups = kw.get("_param_groups")
+        self._step_scratch_at_peak = kw.get("_step_scratch_at_peak", 0)
         self.notes = list(kw.get("notes", []))
         self.seconds = kw.get("seconds", 0.0)
         self.start = 0
@@ -138,7 +155,12 @@ class Estimate:
                  "peak_above_start": m.peak_above_start}
                 for m in self.modules
             ],  # fmt: skip
-            "per_rank": None if self.per_rank is None else dict(self.per_rank),
+            "per_rank": None if self.per_rank is None else [
+                {k: (dict(v) if isinstance(v, dict) else v) for k, v in r.items() if k != "spans"}
+                for r in self.per_rank
+            ],
+            "peak_rank": self.peak_rank,
+            "fsdp_units": None if self.fsdp_units is None else [dict(u) for u in self.fsdp_units],
             "notes": list(self.notes),
         }
 
@@ -185,10 +207,37 @@ class Estimate:
             for m in mods
         ]  # fmt: skip
 
-    def _rank_rows(self):
+    _RANK_FIGURES = (("peak", "peak"), ("parameter", "parameters"), ("gradient", "gradients"),
+                     ("optimizer_state", "optimizer state"), ("communication_buckets", "DDP buckets"),
+                     ("gathered_parameters", "gathered at the peak"))  # fmt: skip
+
+    def _rank_figures(self):
+        return [(k, t) for k, t in self._RANK_FIGURES if k == "peak" or any(r.get(k) for r in self.per_rank)]
+
+    def _rank_header(self):
+        return ["rank"] + [t for _, t in self._rank_figures()]
+
+    def _rank_rows(self, limit=16):
+        """One row per rank; ranks with the same figures are folded into one row (ranks 1-3)."""
         if not self.per_rank:
             return []
-        return [(k, units.format(v)) for k, v in self.per_rank.items() if isinstance(v, int)]
+        figs = self._rank_figures()
+        rows = []
+        for r in self.per_rank:
+            vals = tuple(units.format(r[k]) for k, _ in figs)
+            if rows and rows[-1][1] == vals and rows[-1][0][1] == r["rank"] - 1:
+                rows[-1][0][1] = r["rank"]
+            else:
+                rows.append(([r["rank"], r["rank"]], vals))
+        out = []
+        for (a, b), vals in rows[:limit]:
+            name = str(a) if a == b else f"{a}-{b}"
+            if self.peak_rank is not None and a <= self.peak_rank <= b:
+                name += " (highest)"
+            out.append((name,) + vals)
+        if len(rows) > limit:
+            out.append((f"... {len(rows) - limit} more rows",) + ("",) * len(figs))
+        return out
 
     def _sections(self):
         from .tracking import _table
@@ -199,7 +248,7 @@ class Estimate:
             out.append(("", _table(["phase", "calls", "delta", "peak above start"], self._phase_rows())))
         if self._rank_rows():
             out.append((f"per rank ({self.sharding or 'replicated'}, {self.world_size} ranks)",
-                        _table(["figure", "bytes"], self._rank_rows())))  # fmt: skip
+                        _table(self._rank_header(), self._rank_rows())))  # fmt: skip
         if self._module_rows():
             out.append(("", _table(["module", "type", "calls", "left alive (activations)", "peak inside"],
                                    self._module_rows())))  # fmt: skip
@@ -325,7 +374,9 @@ def _check_args(optimizer, precision, device, world_size, sharding, checkpointin
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise MemtorchError(f"world_size must be a positive int, got {world_size!r}")
     if sharding not in SHARDINGS:
-        raise MemtorchError(f"unknown sharding {sharding!r}: expected one of ddp, zero1, zero2, zero3 (or None)")
+        raise MemtorchError(
+            f"unknown sharding {sharding!r}: expected one of ddp, zero1, zero1-even, zero2, zero3 (or None)"
+        )
     if checkpointing is not None and checkpointing != "blocks" and not (
         isinstance(checkpointing, (list, tuple)) and all(isinstance(n, str) for n in checkpointing)
     ):
@@ -487,6 +538,76 @@ def _swapped(model, fakes):
             table[k] = v
 
 
+def _own(ledger, trainable, masters, grad_of):
+    """Give each parameter's storages (itself, its gradient, its master copy) its index as owner.
+    A function, so that no loop variable keeps a gradient alive past zero_grad."""
+    for i, t in enumerate(trainable):
+        if t.grad is not None and ledger.key_of(t.grad) is not None:
+            grad_of[ledger.key_of(t.grad)] = i
+        for x in (t, t.grad) + ((masters[i], masters[i].grad) if masters is not None else ()):
+            if x is not None and ledger.key_of(x) is not None:
+                ledger.owner[ledger.key_of(x)] = i
+                ledger.elements[ledger.key_of(x)] = x.numel()
+
+
+def _unit_hooks(stack, units, ledger, hooks, record):
+    """Record, as ledger positions, where FSDP2 would run its hooks for each unit: pre/post forward
+    (module hooks), pre-backward (a hook on the forward's outputs, the first to fire) and
+    post-backward (an identity autograd function on the forward's inputs that need a gradient, as
+    FSDP2's RegisterPostBackwardFunction; units without such inputs are left to the end of backward)."""
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+    torch = _torch()
+
+    class PostBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, u, *xs):
+            ctx.u = u
+            return xs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            record.append((len(ledger.events), "post_bwd", ctx.u))
+            return (None,) + grads
+
+    fired = {}
+
+    def pre(mod, args, kwargs, u):
+        if not hooks.recording:
+            return None
+        record.append((len(ledger.events), "fwd_pre", u))
+        fired[u] = False
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [j for j, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        outs = PostBackward.apply(u, *[flat[j] for j in idx])
+        for j, o in zip(idx, outs):
+            flat[j] = o
+        return tree_unflatten(flat, spec)
+
+    def post(mod, args, kwargs, out, u):
+        if not hooks.recording:
+            return None
+        record.append((len(ledger.events), "fwd_post", u))
+
+        def on_grad(_g, u=u):
+            if not fired.get(u):
+                fired[u] = True
+                record.append((len(ledger.events), "pre_bwd", u))
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+        return None
+
+    for u, (_, mod) in enumerate(units):
+        h1 = mod.register_forward_pre_hook(functools.partial(pre, u=u), with_kwargs=True)
+        h2 = mod.register_forward_hook(functools.partial(post, u=u), with_kwargs=True)
+        stack.callback(h1.remove)
+        stack.callback(h2.remove)
+
+
 def _unique_tensors(named):
     """[(names, tensor)] with each tensor object once (tied weights share one entry)."""
     by_id = {}
@@ -499,8 +620,12 @@ def _unique_tensors(named):
     return list(by_id.values())
 
 
-def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2):
-    """Run the steps on fake tensors; returns (ledger, hooks, facts)."""
+def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2, units=None):
+    """Run the steps on fake tensors; returns (ledger, hooks, facts).
+
+    units: [(name, module)] FSDP would wrap (innermost first, the root last): their forward, the
+    start of their backward and its end are recorded as ledger positions (facts["unit_events"]).
+    """
     torch = _torch()
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -543,12 +668,30 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         fakes = {id(p): f for (_, p), (_, f) in zip(params, fparams)}
         fakes.update({id(b): f for (_, b), (_, f) in zip(buffers, fbufs)})
         trainable = [t for _, t in fparams if t.requires_grad]
+        orig_index = {}
+        for (_, p), (_, f) in zip(params, fparams):
+            if f.requires_grad:
+                orig_index[id(p)] = len(orig_index)
+        facts["param_keys"] = [ledger.key_of(t) for _, t in fparams]
+        facts["param_keys_trainable"] = [ledger.key_of(t) for t in trainable]
+        for i, t in enumerate(trainable):
+            ledger.owner[ledger.key_of(t)] = i
+        facts["unit_events"] = []
+        if units is not None:
+            from ._estimate_ranks import unit_params
+
+            facts["units"] = unit_params(units, orig_index)
+            facts["unit_names"] = [name for name, _ in units]
+            order = {id(m): j for j, (_, m) in enumerate(model.named_modules())}
+            facts["unit_module_order"] = sorted(range(len(units)), key=lambda u: order[id(units[u][1])])
+            _unit_hooks(stack, units, ledger, hooks, facts["unit_events"])
         if not trainable:
             raise MemtorchError("the model has no parameter that requires grad: there is no training step to estimate")
         if precision in ("mixed-zero", "fp16-zero"):
             # 16-bit parameters and gradients; fp32 master weights that the optimizer steps (ZeRO/DeepSpeed).
             masters = [fake_like(t, "cpu", dtype=torch.float32, requires_grad=True) for t in trainable]
             ledger.mark([ledger.key_of(t) for t in masters], "optimizer_state")
+            state_keys.update(ledger.key_of(t) for t in masters)
             opt_params = masters
         else:
             masters = None
@@ -557,6 +700,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
         ledger.phase = None
         rng_held = []
+        grad_of = {}
 
         def on_call(fn):
             # checkpoint keeps the CPU RNG state (a real tensor, unseen by the fake run) from the
@@ -606,6 +750,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     ledger.free_key(rng_held.pop())
                 grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
             allow_item[0] = True
+            _own(ledger, trainable, masters, grad_of)  # whose is what, for the per-rank figures
+            ledger.attribute = True
             with hooks.phase("optimizer"):
                 if masters is not None:
                     for m, p in zip(masters, trainable):
@@ -617,19 +763,31 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     with torch.no_grad():
                         for m, p in zip(masters, trainable):
                             p.copy_(m)
+            ledger.attribute = False
             # zero_grad outside the phase, as track() sees a step (its hooks wrap step() only)
             opt.zero_grad(set_to_none=True)
             allow_item[0] = False
-            for st in opt.state.values():
+            index = {id(t): i for i, t in enumerate(opt_params)}
+            for p_, st in opt.state.items():
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         state_keys.add(ledger.key_of(v))
+                        if id(p_) in index:
+                            ledger.owner[ledger.key_of(v)] = index[id(p_)]
+                            ledger.elements[ledger.key_of(v)] = v.numel()
+        index = {id(t): i for i, t in enumerate(opt_params)}
+        facts["param_groups"] = [[index[id(p_)] for p_ in g["params"] if id(p_) in index] for g in opt.param_groups]
+        facts["param_shapes"] = [tuple(t.shape) for t in trainable]
+        facts["param_bytes"] = [t.untyped_storage().nbytes() for t in trainable]
+        facts["param_numels"] = [t.numel() for t in trainable]
+        facts["grad_keys"] = grad_of
+        facts["state_keys"] = set(state_keys) - {None}
         facts["fparams"] = fparams
-        facts["largest_unit"] = _largest_unit(model, {id(f): f.untyped_storage().nbytes() for _, f in fparams})
         facts["trainable_numel"] = sum(t.numel() for t in trainable)
         ledger.mark(grads_keys, "gradient")
         ledger.mark(state_keys, "optimizer_state")
         facts["end_live"] = set(ledger.live.values())
+        facts["last_state"] = facts["state_keys"] & facts["end_live"]
         facts["end_current"] = ledger.current
         del opt, fparams, fbufs, finputs, fakes, trainable, masters, opt_params
         facts.pop("fparams")
@@ -696,6 +854,7 @@ def estimate(
     checkpointing=None,
     world_size=1,
     sharding=None,
+    fsdp_units=None,
 ):
     """Estimate the memory of one training step of ``model`` on ``inputs`` without running it for real.
 
@@ -710,8 +869,17 @@ def estimate(
     parameters and gradients, fp32 master weights and optimizer state, as
     ZeRO/DeepSpeed). device: "cpu" or "cuda" (the CUDA caching allocator's
     rules). checkpointing: None, "blocks" or module names recomputed in
-    backward. world_size, sharding (ddp, zero1, zero2, zero3 = FSDP full
-    shard): per-rank figures. Returns an Estimate.
+    backward. world_size, sharding: per-rank figures (Estimate.per_rank, one
+    entry per rank; peak is the highest rank's, peak_rank that rank) for
+    ddp (DistributedDataParallel), zero1 (torch's ZeroRedundancyOptimizer
+    under DDP: whole parameters per rank, so ranks differ), zero1-even
+    (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements),
+    zero2 / zero3 (FSDP2 fully_shard with reshard_after_forward False /
+    True). fsdp_units (zero2/zero3): the modules fully_shard is called on
+    before the root: None for each block of every nn.ModuleList (without one,
+    each child of the model holding parameters), or a list of module names
+    and/or module types, or a predicate (name, module) -> bool. Returns an
+    Estimate.
     """
     import time
 
@@ -725,12 +893,23 @@ def estimate(
     device = str(device).split(":")[0]
     if world_size > 1 and sharding is None:
         sharding = "ddp"
+    fsdp_mods = None
+    if fsdp_units is not None and sharding not in ("zero2", "zero3"):
+        raise MemtorchError(
+            f"fsdp_units applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
+        )
+    if world_size > 1 and sharding in ("zero2", "zero3"):
+        from ._estimate_ranks import resolve_units
+
+        fsdp_mods = resolve_units(model, fsdp_units, torch)
     notes = []
     from . import _estimate_kernels
 
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
-        ledger, hooks, facts = _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpointing)
+        ledger, hooks, facts = _dry_run(
+            model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods
+        )
     except _DataDependent as e:
         raise MemtorchError(
             f"the model {e}: estimate() runs it on fake tensors that hold no values, so a step whose "
@@ -755,7 +934,9 @@ def estimate(
             "this process has no exact CPU counters (memtorch.cpu.mechanism() is not libc10-got): the scratch "
             "space CPU kernels allocate inside themselves was not measured and is not in the estimate"
         )
-    return _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0)
+    return _report(
+        ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0, checkpointing
+    )
 
 
 def _explain(e):
@@ -770,7 +951,7 @@ def _explain(e):
     return f"the model's training step failed on fake tensors: {name}: {text}"
 
 
-def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds):
+def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds, checkpointing=None):
     from .tracking import PhaseStats
 
     info = ledger.info
@@ -827,21 +1008,50 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         row.peak_above_start = max(row.peak_above_start, max(curve[s:e], default=before) - before)
     for row in hooks.rows:
         row.activation_bytes = row.activation_total // forwards
-    per_rank = None
+    # for memtorch.planning's zero1 arithmetic: the parameters' sizes and the step's scratch at the peak
+    step_scratch = sum(size(k) for k in live if info[k][3] == "temporary" and info[k][1] == "optimizer")
+    per_rank = peak_rank = fsdp_units = None
     if world_size > 1:
-        per_rank, peak_rank = _per_rank(states, breakdown, peak, world_size, sharding, facts, hooks)
-        notes.append(
-            f"per-rank figures for {sharding} on {world_size} ranks: model states by the ZeRO paper's formulas; "
-            "the inputs given are one rank's batch; zero3 adds two units' gathered parameters (the block "
-            "computing and the next one prefetched, each block of an nn.ModuleList being a unit); "
-            "communication buffers other than DDP's gradient buckets are not modelled"
+        from . import _estimate_ranks
+
+        facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
+        facts["device"] = device
+        per_rank = _estimate_ranks.per_rank(
+            ledger, hooks, facts, world_size, sharding, None if sizes is None else _cuda_block
         )
-        peak, steady = peak_rank, per_rank["steady"]
+        top = max(per_rank, key=lambda d: d["peak"])  # the first rank holding the most
+        peak_rank = top["rank"]
+        notes.append(_RANK_NOTES[sharding].format(n=world_size))
+        notes.append(
+            "per rank: the inputs given are one rank's batch; each rank's figures replay this step's "
+            "allocations with what that rank holds, and its wrapper's own buffers where the wrapper allocates them"
+        )
+        if sharding in ("zero2", "zero3"):
+            notes.append(
+                "FSDP units: " + ", ".join(u["name"] for u in _estimate_ranks.unit_sizes(facts, world_size))
+                + (" (device='cpu': gloo's all-gather and reduce-scatter use a scratch tensor as large as the "
+                   "gathered output / the reduce-scatter input, included)" if device == "cpu" else
+                   " (device='cuda': NCCL's collectives are taken to allocate no tensor of their own)")
+            )  # fmt: skip
+            if checkpointing is not None:
+                notes.append("with checkpointing, FSDP gathering a unit again for its recomputation is not modelled")
+        if device == "cuda":
+            notes.append("per rank on cuda: each block rounded as the caching allocator does; reserved figures "
+                         "are one process's")  # fmt: skip
+        if sharding in ("zero2", "zero3"):
+            fsdp_units = _estimate_ranks.unit_sizes(facts, world_size)
+        peak, steady = top["peak"], top["steady"]
+        breakdown = {c: top["breakdown"].get(c, 0) for c in CATEGORIES + ("communication",)}
+        phases = {}
+        for name, start, end, high in top["spans"]:
+            phases.setdefault(name, PhaseStats(name))._add(start, end, high, True, 0.0)
     return Estimate(
         device=device, precision=precision, optimizer=facts["optimizer_name"], world_size=world_size,
         sharding=sharding, peak=peak, steady=steady, breakdown={k: v for k, v in breakdown.items()},
         model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
-        reserved_steady=reserved_steady, per_rank=per_rank, notes=notes, seconds=seconds,
+        reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, fsdp_units=fsdp_units,
+        notes=notes, seconds=seconds,
+        _param_numels=facts["param_numels"], _param_groups=facts["param_groups"], _step_scratch_at_peak=step_scratch,
     )  # fmt: skip
 
 
@@ -873,52 +1083,20 @@ def _grads_of_last_step(ledger):
     return best
 
 
-def _largest_unit(model, nbytes):
-    """Parameter bytes of the largest block of any nn.ModuleList (the whole model without one):
-    what FSDP/ZeRO-3 gathers unsharded while it computes one wrapped unit."""
-    torch = _torch()
-    units_ = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
-    if not units_:
-        units_ = [model]
-    best = 0
-    for m in units_:
-        ids = {id(p) for p in m.parameters()}
-        best = max(best, sum(nbytes.get(i, 0) for i in ids))
-    return best
-
-
-def _per_rank(states, breakdown, peak, n, sharding, facts, hooks):
-    """Per-rank model states (ZeRO paper, section 5) and the peak with them replaced."""
-    numel = facts["trainable_numel"]
-    if sharding in ("zero1", "zero2", "zero3") and numel % n:
-        raise MemtorchError(
-            f"world_size {n} does not divide the {numel} trainable parameter elements that {sharding} splits "
-            "evenly across ranks (DeepSpeed and FSDP pad the last shard; pick a world size that divides it)"
-        )
-    p, g, o = states["parameter"], states["gradient"], states["optimizer_state"]
-    if sharding == "ddp":
-        rp, rg, ro, extra = p, g, o, g  # DDP's reducer keeps gradient buckets as large as the gradients
-    elif sharding == "zero1":
-        rp, rg, ro, extra = p, g, o // n, 0
-    elif sharding == "zero2":
-        rp, rg, ro, extra = p, g // n, o // n, 0
-    else:
-        rp, rg, ro, extra = p // n, g // n, o // n, 0
-    # ZeRO-3/FSDP: one unit's parameters gathered whole while it computes, the next prefetched
-    gathered = 2 * facts["largest_unit"] if sharding == "zero3" else 0
-    saved = (p - rp) + (o - ro)
-    # gradients: at the peak only what was alive of them is replaced
-    g_at_peak = breakdown.get("gradient", 0)
-    g_rank_at_peak = g_at_peak if sharding in ("ddp", "zero1") else g_at_peak // n
-    peak_rank = peak - saved - (g_at_peak - g_rank_at_peak) + extra + gathered
-    steady = p + states["buffer"] + o - saved + extra + breakdown.get("input", 0)
-    out = {
-        "parameter": rp,
-        "gradient": rg,
-        "optimizer_state": ro,
-        "communication_buckets": extra,
-        "gathered_parameters": gathered,
-        "peak": peak_rank,
-        "steady": steady,
-    }
-    return out, peak_rank
+_RANK_NOTES = {
+    "ddp": "per-rank figures for ddp on {n} ranks: each rank holds the whole model and the DDP Reducer's "
+    "gradient buckets (together one copy of the gradients, from wrapping on)",
+    "zero1": "per-rank figures for zero1 on {n} ranks: torch's ZeroRedundancyOptimizer under DDP: whole "
+    "parameters assigned to ranks greedily by size, each rank keeping optimizer state and computing the "
+    "step only for its own (so ranks differ), plus DDP's gradient buckets",
+    "zero1-even": "per-rank figures for zero1-even on {n} ranks: DeepSpeed's ZeRO stage 1, 1/{n} of every "
+    "optimizer-state tensor and optimizer-step temporary per rank; DeepSpeed's own communication buffers "
+    "are not modelled",
+    "zero2": "per-rank figures for zero2 on {n} ranks: FSDP2 fully_shard(reshard_after_forward=False) on each "
+    "unit then the root: parameters, gradients and optimizer state sharded (padded to whole rows), each unit's "
+    "parameters gathered from its forward to the end of its backward, all-gather and reduce-scatter buffers "
+    "included",
+    "zero3": "per-rank figures for zero3 on {n} ranks: FSDP2 fully_shard(reshard_after_forward=True) on each "
+    "unit then the root: as zero2, but each unit's parameters (the root's excepted) freed after its forward and "
+    "gathered again for its backward, with the next unit's all-gather prefetched",
+}

@@ -17,26 +17,47 @@ rounded up to a whole element:
     ddp    peak + G                             (the reducer's gradient buckets: a
                                                  second copy of the gradients; none
                                                  on one rank, trained unwrapped)
-    zero1  peak - O_peak + shard(O_peak)        (optimizer state split)
-    zero2  zero1 - G_peak + shard(G_peak)       (gradients split as well)
+    zero1  for each rank r, with s_r its share of the elements and b_r / b its
+           largest parameter's / the model's largest parameter's elements:
+           max(peak - O_peak + s_r O_peak - S + (b_r / b) S,
+               peak_fb - O + s_r O) + G
+                                                (torch's ZeroRedundancyOptimizer under
+                                                 DDP: whole parameters per rank, split
+                                                 as its greedy partition; S the
+                                                 optimizer step's scratch at the peak,
+                                                 elementwise per parameter, so it follows
+                                                 the largest parameter a rank steps;
+                                                 peak_fb the forward/backward peak)
+    zero1-even peak - O_peak + shard(O_peak)    (DeepSpeed stage 1: optimizer state
+                                                 split evenly by elements)
+    zero2  zero1-even - G_peak + shard(G_peak) - S + shard(S)
+                                                (gradients split as well; FSDP steps
+                                                 shards, so the step's scratch is a
+                                                 shard's)
     zero3  zero2 - P + shard(P) + 2 (U - shard(U))
                                                 (parameters split; a block's full
                                                  parameters gathered for its compute,
                                                  and the next block's prefetched)
+    and, given peak_fb, at least the forward/backward peak with the state
+    sharded: zero2 peak_fb - O + shard(O) + shard(P) (every parameter gathered,
+    and the shards), zero3 peak_fb - O + shard(O) - P + shard(P) + 2 U.
 
 These are the ZeRO paper's model-state formulas (Rajbhandari et al. 2020,
 section 5) applied to the measured breakdown; ``zero_model_states`` gives the
 paper's own figures (16-bit parameters and gradients, K = 12 bytes of fp32
-master weights and Adam state per parameter). Where a figure is approximate the
-plan says so: the gradient buckets, the gathered blocks and the micro-batch's
-activations are modelled, not measured, per world size.
+master weights and Adam state per parameter). This arithmetic is what makes
+thousands of world sizes cheap, and it is an approximation: the figures of
+memtorch.estimate(model, x, world_size=N, sharding=...) replay the step per
+rank with each wrapper's own buffers (FSDP2's all-gather and reduce-scatter
+buffers, the step's scratch on each shard) and are the ones to trust for one
+world size; the plan's zero2/zero3 rows do not model FSDP2's buffers.
 
 (Named planning.py, not plan.py, so that importing the submodule never
 shadows memtorch.plan the function.)
 
 Cheapest first means: fewest devices; then without checkpointing (recomputing a
 forward costs about a third more compute); then the sharding that communicates
-least (ddp, zero1, zero2, zero3); then the largest micro-batch (fewest
+least (ddp, zero1, zero1-even, zero2, zero3); then the largest micro-batch (fewest
 accumulation steps); then the precision in the order given.
 """
 
@@ -48,12 +69,14 @@ from .errors import MemtorchError
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
 
-SHARDINGS = ("ddp", "zero1", "zero2", "zero3")
+SHARDINGS = ("ddp", "zero1", "zero1-even", "zero2", "zero3")
 _CHEAP = {s: i for i, s in enumerate(SHARDINGS)}
 
 Breakdown = namedtuple(
     "Breakdown",
-    "peak parameter gradient optimizer_state gradient_at_peak optimizer_state_at_peak numel largest_block",
+    "peak parameter gradient optimizer_state gradient_at_peak optimizer_state_at_peak numel largest_block "
+    "param_numels param_groups step_scratch_at_peak peak_outside_step",
+    defaults=(None, None, 0, None),
 )
 Breakdown.__doc__ = """One process's training step, in bytes (what per_rank() splits).
 
@@ -61,7 +84,12 @@ peak: the step's peak, model states included; parameter, gradient,
 optimizer_state: the model states' totals; gradient_at_peak,
 optimizer_state_at_peak: the parts of them alive at the peak; numel: trainable
 parameter elements (what ZeRO splits); largest_block: parameter bytes of the
-largest block that FSDP gathers at once (zero3).
+largest block that FSDP gathers at once (zero3). For zero1 (whole parameters
+per rank): param_numels, the elements of each trainable parameter;
+param_groups, their indices per optimizer parameter group (default: one
+group); step_scratch_at_peak, the optimizer step's temporaries alive at the
+peak; peak_outside_step, the highest of the forward and backward peaks
+(default: the peak).
 """
 
 Option = namedtuple(
@@ -101,7 +129,9 @@ def _shard(nbytes, numel, n, pad, what, sharding):
 
 
 def per_rank(b, world_size, sharding, pad=True):
-    """One rank's figures for ``world_size`` ranks: {parameter, gradient, optimizer_state, buckets, gathered, peak}.
+    """One rank's figures for ``world_size`` ranks: {parameter, gradient, optimizer_state, buckets, gathered,
+    peak, peak_rank, rank_peaks}: the rank with the highest peak, and every rank's peak (they differ for
+    zero1, where ranks hold different parameters).
 
     b: a Breakdown of one process. pad=False refuses a world size that does not
     divide b.numel for a sharding that splits the parameters' elements.
@@ -118,19 +148,65 @@ def per_rank(b, world_size, sharding, pad=True):
         if n > 1:  # one rank trains without a DDP wrapper: no buckets
             out["buckets"] = G
             peak += G
+    elif sharding == "zero1":
+        return _zero1(b, n, out)
     else:
         out["optimizer_state"] = sh(O, "optimizer state")
         peak += sh(Op, "optimizer state") - Op
         if sharding in ("zero2", "zero3"):
             out["gradient"] = sh(G, "gradients")
             peak += sh(Gp, "gradients") - Gp
+            # FSDP steps each rank's shard: the step's elementwise scratch is a shard's
+            S = b.step_scratch_at_peak
+            peak += sh(S, "the optimizer step's scratch") - S
         if sharding == "zero3":
             out["parameter"] = sh(P, "parameters")
             U = min(b.largest_block, P)
             gathered = 0 if n == 1 else 2 * (U - math.ceil(U / n))
             out["gathered"] = gathered
             peak += out["parameter"] - P + gathered
+        if sharding in ("zero2", "zero3") and b.peak_outside_step is not None and n > 1:
+            # the forward/backward peak: state sharded; zero2 keeps every parameter gathered besides the
+            # shards, zero3 the shards and two blocks gathered
+            fb = b.peak_outside_step - O + out["optimizer_state"]
+            if sharding == "zero2":
+                fb += sh(P, "parameters")
+            else:
+                fb += out["parameter"] - P + 2 * min(b.largest_block, P)
+            peak = max(peak, fb)
     out["peak"] = int(peak)
+    out["peak_rank"] = 0
+    out["rank_peaks"] = [int(peak)] * n
+    return out
+
+
+def _zero1(b, n, out):
+    """torch's ZeroRedundancyOptimizer (under DDP): each rank's figures from its whole parameters."""
+    from ._estimate_ranks import zero_partition
+
+    if b.param_numels is None:
+        raise MemtorchError(
+            "sharding='zero1' (torch's ZeroRedundancyOptimizer) gives each rank whole parameters: the Breakdown "
+            "needs param_numels (the elements of each parameter); 'zero1-even' splits the elements evenly"
+        )
+    numels = list(b.param_numels)
+    groups = b.param_groups or [list(range(len(numels)))]
+    parts = zero_partition(groups, numels, n)
+    total = max(1, sum(numels))
+    big = max(numels, default=0) or 1
+    S = b.step_scratch_at_peak
+    fb = b.peak if b.peak_outside_step is None else b.peak_outside_step
+    buckets = b.gradient if n > 1 else 0
+    peaks, states = [], []
+    for part in parts:
+        share = sum(numels[i] for i in part) / total
+        big_r = max((numels[i] for i in part), default=0)
+        step = b.peak - b.optimizer_state_at_peak + round(share * b.optimizer_state_at_peak) - S + round(S * big_r / big)
+        outside = fb - b.optimizer_state + round(share * b.optimizer_state)
+        peaks.append(int(max(step, outside) + buckets))
+        states.append(round(share * b.optimizer_state))
+    top = max(range(n), key=lambda r: peaks[r])
+    out.update(optimizer_state=states[top], buckets=buckets, peak=peaks[top], peak_rank=top, rank_peaks=peaks)
     return out
 
 
@@ -281,6 +357,12 @@ def plan_from(
             precisions.append(prec)
     options = []
     skipped = 0
+    zero1_needs = "zero1" in shardings and any(b.param_numels is None for b in breakdowns.values())
+    if zero1_needs:
+        raise MemtorchError(
+            "sharding='zero1' (torch's ZeroRedundancyOptimizer) needs each Breakdown's param_numels; "
+            "'zero1-even' splits the elements evenly"
+        )
     for (prec, ckpt, mb), b in breakdowns.items():
         for n in worlds:
             accumulation = None
@@ -342,7 +424,12 @@ def breakdown_of(estimate_report, model):
     states = estimate_report.model_states
     at_peak = estimate_report.breakdown
     numel = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
+    fb = [p.peak for name, p in estimate_report.phases.items() if name in ("forward", "backward") and p.calls]
     return Breakdown(
+        param_numels=getattr(estimate_report, "_param_numels", None),
+        param_groups=getattr(estimate_report, "_param_groups", None),
+        step_scratch_at_peak=getattr(estimate_report, "_step_scratch_at_peak", 0),
+        peak_outside_step=max(fb) if fb else None,
         peak=int(estimate_report.peak),
         parameter=int(states.get("parameter", 0)),
         gradient=int(states.get("gradient", 0)),

@@ -31,13 +31,14 @@ def test_zero_paper_model_states(sharding, expected_gb, by_hand):
 
 
 # ---------------------------------------------------------------------------
-# per_rank on a breakdown written by hand: P = 1000 B (250 fp32 elements),
-# G = 1000 B, O = 2000 B (AdamW: two states); the one-process peak 5000 B holds
-# all of them plus 1000 B of activations; the largest block holds 400 B.
+# per_rank on a breakdown written by hand: P = 1000 B (250 fp32 elements: two
+# parameters of 150 and 100), G = 1000 B, O = 2000 B (AdamW: two states); the
+# one-process peak 5000 B holds all of them plus 1000 B of activations; the
+# largest block holds 400 B.
 
 B = Breakdown(
     peak=5000, parameter=1000, gradient=1000, optimizer_state=2000, gradient_at_peak=1000,
-    optimizer_state_at_peak=2000, numel=250, largest_block=400,
+    optimizer_state_at_peak=2000, numel=250, largest_block=400, param_numels=(150, 100),
 )  # fmt: skip
 
 
@@ -45,8 +46,23 @@ def test_per_rank_by_hand():
     # ddp: + a second copy of the gradients (buckets)
     assert per_rank(B, 2, "ddp")["peak"] == 5000 + 1000
     assert per_rank(B, 1, "ddp")["peak"] == 5000  # one rank: no wrapper, no buckets
-    # zero1 on 2 ranks: optimizer state 2000 -> 1000
-    assert per_rank(B, 2, "zero1")["peak"] == 5000 - 2000 + 1000
+    # zero1-even on 2 ranks: optimizer state 2000 -> 1000
+    assert per_rank(B, 2, "zero1-even")["peak"] == 5000 - 2000 + 1000
+    # zero1 (torch's ZeroRedundancyOptimizer) on 2 ranks: rank 0 gets the 150-element parameter (60% of
+    # the state, 1200), rank 1 the 100 (800); DDP's buckets (1000) on both
+    z1 = per_rank(B, 2, "zero1")
+    assert z1["rank_peaks"] == [5000 - 2000 + 1200 + 1000, 5000 - 2000 + 800 + 1000]
+    assert z1["peak"] == 5200 and z1["peak_rank"] == 0 and z1["optimizer_state"] == 1200
+    assert z1["buckets"] == 1000
+    # with 600 B of step scratch at the peak (for the 150-element parameter, rank 0's) and a
+    # forward/backward peak of 4000: rank 1's step scratch is 600 * 100 / 150 = 400, and its step
+    # (5000 - 2000 + 800 - 600 + 400 = 3600) is above its backward (4000 - 2000 + 800 = 2800)
+    z1s = per_rank(B._replace(step_scratch_at_peak=600, peak_outside_step=4000), 2, "zero1")
+    assert z1s["rank_peaks"] == [4200 + 1000, 3600 + 1000]
+    # 3 ranks: the third holds nothing: at the step's moment it keeps the peak without any optimizer
+    # state (5000 - 2000 = 3000), above its forward/backward peak without state (4000 - 2000)
+    z13 = per_rank(B._replace(peak_outside_step=4000), 3, "zero1")
+    assert z13["rank_peaks"] == [4200 + 1000, 3800 + 1000, 3000 + 1000]
     # zero2 on 2 ranks: and gradients 1000 -> 500
     assert per_rank(B, 2, "zero2")["peak"] == 5000 - 2000 + 1000 - 1000 + 500
     # zero3 on 2 ranks: and parameters 1000 -> 500, plus 2 blocks gathered: 2 * (400 - 200)
@@ -57,20 +73,42 @@ def test_per_rank_by_hand():
     assert per_rank(B, 5, "zero3")["peak"] == 5000 - 2000 + 400 - 1000 + 200 - 1000 + 200 + 2 * (400 - 80)
 
 
+def test_fsdp_plan_with_step_scratch_and_forward_backward_peak_by_hand():
+    # B with 600 B of optimizer-step scratch at the peak and a forward/backward peak of 4000, 2 ranks
+    b = B._replace(step_scratch_at_peak=600, peak_outside_step=4000)
+    # zero2: the step's moment: 5000 - 2000 + 1000 (state) - 1000 + 500 (gradients) - 600 + 300 (scratch on
+    # a shard) = 3200; forward/backward: 4000 - 2000 + 1000 (state) + 500 (the shards beside the gathered
+    # parameters) = 3500, the higher
+    assert per_rank(b, 2, "zero2")["peak"] == 3500
+    # zero3: the step's moment 3200 - 1000 + 500 (parameters) + 2 * (400 - 200) = 3100; forward/backward
+    # 4000 - 2000 + 1000 - 1000 + 500 + 2 * 400 (two blocks gathered) = 3300
+    assert per_rank(b, 2, "zero3")["peak"] == 3300
+
+
 def test_uneven_split_pads_or_refuses():
     # 250 elements over 3 ranks: 84 per rank (padded, as FSDP and DeepSpeed do) = 336 B of 1000
-    assert per_rank(B, 3, "zero1")["optimizer_state"] == 84 * 8
+    assert per_rank(B, 3, "zero1-even")["optimizer_state"] == 84 * 8
     with pytest.raises(
         MemtorchError, match="world_size 3 does not divide the 250 trainable parameter elements"
     ):
-        per_rank(B, 3, "zero1", pad=False)
+        per_rank(B, 3, "zero1-even", pad=False)
     assert per_rank(B, 3, "ddp", pad=False)["peak"] == 6000  # ddp splits nothing
+    assert per_rank(B, 3, "zero1", pad=False)["peak"] == 5200  # whole parameters: nothing to divide
+
+
+def test_zero1_needs_the_parameters_sizes():
+    bare = B._replace(param_numels=None)
+    with pytest.raises(MemtorchError, match="zero1.*needs param_numels.*'zero1-even' splits the elements evenly"):
+        per_rank(bare, 2, "zero1")
+    with pytest.raises(MemtorchError, match="needs each Breakdown's param_numels"):
+        plan_from({("fp32", None, 8): bare})
+    assert plan_from({("fp32", None, 8): bare}, shardings=["ddp", "zero1-even"]).options
 
 
 @pytest.mark.parametrize("bad", ["zero4", "fsdp", None, "ZeRO1"])
 def test_unknown_sharding_names_the_value(bad):
     with pytest.raises(
-        MemtorchError, match=f"unknown sharding {bad!r}: expected one of ddp, zero1, zero2, zero3"
+        MemtorchError, match=f"unknown sharding {bad!r}: expected one of ddp, zero1, zero1-even, zero2, zero3"
     ):
         per_rank(B, 2, bad)
     with pytest.raises(MemtorchError, match="unknown sharding"):
@@ -88,17 +126,18 @@ def test_bad_world_size_names_the_value(bad):
 
 
 def test_plan_from_orders_cheapest_first_and_reports_the_margin():
-    # device 4000 B: one rank needs 5000 (no); 2 ranks: ddp 6000, zero1 4000 (fits, margin 0)
+    # device 4000 B: one rank needs 5000 (no); 2 ranks: ddp 6000, zero1 5200, zero1-even 4000 (fits,
+    # margin 0)
     p = plan_from({("fp32", None, 8): B}, device_memory=4000, world_sizes=[1, 2, 4])
-    assert p.best.world_size == 2 and p.best.sharding == "zero1"
+    assert p.best.world_size == 2 and p.best.sharding == "zero1-even"
     assert p.best.peak == 4000 and p.best.margin == 0
-    assert [(o.world_size, o.sharding) for o in p.options][:5] == [
-        (1, "ddp"), (2, "ddp"), (2, "zero1"), (2, "zero2"), (2, "zero3"),
+    assert [(o.world_size, o.sharding) for o in p.options][:6] == [
+        (1, "ddp"), (2, "ddp"), (2, "zero1"), (2, "zero1-even"), (2, "zero2"), (2, "zero3"),
     ]  # fmt: skip
     assert not p.options[0].fits and p.options[0].margin == -1000
     text = str(p)
-    assert "fit in 3.9 KiB per device" in text and "zero1" in text
-    assert p.to_dict()["best"]["sharding"] == "zero1"
+    assert "fit in 3.9 KiB per device" in text and "zero1-even" in text
+    assert p.to_dict()["best"]["sharding"] == "zero1-even"
 
 
 def test_checkpointing_and_micro_batch_order():
@@ -115,7 +154,7 @@ def test_checkpointing_and_micro_batch_order():
 
 
 def test_reserve_is_kept_free():
-    # on 2 ranks (test_per_rank_by_hand): ddp 6000, zero1 4000, zero2 3500, zero3 3400
+    # on 2 ranks (test_per_rank_by_hand): ddp 6000, zero1 5200, zero1-even 4000, zero2 3500, zero3 3400
     assert plan_from({("fp32", None, 8): B}, device_memory=8000, world_sizes=[2]).best.sharding == "ddp"
     p = plan_from({("fp32", None, 8): B}, device_memory=8000, reserve=4500, world_sizes=[2])
     assert p.best.sharding == "zero2" and p.best.margin == 0  # 8000 - 4500 = 3500 left
@@ -132,7 +171,7 @@ def test_world_size_not_dividing_the_global_batch_names_the_value():
 
 def test_thousands_of_world_sizes_are_arithmetic():
     p = plan_from({("fp32", None, 1): B}, world_sizes=list(range(1, 4097)), device_memory=2000)
-    assert len(p.options) == 1 + 4095 * 4
+    assert len(p.options) == 1 + 4095 * 5
     # zero3 on n ranks: 5000 - 2000 - 1000 - 1000 + 16 c + 2 (400 - ceil(400 / n)), c = ceil(250 / n)
     # elements per shard (8 B of state, 4 of gradient, 4 of parameter each): n = 16 gives
     # 1000 + 256 + 2 * 375 = 2006 > 2000; n = 17 gives 1000 + 240 + 2 * 376 = 1992, the first that fits

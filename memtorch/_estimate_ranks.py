@@ -1,0 +1,499 @@
+"""Per-rank figures of estimate(world_size=N, sharding=...): the one-process dry run replayed per rank.
+
+The dry run (estimation._dry_run) records every allocation of one process's
+training step in order, and for the optimizer step which trainable parameter
+each storage belongs to (its state, and the temporaries the optimizer computes
+from its parameter, gradient and state: _estimate_run follows ownership from
+an operator's inputs to its outputs). A rank's step is that same sequence with
+the sizes of what the rank does not hold changed, and the wrappers' own
+buffers inserted where the wrapper allocates and frees them. Nothing here is
+fitted to measurements; each rule below follows the torch source named.
+
+ddp: DistributedDataParallel's Reducer allocates, at wrapping, one flat tensor
+    per gradient bucket (torch/nn/parallel/distributed.py, bucket_cap_mb and a
+    smaller first bucket); the buckets together hold one copy of every gradient
+    (gradient_as_bucket_view=False, the default) and live as long as the model.
+zero1: torch.distributed.optim.ZeroRedundancyOptimizer under DDP. Whole
+    parameters go to ranks (its _partition_parameters): per parameter group,
+    parameters sorted by numel, largest first (a stable sort: ties keep their
+    order), each to the rank with the fewest elements so far (the lowest rank on
+    a tie), the running totals carried across groups. A rank's optimizer keeps
+    state, and computes its step's temporaries, only for its own parameters;
+    the broadcast of the updated parameters is in place. DDP's buckets as above.
+zero1-even: DeepSpeed's ZeRO stage 1: the flattened elements split evenly, each
+    rank holding 1/N of every optimizer-state tensor and step temporary
+    (the world size must divide the elements); communication buffers are not
+    modelled.
+zero2, zero3: FSDP2, fully_shard on each unit then on the root
+    (torch/distributed/fsdp/_fully_shard), reshard_after_forward False (zero2) or
+    True (zero3). Each parameter is split into N chunks along dim 0, each rank
+    storing one chunk padded to ceil(dim0 / N) rows; the optimizer state and the
+    step's elementwise temporaries are the rank's chunk (unpadded). A unit's
+    all-gather allocates one flat output of its padded unsharded size, then the
+    unsharded parameters (one padded tensor each); in forward the flat output is
+    kept until the next unit's all-gather has been copied out (the root's
+    post-forward frees the last), in backward it is freed at once. zero3 frees
+    a unit's unsharded parameters after its forward (never the root's) and
+    gathers them again when its backward begins, prefetching the unit before it
+    (the flat output only, copied out when that unit's backward begins). After a
+    unit's backward (or at the end of backward, for a unit whose inputs need no
+    gradient, and the root) its unsharded parameters are freed and its
+    gradients reduce-scattered: a flat input of their padded size, the
+    autograd gradients freed, a flat output of 1/N that the sharded gradients
+    view until zero_grad; the flat input is freed at the next unit's
+    reduce-scatter (the last at the end of backward). On the CPU (gloo), the
+    all-gather and the reduce-scatter each take a scratch tensor from PyTorch's
+    allocator as large as the gathered output / the reduce-scatter input while
+    they run (measured with memtorch's counters around one collective on 2 and 4
+    gloo ranks); on CUDA (NCCL) none is modelled.
+"""
+
+import math
+
+from .errors import MemtorchError
+
+EVEN = ("zero1-even",)  # the shardings that split elements evenly and need a dividing world size
+FSDP = ("zero2", "zero3")
+
+
+# ---------------------------------------------------------------------------
+# ZeroRedundancyOptimizer's partition
+
+
+def zero_partition(groups, numels, world_size):
+    """torch's ZeroRedundancyOptimizer partition: [rank -> [parameter indices]].
+
+    groups: [[parameter index]] in the optimizer's param_groups order; numels:
+    the elements of each parameter. Greedy, as _partition_parameters: within a
+    group, by numel, largest first (stable), each to the rank holding the fewest
+    elements so far (the first such rank); totals carry over between groups.
+    """
+    sizes = [0] * world_size
+    out = [[] for _ in range(world_size)]
+    for group in groups:
+        for i in sorted(group, key=lambda i: numels[i], reverse=True):
+            rank = min(range(world_size), key=lambda r: sizes[r])
+            out[rank].append(i)
+            sizes[rank] += numels[i]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# FSDP units
+
+
+def resolve_units(model, spec, torch):
+    """[(name, module)] that fully_shard wraps, innermost first, the root last.
+
+    spec None: each item of every nn.ModuleList, or without one each child of
+    the model holding parameters (how fully_shard is usually called: on each
+    block, then on the root). A list of module names (str) and/or module types
+    (classes), or a predicate(name, module) -> bool, selects them instead.
+    """
+    named = list(model.named_modules())
+    if spec is None:
+        lists = [m for _, m in named if isinstance(m, torch.nn.ModuleList)]
+        if lists:
+            picked = {id(x) for lst in lists for x in lst}
+        else:
+            picked = {id(c) for c in model.children() if any(True for _ in c.parameters())}
+        chosen = [(n, m) for n, m in named if id(m) in picked]
+    elif callable(spec) and not isinstance(spec, (list, tuple, type)):
+        chosen = []
+        for n, m in named:
+            if m is model:
+                continue
+            got = spec(n, m)
+            if not isinstance(got, bool):
+                raise MemtorchError(f"fsdp_units predicate must return True or False, got {got!r} for {n!r}")
+            if got:
+                chosen.append((n, m))
+    elif isinstance(spec, (list, tuple)) and spec:
+        names = {n for n, _ in named}
+        for item in spec:
+            if isinstance(item, str):
+                if item not in names:
+                    raise MemtorchError(f"fsdp_units: no module named {item!r} in the model")
+            elif not (isinstance(item, type) and issubclass(item, torch.nn.Module)):
+                raise MemtorchError(
+                    f"fsdp_units items must be module names (str) or module types (nn.Module subclasses), got "
+                    f"{item!r}"
+                )
+        strs = {x for x in spec if isinstance(x, str)}
+        types = tuple(x for x in spec if isinstance(x, type))
+        chosen = [(n, m) for n, m in named if m is not model and (n in strs or (types and isinstance(m, types)))]
+    else:
+        raise MemtorchError(
+            "fsdp_units must be None, a list of module names and/or module types, or a predicate "
+            f"(name, module) -> bool, got {spec!r}"
+        )
+    depth = {id(m): n.count(".") + 1 for n, m in chosen}
+    chosen.sort(key=lambda nm: -depth[id(nm[1])])  # innermost first: fully_shard on nested units first
+    return chosen + [("", model)]
+
+
+def unit_params(units, param_index):
+    """[[trainable parameter indices]] each unit manages: its parameters not taken by a unit wrapped before."""
+    taken = set()
+    out = []
+    for _, mod in units:
+        mine = []
+        for p in mod.parameters():
+            i = param_index.get(id(p))
+            if i is not None and i not in taken:
+                taken.add(i)
+                mine.append(i)
+        out.append(mine)
+    return out
+
+
+def unit_sizes(facts, n):
+    """[{name, gathered_bytes}]: each FSDP unit holding parameters and its parameters' padded unsharded bytes
+    (what its all-gather brings back on every rank)."""
+    out = []
+    for name, ps in zip(facts["unit_names"], facts["units"]):
+        if ps:
+            full = sum(_padded(facts, i, n) * _esize(facts, i) for i in ps)
+            out.append({"name": name or "(root)", "gathered_bytes": int(full)})
+    return out
+
+
+def _padded(facts, i, n):
+    """Padded unsharded elements of parameter i: ceil(dim0 / n) rows on each of n ranks."""
+    shape = facts["param_shapes"][i]
+    d0 = shape[0] if shape else 1
+    _, cs = _chunk_rows(d0, n, 0)
+    return cs * n * (facts["param_numels"][i] // d0 if d0 else 0)
+
+
+def _esize(facts, i):
+    numel = facts["param_numels"][i]
+    return facts["param_bytes"][i] // numel if numel else 0
+
+
+def _chunk_rows(d0, n, rank):
+    """Rows of dim 0 that torch.chunk(n) gives ``rank`` (FSDP2's _chunk_with_empty) and the padded chunk rows."""
+    cs = math.ceil(d0 / n) if d0 else 0
+    return max(0, min(cs, d0 - rank * cs)), cs
+
+
+# ---------------------------------------------------------------------------
+# The replay
+
+
+def _replay(ledger, size_of, inserts, spans):
+    """Curve of a rank: ledger events with sizes from size_of(key), inserts {pos: [(pseudo key, +1/-1)]}.
+
+    Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)]).
+    """
+    cur = 0
+    best, best_at = 0, -1
+    seq = []
+    before, after = [], []  # per ledger position: where its inserts begin and end in seq
+    events = ledger.events
+    for i in range(len(events) + 1):
+        before.append(len(seq))
+        seq.extend(inserts.get(i, ()))
+        after.append(len(seq))
+        if i < len(events):
+            seq.append(events[i])
+    extra = [p for p in inserts if p > len(events)]
+    for p in sorted(extra):
+        seq.extend(inserts[p])
+    curve = []
+    for key, sign in seq:
+        cur += sign * size_of(key)
+        curve.append(cur)
+        if cur > best:
+            best, best_at = cur, len(curve) - 1
+    live = set()
+    for key, sign in seq[: best_at + 1]:
+        if sign > 0:
+            live.add(key)
+        else:
+            live.discard(key)
+    phases = []  # (name, bytes at its start, at its end, its highest)
+    ends = {e for _n, _s, e in spans}
+    for name, s, e in spans:
+        # what was inserted at a phase's end (FSDP's final callback) belongs to that phase
+        s2 = after[s] if s in ends else before[s]
+        e2 = after[e]
+        start = curve[s2 - 1] if s2 > 0 else 0
+        end = curve[e2 - 1] if e2 > 0 else 0
+        phases.append((name, start, end, max(max(curve[s2:e2], default=start), start)))
+    return best, live, (curve[-1] if curve else 0), phases
+
+
+def per_rank(ledger, hooks, facts, n, sharding, rnd=None):
+    """[{rank figures}] for every rank, by replaying the ledger. rnd(bytes): the allocator's rounding (CUDA)."""
+    rnd = rnd or (lambda b: b)
+    info = ledger.info
+    owner = ledger.owner
+    state_keys = facts["state_keys"]
+    numels = facts["param_numels"]
+
+    def size0(k):
+        return rnd(info[k][0])
+
+    G = sum(size0(k) for k in facts["last_grads"])
+    if sharding in EVEN:
+        numel = sum(numels)
+        if numel % n:
+            raise MemtorchError(
+                f"world_size {n} does not divide the {numel} trainable parameter elements that {sharding} splits "
+                "evenly across ranks (DeepSpeed pads the last shard; pick a world size that divides it, or "
+                "sharding='zero1', torch's ZeroRedundancyOptimizer, which gives each rank whole parameters)"
+            )
+
+    def in_step(k):
+        # allocated by the optimizer step (state, temporaries) or kept as optimizer state
+        return k in state_keys or info[k][1] == "optimizer"
+
+    pseudo = {}  # pseudo key (a tuple) -> (bytes, category)
+
+    def sized(over):
+        def size_of(k):
+            if isinstance(k, tuple):
+                return pseudo[k][0]
+            v = over.get(k)
+            return size0(k) if v is None else v
+
+        return size_of
+
+    results = []
+    if sharding in ("ddp", "zero1"):
+        pseudo[("buckets",)] = (rnd(G), "communication")  # the Reducer's buckets, from wrapping on
+        inserts = {0: [(("buckets",), 1)]}
+        parts = zero_partition(facts["param_groups"], numels, n) if sharding == "zero1" else None
+        cache = {}
+        for r in range(n):
+            mine = None if parts is None else frozenset(parts[r])
+            if mine not in cache:
+                over = {}
+                if mine is not None:
+                    for k in info:
+                        o = owner.get(k)
+                        if o is not None and o >= 0 and o not in mine and in_step(k):
+                            over[k] = 0
+                cache[mine] = (over, _replay(ledger, sized(over), inserts, hooks.spans))
+            over, rep = cache[mine]
+            fig = _figures(r, rep, sized(over), info, pseudo, facts, G, rnd(G), 0)
+            if parts is not None:
+                fig["parameters_stepped"] = len(parts[r])
+            results.append(fig)
+        return results
+    if sharding in EVEN:
+        over = {}
+        for k in info:
+            o = owner.get(k)
+            if o is not None and o >= 0 and in_step(k):
+                over[k] = rnd(_scaled(info[k][0], numels[o], numels[o] / n, ledger.elements.get(k)))
+        rep = _replay(ledger, sized(over), {}, hooks.spans)
+        fig = _figures(0, rep, sized(over), info, pseudo, facts, G, 0, 0)
+        return [dict(fig, rank=r) for r in range(n)]
+    return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G)
+
+
+def _scaled(nbytes, numel, part, elements):
+    """Bytes of a storage of a parameter's step for ``part`` of the parameter's elements: scaled when the
+    storage has as many elements as the parameter (elementwise: a moment, a temporary), else kept whole (a
+    step count, a scalar)."""
+    if numel and elements == numel:
+        return int(nbytes // numel * part)
+    return nbytes
+
+
+def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
+    peak, live, end, phases = rep
+    breakdown = {}
+    for k in live:
+        cat = pseudo[k][1] if isinstance(k, tuple) else info[k][3]
+        breakdown[cat] = breakdown.get(cat, 0) + size_of(k)
+    # between steps: what the one process keeps (parameters, buffers, state, inputs) at this rank's
+    # sizes, and DDP's buckets
+    steady = sum(size_of(k) for k in facts["end_live"]) + buckets
+    return {
+        "rank": rank,
+        "peak": int(peak),
+        "steady": int(steady),
+        "parameter": sum(size_of(k) for k in facts["param_keys"]),
+        "gradient": int(grads),
+        "optimizer_state": sum(size_of(k) for k in facts["last_state"]),
+        "communication_buckets": int(buckets),
+        "gathered_parameters": int(gathered),
+        "breakdown": breakdown,
+        "phases": {name: max(top for n, _s, _e, top in phases if n == name) for name, *_ in phases},
+        "spans": phases,
+    }
+
+
+def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G):
+    gloo = facts.get("device", "cpu") == "cpu"
+    info = ledger.info
+    owner = ledger.owner
+    shapes = facts["param_shapes"]
+    numels = facts["param_numels"]
+    units = facts["units"]  # [[param index]]: innermost first, the root last
+    root = len(units) - 1
+    grad_keys = facts["grad_keys"]  # key -> parameter index
+    reshard_fwd = sharding == "zero3"
+    spans = hooks.spans
+
+    def d0_of(i):
+        return shapes[i][0] if shapes[i] else 1
+
+    def padded(i):
+        return _padded(facts, i, n)
+
+    esize = [_esize(facts, i) for i in range(len(numels))]
+    gsize = dict(enumerate(esize))
+    for k, i in grad_keys.items():
+        if numels[i]:
+            gsize[i] = info[k][0] // numels[i]
+    full_u = [rnd(sum(padded(i) * esize[i] for i in u)) for u in units]
+    rs_in_u = [sum(padded(i) * gsize[i] for i in u) for u in units]
+    rs_out_u = [rnd(x // n) for x in rs_in_u]
+    rs_in_u = [rnd(x) for x in rs_in_u]
+    grad_free, first_alloc = {}, {}
+    for pos, (k, sign) in enumerate(ledger.events):
+        if k in grad_keys:
+            if sign > 0:
+                first_alloc.setdefault(k, pos)
+            else:
+                grad_free[k] = pos
+    unit_of = {i: u for u, ps in enumerate(units) for i in ps}
+    final_order = [root] + [u for u in facts["unit_module_order"] if u != root]
+    # the unit hooks recorded in the dry run, the gradients' allocations, phase bounds; in time order
+    ev = [(s, 0, "step-start", None) for name, s, _e in spans if name == "forward"]
+    ev += [(pos, 1, kind, u) for pos, kind, u in facts["unit_events"]]
+    ev += [(first_alloc[k], 2, "grad", k) for k in grad_keys if k in first_alloc]
+    ev += [(e, 3, "backward-end", None) for name, _s, e in spans if name == "backward"]
+    ev.sort(key=lambda t: (t[0], t[1]))  # stable: the hooks keep the order they fired in
+
+    cache = {}
+    results = []
+    for r in range(n):
+        rows = tuple(_chunk_rows(d0_of(i), n, r)[0] for i in range(len(numels)))
+        if rows in cache:
+            results.append(dict(cache[rows], rank=r))
+            continue
+        over = {}
+        for k in facts["param_keys_trainable"]:
+            i = owner.get(k)
+            if i is not None and i >= 0:
+                over[k] = rnd(padded(i) // n * esize[i])  # the padded shard FSDP2 keeps
+        for k in info:
+            o = owner.get(k)
+            if o is not None and o >= 0 and in_step(k):
+                d0 = d0_of(o)
+                part = rows[o] * (numels[o] // d0) if d0 else 0
+                over[k] = rnd(_scaled(info[k][0], numels[o], part, ledger.elements.get(k)))
+        for k in grad_keys:  # autograd's unsharded gradient: replaced by a pseudo key freed when reduced
+            over[k] = 0
+        inserts = {}
+        counter = [0]
+
+        def at(pos, *items, inserts=inserts):
+            inserts.setdefault(pos, []).extend(items)
+
+        def new(name, nbytes, cat, counter=counter):
+            counter[0] += 1
+            key = (name, counter[0])
+            pseudo[key] = (int(nbytes), cat)
+            return key
+
+        def scratch(pos, nbytes):
+            # gloo's all-gather and reduce-scatter work through a scratch tensor as large as the
+            # gathered output / the reduce-scatter input, freed when the collective returns
+            if gloo:
+                key = new("gloo scratch", nbytes, "communication")
+                at(pos, (key, 1), (key, -1))
+
+        unsharded = [None] * len(units)
+        prefetched = {}
+        st = {"ag": None, "rs": None}
+        post_done, post_order, live_grads, unit_gkeys = set(), [], {}, {}
+
+        def post_backward(u, pos):
+            if u in post_done or not units[u]:
+                return
+            post_done.add(u)
+            if unsharded[u] is not None:
+                at(pos, (unsharded[u], -1))
+                unsharded[u] = None
+            if st["rs"] is not None:  # the previous unit's reduce-scatter input
+                at(pos, (st["rs"], -1))
+                st["rs"] = None
+            grads = live_grads.pop(u, [])
+            if not grads:
+                return
+            rin = new("reduce-scatter input", rs_in_u[u], "communication")
+            at(pos, (rin, 1), *[(g, -1) for g in grads])
+            rout = new("sharded gradients", rs_out_u[u], "gradient")
+            at(pos, (rout, 1))
+            scratch(pos, rs_in_u[u])
+            st["rs"] = rin
+            frees = [grad_free[k] for k in unit_gkeys.pop(u, []) if k in grad_free]
+            at(min(frees) if frees else len(ledger.events), (rout, -1))
+
+        for pos, _c, kind, x in ev:
+            if kind == "step-start":
+                post_done.clear()
+                post_order.clear()
+            elif kind == "fwd_pre":
+                if unsharded[x] is None and units[x]:
+                    ag = new("all-gather output", full_u[x], "communication")
+                    at(pos, (ag, 1))
+                    scratch(pos, full_u[x])
+                    unsharded[x] = new("unsharded parameters", full_u[x], "parameter")
+                    at(pos, (unsharded[x], 1))
+                    if st["ag"] is not None:  # the previous unit's, freed once this one is copied out
+                        at(pos, (st["ag"], -1))
+                    st["ag"] = ag
+            elif kind == "fwd_post":
+                if x == root:
+                    if st["ag"] is not None:
+                        at(pos, (st["ag"], -1))
+                        st["ag"] = None
+                elif reshard_fwd and unsharded[x] is not None:
+                    at(pos, (unsharded[x], -1))
+                    unsharded[x] = None
+                if units[x]:
+                    post_order.append(x)
+            elif kind == "pre_bwd":
+                if unsharded[x] is None and units[x]:
+                    ag = prefetched.pop(x, None)
+                    if ag is None:
+                        ag = new("all-gather output", full_u[x], "communication")
+                        at(pos, (ag, 1))
+                        scratch(pos, full_u[x])
+                    unsharded[x] = new("unsharded parameters", full_u[x], "parameter")
+                    at(pos, (unsharded[x], 1), (ag, -1))
+                if x in post_order:  # prefetch the unit whose forward ended before this one's
+                    idx = len(post_order) - 1 - post_order[::-1].index(x)
+                    t = post_order[idx - 1] if idx > 0 else None
+                    if t is not None and unsharded[t] is None and t not in prefetched:
+                        prefetched[t] = new("all-gather output", full_u[t], "communication")
+                        at(pos, (prefetched[t], 1))
+                        scratch(pos, full_u[t])
+            elif kind == "grad":
+                g = new("gradient", size0(x), "gradient")
+                at(pos, (g, 1))
+                u = unit_of.get(grad_keys[x])
+                live_grads.setdefault(u, []).append(g)
+                unit_gkeys.setdefault(u, []).append(x)
+            elif kind == "post_bwd":
+                post_backward(x, pos)
+            elif kind == "backward-end":  # the final callback: units whose inputs need no gradient, the root
+                for u in final_order:
+                    post_backward(u, pos)
+                if st["rs"] is not None:
+                    at(pos, (st["rs"], -1))
+                    st["rs"] = None
+        size_of = sized(over)
+        rep = _replay(ledger, size_of, inserts, spans)
+        gathered = sum(size_of(k) for k in rep[1] if isinstance(k, tuple) and k[0] == "unsharded parameters")
+        fig = _figures(r, rep, size_of, info, pseudo, facts, sum(rs_out_u), 0, gathered)
+        cache[rows] = fig
+        results.append(fig)
+    return results
