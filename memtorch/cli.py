@@ -368,6 +368,54 @@ def cmd_estimate(args, out, progress):
     return EXIT_OK
 
 
+def _csv(text, what, convert=str):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return [convert(t) for t in items]
+    except ValueError:
+        raise UsageError(f"{what}: {text!r} is not a comma-separated list of {convert.__name__}s") from None
+
+
+def cmd_plan(args, out, progress):
+    plan = _optional_api("plan")
+    import torch
+
+    model, example = _prepare(args, progress)
+    if args.input:  # shapes only: plan() reads their batch size and runs on the meta device
+        inputs = tuple(
+            torch.empty(shape, dtype=_torch_dtype(dtype, "--input") if dtype else torch.float32, device="meta")
+            for shape, dtype in args.input
+        )
+    else:
+        inputs = _inputs(args, example, real=True)
+    if not inputs:
+        raise UsageError("plan needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
+    kwargs = {"device_memory": args.device_memory}
+    if args.world_sizes is not None:
+        kwargs["world_sizes"] = _csv(args.world_sizes, "--world-sizes", int)
+    if args.max_world_size is not None:
+        kwargs["max_world_size"] = args.max_world_size
+    if args.shardings is not None:
+        kwargs["shardings"] = [None if s in ("none", "") else s for s in _csv(args.shardings, "--shardings")]
+    if args.precisions is not None:
+        kwargs["precisions"] = _csv(args.precisions, "--precisions")
+    if args.checkpointing is not None:
+        kwargs["checkpointing"] = [None if c == "none" else c for c in _csv(args.checkpointing, "--checkpointing")]
+    if args.micro_batches is not None:
+        kwargs["micro_batches"] = _csv(args.micro_batches, "--micro-batches", int)
+    for option in ("global_batch", "optimizer", "device", "reserve"):
+        value = getattr(args, option)
+        if value is not None:
+            kwargs[option] = value
+    with progress.step("planning: one dry run per precision, checkpointing and micro-batch"):
+        try:
+            result = plan(model, *inputs, **kwargs)
+        except (TypeError, ValueError, MemtorchError) as e:
+            raise UsageError(f"plan: {e}") from None
+    _render_report(result, args.format, f"memtorch plan {args.target}", out)
+    return EXIT_OK
+
+
 def _make_optimizer(name, model):
     import torch
 
@@ -661,7 +709,7 @@ def make_parser():
     )
     parser.add_argument("--version", action="version", version=f"memtorch {_version()}")
     sub = parser.add_subparsers(
-        dest="command", metavar="{inspect,estimate,diagram,advise,diff}", parser_class=_Parser
+        dest="command", metavar="{inspect,estimate,plan,diagram,advise,diff}", parser_class=_Parser
     )
     sub.required = True
 
@@ -696,6 +744,22 @@ def make_parser():
     p.add_argument("--sharding", help="ddp, zero1 (ZeroRedundancyOptimizer), zero1-even, zero2, zero3 (FSDP2)")
     p.add_argument("--fsdp-units", help="zero2/zero3: module names fully_shard wraps, comma-separated")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser(
+        "plan", help="which world sizes, shardings, precisions and micro-batches fit a device, cheapest first"
+    )
+    common(p, ["text", "json"], inputs=True)
+    p.add_argument("--device-memory", default="80 GiB", help="memory of one device (default 80 GiB)")
+    p.add_argument("--world-sizes", help="world sizes to try, comma-separated (default: powers of two)")
+    p.add_argument("--max-world-size", type=int, help="largest world size tried (default 1024)")
+    p.add_argument("--shardings", help="comma-separated: none, ddp, zero1, zero1-even, zero2, zero3")
+    p.add_argument("--precisions", help="comma-separated (default fp32,bf16-mixed)")
+    p.add_argument("--checkpointing", help="comma-separated: none, blocks (default both)")
+    p.add_argument("--micro-batches", help="micro-batch sizes, comma-separated (default: the input's)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step over all ranks")
+    p.add_argument("--device", help="what is modelled: cuda (default) or cpu")
+    p.add_argument("--reserve", help="memory kept free per device (default 1 GiB)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("diagram", help="Mermaid class or ER diagram with each module's memory")
     common(p, ["mermaid", "json", "html"])

@@ -274,11 +274,11 @@ class Plan:
                 units.format_delta(o.margin),
                 "yes" if o.fits else "no",
             )  # fmt: skip
-            for o in (self.fits or self.options)[:limit]
+            for o in (self.fits or sorted(self.options, key=lambda o: o.peak))[:limit]
         ]
         header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation",
                   "peak per rank", "margin", "fits"]  # fmt: skip
-        shown = "cheapest that fit" if self.fits else "none fits; the combinations tried"
+        shown = "cheapest that fit" if self.fits else "none fits; the closest tried, smallest peak first"
         out = [head, f"{shown} (first {len(rows)}):"] + _table(header, rows)
         out += ["note: " + n for n in self.notes]
         return "\n".join(out)

@@ -6,6 +6,7 @@ are derived by hand: a Linear(i, o) holds (i*o + o) float32 elements, 4 bytes ea
 """
 
 import io
+import importlib
 import json
 import os
 import pathlib
@@ -225,6 +226,34 @@ def test_estimate_subcommand(models, capsys):
     assert code == 0 and "bf16-mixed" in text and "estimated, not measured" in text
     code, _ = run("estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamz")
     assert code == 2 and "adamz" in capsys.readouterr().err
+
+
+def test_plan_subcommand(models, capsys):
+    """The command line's plan is memtorch.plan() with the same settings (inputs on the meta device)."""
+    name, _ = models
+    args = ["plan", f"{name}:mlp", "--input", "8x784", "--device-memory", "1 MiB", "--world-sizes", "1,2,4",
+            "--shardings", "ddp,zero2", "--precisions", "fp32", "--checkpointing", "none",
+            "--micro-batches", "4,8", "--device", "cpu", "--reserve", "0"]  # fmt: skip
+    code, text = run(*args, "--format", "json")
+    assert code == 0
+    data = json.loads(text)
+    model = importlib.import_module(name).mlp()
+    direct = memtorch.plan(
+        model, torch.empty(8, 784, device="meta"), device_memory="1 MiB", world_sizes=[1, 2, 4],
+        shardings=["ddp", "zero2"], precisions=["fp32"], checkpointing=[None], micro_batches=[4, 8],
+        device="cpu", reserve=0,
+    ).to_dict()  # fmt: skip
+    assert data["options"] == json.loads(json.dumps(direct["options"]))
+    # one rank is not sharded: 2 micro-batches there, 2 shardings x 2 micro-batches at 2 and 4 ranks
+    assert len(data["options"]) == 2 + 2 * 2 * 2 and data["device_memory"] == 1024**2
+    code, text = run(*args)
+    assert code == 0 and "combination(s) fit in 1.0 MiB per device" in text
+    code, _ = run("plan", f"{name}:mlp", "--input", "8x784", "--world-sizes", "two")
+    assert code == 2 and "--world-sizes: 'two' is not a comma-separated list of ints" in capsys.readouterr().err
+    code, _ = run("plan", f"{name}:mlp", "--input", "8x784", "--shardings", "zero9")
+    assert code == 2 and "zero9" in capsys.readouterr().err
+    code, _ = run("plan", f"{name}:mlp")
+    assert code == 2 and "plan needs an example input" in capsys.readouterr().err
 
 
 def test_estimate_needs_an_input(models, capsys):
@@ -461,7 +490,7 @@ def test_python_dash_m_and_console_script(tmp_path):
         [sys.executable, "-m", "memtorch", "--help"], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 0
-    assert "{inspect,estimate,diagram,advise,diff}" in proc.stdout
+    assert "{inspect,estimate,plan,diagram,advise,diff}" in proc.stdout
     proc = subprocess.run(
         [sys.executable, "-m", "memtorch", "inspect", "no_such_pkg_q:make"],
         capture_output=True,
