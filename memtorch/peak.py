@@ -16,7 +16,7 @@ The groups add up to the peak: bytes counted live before the block opened and
 never named are one group ("allocated before the block, not identified").
 """
 
-from . import units
+from . import _C, units
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
 
@@ -162,7 +162,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     model, optimizer and inputs, each with the log index at which it was taken: a
     name applies to the storage that lived at its address at that moment.
     queries: the addresses of the snapshots, in the order ``replayed`` answers them.
-    sizes_now: maps a list of addresses to a list of the counted sizes now (-1: none);
+    sizes_now: {address: counted size when the block closed (-1: none)};
     token: this block's tag token; rows: (name, type) of the modules by row.
     """
     base, k, at, reached, live, freed_before, firsts, _, _ = replayed
@@ -189,18 +189,14 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         if not group:
             storages.append((name, kind, phase, nbytes, shape, dtype))
 
+    # in C: the walk that names each live storage, and the named storages from before the log
+    named_live, before = _C.eventlog_names(live, snapshots, queries, firsts, k, sizes_now)
     in_block = 0
     mask = (1 << (TAG_BITS - 2)) - 1
-    for a, size, tag, g, gn in live.tolist():
+    for (a, size, tag, g, gn), named in zip(live.tolist(), named_live):
         in_block += size
         mine = (tag >> TAG_BITS) == token
         phase = PHASE_NAMES.get(tag & 3) if mine else None
-        named = None
-        for h, names in snapshots:  # a walk taken while this storage lived names it
-            if g < h <= gn:
-                named = names.get(a)
-                if named is not None:
-                    break
         if named is not None:
             nm, kind, _, shape, dtype = named
             add(nm, kind, phase, size, shape, dtype)
@@ -223,28 +219,10 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     # storages made before the log and live at the peak: a walk saw them live, their
     # address has no event up to the peak, and their counted size is known (a free
     # after the peak, or counted now)
-    first = dict(zip(queries, firsts.tolist()))
     pre_named = 0
-    done = set()
-    lookups = []
-    for h, names in snapshots:
-        for a, named in names.items():
-            if a in done:
-                continue
-            f, fdelta, findex = first[a]
-            if f < 0:
-                done.add(a)
-                lookups.append((a, named))
-            elif f > k and fdelta < 0 and findex >= h:
-                done.add(a)
-                add(named[0], named[1], None, -fdelta, named[3], named[4])
-                pre_named += -fdelta
-    if lookups:
-        sizes = sizes_now([a for a, _ in lookups])
-        for (a, named), size in zip(lookups, sizes):
-            if size >= 0:
-                add(named[0], named[1], None, int(size), named[3], named[4])
-                pre_named += int(size)
+    for named, size in before:
+        add(named[0], named[1], None, size, named[3], named[4])
+        pre_named += size
     pre_rest = at - in_block - pre_named
     expected_rest = base - freed_before - pre_named
     if pre_rest != expected_rest:

@@ -693,7 +693,7 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
     at_peak = attribution.attribute(
         replayed, queries, kept, dropped, peak_bytes, snapshots,
-        lambda addrs: [sizes.get(a, -1) for a in addrs], token, names,
+        sizes, token, names,
     )  # fmt: skip
     at_peak.notes += caveats
     if not exact:
@@ -891,9 +891,8 @@ class Tracker:
     def _close_scope(self, s):
         """Close ``s``; returns (start, end, peak, exact)."""
         if self._kind == "cpu":
-            end = s.current
-            s.close()
-            return s.start, end, s.peak, bool(s.exact)
+            s.close()  # its end is current at the close (the close reads it once, with the hooks' check)
+            return s.start, s.current, s.peak, bool(s.exact)
         r = cuda._read(self._index)
         for o in self._cuda_open:
             o.see(r)
@@ -1313,8 +1312,8 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         extra = _rank_info()
         if self._kind == "cpu":
-            mechanism = cpu.mechanism()
-            exact = exact and cpu.exact()
+            mechanism = self._scope.mechanism  # what counted this block
+            exact = exact and mechanism != cpu.FALLBACK
             device = "cpu"
             extra["unseen_frees"] = self._scope.unseen_frees
             extra["unseen_bytes"] = self._scope.unseen_bytes

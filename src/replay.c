@@ -395,7 +395,188 @@ error:
     return py_result;
 }
 
+/* snapshots[i] as (head, names): head into *head, names (borrowed from the
+ * snapshot) into *names. 0, or -1 with an exception set. */
+static int
+mt_snapshot(PyObject *py_snaps, Py_ssize_t i, long long *head, PyObject **names)
+{
+    PyObject *py_snap = PyList_GET_ITEM(py_snaps, i); /* borrowed from py_snaps */
+    if (!PyTuple_Check(py_snap) || PyTuple_GET_SIZE(py_snap) != 2 || !PyDict_Check(PyTuple_GET_ITEM(py_snap, 1))) {
+        PyErr_SetString(PyExc_TypeError, "eventlog_names(): snapshots must be (head, dict) pairs");
+        return -1;
+    }
+    *head = PyLong_AsLongLong(PyTuple_GET_ITEM(py_snap, 0));
+    *names = PyTuple_GET_ITEM(py_snap, 1);
+    return *head == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+PyDoc_STRVAR(names_doc,
+"eventlog_names($module, live, snapshots, queries, firsts, k, sizes, /)\n--\n\n"
+"The names of the storages live at a block's peak, from eventlog_replay()'s\n"
+"live and firsts (k: its peak position) and the walks snapshots, a list of\n"
+"(log index, {address: name tuple}): a walk names an allocation that lived\n"
+"when it was taken. Returns (named, before): named, one name tuple or None per\n"
+"live row; before, [(name tuple, bytes)] of the storages made before the log\n"
+"that a walk saw, live at the peak: those freed after it (their size from the\n"
+"log) and those with no event in the log whose size sizes (a dict address ->\n"
+"counted size now, -1: none) knows. Each address once, from the first walk\n"
+"that names it.");
+
+static PyObject *
+eventlog_names(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_named = NULL, *py_before = NULL, *py_done = NULL, *py_item = NULL, *py_result = NULL;
+    (void)module;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "eventlog_names() takes 6 arguments (%zd given)", nargs);
+        goto error;
+    }
+    PyObject *py_snaps = args[1], *py_queries = args[2], *py_sizes = args[5]; /* borrowed arguments */
+    if (!PyArray_Check(args[0]) || !PyArray_Check(args[3]) || !PyList_Check(py_snaps) ||
+        !PyList_Check(py_queries) || !PyDict_Check(py_sizes)) {
+        PyErr_SetString(PyExc_TypeError, "eventlog_names() expects eventlog_replay()'s live and firsts, lists and a dict");
+        goto error;
+    }
+    PyArrayObject *live = (PyArrayObject *)args[0], *firsts = (PyArrayObject *)args[3];
+    Py_ssize_t nq = PyList_GET_SIZE(py_queries), ns = PyList_GET_SIZE(py_snaps);
+    if (PyArray_TYPE(live) != NPY_INT64 || PyArray_NDIM(live) != 2 || PyArray_DIM(live, 1) != 5 ||
+        !PyArray_IS_C_CONTIGUOUS(live) || PyArray_TYPE(firsts) != NPY_INT64 || PyArray_NDIM(firsts) != 2 ||
+        PyArray_DIM(firsts, 0) != nq || PyArray_DIM(firsts, 1) != 3 || !PyArray_IS_C_CONTIGUOUS(firsts)) {
+        PyErr_SetString(PyExc_ValueError, "eventlog_names(): live or firsts is not what eventlog_replay() returned");
+        goto error;
+    }
+    long long k = PyLong_AsLongLong(args[4]);
+    if (k == -1 && PyErr_Occurred()) {
+        goto error;
+    }
+    const int64_t *lv = (const int64_t *)PyArray_DATA(live);
+    const int64_t *fs = (const int64_t *)PyArray_DATA(firsts);
+    Py_ssize_t m = (Py_ssize_t)PyArray_DIM(live, 0);
+
+    /* the live rows: the first walk (in list order) taken while the allocation lived */
+    py_named = PyList_New(m); /* new reference */
+    if (py_named == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t *row = lv + 5 * i; /* ptr, delta, tag, index, next index */
+        PyObject *py_found = Py_None;      /* borrowed */
+        for (Py_ssize_t j = 0; j < ns; j++) {
+            long long head;
+            PyObject *names;
+            if (mt_snapshot(py_snaps, j, &head, &names) < 0) {
+                goto error;
+            }
+            if (!(row[3] < head && head <= row[4])) {
+                continue;
+            }
+            py_item = PyLong_FromUnsignedLongLong((unsigned long long)row[0]); /* new reference */
+            if (py_item == NULL) {
+                goto error;
+            }
+            PyObject *py_n = PyDict_GetItemWithError(names, py_item); /* borrowed from names */
+            Py_CLEAR(py_item);
+            if (py_n == NULL && PyErr_Occurred()) {
+                goto error;
+            }
+            if (py_n != NULL) {
+                py_found = py_n;
+                break;
+            }
+        }
+        PyList_SET_ITEM(py_named, i, Py_NewRef(py_found));
+    }
+
+    /* storages made before the log: the first event of each address, by query */
+    py_item = PyDict_New(); /* new reference: address -> row of firsts */
+    if (py_item == NULL) {
+        goto error;
+    }
+    PyObject *py_row_of = py_item;
+    py_item = NULL;
+    for (Py_ssize_t q = 0; q < nq; q++) {
+        PyObject *py_q = PyLong_FromSsize_t(q); /* new reference */
+        if (py_q == NULL || PyDict_SetItem(py_row_of, PyList_GET_ITEM(py_queries, q), py_q) < 0) {
+            Py_XDECREF(py_q);
+            Py_DECREF(py_row_of);
+            goto error;
+        }
+        Py_DECREF(py_q);
+    }
+    py_before = PyList_New(0); /* new reference */
+    py_done = PySet_New(NULL); /* new reference */
+    if (py_before == NULL || py_done == NULL) {
+        Py_DECREF(py_row_of);
+        goto error;
+    }
+    for (Py_ssize_t j = 0; j < ns; j++) {
+        long long head;
+        PyObject *names, *py_a, *py_n; /* borrowed */
+        Py_ssize_t pos = 0;
+        if (mt_snapshot(py_snaps, j, &head, &names) < 0) {
+            Py_DECREF(py_row_of);
+            goto error;
+        }
+        while (PyDict_Next(names, &pos, &py_a, &py_n)) {
+            int done = PySet_Contains(py_done, py_a);
+            PyObject *py_q = done ? NULL : PyDict_GetItemWithError(py_row_of, py_a); /* borrowed */
+            if (done < 0 || (!done && py_q == NULL)) {
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_KeyError, "eventlog_names(): a snapshot's address is not among the queries");
+                }
+                Py_DECREF(py_row_of);
+                goto error;
+            }
+            if (done) {
+                continue;
+            }
+            const int64_t *f = fs + 3 * PyLong_AsSsize_t(py_q); /* position, delta, index */
+            long long size = -1;
+            if (f[0] < 0) { /* no event in the log: its size now, if counted */
+                PyObject *py_s = PyDict_GetItemWithError(py_sizes, py_a); /* borrowed */
+                if (py_s == NULL && PyErr_Occurred()) {
+                    Py_DECREF(py_row_of);
+                    goto error;
+                }
+                size = py_s == NULL ? -1 : PyLong_AsLongLong(py_s);
+                if (size == -1 && PyErr_Occurred()) {
+                    Py_DECREF(py_row_of);
+                    goto error;
+                }
+            }
+            else if (f[0] > k && f[1] < 0 && f[2] >= head) { /* freed after the peak */
+                size = -f[1];
+            }
+            else {
+                continue; /* a later walk may still name it */
+            }
+            if (PySet_Add(py_done, py_a) < 0) {
+                Py_DECREF(py_row_of);
+                goto error;
+            }
+            if (size < 0) {
+                continue;
+            }
+            py_item = Py_BuildValue("(OL)", py_n, size); /* new reference */
+            if (py_item == NULL || PyList_Append(py_before, py_item) < 0) {
+                Py_DECREF(py_row_of);
+                goto error;
+            }
+            Py_CLEAR(py_item);
+        }
+    }
+    Py_DECREF(py_row_of);
+    py_result = PyTuple_Pack(2, py_named, py_before);
+error:
+    Py_XDECREF(py_named);
+    Py_XDECREF(py_before);
+    Py_XDECREF(py_done);
+    Py_XDECREF(py_item);
+    return py_result;
+}
+
 PyMethodDef mt_replay_methods[] = {
+    {"eventlog_names", (PyCFunction)(void (*)(void))eventlog_names, METH_FASTCALL, names_doc},
     {"eventlog_replay", (PyCFunction)(void (*)(void))eventlog_replay, METH_FASTCALL, replay_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -7,6 +7,7 @@ sys.getallocatedblocks() that stays positive in every round after warm-up.
 import sys
 
 import pytest
+import numpy as np
 import torch
 
 from memtorch import _C, cpu
@@ -72,6 +73,11 @@ def _calls(handle):
             _C.eventlog_replay(_C.eventlog_read_all(0, _C.eventlog_head())[0], 0, 0, 0, 1, 3, [0, 64]),
             raises(_C.eventlog_replay, [1], 0, 0, 0, 1, 0, [])(),
             raises(_C.eventlog_replay, _C.eventlog_read_all(0, 0)[0], 0, 0, 0, 1, 0, [-1])(),
+        ),
+        "eventlog_names": lambda: (
+            _C.eventlog_names(np.array([[64, 8, 0, 1, 5]], dtype=np.int64), [(3, {64: ("a",), 128: ("b",)})],
+                              [64, 128], np.array([[0, 8, 1], [-1, 0, 0]], dtype=np.int64), 0, {128: 16}),
+            raises(_C.eventlog_names, [], [], [], [], 0, {})(),
         ),
         "eventlog_mark": lambda: (_C.eventlog_mark(3, 0, 0), raises(_C.eventlog_mark, 9, 0, 0)(),
                                   raises(_C.eventlog_mark, 1, 0)()),

@@ -192,3 +192,36 @@ def test_replay_refuses_what_is_not_a_log():
         _C.eventlog_replay(ev, 0)
     with pytest.raises(OverflowError):
         _C.eventlog_replay(ev, 0, 0, 0, 1, 0, [-1])
+
+
+def test_names_of_a_hand_log():
+    """Live at the peak: A (allocated at index 12, next event 15) and B (13, none). Walks:
+    one at index 14 names A and a storage P made before the log; one at 11 (before A was
+    allocated) also names A's address, wrongly for this allocation, and Q, freed after the
+    peak at index 20 (first event: a free of 64 B). R has no event and is not counted now."""
+    no = NO_NEXT
+    live = np.array([[0xA0, 100, 0, 12, 15], [0xB0, 50, 0, 13, no]], dtype=np.int64)
+    a_late, a_early = ("a", "gradient", None, None, None), ("old a", "gradient", None, None, None)
+    p, q, r = (("p", "parameter", None, None, None), ("q", "optimizer state", None, None, None),
+               ("r", "buffer", None, None, None))  # fmt: skip
+    snapshots = [(14, {0xA0: a_late, 0x10: p, 0x30: r}), (11, {0xA0: a_early, 0x20: q})]
+    queries = [0xA0, 0x10, 0x20, 0x30]
+    firsts = np.array([[2, 100, 12], [-1, 0, 0], [9, -64, 20], [-1, 0, 0]], dtype=np.int64)
+    named, before = _C.eventlog_names(live, snapshots, queries, firsts, 3, {0x10: 400, 0x30: -1})
+    assert named == [a_late, None]
+    assert before == [(p, 400), (q, 64)]
+
+
+def test_names_refuses_bad_input():
+    live = np.zeros((0, 5), dtype=np.int64)
+    firsts = np.zeros((1, 3), dtype=np.int64)
+    with pytest.raises(TypeError, match="6 arguments"):
+        _C.eventlog_names(live)
+    with pytest.raises(TypeError, match="expects"):
+        _C.eventlog_names([], [], [0], firsts, 0, {})
+    with pytest.raises(ValueError, match="not what eventlog_replay"):
+        _C.eventlog_names(live, [], [], firsts, 0, {})
+    with pytest.raises(TypeError, match="pairs"):
+        _C.eventlog_names(live, [(1, 2, 3)], [0], firsts, 0, {})
+    with pytest.raises(KeyError, match="not among the queries"):
+        _C.eventlog_names(live, [(1, {5: None})], [0], firsts, 0, {})
