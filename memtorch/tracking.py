@@ -732,7 +732,10 @@ def _parse_device(device, first):
     torch = _torch()
     if device is None or (isinstance(device, str) and device == "auto"):
         if first is not None:
-            return _parse_device(first.device, None)
+            dev = first.device
+            if dev.type == "cpu":
+                return "cpu", None
+            return _parse_device(dev, None)
         # deliberately not "CUDA if initialised": what a block counts must not depend on
         # whether some earlier code happened to touch the GPU
         return "cpu", None
@@ -804,19 +807,31 @@ class _Plan:
         return None
 
 
-_plans = weakref.WeakKeyDictionary()  # model -> _Plan
+_plans = {}  # id(model) -> _Plan; the entry goes when the model does (see _drop_plan)
 
 
 def _plan_of(model):
     """The model's _Plan, rebuilt when a module, parameter or buffer was added, removed or
     replaced anywhere in it since the last block (or one the plan names was freed)."""
-    plan = _plans.get(model)
+    key = id(model)
+    plan = _plans.get(key)
+    known = False
     if plan is not None:
         mods = [r() for r in plan.mods]
-        if None not in mods and _C.modules_fingerprint(mods) == plan.fp and mods[0] is model:
+        if mods[0] is model and None not in mods and _C.modules_fingerprint(mods) == plan.fp:
             return plan
-    plan = _plans[model] = _Plan(model)
+        known = mods[0] is model
+    plan = _plans[key] = _Plan(model)
+    if not known:  # a finalizer, not a reference: the model is never kept alive
+        weakref.finalize(model, _drop_plan, key, plan.mods[0])
     return plan
+
+
+def _drop_plan(key, ref):
+    """The model behind ``ref`` is gone: drop its plan (not that of a later model with its id)."""
+    plan = _plans.get(key)
+    if plan is not None and plan.mods[0] is ref:
+        del _plans[key]
 
 
 def _first_tensor(model):

@@ -141,11 +141,11 @@ def test_plan_keeps_no_module_alive():
     del model[2], head
     gc.collect()
     assert ref() is None  # memtorch's plan holds only weak references
-    assert model in tracking._plans  # the root's plan is still there (until rebuilt or the model dies)
-    ref_model = weakref.ref(model)
+    assert id(model) in tracking._plans  # the root's plan is still there (until rebuilt or the model dies)
+    ref_model, key = weakref.ref(model), id(model)
     del model, opt
     gc.collect()
-    assert ref_model() is None
+    assert ref_model() is None and key not in tracking._plans  # the plan went with its model
 
 
 def test_names_walk_does_not_leak():
@@ -200,7 +200,7 @@ def test_block_names_come_from_the_plan_only_while_the_same_allocations_live():
 
     block()  # the first block starts before the optimizer has state
     block()
-    plan = tracking._plans[model]
+    plan = tracking._plans[id(model)]
     cached = plan.names
     assert cached is not None and "weight.exp_avg" in {v[0] for v in cached[6].values()}
     at = block()
