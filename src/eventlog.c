@@ -152,6 +152,9 @@ mt_eventlog_range(PyObject *const *args, Py_ssize_t nargs, const char *fname,
     /* Only the latest MT_EVENTS indices can still be in the ring: the arrays
      * are sized by what is retained, never by the whole range asked for. */
     *lo = (head > MT_EVENTS && first < head - MT_EVENTS) ? head - MT_EVENTS : first;
+    if (*lo > last) { /* a range that ended before the oldest event kept: nothing */
+        *lo = last;
+    }
     *lastp = last;
     *n = last - first;
     return 0;

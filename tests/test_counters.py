@@ -646,3 +646,21 @@ def test_start_counts_tensors_made_before_the_first_scope(exact_mode):
     assert s.delta == -4000 and s.unseen_frees == 0
     cpu.stop()
     assert _C.counters_installed() == 0
+
+
+def test_a_range_older_than_the_ring_reads_empty(exact_mode):
+    """Once the event log has wrapped, a range that ended before its oldest kept event
+    reads as nothing kept and everything lost (it used to ask NumPy for a negative size)."""
+    from memtorch import _C
+
+    with cpu.Scope(timeline=True):
+        for _ in range(70_000):  # 140,000 events: more than the ring's 131,072
+            torch.empty(1)
+    head = _C.eventlog_head()
+    assert head > 131_072
+    t, b, dropped = _C.eventlog_read(0, 10)
+    assert len(t) == len(b) == 0 and dropped == 10
+    ev, dropped = _C.eventlog_read_all(0, 10)
+    assert len(ev) == 0 and dropped == 10
+    ev, dropped = _C.eventlog_read_all(head - 5, head)
+    assert len(ev) == 5 and dropped == 0
