@@ -37,6 +37,7 @@ mt_get_state(PyObject *module)
 /* Method tables, one per mechanism file; module.c adds each to the module. */
 extern PyMethodDef mt_walker_methods[];
 extern PyMethodDef mt_counters_methods[];
+extern PyMethodDef mt_sites_methods[];
 
 /* Per-file hooks called from module.c's exec slot, traverse and clear.
  * Each returns 0 on success, -1 with an exception set. */
