@@ -669,14 +669,14 @@ def _average_modules(rows, forwards):
 
 
 def _replay(record_marks, ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, forwards, caveats, exact,
-            phases=None):
+            phases=None, sites=None):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak."""
     record_marks(ev, dropped, start, rows, phases)
     _average_modules(rows, forwards)
     names = [(r.name, r.type) for r in rows]
     at_peak = attribution.attribute(
         ev[ev["kind"] == 0], dropped, start, peak_bytes, snapshots,
-        lambda addrs: _np_int64([sizes.get(a, -1) for a in addrs]), token, names,
+        lambda addrs: _np_int64([sizes.get(a, -1) for a in addrs]), token, names, sites=sites,
     )  # fmt: skip
     at_peak.notes += caveats
     if not exact:
@@ -1211,6 +1211,7 @@ class Tracker:
                 # need not read it again when it closes
                 self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
+                _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots = [(_C.eventlog_head(), self._walk_names())]
             self._ta = time.monotonic_ns()
             self._boundaries.append(self._scope.start)
@@ -1285,6 +1286,7 @@ class Tracker:
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
             ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
+            sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != self._state_n
             del opt
@@ -1294,7 +1296,7 @@ class Tracker:
             pending = functools.partial(
                 _replay, self._record_marks, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._forwards,
-                list(getattr(self._scope, "caveats", None) or []), exact, self._phases,
+                list(getattr(self._scope, "caveats", None) or []), exact, self._phases, sites=sites,
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:
