@@ -354,7 +354,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
         }
     }
     mt_stripe_unlock(s);
-    if (site != 0) {
+    if (__builtin_expect(site != 0, 0)) {
         /* Its source line, outside the lock (it may read a Python frame);
          * the guard stays set, so nothing it allocates is counted. */
         mt_sites_capture(site - 1, (int64_t)size);

@@ -104,6 +104,6 @@ void mt_sites_on_tag(uint32_t tag);
 /* Take the source line of the allocation logged at `index` (any thread,
  * from the hook, after the stripe lock is released and with the
  * re-entrancy guard still set): only if this thread holds the GIL. */
-void mt_sites_capture(uint64_t index, int64_t size);
+void mt_sites_capture(uint64_t index, int64_t size) __attribute__((cold));
 
 #endif /* MT_COUNTERS_H */
