@@ -101,9 +101,10 @@ int64_t mt_monotonic_ns(void);
 extern _Atomic int64_t mt_sites_armed_min;
 /* The owner tag changed (eventlog_mark, GIL held): arm or disarm. */
 void mt_sites_on_tag(uint32_t tag);
-/* Take the source line of the allocation logged at `index` (any thread,
- * from the hook, after the stripe lock is released and with the
- * re-entrancy guard still set): only if this thread holds the GIL. */
+/* Ask for the source line of the allocation logged at `index` (any thread,
+ * no GIL, from the hook after the stripe lock is released): queued for a
+ * pending call of the main thread, which reads it; no Python state is read
+ * here. */
 void mt_sites_capture(uint64_t index, int64_t size) __attribute__((cold));
 
 #endif /* MT_COUNTERS_H */

@@ -11,51 +11,41 @@
  * PROCESS-WIDE STATE, beside the event log it annotates. While a track()
  * block's owner tag names no phase and no module (its bits in the owner
  * mask are 0, and the tag is not 0: a block is open), an allocation of at
- * least mt_sites_min bytes gets a site: the innermost Python frame's code
- * object and line, keyed by the event's log index.
+ * least mt_sites_min bytes gets a site: the code object and line of the
+ * innermost Python frame outside torch's own Python files (mt_sites_skip),
+ * keyed by the event's log index.
  *
- * Two ways to read the frame, never by taking the GIL in the hook (an
- * allocator that waits for the GIL deadlocks against a thread that holds
- * the GIL and waits for a lock the allocating thread holds):
- *   - the hook's thread holds the GIL (torch.tensor(list), a few others):
- *     read at once (mt_sites_take);
- *   - it does not (PyTorch's Python bindings release the GIL around most
- *     operators: torch.empty, randn, stack, clone, x * 2 ... measured): the
- *     thread's Python frames cannot move until it holds the GIL again, so
- *     the hook queues (index, bytes, thread) and schedules one pending call
- *     (Py_AddPendingCall: no GIL needed), which CPython runs in the main
- *     thread at its next eval-breaker check, right after the call
- *     instruction that allocated returns, where the frame is still at the
- *     line of that call. Sites of other threads are only counted then.
- *     A Python callback run inside the operator itself (a tensor hook, a
- *     __torch_function__) could be named instead of the caller.
+ * The hook never reads Python state, never takes the GIL (an allocator that
+ * waits for the GIL deadlocks against a thread that holds the GIL and waits
+ * for a lock the allocating thread holds) and holds no reference. PyTorch's
+ * Python bindings release the GIL around most operators (torch.empty,
+ * randn, stack, clone, x * 2 ... measured), so a frame can rarely be read
+ * there anyway. Instead: a thread's Python frames cannot move while it runs
+ * the operator, so the hook queues (index, bytes, thread) and schedules one
+ * pending call (Py_AddPendingCall: callable without the GIL), which CPython
+ * runs in the main thread at its next eval-breaker check, right after the
+ * call instruction that allocated returns: the frame is still at the line
+ * of that call. Sites of other threads are only counted then. A Python
+ * callback run inside the operator itself (a tensor hook, a Python
+ * __float__) could be named instead of the caller.
+ *
  * Cost: the hook pays one relaxed load (mt_sites_armed_min) and a compare
- * while the event log runs; the rest only for armed tags and allocations at
- * or above the threshold.
+ * while the event log runs; the queue and the pending call only for armed
+ * tags and allocations at or above the threshold.
  *
- * The table (mt_sites, mt_site_codes) is read and written with the GIL held
- * only: the GIL is its lock. Safety where the frame is read (GIL held; in
- * the hook our re-entrancy guard is set and no stripe lock held):
- *   - no Python code runs: CPython 3.11+ creates the frame object of the
- *     current frame lazily (PyThreadState_GetFrame may allocate it, once per
- *     frame, with the Python allocator, as sys._getframe() would); the
- *     cyclic GC, which could run finalizers from that allocation, is
- *     disabled around the call, and a pending exception is kept aside;
- *   - no reference is dropped to zero: the frame and its code object are
- *     held by the running frame; the table keeps its own strong reference
- *     to each code object (at most MT_SITE_CODES), released only by
- *     eventlog_sites() once no block records any more, never in the hook;
- *   - the ring of sites overwrites its oldest entries, which hold no
- *     reference.
- * PyGILState_Check() is only reliable in the main interpreter (CPython turns
- * the check off once a sub-interpreter exists); torch supports no other.
+ * The table (mt_sites, mt_site_codes, mt_sites_skip) is read and written by
+ * the pending call and the functions below, GIL held: the GIL is its lock.
+ * The table keeps a strong reference to each code object (at most
+ * MT_SITE_CODES), released by eventlog_sites() once no block records any
+ * more; the ring of sites overwrites its oldest entries, which hold none.
  */
 
 #define MT_SITES 4096      /* sites kept (the latest), 24 bytes each */
 #define MT_SITE_CODES 256  /* distinct code objects held */
-#define MT_SITE_NOFRAME -1 /* GIL held but no Python frame (a C thread) */
+#define MT_SITE_NOFRAME -1 /* no Python frame was running */
 #define MT_SITE_FULL -2    /* the table of code objects was full */
 #define MT_PENDING 64      /* sites waiting for the main thread */
+#define MT_SITE_DEPTH 64   /* frames looked at to step out of torch's own code */
 
 /* Defaults: allocations of 4 KiB and more (a float32 tensor of 1024
  * elements), and memtorch/peak.py's tag layout (TAG_BITS = 24: the low 24
@@ -86,6 +76,9 @@ static PyObject *mt_site_codes[MT_SITE_CODES];   /* strong references */
 static int mt_site_ncodes;
 /* Open addressing over the code objects' addresses: slot + 1, 0 empty. */
 static int16_t mt_site_index[2 * MT_SITE_CODES];
+/* str: frames of files under this directory (torch's) are stepped out of;
+ * NULL: none. A strong reference. */
+static PyObject *mt_sites_skip;
 
 void
 mt_sites_on_tag(uint32_t tag)
@@ -119,46 +112,86 @@ mt_site_code_slot(PyObject *code)
     return slot;
 }
 
+/* 1 if code's file lies under mt_sites_skip (torch's own Python code), 0 if
+ * not, -1 with an exception set. code: borrowed. */
+static int
+mt_site_skipped(PyObject *code)
+{
+    PyObject *py_file = NULL;
+    int rc = 0;
+    if (mt_sites_skip == NULL) {
+        return 0;
+    }
+    py_file = PyObject_GetAttrString(code, "co_filename"); /* new reference */
+    if (py_file == NULL) {
+        return -1;
+    }
+    if (PyUnicode_Check(py_file)) {
+        Py_ssize_t n = PyUnicode_Tailmatch(py_file, mt_sites_skip, 0, PY_SSIZE_T_MAX, -1);
+        rc = n < 0 ? -1 : (int)n;
+    }
+    Py_DECREF(py_file);
+    return rc;
+}
+
 /* Record the site of the allocation logged at `index` from the current
- * Python frame of this thread. GIL held. */
-static void
+ * Python frame of this thread, stepping out of torch's own files. GIL
+ * held, in the pending call; 0, or -1 with an exception set. */
+static int
 mt_sites_take(uint64_t index, int64_t size)
 {
-    PyObject *py_frame = NULL, *py_code = NULL;
+    PyObject *py_frame = NULL, *py_code = NULL, *py_first = NULL, *py_next = NULL;
     int32_t code = MT_SITE_NOFRAME, line = 0;
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *py_exc = PyErr_GetRaisedException(); /* new reference or NULL */
-#else
-    PyObject *py_type, *py_value, *py_tb;
-    PyErr_Fetch(&py_type, &py_value, &py_tb); /* new references or NULL */
-#endif
+    int rc = -1;
+    /* No collection while frame objects are created (3.11+ makes them
+     * lazily): finalizers could run inside the walk. */
 #if PY_VERSION_HEX >= 0x030A0000
-    int gc = PyGC_Disable(); /* 3.11+ may allocate the frame object: no collection */
+    int gc = PyGC_Disable();
 #endif
+    int found = 0;
     py_frame = (PyObject *)PyThreadState_GetFrame(PyThreadState_Get()); /* new ref or NULL */
-#if PY_VERSION_HEX >= 0x030A0000
-    if (gc) {
-        PyGC_Enable();
+    for (int depth = 0; py_frame != NULL && depth < MT_SITE_DEPTH; depth++) {
+        py_code = (PyObject *)PyFrame_GetCode((PyFrameObject *)py_frame); /* new reference */
+        int skip = mt_site_skipped(py_code);
+        Py_CLEAR(py_code);
+        if (skip < 0) {
+            goto error;
+        }
+        if (!skip) {
+            found = 1;
+            break;
+        }
+        if (py_first == NULL) {
+            py_first = Py_NewRef(py_frame); /* the innermost, if every frame is torch's */
+        }
+        py_next = (PyObject *)PyFrame_GetBack((PyFrameObject *)py_frame); /* new ref or NULL */
+        Py_SETREF(py_frame, py_next);
+        py_next = NULL;
     }
-#endif
+    if (!found) {
+        Py_XSETREF(py_frame, Py_XNewRef(py_first));
+    }
     if (py_frame != NULL) {
         py_code = (PyObject *)PyFrame_GetCode((PyFrameObject *)py_frame); /* new reference */
         line = PyFrame_GetLineNumber((PyFrameObject *)py_frame);
         code = mt_site_code_slot(py_code);
-        /* Neither reaches zero: the running frame holds both. */
-        Py_DECREF(py_code);
-        Py_DECREF(py_frame);
     }
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(py_exc); /* steals */
-#else
-    PyErr_Restore(py_type, py_value, py_tb); /* steals */
-#endif
     mt_site *s = &mt_sites[mt_sites_head++ & (MT_SITES - 1)];
     s->index1 = index + 1;
     s->bytes = size;
     s->line = line;
     s->code = code;
+    rc = 0;
+error:
+#if PY_VERSION_HEX >= 0x030A0000
+    if (gc) {
+        PyGC_Enable();
+    }
+#endif
+    Py_XDECREF(py_code);
+    Py_XDECREF(py_frame);
+    Py_XDECREF(py_first);
+    return rc;
 }
 
 /* Sites asked for without the GIL, waiting for the main thread (below). */
@@ -209,10 +242,12 @@ mt_sites_pending_call(void *arg)
     mt_pending_release_lock();
     unsigned long me = PyThread_get_thread_ident();
     for (int i = 0; i < n; i++) {
-        if (batch[i].ident == me && mt_eventlog_recording()) {
-            mt_sites_take(batch[i].index, batch[i].bytes);
+        if (batch[i].ident != me || !mt_eventlog_recording()) {
+            atomic_fetch_add_explicit(&mt_sites_missed, 1, memory_order_relaxed);
         }
-        else {
+        else if (mt_sites_take(batch[i].index, batch[i].bytes) < 0) {
+            /* A line that cannot be read must never raise in the user's code. */
+            PyErr_Clear();
             atomic_fetch_add_explicit(&mt_sites_missed, 1, memory_order_relaxed);
         }
     }
@@ -222,16 +257,7 @@ mt_sites_pending_call(void *arg)
 void
 mt_sites_capture(uint64_t index, int64_t size)
 {
-    if (PyGILState_Check()) {
-        mt_sites_take(index, size);
-        return;
-    }
-    /* No GIL: PyTorch's Python bindings release it around most operators.
-     * The thread's Python frames cannot move until it holds the GIL again,
-     * so the site is read later, by the pending call; never here (taking
-     * the GIL inside an allocator can deadlock against a thread that holds
-     * the GIL and waits for a lock this thread holds). A thread with no
-     * Python state (a C++ worker) has no site. */
+    /* A thread with no Python state (a C++ worker) has no line to give. */
     if (PyGILState_GetThisThreadState() == NULL || !Py_IsInitialized()) {
         atomic_fetch_add_explicit(&mt_sites_missed, 1, memory_order_relaxed);
         return;
@@ -423,7 +449,30 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(sites_skip_doc,
+"eventlog_sites_skip($module, prefix, /)\n--\n\n"
+"Name, as a site, the innermost Python frame whose file does not start with\n"
+"`prefix` (a str: torch's own directory), or the innermost frame if all do;\n"
+"None: always the innermost. Returns the previous prefix.");
+
+static PyObject *
+eventlog_sites_skip(PyObject *module, PyObject *arg)
+{
+    PyObject *py_prev = NULL;
+    if (arg != Py_None && !PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "eventlog_sites_skip() expects a str or None, not %.100s",
+                     Py_TYPE(arg)->tp_name);
+        goto error;
+    }
+    py_prev = mt_sites_skip != NULL ? mt_sites_skip : Py_NewRef(Py_None); /* owned */
+    mt_sites_skip = arg == Py_None ? NULL : Py_NewRef(arg);
+    return py_prev;
+error:
+    return NULL;
+}
+
 PyMethodDef mt_sites_methods[] = {
+    {"eventlog_sites_skip", eventlog_sites_skip, METH_O, sites_skip_doc},
     {"eventlog_sites", (PyCFunction)(void (*)(void))eventlog_sites, METH_FASTCALL, sites_doc},
     {"eventlog_sites_config", (PyCFunction)(void (*)(void))eventlog_sites_config, METH_FASTCALL,
      sites_config_doc},

@@ -112,6 +112,43 @@ def test_an_allocation_made_with_the_gil_held_is_named_too():
     del kept
 
 
+def _loader_block(keep):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    memtorch.cpu.start()
+    model, opt = _model()
+    loader = DataLoader(TensorDataset(torch.ones(32, 16), torch.ones(32, N_BIG // 8)), batch_size=8)
+    with memtorch.track(model, opt) as t:
+        for x, y in loader:
+            line = inspect.currentframe().f_lineno - 1  # the `for` line above
+            keep.append(y)  # made by torch's default_collate, kept: "other"
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return t, line
+
+
+def test_a_batch_made_by_torch_code_is_named_at_the_users_line():
+    # the collate function that stacks the batch is torch's own Python code: the line
+    # named is the caller's, the `for` over the DataLoader
+    keep = []
+    t, line = _loader_block(keep)
+    owner, where = _sites(t.report)
+    me = inspect.currentframe().f_code
+    site = next(s for s in owner.sites if s[1] == line)
+    assert site == (_loader_block.__code__.co_filename, line, "_loader_block",
+                    sum(y.untyped_storage().nbytes() for y in keep), len(keep))  # fmt: skip
+    assert me.co_filename == site[0]
+    # without the skip: the innermost frame, in torch's collate
+    prev = _C.eventlog_sites_skip(None)
+    try:
+        t, line = _loader_block([])
+    finally:
+        assert _C.eventlog_sites_skip(prev) is None
+    _, where = _sites(t.report)
+    assert where and all(f.startswith(prev) for f, _, _ in where)
+
+
 def test_another_threads_allocation_is_said_not_read():
     memtorch.cpu.start()
     model, opt = _model()

@@ -76,6 +76,8 @@ def _calls(handle):
                                    raises(_C.eventlog_sites, 0)()),
         "eventlog_sites_config": lambda: (_C.eventlog_sites_config(*_C.eventlog_sites_config(0, 0)),
                                           raises(_C.eventlog_sites_config, -1, 0)()),
+        "eventlog_sites_skip": lambda: (_C.eventlog_sites_skip(_C.eventlog_sites_skip(None)),
+                                        raises(_C.eventlog_sites_skip, 5)()),
         "monotonic_ns": _C.monotonic_ns,
         "torch_alloc": lambda: torch.empty(100),  # the hook path itself
     }
