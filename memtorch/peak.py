@@ -174,11 +174,11 @@ OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
 
 def where(file, line, function):
     """``train.py:42 in make_batch``: the file relative to the current directory when
-    under it; "(no Python frame)" when no line was read."""
+    under it; "(no Python line)" when none was running or the table of functions was full."""
     import os
 
     if file is None:
-        return "(no Python frame)"
+        return "(no Python line)"
     try:
         rel = os.path.relpath(file)
         if not rel.startswith(".."):

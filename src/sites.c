@@ -63,8 +63,9 @@ typedef struct {
 /* The threshold while the current tag asks for sites, else 0: set by
  * eventlog_mark (GIL held), loaded by the hooks (any thread, no GIL). */
 _Atomic int64_t mt_sites_armed_min;
-/* Armed allocations whose site could not be read: made by a thread other
- * than the main one without the GIL, or more waiting than MT_PENDING. */
+/* Armed allocations whose site could not be read: made by another thread
+ * than the main one or by one with no Python state, or more waiting than
+ * MT_PENDING. */
 static _Atomic int64_t mt_sites_missed;
 
 /* Under the GIL. */
