@@ -297,8 +297,11 @@ mt_sites_clear(void)
 {
     int n = mt_site_ncodes;
     mt_site_ncodes = 0;
-    memset(mt_site_index, 0, sizeof(mt_site_index));
-    memset(mt_sites, 0, sizeof(mt_sites));
+    if (n > 0) {
+        memset(mt_site_index, 0, sizeof(mt_site_index));
+    }
+    /* Readers look only at the latest min(head, MT_SITES) entries: the ring
+     * itself needs no wiping. */
     mt_sites_head = 0;
     atomic_store(&mt_sites_missed, 0);
     for (int i = 0; i < n; i++) {
