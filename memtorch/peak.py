@@ -36,7 +36,8 @@ class Owner:
 
     ``sites`` (the "other" owner of a block's own allocations only, else None): the Python
     source lines that allocated its storages, largest first, as (file, line, function,
-    bytes, count); ``sites_note``: what has no line and why, or None."""
+    bytes, count) (an operator that is not a call, ``x * 2``, is named at the next call of
+    its function); ``sites_note``: what has no line and why, or None."""
 
     __slots__ = ("name", "kind", "phase", "nbytes", "count", "sites", "sites_note")
 

@@ -2,6 +2,7 @@
 #include "mt.h"
 #include "counters.h"
 
+#include <limits.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -25,9 +26,12 @@
  * pending call (Py_AddPendingCall: callable without the GIL), which CPython
  * runs in the main thread at its next eval-breaker check, right after the
  * call instruction that allocated returns: the frame is still at the line
- * of that call. Sites of other threads are only counted then. A Python
- * callback run inside the operator itself (a tensor hook, a Python
- * __float__) could be named instead of the caller.
+ * of that call. Sites of other threads are only counted then. CPython
+ * checks only at calls, loop jumps and function starts: an operator that
+ * is not a call (x * 2, x[idx]) is named at the next call its code makes
+ * (mt_sites_take steps out of a function just entered to its caller's
+ * line). A Python callback run inside the operator itself (a tensor hook,
+ * a Python __float__) could be named instead of the caller.
  *
  * Cost: the hook pays one relaxed load (mt_sites_armed_min) and a compare
  * while the event log runs; the queue and the pending call only for armed
@@ -135,6 +139,23 @@ mt_site_skipped(PyObject *code)
     return rc;
 }
 
+/* code.co_firstlineno (>= 0), or -1 with an exception set. code: borrowed. */
+static int
+mt_code_firstlineno(PyObject *code)
+{
+    PyObject *py_first = PyObject_GetAttrString(code, "co_firstlineno"); /* new reference */
+    long first = -1;
+    if (py_first == NULL) {
+        return -1;
+    }
+    first = PyLong_AsLong(py_first);
+    Py_DECREF(py_first);
+    if (first < 0 && !PyErr_Occurred()) {
+        first = 0;
+    }
+    return first > INT_MAX ? INT_MAX : (int)first;
+}
+
 /* Record the site of the allocation logged at `index` from the current
  * Python frame of this thread, stepping out of torch's own files. GIL
  * held, in the pending call; 0, or -1 with an exception set. */
@@ -175,6 +196,23 @@ mt_sites_take(uint64_t index, int64_t size)
     if (py_frame != NULL) {
         py_code = (PyObject *)PyFrame_GetCode((PyFrameObject *)py_frame); /* new reference */
         line = PyFrame_GetLineNumber((PyFrameObject *)py_frame);
+        /* A frame still at its first line (its RESUME: the def or first
+         * decorator line) has run nothing yet: the allocation was made by
+         * its caller, before this call (an operator that is not a call,
+         * x * 2, is only followed by a check at the next call). Name the
+         * caller's line. A one-line function's own allocations are named at
+         * its caller too. */
+        int first = mt_code_firstlineno(py_code);
+        if (first < 0) {
+            goto error;
+        }
+        py_next = first == line ? (PyObject *)PyFrame_GetBack((PyFrameObject *)py_frame) : NULL;
+        if (py_next != NULL) {
+            Py_SETREF(py_frame, py_next);
+            py_next = NULL;
+            Py_SETREF(py_code, (PyObject *)PyFrame_GetCode((PyFrameObject *)py_frame));
+            line = PyFrame_GetLineNumber((PyFrameObject *)py_frame);
+        }
         code = mt_site_code_slot(py_code);
     }
     mt_site *s = &mt_sites[mt_sites_head++ & (MT_SITES - 1)];

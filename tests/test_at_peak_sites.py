@@ -149,6 +149,29 @@ def test_a_batch_made_by_torch_code_is_named_at_the_users_line():
     assert where and all(f.startswith(prev) for f, _, _ in where)
 
 
+def _nothing():
+    return None
+
+
+def test_an_operator_that_is_not_a_call_is_named_at_the_next_call_of_its_function():
+    # x * 2 allocates inside no call: CPython checks for pending calls only at calls (and
+    # loop jumps), so the line is the next call's, in the same function, never the
+    # callee's first line
+    memtorch.cpu.start()
+    model, opt = _model()
+    x = torch.ones(N_BIG)
+    with memtorch.track(model, opt) as t:
+        doubled = x * 2
+        _nothing()
+        line = inspect.currentframe().f_lineno - 2  # the x * 2 line
+        _step(model, opt)
+    _, where = _sites(t.report)
+    me = inspect.currentframe().f_code
+    assert (me.co_filename, line + 1, me.co_name) in where  # the _nothing() line
+    assert all(fn != "_nothing" for _, _, fn in where)
+    del doubled
+
+
 def test_another_threads_allocation_is_said_not_read():
     memtorch.cpu.start()
     model, opt = _model()
