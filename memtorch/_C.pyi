@@ -69,6 +69,13 @@ def eventlog_read_all(first: int, last: int, /) -> tuple[npt.NDArray[np.void], i
 def eventlog_mark(kind: int, number: int, tag: int, /) -> None: ...  # kind 1 enter, 2 exit, 3 tag
 def counters_sizes(ptrs: Sequence[int], /) -> npt.NDArray[np.int64]: ...  # counted size per address, -1 if none
 def eventlog_head() -> int: ...
+
+# Source lines of large allocations outside a block's phases (src/sites.c).
+def eventlog_sites(
+    first: int, last: int, /
+) -> tuple[list[tuple[int, str | None, int, str | None, int]], int, int, int]: ...
+# ([(index, file, line, function, bytes)], oldest index kept, min_bytes, missed)
+def eventlog_sites_config(min_bytes: int, owner_mask: int, /) -> tuple[int, int]: ...  # previous values
 def monotonic_ns() -> int: ...
 
 # test-only

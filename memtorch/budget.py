@@ -176,6 +176,9 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         )
         for o in owners[:owners_n]:
             lines.append(f"    {_fmt(o.nbytes)}  {o.name} ({o.kind})")
+            # "other": where the largest came from (two lines), or why no line is known
+            for text in (o.site_lines(limit=2)[:2] if getattr(o, "site_lines", None) else []):
+                lines.append(f"      {text}")
         for note in at_peak.notes:
             lines.append(f"    note: {note}")
     largest = list(_get(report, "largest") or [])

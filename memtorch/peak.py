@@ -32,19 +32,42 @@ def make_tag(token, row, phase_code):
 class Owner:
     """One owner at the peak: ``name``, ``kind`` (parameter, gradient, optimizer state,
     buffer, input, activation, temporary, other), ``phase`` (forward, backward,
-    optimizer or None: when it was allocated), ``nbytes`` and ``count`` (storages)."""
+    optimizer or None: when it was allocated), ``nbytes`` and ``count`` (storages).
 
-    __slots__ = ("name", "kind", "phase", "nbytes", "count")
+    ``sites`` (the "other" owner of a block's own allocations only, else None): the Python
+    source lines that allocated its storages, largest first, as (file, line, function,
+    bytes, count) (an operator that is not a call, ``x * 2``, is named at the next call of
+    its function); ``sites_note``: what has no line and why, or None."""
+
+    __slots__ = ("name", "kind", "phase", "nbytes", "count", "sites", "sites_note")
 
     def __init__(self, name, kind, phase=None, nbytes=0, count=0):
         self.name, self.kind, self.phase, self.nbytes, self.count = name, kind, phase, nbytes, count
+        self.sites = self.sites_note = None
 
     def describe(self):
         n = f", {self.count} storages" if self.count > 1 else ""
         return f"{units.format(self.nbytes)}  {self.name} ({self.kind}{n})"
 
+    def site_lines(self, limit=3):
+        """The largest ``limit`` sites as text (``1.5 MiB  train.py:42 in make_batch``), then the note."""
+        out = [f"{units.format(b)}  {where(f, ln, fn)}" + (f" ({c} storages)" if c > 1 else "")
+               for f, ln, fn, b, c in (self.sites or ())[:limit]]  # fmt: skip
+        rest = (self.sites or ())[limit:]
+        if rest:
+            out.append(f"... and {len(rest)} more line(s), {units.format(sum(s[3] for s in rest))}")
+        if self.sites_note:
+            out.append(self.sites_note)
+        return out
+
     def to_dict(self):
-        return {"name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes, "count": self.count}
+        d = {"name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes, "count": self.count}
+        if self.sites is not None:
+            d["sites"] = [
+                {"file": f, "line": ln, "function": fn, "bytes": b, "count": c} for f, ln, fn, b, c in self.sites
+            ]
+            d["sites_note"] = self.sites_note
+        return d
 
     def __repr__(self):
         return f"Owner({self.name!r}, {self.kind}, {self.nbytes} B)"
@@ -131,7 +154,10 @@ class AtPeak:
         shown = [o for o in owners if o.nbytes]
         w = max((len(units.format(o.nbytes)) for o in shown), default=0)
         # sizes right-aligned in one column, then the owner
-        out = [head] + ["  " + o.describe().rjust(len(o.describe()) - len(units.format(o.nbytes)) + w) for o in shown]
+        out = [head]
+        for o in shown:
+            out.append("  " + o.describe().rjust(len(o.describe()) - len(units.format(o.nbytes)) + w))
+            out += ["      " + line for line in o.site_lines()]
         rest = [o for o in self.owners[len(owners):] if o.nbytes]
         if rest:
             out.append(f"  ... and {len(rest)} more owner(s), {units.format(sum(o.nbytes for o in rest))}")
@@ -152,7 +178,68 @@ class AtPeak:
         return f"AtPeak(peak={self.peak}, owners={len(self.owners)}, exact={self.exact})"
 
 
-def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, token, rows):
+OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
+
+
+def where(file, line, function):
+    """``train.py:42 in make_batch``: the file relative to the current directory when
+    under it; "(no Python line)" when none was running or the table of functions was full."""
+    import os
+
+    if file is None:
+        return "(no Python line)"
+    try:
+        rel = os.path.relpath(file)
+        if not rel.startswith(".."):
+            file = rel
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{file}:{line} in {function}"
+
+
+def _attach_sites(owner, allocs, sites):
+    """Group ``allocs`` [(log index, bytes, tagged by this block)] of the "other" owner by
+    the source line that allocated each (``sites``: eventlog_sites()'s (rows, oldest,
+    min_bytes, missed)), and say in one line what has no line and why."""
+    rows, oldest, min_bytes, _ = sites
+    line_of = {r[0]: r[1:4] for r in rows}
+    by_line = {}
+    small = lost = unread = nested = 0
+    n_small = n_lost = n_unread = n_nested = 0
+    for g, size, mine in allocs:
+        site = line_of.get(g)
+        if site is not None:
+            e = by_line.setdefault(site, [0, 0])
+            e[0] += size
+            e[1] += 1
+        elif not mine:
+            nested, n_nested = nested + size, n_nested + 1
+        elif size < min_bytes:
+            small, n_small = small + size, n_small + 1
+        elif g < oldest:
+            lost, n_lost = lost + size, n_lost + 1
+        else:
+            unread, n_unread = unread + size, n_unread + 1
+    owner.sites = sorted(
+        ((f, ln, fn, b, c) for (f, ln, fn), (b, c) in by_line.items()),
+        key=lambda s: (-s[3], s[0] or "", s[1]),
+    )  # fmt: skip
+    def n(k):
+        return f"{k} allocation" + ("s" if k > 1 else "")
+
+    why = []
+    if n_small:
+        why.append(f"{units.format(small)} in {n(n_small)} under {units.format(min_bytes)} (not recorded)")
+    if n_unread:
+        why.append(f"{units.format(unread)} in {n(n_unread)} by another thread, or too many at once")
+    if n_lost:
+        why.append(f"{units.format(lost)} in {n(n_lost)} older than the latest 4096 lines kept")
+    if n_nested:
+        why.append(f"{units.format(nested)} in {n(n_nested)} made while a nested block ran, or after it")
+    owner.sites_note = ("no source line for " + "; ".join(why)) if why else None
+
+
+def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, token, rows, sites=None):
     """Group the live bytes at the event that reached ``peak``, from ``replayed``, what
     ``_C.eventlog_replay`` found in one pass over the block's event log (the live set
     at the peak, and the first event of each address of ``queries``).
@@ -163,7 +250,8 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     name applies to the storage that lived at its address at that moment.
     queries: the addresses of the snapshots, in the order ``replayed`` answers them.
     sizes_now: {address: counted size when the block closed (-1: none)};
-    token: this block's tag token; rows: (name, type) of the modules by row.
+    token: this block's tag token; rows: (name, type) of the modules by row;
+    sites: eventlog_sites()'s answer for the block, or None (no source lines).
     """
     base, k, at, reached, live, freed_before, firsts, _, _ = replayed
     notes = []
@@ -193,6 +281,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     named_live, before = _C.eventlog_names(live, snapshots, queries, firsts, k, sizes_now)
     in_block = 0
     mask = (1 << (TAG_BITS - 2)) - 1
+    other_live = []  # (log index, bytes, tagged by this block) of the "other" storages live at the peak
     for (a, size, tag, g, gn), named in zip(live.tolist(), named_live):
         in_block += size
         mine = (tag >> TAG_BITS) == token
@@ -203,7 +292,8 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
             continue
         row = ((tag >> 2) & mask) - 1
         if not mine:
-            add("other (allocated in the block outside its phases)", "other", None, size)
+            add(OTHER_IN_BLOCK, "other", None, size)
+            other_live.append((g, size, False))
         elif 0 <= row < len(rows):
             mod = rows[row]
             label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
@@ -215,7 +305,10 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         elif phase == "forward":
             add("forward, outside any module", "activation", phase, size)
         else:
-            add("other (allocated in the block outside its phases)", "other", None, size)
+            add(OTHER_IN_BLOCK, "other", None, size)
+            other_live.append((g, size, True))
+    if sites is not None and (OTHER_IN_BLOCK, "other") in owners:
+        _attach_sites(owners[(OTHER_IN_BLOCK, "other")], other_live, sites)
     # storages made before the log and live at the peak: a walk saw them live, their
     # address has no event up to the peak, and their counted size is known (a free
     # after the peak, or counted now)

@@ -681,7 +681,7 @@ def _average_modules(rows, forwards):
 
 
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
-            phases=None):
+            phases=None, sites=None):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
     ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
     rows.extend(ModuleStats(name, type_name) for name, type_name in specs)
@@ -693,7 +693,7 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
     at_peak = attribution.attribute(
         replayed, queries, kept, dropped, peak_bytes, snapshots,
-        sizes, token, names,
+        sizes, token, names, sites=sites,
     )  # fmt: skip
     at_peak.notes += caveats
     if not exact:
@@ -1233,6 +1233,7 @@ class Tracker:
                 # need not read it again when it closes
                 self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
+                _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots = [(_C.eventlog_head(), self._walk_names())]
             self._ta = time.monotonic_ns()
             self._boundaries.append(self._scope.start)
@@ -1307,6 +1308,7 @@ class Tracker:
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
             ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
+            sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != self._state_n
             del opt
@@ -1316,7 +1318,7 @@ class Tracker:
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
-                caveats, exact, self._phases,
+                caveats, exact, self._phases, sites=sites,
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:

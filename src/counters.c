@@ -298,9 +298,10 @@ mt_raise_to(_Atomic int64_t *peak, int64_t now)
 }
 
 /* The new value of current after a counted change: raise the global peak
- * and the peak of every open scope, log the event. Caller holds a stripe
- * lock, so the scope set cannot change under it. */
-static inline void
+ * and the peak of every open scope, log the event; returns what
+ * mt_eventlog_record returned. Caller holds a stripe lock, so the scope set
+ * cannot change under it. */
+static inline uint64_t
 mt_after_change(int64_t now, int grew, const void *ptr, int64_t delta)
 {
     if (grew) {
@@ -312,7 +313,7 @@ mt_after_change(int64_t now, int grew, const void *ptr, int64_t delta)
             mask &= mask - 1;
         }
     }
-    mt_eventlog_record(now, ptr, delta);
+    return mt_eventlog_record(now, ptr, delta);
 }
 
 void
@@ -323,6 +324,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
     }
     mt_in_hook = 1;
     uint64_t h = mt_hash((uintptr_t)ptr);
+    uint64_t site = 0;
     mt_stripe *s = &mt_stripes[h & (MT_NSTRIPES - 1)];
     mt_stripe_lock(s);
     /* Checked again under the lock: uninstall clears with every lock held. */
@@ -336,7 +338,7 @@ mt_counters_on_alloc(void *ptr, size_t size)
             int64_t now = atomic_fetch_add_explicit(
                               &mt_current, delta, memory_order_relaxed) + delta;
             s->nallocs++;
-            mt_after_change(now, delta > 0, ptr, delta);
+            site = mt_after_change(now, delta > 0, ptr, delta);
             /* The counters are process-wide: note, per open scope, what
              * other threads than its owner allocated (one compare each). */
             uint64_t mask = atomic_load_explicit(&mt_scope_mask, memory_order_relaxed);
@@ -356,6 +358,11 @@ mt_counters_on_alloc(void *ptr, size_t size)
         }
     }
     mt_stripe_unlock(s);
+    if (__builtin_expect(site != 0, 0)) {
+        /* Its source line, outside the lock (it may read a Python frame);
+         * the guard stays set, so nothing it allocates is counted. */
+        mt_sites_capture(site - 1, (int64_t)size);
+    }
     mt_in_hook = 0;
 }
 
@@ -377,7 +384,7 @@ mt_counters_on_free(void *ptr, int kind)
             int64_t now = atomic_fetch_sub_explicit(
                               &mt_current, size, memory_order_relaxed) - size;
             s->nfrees++;
-            mt_after_change(now, 0, ptr, -size);
+            (void)mt_after_change(now, 0, ptr, -size);
         }
         else if (ptr != NULL) {
             /* Could it be tensor storage? c10::free_cpu frees through

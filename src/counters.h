@@ -2,6 +2,7 @@
 #ifndef MT_COUNTERS_H
 #define MT_COUNTERS_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -79,8 +80,12 @@ void mt_platform_rss(int64_t *current, int64_t *hwm);
 /* ---- eventlog.c: (time, bytes) ring buffer ---- */
 
 /* Record one allocation (delta > 0) or free (delta < 0) of ptr, bytes being
- * the counted bytes after it; cheap no-op unless a timeline is recorded. */
-void mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta);
+ * the counted bytes after it; cheap no-op unless a timeline is recorded.
+ * Returns the event's log index + 1 when sites.c wants the allocation's
+ * source line (mt_sites_capture), else 0. */
+uint64_t mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta);
+/* 1 while a timeline is recorded (a block or a timeline scope is open). */
+int mt_eventlog_recording(void);
 /* Start/stop recording (refcounted); start returns -1 on out-of-memory. */
 int mt_eventlog_start(void);
 void mt_eventlog_stop(void);
@@ -89,5 +94,18 @@ uint64_t mt_eventlog_head(void);
 /* Monotonic clock in nanoseconds (same clock as Python's time.monotonic_ns
  * on Linux: CLOCK_MONOTONIC). */
 int64_t mt_monotonic_ns(void);
+
+/* ---- sites.c: the Python source line of large allocations outside phases ---- */
+
+/* The size threshold while the current owner tag asks for sites, else 0
+ * (any thread, no GIL: a relaxed load). */
+extern _Atomic int64_t mt_sites_armed_min;
+/* The owner tag changed (eventlog_mark, GIL held): arm or disarm. */
+void mt_sites_on_tag(uint32_t tag);
+/* Ask for the source line of the allocation logged at `index` (any thread,
+ * no GIL, from the hook after the stripe lock is released): queued for a
+ * pending call of the main thread, which reads it; no Python state is read
+ * here. */
+void mt_sites_capture(uint64_t index, int64_t size) __attribute__((cold));
 
 #endif /* MT_COUNTERS_H */

@@ -45,13 +45,14 @@ static _Atomic int mt_eventlog_users;   /* open timelines */
  * process-wide: allocations by other threads carry the tag of the moment. */
 static _Atomic uint32_t mt_event_tag;
 
-/* Claim one slot and publish an event in it (any thread, no GIL). */
-static void
+/* Claim one slot and publish an event in it (any thread, no GIL); returns
+ * its index + 1, or 0 when there is no ring. */
+static uint64_t
 mt_eventlog_put(int64_t bytes, uint64_t ptr, int64_t delta, uint64_t info)
 {
     mt_event *events = atomic_load_explicit(&mt_events, memory_order_acquire);
     if (events == NULL) {
-        return;
+        return 0;
     }
     int64_t t = mt_monotonic_ns();
     uint64_t i = atomic_fetch_add_explicit(&mt_events_head, 1, memory_order_relaxed);
@@ -64,16 +65,27 @@ mt_eventlog_put(int64_t bytes, uint64_t ptr, int64_t delta, uint64_t info)
     atomic_store_explicit(&e->delta, delta, memory_order_relaxed);
     atomic_store_explicit(&e->info, info, memory_order_relaxed);
     atomic_store_explicit(&e->seq, i + 1, memory_order_release);
+    return i + 1;
 }
 
-void
+uint64_t
 mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta)
 {
     if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) == 0) {
-        return;
+        return 0;
     }
     uint64_t tag = atomic_load_explicit(&mt_event_tag, memory_order_relaxed);
-    mt_eventlog_put(bytes, (uint64_t)(uintptr_t)ptr, delta, ((uint64_t)MT_EV_ALLOC << 32) | tag);
+    uint64_t i1 = mt_eventlog_put(bytes, (uint64_t)(uintptr_t)ptr, delta,
+                                  ((uint64_t)MT_EV_ALLOC << 32) | tag);
+    /* sites.c: does this allocation want its source line? */
+    int64_t min = atomic_load_explicit(&mt_sites_armed_min, memory_order_relaxed);
+    return (min > 0 && delta >= min) ? i1 : 0;
+}
+
+int
+mt_eventlog_recording(void)
+{
+    return atomic_load(&mt_eventlog_users) != 0;
 }
 
 int
@@ -337,6 +349,7 @@ eventlog_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     atomic_store_explicit(&mt_event_tag, (uint32_t)tag, memory_order_relaxed);
+    mt_sites_on_tag((uint32_t)tag);
     if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) != 0) {
         mt_eventlog_put(-1, (uint64_t)number, 0, ((uint64_t)kind << 32) | (uint64_t)tag);
     }

@@ -39,6 +39,7 @@ extern PyMethodDef mt_walker_methods[];
 extern PyMethodDef mt_counters_methods[];
 extern PyMethodDef mt_replay_methods[];
 extern PyMethodDef mt_names_methods[];
+extern PyMethodDef mt_sites_methods[];
 
 /* Per-file hooks called from module.c's exec slot, traverse and clear.
  * Each returns 0 on success, -1 with an exception set. */

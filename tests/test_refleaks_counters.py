@@ -85,6 +85,12 @@ def _calls(handle):
                                    raises(_C.counters_sizes, 5)()),
         "counters_serials": lambda: (_C.counters_serials([0, 0x7A00_0000_0040]), raises(_C.counters_serials, [-1])(),
                                      raises(_C.counters_serials, 5)()),
+        "eventlog_sites": lambda: (_C.eventlog_sites(0, _C.eventlog_head()), raises(_C.eventlog_sites, -1, 0)(),
+                                   raises(_C.eventlog_sites, 0)()),
+        "eventlog_sites_config": lambda: (_C.eventlog_sites_config(*_C.eventlog_sites_config(0, 0)),
+                                          raises(_C.eventlog_sites_config, -1, 0)()),
+        "eventlog_sites_skip": lambda: (_C.eventlog_sites_skip(_C.eventlog_sites_skip(None)),
+                                        raises(_C.eventlog_sites_skip, 5)()),
         "monotonic_ns": _C.monotonic_ns,
         "torch_alloc": lambda: torch.empty(100),  # the hook path itself
     }
