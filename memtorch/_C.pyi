@@ -68,7 +68,24 @@ def eventlog_read(
 def eventlog_read_all(first: int, last: int, /) -> tuple[npt.NDArray[np.void], int]: ...  # events (index, time, bytes, ptr, delta, kind, tag), dropped
 def eventlog_mark(kind: int, number: int, tag: int, /) -> None: ...  # kind 1 enter, 2 exit, 3 tag
 def counters_sizes(ptrs: Sequence[int], /) -> npt.NDArray[np.int64]: ...  # counted size per address, -1 if none
+def counters_serials(ptrs: Sequence[int], /) -> npt.NDArray[np.int64]: ...  # allocation number per address, -1 if none
 def eventlog_head() -> int: ...
+
+# One pass over a block's log (src/replay.c).
+def eventlog_replay(
+    events: npt.NDArray[np.void], start: int, dropped: int, peak: int, token: int, nrows: int, queries: list[int], /
+) -> tuple[int, int, int, bool, npt.NDArray[np.int64], int, npt.NDArray[np.int64], npt.NDArray[np.int64],
+           list[tuple[int, int, int, int]]]: ...
+# (base, k, at, reached, live (m, 5), freed_before, firsts (q, 3), modules (nrows, 5), phases)
+def eventlog_names(
+    live: npt.NDArray[np.int64], snapshots: list[tuple[int, dict[int, tuple[Any, ...]]]], queries: list[int],
+    firsts: npt.NDArray[np.int64], k: int, sizes: dict[int, int], /,
+) -> tuple[list[tuple[Any, ...] | None], list[tuple[tuple[Any, ...], int]]]: ...
+
+# Storage addresses by name (src/names.c).
+def names_walk(names: dict[int, tuple[Any, ...]], params: list[tuple[str, Any]], state: dict[Any, Any] | None,
+               want: int, /) -> None: ...
+def modules_fingerprint(modules: Sequence[Any], /) -> int: ...
 
 # Source lines of large allocations outside a block's phases (src/sites.c).
 def eventlog_sites(
