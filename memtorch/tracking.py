@@ -704,6 +704,17 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
 _token = [0]
 
 
+def _outer_tag(inner):
+    """The owner tag of the innermost other open block of this thread in event-log mode
+    (what its hooks would have set), or 0: restored when ``inner`` ends."""
+    me = threading.get_ident()
+    with _lock:
+        for t in reversed(_active):
+            if t is not inner and t._open and t._evmode and t._thread == me:
+                return t._tags[-1] if t._tags else t._tagbase | t._phase_code
+    return 0
+
+
 def _next_token():
     """A block's tag token (1..255, reused round-robin): tells its tags from a nested block's."""
     with _lock:
@@ -1298,7 +1309,7 @@ class Tracker:
             self._close_scope(self._step_scope)
             self._step_scope = None
         if self._evmode:
-            _C.eventlog_mark(3, 0, 0)
+            _C.eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
             head = _C.eventlog_head()
         start, end, peak_bytes, exact = self._close_scope(self._scope)
         caveats = list(getattr(self._scope, "caveats", None) or [])

@@ -85,6 +85,27 @@ def test_other_names_the_line_and_bytes_of_a_tensor_made_in_the_block():
     del kept, small
 
 
+def test_after_a_nested_block_the_outer_block_keeps_its_phase():
+    """The inner block's end puts back the outer block's tag: a tensor the outer block
+    allocates after it, in its backward phase (the forward has returned), is a backward
+    temporary of the outer block, not "other"."""
+    memtorch.cpu.start()
+    model, opt = _model()
+    _step(model, opt)
+    with memtorch.track(model, opt) as outer:
+        out = model(torch.ones(8, 16))  # from here on: the backward phase
+        with memtorch.track(torch.nn.Linear(2, 2)):  # a block with its own event-log tags
+            torch.empty(N_SMALL)
+        kept = torch.empty(N_BIG)
+        out.sum().backward()
+        opt.step()
+    at = outer.report.at_peak
+    nbytes = kept.untyped_storage().nbytes()
+    assert at["backward temporaries (not gradients)"] >= nbytes
+    assert OTHER not in at or at[OTHER] < nbytes
+    del kept
+
+
 def test_a_helper_function_is_named_with_its_own_line():
     memtorch.cpu.start()
     model, opt = _model()
