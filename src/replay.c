@@ -425,7 +425,8 @@ PyDoc_STRVAR(names_doc,
 static PyObject *
 eventlog_names(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *py_named = NULL, *py_before = NULL, *py_done = NULL, *py_item = NULL, *py_result = NULL;
+    PyObject *py_named = NULL, *py_before = NULL, *py_done = NULL, *py_item = NULL, *py_row_of = NULL;
+    PyObject *py_q = NULL, *py_result = NULL;
     (void)module;
     if (nargs != 6) {
         PyErr_Format(PyExc_TypeError, "eventlog_names() takes 6 arguments (%zd given)", nargs);
@@ -488,25 +489,20 @@ eventlog_names(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
 
     /* storages made before the log: the first event of each address, by query */
-    py_item = PyDict_New(); /* new reference: address -> row of firsts */
-    if (py_item == NULL) {
+    py_row_of = PyDict_New(); /* new reference: address -> row of firsts */
+    if (py_row_of == NULL) {
         goto error;
     }
-    PyObject *py_row_of = py_item;
-    py_item = NULL;
     for (Py_ssize_t q = 0; q < nq; q++) {
-        PyObject *py_q = PyLong_FromSsize_t(q); /* new reference */
+        py_q = PyLong_FromSsize_t(q); /* new reference */
         if (py_q == NULL || PyDict_SetItem(py_row_of, PyList_GET_ITEM(py_queries, q), py_q) < 0) {
-            Py_XDECREF(py_q);
-            Py_DECREF(py_row_of);
             goto error;
         }
-        Py_DECREF(py_q);
+        Py_CLEAR(py_q);
     }
     py_before = PyList_New(0); /* new reference */
     py_done = PySet_New(NULL); /* new reference */
     if (py_before == NULL || py_done == NULL) {
-        Py_DECREF(py_row_of);
         goto error;
     }
     for (Py_ssize_t j = 0; j < ns; j++) {
@@ -514,33 +510,29 @@ eventlog_names(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *names, *py_a, *py_n; /* borrowed */
         Py_ssize_t pos = 0;
         if (mt_snapshot(py_snaps, j, &head, &names) < 0) {
-            Py_DECREF(py_row_of);
             goto error;
         }
         while (PyDict_Next(names, &pos, &py_a, &py_n)) {
             int done = PySet_Contains(py_done, py_a);
-            PyObject *py_q = done ? NULL : PyDict_GetItemWithError(py_row_of, py_a); /* borrowed */
-            if (done < 0 || (!done && py_q == NULL)) {
+            PyObject *py_row = done ? NULL : PyDict_GetItemWithError(py_row_of, py_a); /* borrowed */
+            if (done < 0 || (!done && py_row == NULL)) {
                 if (!PyErr_Occurred()) {
                     PyErr_SetString(PyExc_KeyError, "eventlog_names(): a snapshot's address is not among the queries");
                 }
-                Py_DECREF(py_row_of);
                 goto error;
             }
             if (done) {
                 continue;
             }
-            const int64_t *f = fs + 3 * PyLong_AsSsize_t(py_q); /* position, delta, index */
+            const int64_t *f = fs + 3 * PyLong_AsSsize_t(py_row); /* position, delta, index */
             long long size = -1;
             if (f[0] < 0) { /* no event in the log: its size now, if counted */
                 PyObject *py_s = PyDict_GetItemWithError(py_sizes, py_a); /* borrowed */
                 if (py_s == NULL && PyErr_Occurred()) {
-                    Py_DECREF(py_row_of);
                     goto error;
                 }
                 size = py_s == NULL ? -1 : PyLong_AsLongLong(py_s);
                 if (size == -1 && PyErr_Occurred()) {
-                    Py_DECREF(py_row_of);
                     goto error;
                 }
             }
@@ -551,7 +543,6 @@ eventlog_names(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 continue; /* a later walk may still name it */
             }
             if (PySet_Add(py_done, py_a) < 0) {
-                Py_DECREF(py_row_of);
                 goto error;
             }
             if (size < 0) {
@@ -559,15 +550,15 @@ eventlog_names(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             py_item = Py_BuildValue("(OL)", py_n, size); /* new reference */
             if (py_item == NULL || PyList_Append(py_before, py_item) < 0) {
-                Py_DECREF(py_row_of);
                 goto error;
             }
             Py_CLEAR(py_item);
         }
     }
-    Py_DECREF(py_row_of);
     py_result = PyTuple_Pack(2, py_named, py_before);
 error:
+    Py_XDECREF(py_row_of);
+    Py_XDECREF(py_q);
     Py_XDECREF(py_named);
     Py_XDECREF(py_before);
     Py_XDECREF(py_done);
