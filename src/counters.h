@@ -29,6 +29,25 @@ void mt_counters_on_free(void *ptr, int kind);
 int64_t mt_counters_size_of(const void *ptr);
 int64_t mt_counters_lookup(const void *ptr, int64_t *serial);
 
+/* ---- eventlog.c and replay.c: the log's kinds and its records as read ---- */
+
+/* What an event is (the `info` field's high 32 bits); the low 32 bits hold
+ * the owner tag current when it was recorded. */
+#define MT_EV_ALLOC 0 /* an allocation (delta >= 0) or a free (delta < 0) */
+#define MT_EV_ENTER 1 /* a module's forward began: ptr = the caller's number for it */
+#define MT_EV_EXIT 2  /* a module's forward ended: ptr = the caller's number for it */
+#define MT_EV_TAG 3   /* the owner tag changed (a phase began or ended) */
+
+/* One record of eventlog_read_all()'s array (its NumPy dtype has this layout;
+ * eventlog_replay() reads the array as these). */
+typedef struct {
+    uint64_t index;
+    int64_t time, bytes;
+    uint64_t ptr;
+    int64_t delta;
+    uint32_t kind, tag;
+} mt_log_row;
+
 /* ---- interpose_linux.c / interpose_other.c: the platform mechanism ---- */
 
 /* Name of the exact mechanism patched now, or found usable by the last

@@ -20,13 +20,6 @@
 #define MT_EVENTS_LOG2 17
 #define MT_EVENTS (1u << MT_EVENTS_LOG2) /* 131072 events, 6 MiB */
 
-/* What an event is (the `info` field's high 32 bits); the low 32 bits hold
- * the owner tag current when it was recorded. */
-#define MT_EV_ALLOC 0 /* an allocation (delta >= 0) or a free (delta < 0) */
-#define MT_EV_ENTER 1 /* a module's forward began: ptr = the caller's number for it */
-#define MT_EV_EXIT 2  /* a module's forward ended: ptr = the caller's number for it */
-#define MT_EV_TAG 3   /* the owner tag changed (a phase began or ended) */
-
 typedef struct {
     _Atomic uint64_t seq; /* index + 1 once written; 0 while being written */
     _Atomic int64_t time_ns;
@@ -260,7 +253,7 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (mt_eventlog_range(args, nargs, "eventlog_read_all", &lo, &last, &n) < 0) {
         goto error;
     }
-    /* The same layout as the packed C struct below. */
+    /* The layout of mt_log_row (counters.h). */
     py_spec = Py_BuildValue(
         "[(ss)(ss)(ss)(ss)(ss)(ss)(ss)]", "index", "<u8", "time", "<i8", "bytes", "<i8",
         "ptr", "<u8", "delta", "<i8", "kind", "<u4", "tag", "<u4");  /* new reference */
@@ -270,14 +263,7 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!PyArray_DescrConverter(py_spec, &descr)) {  /* descr: new reference */
         goto error;
     }
-    typedef struct {
-        uint64_t index;
-        int64_t time, bytes;
-        uint64_t ptr;
-        int64_t delta;
-        uint32_t kind, tag;
-    } row_t;
-    if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(row_t)) {
+    if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_log_row)) {
         PyErr_SetString(PyExc_SystemError, "eventlog_read_all(): unexpected record layout");
         goto error;
     }
@@ -288,14 +274,14 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (py_arr == NULL) {
         goto error;
     }
-    row_t *rows = (row_t *)PyArray_DATA((PyArrayObject *)py_arr);
+    mt_log_row *rows = (mt_log_row *)PyArray_DATA((PyArrayObject *)py_arr);
     npy_intp kept = 0;
     mt_event *events = atomic_load(&mt_events);
     for (uint64_t i = lo; events != NULL && i < last; i++) {
         int64_t t, b, d;
         uint64_t p, info;
         if (mt_eventlog_get(events, i, &t, &b, &p, &d, &info)) {
-            row_t *r = &rows[kept++];
+            mt_log_row *r = &rows[kept++];
             r->index = i;
             r->time = t;
             r->bytes = b;

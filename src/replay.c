@@ -1,23 +1,11 @@
 /* replay.c: one pass over a block's event log: per-module and per-phase bytes, the live set at the peak. */
 #include "mt.h"
+#include "counters.h"
 
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-/* The record of eventlog_read_all (eventlog.c builds the same layout). */
-typedef struct {
-    uint64_t index;
-    int64_t time, bytes;
-    uint64_t ptr;
-    int64_t delta;
-    uint32_t kind, tag;
-} mt_row;
-
-#define MT_KIND_ALLOC 0
-#define MT_KIND_ENTER 1
-#define MT_KIND_EXIT 2
-#define MT_KIND_TAG 3
 #define MT_TAG_BITS 24 /* memtorch/peak.py TAG_BITS: tag = token << 24 | ... */
 
 /* Expected (name, offset) of each field; a record of another layout is refused. */
@@ -25,10 +13,10 @@ static const struct {
     const char *name;
     Py_ssize_t offset;
 } mt_fields[] = {
-    {"index", offsetof(mt_row, index)}, {"time", offsetof(mt_row, time)},
-    {"bytes", offsetof(mt_row, bytes)}, {"ptr", offsetof(mt_row, ptr)},
-    {"delta", offsetof(mt_row, delta)}, {"kind", offsetof(mt_row, kind)},
-    {"tag", offsetof(mt_row, tag)},
+    {"index", offsetof(mt_log_row, index)}, {"time", offsetof(mt_log_row, time)},
+    {"bytes", offsetof(mt_log_row, bytes)}, {"ptr", offsetof(mt_log_row, ptr)},
+    {"delta", offsetof(mt_log_row, delta)}, {"kind", offsetof(mt_log_row, kind)},
+    {"tag", offsetof(mt_log_row, tag)},
 };
 
 /* 0 if py_arr is a contiguous 1-d array of eventlog_read_all's records; -1 with
@@ -44,7 +32,7 @@ mt_check_log(PyObject *py_arr)
     PyArrayObject *arr = (PyArrayObject *)py_arr;
     PyArray_Descr *descr = PyArray_DESCR(arr); /* borrowed */
     if (PyArray_NDIM(arr) != 1 || !PyArray_IS_C_CONTIGUOUS(arr) || !PyArray_ISALIGNED(arr) ||
-        PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_row) || !PyDataType_HASFIELDS(descr)) {
+        PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_log_row) || !PyDataType_HASFIELDS(descr)) {
         PyErr_SetString(PyExc_TypeError, "eventlog_replay() expects a contiguous 1-d array of eventlog_read_all() records");
         return -1;
     }
@@ -167,7 +155,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     PyArrayObject *arr = (PyArrayObject *)args[0];
-    const mt_row *ev = (const mt_row *)PyArray_DATA(arr);
+    const mt_log_row *ev = (const mt_log_row *)PyArray_DATA(arr);
     Py_ssize_t n = (Py_ssize_t)PyArray_DIM(arr, 0);
     Py_ssize_t nq = PyList_GET_SIZE(args[6]);
 
@@ -175,7 +163,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int64_t base = start;
     Py_ssize_t first_alloc = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (ev[i].kind == MT_KIND_ALLOC) {
+        if (ev[i].kind == MT_EV_ALLOC) {
             first_alloc = i;
             break;
         }
@@ -193,7 +181,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     int64_t cur = base;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (ev[i].kind == MT_KIND_ALLOC) {
+        if (ev[i].kind == MT_EV_ALLOC) {
             cur = ev[i].bytes;
         }
         b[i] = cur;
@@ -219,11 +207,11 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t j = 0; j < n; j++) {
         uint32_t kind = ev[j].kind;
-        if (kind == MT_KIND_ALLOC || (long)(ev[j].tag >> MT_TAG_BITS) != token) {
+        if (kind == MT_EV_ALLOC || (long)(ev[j].tag >> MT_TAG_BITS) != token) {
             continue;
         }
         uint64_t num = ev[j].ptr;
-        if (kind == MT_KIND_TAG) {
+        if (kind == MT_EV_TAG) {
             if (num < 0x100) {
                 continue;
             }
@@ -248,7 +236,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_ssize_t r = (Py_ssize_t)num;
         int64_t *row = mods + 5 * r;
-        if (kind == MT_KIND_ENTER) {
+        if (kind == MT_EV_ENTER) {
             below[j] = top[r];
             top[r] = j;
         }
@@ -284,7 +272,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (peak > base && first_alloc >= 0) {
         Py_ssize_t best = -1;
         for (Py_ssize_t i = first_alloc; i < n; i++) {
-            if (ev[i].kind != MT_KIND_ALLOC) {
+            if (ev[i].kind != MT_EV_ALLOC) {
                 continue;
             }
             if (ev[i].bytes == peak) {
@@ -316,7 +304,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int64_t freed_before = 0;
     Py_ssize_t nlive = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (ev[i].kind != MT_KIND_ALLOC) {
+        if (ev[i].kind != MT_EV_ALLOC) {
             continue;
         }
         mt_slot *s = mt_slot_of(table, mask, ev[i].ptr);
@@ -348,7 +336,7 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t m = 0;
     /* in log order: walk the events up to k and keep each address's last one */
     for (Py_ssize_t i = 0; i <= k && m < nlive; i++) {
-        if (ev[i].kind != MT_KIND_ALLOC || ev[i].delta < 0) {
+        if (ev[i].kind != MT_EV_ALLOC || ev[i].delta < 0) {
             continue;
         }
         mt_slot *s = mt_slot_of(table, mask, ev[i].ptr);
