@@ -685,7 +685,7 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
     ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
     rows.extend(ModuleStats(name, type_name) for name, type_name in specs)
-    queries = list({a for _, names in snapshots for a in names})
+    queries = list(sizes)  # every address the walks named (_finish read their sizes)
     replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
     _apply_replay(replayed, len(ev), rows, phases)
     _average_modules(rows, forwards)
