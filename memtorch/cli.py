@@ -285,8 +285,8 @@ def _call_with_depth(fn, depth):
 
 
 def _inputs(args, example, real):
-    """The example inputs: --input shapes (real tensors when `real`, else (shape, dtype)
-    pairs), or the one TARGET returned."""
+    """The example inputs: --input shapes (real tensors when `real`, tensors on the meta
+    device when it is "meta", else (shape, dtype) pairs), or the one TARGET returned."""
     if not args.input:
         if example is None:
             return ()
@@ -298,6 +298,8 @@ def _inputs(args, example, real):
         dt = _torch_dtype(dtype, "--input") if dtype else torch.float32
         if not real:
             made.append((shape, dt))
+        elif real == "meta":
+            made.append(torch.empty(shape, dtype=dt, device="meta"))
         elif dt.is_floating_point:
             made.append(torch.randn(shape, dtype=dt))
         else:
@@ -342,6 +344,19 @@ def _render_report(report, fmt, title, out):
         _print(str(report), out)
 
 
+def _run_report(api, name, step, args, out, progress, *call_args, **kwargs):
+    """memtorch.<name>(*call_args, **kwargs) under a progress line, its report printed.
+    memtorch's own refusals (an unknown optimizer, an input it cannot use) are messages
+    for the user; anything else the model raises keeps its traceback."""
+    with progress.step(step):
+        try:
+            report = api(*call_args, **kwargs)
+        except (TypeError, ValueError, MemtorchError) as e:
+            raise UsageError(f"{name}: {e}") from None
+    _render_report(report, args.format, f"memtorch {name} {args.target}", out)
+    return EXIT_OK
+
+
 def cmd_estimate(args, out, progress):
     estimate = _optional_api("estimate")
     model, example = _prepare(args, progress)
@@ -357,15 +372,8 @@ def cmd_estimate(args, out, progress):
             if not _accepts(estimate, option):
                 raise UsageError(f"memtorch.estimate() in this install takes no {option}")
             kwargs[option] = value.split(",") if option == "fsdp_units" else value
-    with progress.step("estimating one training step"):
-        try:
-            est = estimate(model, *inputs, **kwargs)
-        except (TypeError, ValueError, MemtorchError) as e:
-            # memtorch's own refusals (an unknown optimizer, an input it cannot use) are
-            # messages for the user; anything else the model raises keeps its traceback.
-            raise UsageError(f"estimate: {e}") from None
-    _render_report(est, args.format, f"memtorch estimate {args.target}", out)
-    return EXIT_OK
+    return _run_report(estimate, "estimate", "estimating one training step", args, out, progress,
+                       model, *inputs, **kwargs)
 
 
 def _csv(text, what, convert=str):
@@ -378,16 +386,9 @@ def _csv(text, what, convert=str):
 
 def cmd_plan(args, out, progress):
     plan = _optional_api("plan")
-    import torch
-
     model, example = _prepare(args, progress)
-    if args.input:  # shapes only: plan() reads their batch size and runs on the meta device
-        inputs = tuple(
-            torch.empty(shape, dtype=_torch_dtype(dtype, "--input") if dtype else torch.float32, device="meta")
-            for shape, dtype in args.input
-        )
-    else:
-        inputs = _inputs(args, example, real=True)
+    # --input shapes as meta tensors: plan() reads their batch size and runs on the meta device
+    inputs = _inputs(args, example, real="meta")
     if not inputs:
         raise UsageError("plan needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
     kwargs = {"device_memory": args.device_memory}
@@ -407,13 +408,8 @@ def cmd_plan(args, out, progress):
         value = getattr(args, option)
         if value is not None:
             kwargs[option] = value
-    with progress.step("planning: one dry run per precision, checkpointing and micro-batch"):
-        try:
-            result = plan(model, *inputs, **kwargs)
-        except (TypeError, ValueError, MemtorchError) as e:
-            raise UsageError(f"plan: {e}") from None
-    _render_report(result, args.format, f"memtorch plan {args.target}", out)
-    return EXIT_OK
+    return _run_report(plan, "plan", "planning: one dry run per precision, checkpointing and micro-batch",
+                       args, out, progress, model, *inputs, **kwargs)
 
 
 def _make_optimizer(name, model):
@@ -454,13 +450,7 @@ def cmd_advise(args, out, progress):
         except ValueError as e:
             raise UsageError(f"--budget: {e}") from None
         kwargs["budget"] = args.budget
-    with progress.step("weighing what to change"):
-        try:
-            advice = advise(model, *inputs, **kwargs)
-        except (TypeError, ValueError, MemtorchError) as e:
-            raise UsageError(f"advise: {e}") from None
-    _render_report(advice, args.format, f"memtorch advise {args.target}", out)
-    return EXIT_OK
+    return _run_report(advise, "advise", "weighing what to change", args, out, progress, model, *inputs, **kwargs)
 
 
 def cmd_diagram(args, out, progress):
