@@ -406,20 +406,24 @@ class Scope:
         with _lock:
             if self._state != "new":
                 raise MemtorchError("a memtorch.cpu.Scope can be opened only once")
-            mech = mechanism()
+            mech = EXACT if _held else mechanism()  # held: installed, so exact (_resolve)
             if mech != FALLBACK:
-                _C.counters_install()
-                try:
-                    sid, gen, start, t0, ev0 = _C.scope_open(self._want_timeline)
-                except BaseException:
-                    _C.counters_uninstall()
-                    raise
+                if _held:  # one call: an installation of its own, the scope, the statistics it starts from
+                    sid, gen, start, t0, ev0, lost0, unseen0, unseen_b0 = _C.scope_begin(self._want_timeline)
+                else:
+                    _C.counters_install()  # the first installation patches (and may raise)
+                    try:
+                        sid, gen, start, t0, ev0 = _C.scope_open(self._want_timeline)
+                    except BaseException:
+                        _C.counters_uninstall()
+                        raise
+                    stats = _C.counters_stats()
+                    lost0, unseen0, unseen_b0 = stats[1], stats[4], stats[5]
+                    if _keep:
+                        _take_hold()
                 self._handle = (sid, gen)
-                stats = _C.counters_stats()
-                self._unseen0 = stats[4:6]
-                self._lost0 = stats[1]
-                if _keep:
-                    _take_hold()
+                self._unseen0 = (unseen0, unseen_b0)
+                self._lost0 = lost0
                 self._start, self._peak = start, start
                 self._t0, self._ev0 = t0, ev0
             else:
@@ -443,19 +447,18 @@ class Scope:
                 return
             if self._mechanism != FALLBACK:
                 sid, gen = self._handle
+                # one call: the close, the statistics, the installation given back
                 (self._start, self._end, self._peak, self._t1, ev1, self._hook_lost, self._other_bytes,
-                 self._other_allocs) = _C.scope_close(sid, gen)
+                 self._other_allocs, lost, unseen, unseen_b) = _C.scope_end(sid, gen)
                 if self._want_timeline:
                     t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
                     self._events = (t, b)
-                stats = _C.counters_stats()
-                self._lost_entries = stats[1] - self._lost0
-                self._exact = stats[1] == 0 and not self._hook_lost
-                self.unseen_frees = stats[4] - self._unseen0[0]
-                self.unseen_bytes = stats[5] - self._unseen0[1]
+                self._lost_entries = lost - self._lost0
+                self._exact = lost == 0 and not self._hook_lost
+                self.unseen_frees = unseen - self._unseen0[0]
+                self.unseen_bytes = unseen_b - self._unseen0[1]
                 if self._hook_lost:
                     self._loss_where = _C.counters_loss_info()[1]
-                _C.counters_uninstall()
             else:
                 self._end = self._sample()
                 self._peak = _rss_peak(self._hwm0, self._peak)

@@ -535,22 +535,30 @@ PyDoc_STRVAR(uninstall_doc,
 "and zeroes the counters. Raises RuntimeError if not installed, or if\n"
 "scopes are still open at the last one.");
 
-static PyObject *
-counters_uninstall(PyObject *module, PyObject *Py_UNUSED(ignored))
+/* Undo one installation; caller holds all locks. NULL, or why it was refused. */
+static const char *
+mt_uninstall_locked(void)
 {
-    const char *problem = NULL;
-    mt_lock_all();
     if (mt_install_count == 0) {
-        problem = "the CPU allocation counters are not installed";
+        return "the CPU allocation counters are not installed";
     }
-    else if (mt_install_count == 1 && atomic_load(&mt_scope_mask) != 0) {
-        problem = "cannot uninstall the CPU allocation counters while scopes are open";
+    if (mt_install_count == 1 && atomic_load(&mt_scope_mask) != 0) {
+        return "cannot uninstall the CPU allocation counters while scopes are open";
     }
-    else if (--mt_install_count == 0) {
+    if (--mt_install_count == 0) {
         mt_interpose_unpatch();
         atomic_store(&mt_active, 0);
         mt_reset_counts();
     }
+    return NULL;
+}
+
+static PyObject *
+counters_uninstall(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    const char *problem;
+    mt_lock_all();
+    problem = mt_uninstall_locked();
     mt_unlock_all();
     if (problem != NULL) {
         PyErr_SetString(PyExc_RuntimeError, problem);
@@ -644,24 +652,37 @@ PyDoc_STRVAR(stats_doc,
 "storage and their usable bytes, frees that cannot be tensor storage, and\n"
 "the times the hooks were found gone and patched again (process lifetime).");
 
+/* The table's statistics summed over the stripes; caller holds all locks. */
+typedef struct {
+    long long live, lost, nallocs, nfrees, unseen, unseen_bytes, foreign;
+} mt_totals;
+
+static void
+mt_totals_locked(mt_totals *t)
+{
+    memset(t, 0, sizeof(*t));
+    for (int i = 0; i < MT_NSTRIPES; i++) {
+        t->live += (long long)mt_stripes[i].count;
+        t->lost += (long long)mt_stripes[i].lost;
+        t->nallocs += (long long)mt_stripes[i].nallocs;
+        t->nfrees += (long long)mt_stripes[i].nfrees;
+        t->unseen += (long long)mt_stripes[i].unseen;
+        t->unseen_bytes += (long long)mt_stripes[i].unseen_bytes;
+        t->foreign += (long long)mt_stripes[i].foreign;
+    }
+}
+
 static PyObject *
 counters_stats(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    long long live = 0, lost = 0, na = 0, nf = 0, nu = 0, ub = 0, fo = 0;
+    mt_totals t;
     unsigned long long losses;
     mt_lock_all();
-    for (int i = 0; i < MT_NSTRIPES; i++) {
-        live += (long long)mt_stripes[i].count;
-        lost += (long long)mt_stripes[i].lost;
-        na += (long long)mt_stripes[i].nallocs;
-        nf += (long long)mt_stripes[i].nfrees;
-        nu += (long long)mt_stripes[i].unseen;
-        ub += (long long)mt_stripes[i].unseen_bytes;
-        fo += (long long)mt_stripes[i].foreign;
-    }
+    mt_totals_locked(&t);
     losses = (unsigned long long)mt_loss_count;
     mt_unlock_all();
-    return Py_BuildValue("(LLLLLLLK)", live, lost, na, nf, nu, ub, fo, losses);
+    return Py_BuildValue("(LLLLLLLK)", t.live, t.lost, t.nallocs, t.nfrees, t.unseen, t.unseen_bytes,
+                         t.foreign, losses);
 }
 
 PyDoc_STRVAR(check_doc,
@@ -717,19 +738,49 @@ error:
     return result;
 }
 
-PyDoc_STRVAR(scope_open_doc,
-"scope_open($module, timeline, /)\n--\n\n"
-"Open a scope; returns (id, generation, start, time_ns, event_index).\n"
-"Needs the counters installed. timeline: also run the event log.");
+/* Open a scope; caller holds all locks. Its id, or -1 with *problem set. */
+static int
+mt_scope_open_locked(int timeline, int64_t *start, uint64_t *gen, const char **problem)
+{
+    /* Cheap integrity check first (a few loads): a scope opened after
+     * another tool took the slots starts on our hooks again. */
+    (void)mt_check_locked();
+    uint64_t mask = atomic_load(&mt_scope_mask);
+    if (mt_install_count == 0) {
+        *problem = "the CPU allocation counters are not installed";
+        return -1;
+    }
+    if (mask == UINT64_MAX) {
+        *problem = "too many open CPU counter scopes (64)";
+        return -1;
+    }
+    int id = __builtin_ctzll(~mask);
+    *start = atomic_load(&mt_current);
+    *gen = ++mt_scope_generation;
+    mt_scopes[id].start = *start;
+    atomic_store(&mt_scopes[id].peak, *start);
+    mt_scopes[id].timeline = timeline;
+    mt_scopes[id].generation = *gen;
+    mt_scopes[id].owner = pthread_self();
+    atomic_store(&mt_scopes[id].other_bytes, 0);
+    atomic_store(&mt_scopes[id].other_allocs, 0);
+    mt_scopes[id].hook_lost = 0;
+    atomic_store(&mt_scope_mask, mask | (1ULL << id));
+    return id;
+}
 
+/* The open and close of scope_open/scope_begin (begin: also take one
+ * installation, and read the statistics a Scope starts from, in the same
+ * stop-the-world). NULL with an exception set on failure. */
 static PyObject *
-scope_open(PyObject *module, PyObject *arg)
+mt_scope_start(PyObject *arg, int begin)
 {
     int timeline = PyObject_IsTrue(arg);
     const char *problem = NULL;
     int id = -1;
     int64_t start = 0;
     uint64_t gen = 0;
+    mt_totals t = {0};
     if (timeline < 0) {
         goto error;
     }
@@ -739,29 +790,10 @@ scope_open(PyObject *module, PyObject *arg)
         goto error;
     }
     mt_lock_all();
-    /* Cheap integrity check first (a few loads): a scope opened after
-     * another tool took the slots starts on our hooks again. */
-    (void)mt_check_locked();
-    uint64_t mask = atomic_load(&mt_scope_mask);
-    if (mt_install_count == 0) {
-        problem = "the CPU allocation counters are not installed";
-    }
-    else if (mask == UINT64_MAX) {
-        problem = "too many open CPU counter scopes (64)";
-    }
-    else {
-        id = __builtin_ctzll(~mask);
-        start = atomic_load(&mt_current);
-        gen = ++mt_scope_generation;
-        mt_scopes[id].start = start;
-        atomic_store(&mt_scopes[id].peak, start);
-        mt_scopes[id].timeline = timeline;
-        mt_scopes[id].generation = gen;
-        mt_scopes[id].owner = pthread_self();
-        atomic_store(&mt_scopes[id].other_bytes, 0);
-        atomic_store(&mt_scopes[id].other_allocs, 0);
-        mt_scopes[id].hook_lost = 0;
-        atomic_store(&mt_scope_mask, mask | (1ULL << id));
+    id = mt_scope_open_locked(timeline, &start, &gen, &problem);
+    if (id >= 0 && begin) {
+        mt_install_count++; /* installed already (checked above): no patching */
+        mt_totals_locked(&t);
     }
     uint64_t head = mt_eventlog_head();
     mt_unlock_all();
@@ -772,10 +804,39 @@ scope_open(PyObject *module, PyObject *arg)
         PyErr_SetString(PyExc_RuntimeError, problem);
         goto error;
     }
+    if (begin) {
+        return Py_BuildValue("(iKLLKLLL)", id, (unsigned long long)gen, (long long)start,
+                             (long long)mt_monotonic_ns(), (unsigned long long)head, t.lost,
+                             t.unseen, t.unseen_bytes);
+    }
     return Py_BuildValue("(iKLLK)", id, (unsigned long long)gen, (long long)start,
                          (long long)mt_monotonic_ns(), (unsigned long long)head);
 error:
     return NULL;
+}
+
+PyDoc_STRVAR(scope_open_doc,
+"scope_open($module, timeline, /)\n--\n\n"
+"Open a scope; returns (id, generation, start, time_ns, event_index).\n"
+"Needs the counters installed. timeline: also run the event log.");
+
+static PyObject *
+scope_open(PyObject *module, PyObject *arg)
+{
+    return mt_scope_start(arg, 0);
+}
+
+PyDoc_STRVAR(scope_begin_doc,
+"scope_begin($module, timeline, /)\n--\n\n"
+"counters_install() and scope_open() in one, for counters installed already\n"
+"(raises RuntimeError if not: it never patches). Returns (id, generation,\n"
+"start, time_ns, event_index, lost, unseen_frees, unseen_bytes), the last\n"
+"three as counters_stats() reads them. Close it with scope_end().");
+
+static PyObject *
+scope_begin(PyObject *module, PyObject *arg)
+{
+    return mt_scope_start(arg, 1);
 }
 
 /* Parse (id, generation); 0 or -1 with an exception set. */
@@ -851,6 +912,79 @@ error:
     return NULL;
 }
 
+/* What a scope's close reads (scope_close, scope_end). */
+typedef struct {
+    long long start, end, peak, other_bytes, other_allocs;
+    int hook_lost, timeline;
+} mt_closing;
+
+/* Close scope id of generation gen if open, after checking the hooks; caller
+ * holds all locks. 1 if it was open (c filled), else 0. */
+static int
+mt_scope_close_locked(int id, uint64_t gen, mt_closing *c)
+{
+    if (!mt_scope_is_open(id, gen)) {
+        return 0;
+    }
+    (void)mt_check_locked();
+    c->start = mt_scopes[id].start;
+    c->end = atomic_load(&mt_current);
+    c->peak = atomic_load(&mt_scopes[id].peak);
+    c->hook_lost = mt_scopes[id].hook_lost;
+    c->other_bytes = atomic_load(&mt_scopes[id].other_bytes);
+    c->other_allocs = atomic_load(&mt_scopes[id].other_allocs);
+    c->timeline = mt_scopes[id].timeline;
+    mt_scopes[id].timeline = 0;
+    atomic_fetch_and(&mt_scope_mask, ~(1ULL << id));
+    return 1;
+}
+
+/* scope_close (end = 0) and scope_end (end = 1: also read the statistics and
+ * give back the installation scope_begin took). */
+static PyObject *
+mt_scope_finish(PyObject *const *args, Py_ssize_t nargs, int end)
+{
+    const char *fname = end ? "scope_end" : "scope_close";
+    int id;
+    uint64_t gen;
+    mt_closing c = {0};
+    mt_totals t = {0};
+    const char *problem = NULL;
+    uint64_t head;
+    int open;
+    if (mt_parse_scope(args, nargs, fname, &id, &gen) < 0) {
+        goto error;
+    }
+    mt_lock_all();
+    open = mt_scope_close_locked(id, gen, &c);
+    if (open && end) {
+        mt_totals_locked(&t);
+        problem = mt_uninstall_locked(); /* the scope is closed: never refused for it */
+    }
+    head = mt_eventlog_head();
+    mt_unlock_all();
+    if (!open) {
+        PyErr_Format(PyExc_RuntimeError, "%s(): this scope is already closed", fname);
+        goto error;
+    }
+    if (c.timeline) {
+        mt_eventlog_stop();
+    }
+    if (problem != NULL) {
+        PyErr_Format(PyExc_RuntimeError, "%s(): %s", fname, problem);
+        goto error;
+    }
+    if (end) {
+        return Py_BuildValue("(LLLLKiLLLLL)", c.start, c.end, c.peak, (long long)mt_monotonic_ns(),
+                             (unsigned long long)head, c.hook_lost, c.other_bytes, c.other_allocs,
+                             t.lost, t.unseen, t.unseen_bytes);
+    }
+    return Py_BuildValue("(LLLLKiLL)", c.start, c.end, c.peak, (long long)mt_monotonic_ns(),
+                         (unsigned long long)head, c.hook_lost, c.other_bytes, c.other_allocs);
+error:
+    return NULL;
+}
+
 PyDoc_STRVAR(scope_close_doc,
 "scope_close($module, id, generation, /)\n--\n\n"
 "Close a scope after checking that the hooks are still in place; returns\n"
@@ -861,41 +995,19 @@ PyDoc_STRVAR(scope_close_doc,
 static PyObject *
 scope_close(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    int id;
-    uint64_t gen;
-    long long start = 0, end = 0, peak = 0, ob = 0, oa = 0;
-    int open, timeline = 0, lost = 0;
-    uint64_t head;
-    if (mt_parse_scope(args, nargs, "scope_close", &id, &gen) < 0) {
-        goto error;
-    }
-    mt_lock_all();
-    open = mt_scope_is_open(id, gen);
-    if (open) {
-        (void)mt_check_locked();
-        start = mt_scopes[id].start;
-        end = atomic_load(&mt_current);
-        peak = atomic_load(&mt_scopes[id].peak);
-        lost = mt_scopes[id].hook_lost;
-        ob = atomic_load(&mt_scopes[id].other_bytes);
-        oa = atomic_load(&mt_scopes[id].other_allocs);
-        timeline = mt_scopes[id].timeline;
-        mt_scopes[id].timeline = 0;
-        atomic_fetch_and(&mt_scope_mask, ~(1ULL << id));
-    }
-    head = mt_eventlog_head();
-    mt_unlock_all();
-    if (!open) {
-        PyErr_SetString(PyExc_RuntimeError, "scope_close(): this scope is already closed");
-        goto error;
-    }
-    if (timeline) {
-        mt_eventlog_stop();
-    }
-    return Py_BuildValue("(LLLLKiLL)", start, end, peak, (long long)mt_monotonic_ns(),
-                         (unsigned long long)head, lost, ob, oa);
-error:
-    return NULL;
+    return mt_scope_finish(args, nargs, 0);
+}
+
+PyDoc_STRVAR(scope_end_doc,
+"scope_end($module, id, generation, /)\n--\n\n"
+"scope_close() and counters_uninstall() in one, for a scope_begin() scope:\n"
+"scope_close()'s tuple followed by (lost, unseen_frees, unseen_bytes) as\n"
+"counters_stats() reads them after the close.");
+
+static PyObject *
+scope_end(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return mt_scope_finish(args, nargs, 1);
 }
 
 PyDoc_STRVAR(open_scopes_doc,
@@ -1124,6 +1236,8 @@ PyMethodDef mt_counters_methods[] = {
     {"scope_open", scope_open, METH_O, scope_open_doc},
     {"scope_read", (PyCFunction)(void (*)(void))scope_read, METH_FASTCALL, scope_read_doc},
     {"scope_close", (PyCFunction)(void (*)(void))scope_close, METH_FASTCALL, scope_close_doc},
+    {"scope_begin", scope_begin, METH_O, scope_begin_doc},
+    {"scope_end", (PyCFunction)(void (*)(void))scope_end, METH_FASTCALL, scope_end_doc},
     {"_counters_slot_info", counters_slot_info, METH_O, slot_info_doc},
     {"_counters_inject", (PyCFunction)(void (*)(void))counters_inject, METH_FASTCALL,
      inject_doc},

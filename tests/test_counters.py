@@ -386,6 +386,9 @@ def test_c_level_misuse_is_refused(exact_mode):
         _C.counters_uninstall()
     with pytest.raises(RuntimeError, match="not installed"):
         _C.scope_open(False)
+    with pytest.raises(RuntimeError, match="not installed"):
+        _C.scope_begin(False)  # never patches: it only adds to an installation
+    assert _C.counters_installed() == 0 and _C.counters_open_scopes() == 0
     with cpu.Scope() as s:
         sid, gen = s._handle
         with pytest.raises(RuntimeError, match="scopes are open"):
@@ -398,12 +401,38 @@ def test_c_level_misuse_is_refused(exact_mode):
             _C.scope_close(sid)
     with pytest.raises(RuntimeError, match="already closed"):
         _C.scope_close(sid, gen)
+    with pytest.raises(RuntimeError, match="already closed"):
+        _C.scope_end(sid, gen)
     with pytest.raises(ValueError, match="no import slot"):
         _C._counters_slot_info("malloc")
     with pytest.raises(RuntimeError, match="not installed"):
         _C._counters_bench(10, 64)
     with pytest.raises(ValueError, match="positive"):
         _C._counters_bench(0, 64)
+
+
+@linux_only
+def test_scope_begin_and_end_take_and_give_back_one_installation(exact_mode):
+    """scope_begin/scope_end (what a Scope uses once counting is held) are install + open and
+    close + uninstall in one call each; the figures and statistics match the separate calls."""
+    cpu.start()
+    base = _C.counters_installed()
+    sid, gen, start, t0, ev0, lost0, unseen0, unseen_b0 = _C.scope_begin(False)
+    assert _C.counters_installed() == base + 1 and _C.counters_open_scopes() == 1
+    st = _C.counters_stats()
+    assert (lost0, unseen0, unseen_b0) == (st[1], st[4], st[5])
+    assert start == _C.counters_current() and t0 > 0 and ev0 == _C.eventlog_head()
+    x = torch.empty(1000, dtype=torch.uint8)
+    peak_seen = _C.counters_current()
+    del x
+    out = _C.scope_end(sid, gen)
+    assert out[0] == start and out[1] == _C.counters_current() and out[2] == peak_seen
+    assert out[2] - start == 1000  # the storage's own bytes, freed before the end
+    assert out[8:] == tuple(_C.counters_stats()[i] for i in (1, 4, 5))
+    assert _C.counters_installed() == base and _C.counters_open_scopes() == 0
+    with pytest.raises(RuntimeError, match="already closed"):
+        _C.scope_end(sid, gen)
+    assert _C.counters_installed() == base  # a refused end gives back nothing
 
 
 @linux_only

@@ -48,6 +48,9 @@ def _calls(handle):
         "scope_read": lambda: (_C.scope_read(sid, gen), raises(_C.scope_read, sid, gen + 99)(),
                                raises(_C.scope_read, -1, gen)(), raises(_C.scope_read, sid)()),
         "scope_close": raises(_C.scope_close, sid, gen + 99),
+        # with a timeline (the event log's user count given back at the end), then the errors
+        "scope_begin": lambda: (_C.scope_end(*_C.scope_begin(True)[:2]), raises(_C.scope_begin, _BadBool())()),
+        "scope_end": lambda: (raises(_C.scope_end, sid, gen + 99)(), raises(_C.scope_end, sid)()),
         "_counters_slot_info": lambda: (_C._counters_slot_info("free"),
                                         raises(_C._counters_slot_info, "malloc")()),
         "_counters_inject": lambda: (_C._counters_inject(0x7A00_0000_0040, 100),
@@ -99,6 +102,13 @@ def _calls(handle):
 def _counters_functions():
     prefixes = ("counters_", "scope_", "eventlog_", "_counters_", "monotonic_ns")
     return sorted(n for n in dir(_C) if n.startswith(prefixes) and callable(getattr(_C, n)))
+
+
+class _BadBool:
+    """A timeline flag whose truth raises: scope_begin's error path before any lock."""
+
+    def __bool__(self):
+        raise ValueError("no truth")
 
 
 def _leaks(fn):
