@@ -737,6 +737,18 @@ def _describe_tensor(t):
 # Tracker
 
 
+def _make_report(scope, kw):
+    """A block's TrackReport from what its end read (Tracker._finish); the sentences of the
+    closed scope's caveats are written now, into the list the deferred replay shares."""
+    kw["caveats"].extend(getattr(scope, "caveats", None) or ())
+    return TrackReport(**kw)
+
+
+def _count_ok(n):
+    """An int >= 0 and not a bool (track's warmup= and largest=)."""
+    return (type(n) is int or (isinstance(n, int) and not isinstance(n, bool))) and n >= 0  # noqa: E721
+
+
 def _parse_device(device, first):
     """("cpu"|"cuda", index) for ``device``; "auto" is the device of ``first`` (the model's
     first parameter or buffer), else the CPU."""
@@ -871,17 +883,18 @@ class Tracker:
             raise TypeError(f"track(model=...) expects a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"track(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        if not _count_ok(warmup):
             raise ValueError(f"track(warmup=...) expects an int >= 0, got {warmup!r}")
-        if isinstance(largest, bool) or not isinstance(largest, int) or largest < 0:
+        if not _count_ok(largest):
             raise ValueError(f"track(largest=...) expects an int >= 0, got {largest!r}")
-        for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
-            if not isinstance(value, bool):
-                raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
+        if type(timeline) is not bool or type(modules) is not bool or type(leaks) is not bool:  # noqa: E721
+            for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
+                if not isinstance(value, bool):
+                    raise TypeError(f"track({flag}=...) expects True or False, got {value!r}")
         self._plan = None if model is None else _plan_of(model)  # this block's; see _model_plan
         self._plan_fresh = self._plan is not None
         first = None if model is None else self._plan.first()
-        if first is not None and first.device.type == "meta":
+        if first is not None and first.is_meta:
             raise DeviceUnavailable(_META_HINT)
         # the decorator's arguments; model and optimizer only by weakref
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
@@ -899,6 +912,8 @@ class Tracker:
         self._last = None  # decorator: the Tracker of the last call
         self._evmode = False
         self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
+        self._quick = False  # an open counters-only block (_enter_counters)
+        self._scope = None
 
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
@@ -946,6 +961,8 @@ class Tracker:
 
     def _begin_phase(self, name):
         self._end_phase()
+        if name not in self._phases:
+            self._phases[name] = PhaseStats(name)
         if self._evmode:  # figures from the event log's marks at the end: no counter scope
             code = self._phase_code = attribution.PHASE_CODES[name]
             self._phase = (name, None, time.perf_counter())
@@ -1177,6 +1194,8 @@ class Tracker:
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         if self._open:
+            if self._quick and (model is not None or optimizer is not None):
+                self._full_state()  # phases and modules from here on (the event log only if it ran from the start)
             if model is not None:
                 self._hook_model(model)
             if optimizer is not None:
@@ -1191,18 +1210,12 @@ class Tracker:
             self._handles.pop().remove()
 
     # -- block -------------------------------------------------------------
-    def __enter__(self):
-        if self._open:
-            raise MemtorchError("this track() block is already open; use a new memtorch.track() to nest blocks")
-        self._open = True
-        if not self._plan_fresh:  # a decorator's Tracker: the model may have changed since
-            self._plan = None
-        self._plan_fresh = False
-        self._report = None
+    def _reset_state(self):
+        """The per-block state of the general path (phases, modules, steps, event log)."""
         self._handles = []
         self._cuda_open = []
         self._phase = None
-        self._phases = {name: PhaseStats(name) for name in PHASES}
+        self._phases = {}  # name -> PhaseStats, made when the phase first begins
         self._mod_rows = []
         self._mod_specs = ()  # event-log mode: (name, type name) of the rows, made at the replay
         self._mod_stack = []
@@ -1213,13 +1226,6 @@ class Tracker:
         self._params = None  # event-log mode: [(name, weakref)] of the parameters, from the first walk
         self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
         self._at_peak = None
-        # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
-        # and the per-module figures come from the block's event log at the end (a Scope
-        # per module call costs several microseconds). Same clock: CLOCK_MONOTONIC.
-        self._evmode = (
-            (self._model is not None or self._optimizer is not None or self._with_log)
-            and self._kind == "cpu" and sys.platform.startswith("linux") and cpu.exact()
-        )  # fmt: skip
         self._ids = {}  # id(module) -> row index, for the model's modules
         self._root_id = None
         self._root_depth = 0
@@ -1230,12 +1236,34 @@ class Tracker:
         self._scan0_step = None
         self._step_scope = None
         self._step_series = []  # [(peak, end)] per step
+
+    def __enter__(self):
+        if self._open:
+            raise MemtorchError("this track() block is already open; use a new memtorch.track() to nest blocks")
+        if (
+            self._model is None and self._optimizer is None and not self._with_log and not self._timeline
+            and not self._largest and self._kind == "cpu"
+        ):  # fmt: skip
+            return self._enter_counters()
+        self._open = True
+        self._quick = False
+        if not self._plan_fresh:  # a decorator's Tracker: the model may have changed since
+            self._plan = None
+        self._plan_fresh = False
+        self._report = None
+        self._reset_state()
+        # Event-log mode: with exact counters on Linux, module hooks only take a timestamp
+        # and the per-module figures come from the block's event log at the end (a Scope
+        # per module call costs several microseconds). Same clock: CLOCK_MONOTONIC.
+        self._evmode = (
+            (self._model is not None or self._optimizer is not None or self._with_log)
+            and self._kind == "cpu" and sys.platform.startswith("linux") and (cpu._held or cpu.exact())
+        )  # fmt: skip
         self._thread = threading.get_ident()
         self._t0 = time.perf_counter()
         with _lock:
             _active.append(self)
         try:
-            self._tb = time.monotonic_ns()
             if self._evmode:
                 self._tagbase = _next_token() << attribution.TAG_BITS
             self._scope = self._open_scope(timeline=self._timeline or self._evmode)
@@ -1246,13 +1274,42 @@ class Tracker:
             if self._evmode:  # storages live at the start, by address
                 _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots = [(_C.eventlog_head(), self._walk_names())]
-            self._ta = time.monotonic_ns()
             self._boundaries.append(self._scope.start)
             self._install_hooks()
         except BaseException:
             self._cleanup()
             raise
         return self
+
+    def _enter_counters(self):
+        """A block of counters only (CPU, no model, optimizer, timeline or largest=), the
+        common `with memtorch.track():` of a loop: one counter scope and nothing else. The
+        rest of the block's state is made only if it is asked for while open (t.step(),
+        watch(), t.report): _full_state()."""
+        self._open = True
+        self._quick = True
+        self._report = None
+        self._evmode = False
+        self._phase = None
+        self._thread = threading.get_ident()
+        self._t0 = time.perf_counter()
+        with _lock:
+            _active.append(self)
+        try:
+            self._scope = cpu.Scope().open()
+        except BaseException:
+            self._quick = False
+            self._reset_state()
+            self._cleanup()
+            raise
+        return self
+
+    def _full_state(self):
+        """A counters-only block asked for more while open: the general path's state now."""
+        if self._quick:
+            self._quick = False
+            self._reset_state()
+            self._boundaries.append(self._scope.start)
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and "torch.distributed" in sys.modules:
@@ -1273,6 +1330,18 @@ class Tracker:
 
     def _cleanup(self):
         """Remove every hook and close every scope; never raises for a closed block."""
+        if self._quick:
+            self._quick = False
+            try:
+                if self._scope is not None:
+                    self._scope.close()
+            finally:
+                self._scope = None
+                self._open = False
+                with _lock:
+                    if self in _active:
+                        _active.remove(self)
+            return
         try:
             self._remove_hooks()
         finally:
@@ -1299,7 +1368,23 @@ class Tracker:
                 if self in _active:
                     _active.remove(self)
 
+    def _finish_counters(self):
+        """The end of a counters-only block (see _enter_counters)."""
+        s = self._scope
+        s.close()
+        kw = dict(
+            device="cpu", exact=bool(s._exact) and s._mechanism != cpu.FALLBACK, mechanism=s._mechanism,
+            start=s._start, end=s._end, peak=s._peak, seconds=time.perf_counter() - self._t0,
+            unseen_frees=s.unseen_frees, unseen_bytes=s.unseen_bytes, caveats=[],
+        )  # fmt: skip
+        rank = _rank_info()
+        if rank:
+            kw.update(rank)
+        return functools.partial(_make_report, s, kw)
+
     def _finish(self):
+        if self._quick:
+            return self._finish_counters()
         self._remove_hooks()
         while self._mod_stack:  # forwards interrupted by an exception
             i, s = self._mod_stack.pop()
@@ -1312,7 +1397,7 @@ class Tracker:
             _C.eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
             head = _C.eventlog_head()
         start, end, peak_bytes, exact = self._close_scope(self._scope)
-        caveats = list(getattr(self._scope, "caveats", None) or [])
+        caveats = []  # the closed scope's, filled when the report is made (_make_report)
         timeline = None
         extra_marks = []
         pending = None
@@ -1351,7 +1436,7 @@ class Tracker:
             extra["reserved_peak"] = self._scope.reserved_peak
             if not exact:
                 extra["peak_upper"] = self._scope.peak_upper
-        if pending is None:
+        if pending is None and self._mod_rows:
             _average_modules(self._mod_rows, self._forwards)
         leak = None
         steps = len(self._boundaries) - 1
@@ -1366,17 +1451,21 @@ class Tracker:
         largest = []
         if self._largest and pending is None:
             largest = self._scan_largest(self._largest)
-        return TrackReport(
+        phases = self._phases
+        kw = dict(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
-            phases={k: v for k, v in self._phases.items() if v.calls},
+            phases={k: phases[k] for k in PHASES if k in phases and phases[k].calls},
             modules=self._mod_rows if pending is not None else list(self._mod_rows),  # filled at the replay
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
             step_series=self._step_series, largest_n=self._largest,
             caveats=caveats, marks=extra_marks, **extra,
         )  # fmt: skip
+        # the TrackReport itself is made when t.report is first read (most loops never read it)
+        return functools.partial(_make_report, self._scope, kw)
 
     def _snapshot(self):
         """A report of the open block so far: start, current as end, peak so far, steps."""
+        self._full_state()
         self._sample()
         s = self._scope
         extra = _rank_info()
@@ -1416,6 +1505,7 @@ class Tracker:
         """Mark a step boundary (call it at the end of each training step)."""
         if not self._open:
             raise MemtorchError("Tracker.step() called outside its block: call it inside `with memtorch.track() as t:`")
+        self._full_state()
         self._end_phase()
         self._sample()
         now = self._current()
@@ -1540,11 +1630,14 @@ class Tracker:
         """The TrackReport of the finished block (of the last call when used as a decorator)."""
         if self._last is not None:
             return self._last.report
-        if self._report is None:
+        report = self._report
+        if report is None:
             if self._open:
                 return self._snapshot()
             raise MemtorchError("no report: this track() block has not run (or ended with an exception)")
-        return self._report
+        if type(report) is not TrackReport:  # made when first read: see _finish
+            report = self._report = report()
+        return report
 
     def __call__(self, fn):
         if not callable(fn):

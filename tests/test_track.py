@@ -336,6 +336,37 @@ def test_report_inside_the_block_is_a_live_snapshot():
         assert final.delta == 0 and final.peak_above_start == 4000
 
 
+def test_counters_only_block_grows_its_state_when_asked():
+    """`with memtorch.track():` keeps one counter scope and nothing else (the fast path of a
+    loop); t.step(), watch() and a live report inside it get the full block's state from
+    that point on, with the same figures."""
+    with memtorch.track() as t:
+        a = torch.ones(1000)  # 4000 B
+        t.step()
+        b = torch.ones(2000)  # 8000 B
+        t.step()
+    r = t.report
+    assert r is t.report and r.steps == 2 and len(r.step_series) == 2
+    ends = [end for _, end in r.step_series]
+    assert ends[1] - ends[0] >= 0.9 * 8000
+    if EXACT:
+        assert ends[0] - r.start == 4000 and ends[1] - ends[0] == 8000 and r.delta == 12000
+    model = nn.Linear(4, 4)
+    with memtorch.track() as t:
+        t.watch(model)  # phases and modules from here on
+        model(torch.ones(2, 4)).sum().backward()
+    assert set(t.report.phases) == {"forward", "backward"}
+    assert [m.name for m in t.report.modules][:1] == [""]
+    with pytest.raises(RuntimeError, match="inside"):
+        with memtorch.track() as t:
+            c = torch.ones(500)  # noqa: F841
+            raise RuntimeError("inside")
+    if EXACT:
+        assert t.report.peak_above_start == 2000
+    assert memtorch.tracking._debug_leftovers() == []
+    del a, b
+
+
 def test_leaks_off_and_not_judged():
     with memtorch.track(leaks=False, warmup=2) as t:
         t.step()
