@@ -369,35 +369,38 @@ class Scope:
     memory allocated before counting began was freed.
     """
 
+    # What a scope holds before it is opened (class defaults: a scope per block is made
+    # cheaply; open() and close() set them on the instance).
+    _mechanism = None
+    _handle = None
+    _start = _end = _peak = 0
+    _t0 = _t1 = 0
+    _ev0 = 0
+    _events = None
+    _samples = None
+    _hwm0 = -1
+    _exact = False
+    timeline_dropped = 0
+    # Frees the exact counters saw of storages they never saw allocated (made before
+    # counting began) while this scope was open, and their usable bytes: when non-zero,
+    # delta and peak may be too high.
+    unseen_frees = 0
+    unseen_bytes = 0
+    _unseen0 = (0, 0)
+    # Integrity: hooks found gone while open, other threads' allocations, processes made /
+    # DataLoader workers alive (at open, at close).
+    _hook_lost = 0
+    _other_bytes = _other_allocs = 0
+    _loss_where = None
+    _procs0 = _procs1 = None
+    _lost_entries = 0
+    _lost0 = 0
+
     def __init__(self, timeline=False):
-        if not isinstance(timeline, bool):
+        if timeline is not False and timeline is not True:
             raise TypeError(f"Scope(timeline=...) must be a bool, not {type(timeline).__name__}")
         self._want_timeline = timeline
         self._state = "new"
-        self._mechanism = None
-        self._handle = None
-        self._start = self._end = self._peak = 0
-        self._t0 = self._t1 = 0
-        self._ev0 = 0
-        self._events = None
-        self._samples = None
-        self._hwm0 = -1
-        self._exact = False
-        self.timeline_dropped = 0
-        # Frees the exact counters saw of storages they never saw allocated
-        # (made before counting began) while this scope was open, and their
-        # usable bytes: when non-zero, delta and peak may be too high.
-        self.unseen_frees = 0
-        self.unseen_bytes = 0
-        self._unseen0 = (0, 0)
-        # Integrity: hooks found gone while open, other threads' allocations,
-        # processes made / DataLoader workers alive (at open, at close).
-        self._hook_lost = 0
-        self._other_bytes = self._other_allocs = 0
-        self._loss_where = None
-        self._procs0 = self._procs1 = None
-        self._lost_entries = 0
-        self._lost0 = 0
 
     # -- opening and closing -------------------------------------------------
     def open(self):
@@ -442,6 +445,8 @@ class Scope:
     def close(self):
         """Close the scope and release its share of the installation. Idempotent."""
         global _rss_open, _rss_installs
+        if self._state != "open":  # it never opens again once closed
+            return
         with _lock:
             if self._state != "open":
                 return
