@@ -707,6 +707,8 @@ _token = [0]
 def _outer_tag(inner):
     """The owner tag of the innermost other open block of this thread in event-log mode
     (what its hooks would have set), or 0: restored when ``inner`` ends."""
+    if len(_active) < 2:  # ``inner`` alone
+        return 0
     me = threading.get_ident()
     with _lock:
         for t in reversed(_active):
@@ -755,10 +757,9 @@ def _parse_device(device, first):
     torch = _torch()
     if device is None or (isinstance(device, str) and device == "auto"):
         if first is not None:
-            dev = first.device
-            if dev.type == "cpu":
+            if first.is_cpu:
                 return "cpu", None
-            return _parse_device(dev, None)
+            return _parse_device(first.device, None)
         # deliberately not "CUDA if initialised": what a block counts must not depend on
         # whether some earlier code happened to touch the GPU
         return "cpu", None
@@ -933,7 +934,7 @@ class Tracker:
         """Close ``s``; returns (start, end, peak, exact)."""
         if self._kind == "cpu":
             s.close()  # its end is current at the close (the close reads it once, with the hooks' check)
-            return s.start, s.current, s.peak, bool(s.exact)
+            return s._start, s._end, s._peak, bool(s._exact)  # what close() read (s.exact: False unless exact)
         r = cuda._read(self._index)
         for o in self._cuda_open:
             o.see(r)

@@ -250,23 +250,28 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *py_spec = NULL, *py_arr = NULL, *py_result = NULL;
     PyArray_Descr *descr = NULL;
     uint64_t lo = 0, last = 0, n = 0;
+    mt_state *st = mt_get_state(module);
     if (mt_eventlog_range(args, nargs, "eventlog_read_all", &lo, &last, &n) < 0) {
         goto error;
     }
-    /* The layout of mt_log_row (counters.h). */
-    py_spec = Py_BuildValue(
-        "[(ss)(ss)(ss)(ss)(ss)(ss)(ss)]", "index", "<u8", "time", "<i8", "bytes", "<i8",
-        "ptr", "<u8", "delta", "<i8", "kind", "<u4", "tag", "<u4");  /* new reference */
-    if (py_spec == NULL) {
-        goto error;
+    if (st->log_dtype == NULL) { /* made once: the layout of mt_log_row (counters.h) */
+        py_spec = Py_BuildValue(
+            "[(ss)(ss)(ss)(ss)(ss)(ss)(ss)]", "index", "<u8", "time", "<i8", "bytes", "<i8",
+            "ptr", "<u8", "delta", "<i8", "kind", "<u4", "tag", "<u4");  /* new reference */
+        if (py_spec == NULL) {
+            goto error;
+        }
+        if (!PyArray_DescrConverter(py_spec, &descr)) {  /* descr: new reference */
+            goto error;
+        }
+        if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_log_row)) {
+            PyErr_SetString(PyExc_SystemError, "eventlog_read_all(): unexpected record layout");
+            goto error;
+        }
+        st->log_dtype = (PyObject *)descr; /* the state takes descr's reference */
+        descr = NULL;
     }
-    if (!PyArray_DescrConverter(py_spec, &descr)) {  /* descr: new reference */
-        goto error;
-    }
-    if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_log_row)) {
-        PyErr_SetString(PyExc_SystemError, "eventlog_read_all(): unexpected record layout");
-        goto error;
-    }
+    descr = (PyArray_Descr *)Py_NewRef(st->log_dtype); /* new reference, for the array to steal */
     npy_intp dims[1] = {(npy_intp)(last - lo)};
     /* PyArray_NewFromDescr steals descr, even on failure. */
     py_arr = PyArray_NewFromDescr(&PyArray_Type, descr, 1, dims, NULL, NULL, 0, NULL);

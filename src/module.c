@@ -67,6 +67,7 @@ mt_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->module_type);
     Py_VISIT(st->optimizer_type);
     Py_VISIT(st->row_dtype);
+    Py_VISIT(st->log_dtype);
     Py_VISIT(st->extra);
     return 0;
 }
@@ -83,6 +84,7 @@ mt_clear(PyObject *module)
     Py_CLEAR(st->module_type);
     Py_CLEAR(st->optimizer_type);
     Py_CLEAR(st->row_dtype);
+    Py_CLEAR(st->log_dtype);
     Py_CLEAR(st->extra);
     return 0;
 }

@@ -24,6 +24,7 @@ typedef struct {
     PyObject *module_type;     /* torch.nn.Module */
     PyObject *optimizer_type;  /* torch.optim.Optimizer */
     PyObject *row_dtype;       /* numpy dtype of a walker row (PyArray_Descr) */
+    PyObject *log_dtype;       /* numpy dtype of an event log row (eventlog_read_all), made once */
     PyObject *extra;           /* dict: further objects the walker needs */
 } mt_state;
 
