@@ -1002,7 +1002,7 @@ class Tracker:
         self._root_depth -= 1
         if self._root_depth == 0:
             self._end_phase()
-            if _torch().is_grad_enabled():
+            if _torch_mod.is_grad_enabled():  # loaded: the block is open
                 self._begin_phase("backward")
 
     def _opt_pre(self, optimizer, args, kwargs):
@@ -1083,15 +1083,19 @@ class Tracker:
 
     def _note_inputs(self, args):
         """Addresses of the tensors given to the model's forward (the batch); none kept."""
-        Tensor = _torch().Tensor
+        Tensor = _torch_mod.Tensor
         self._last_inputs = []
         found = {}
+        shapes = bool(self._largest)  # shapes and dtypes only for largest=, as in _walk_names
         for j, a in enumerate(args[:64]):
             if isinstance(a, Tensor):
                 p = _data_ptr(a)
                 self._last_inputs.append(p)
                 if p:
-                    found[p] = (f"input {j}" if len(args) > 1 else "input", "input", None, a.shape, a.dtype)
+                    found[p] = (
+                        f"input {j}" if len(args) > 1 else "input", "input", None,
+                        a.shape if shapes else None, a.dtype if shapes else None,
+                    )  # fmt: skip
         if found:  # named at this point of the log: the batch may be freed before the block ends
             self._snapshot_names(found)
 
