@@ -169,6 +169,7 @@ def test_world_size_not_dividing_the_global_batch_names_the_value():
     assert any("skipped" in n for n in p.notes)
 
 
+@pytest.mark.slow  # 20,476 options: about 35 s here
 def test_thousands_of_world_sizes_are_arithmetic():
     p = plan_from({("fp32", None, 1): B}, world_sizes=list(range(1, 4097)), device_memory=2000)
     assert len(p.options) == 1 + 4095 * 5

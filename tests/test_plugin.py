@@ -612,6 +612,7 @@ def test_watch_of_something_else_is_a_clear_error(pytester, run):
     result.stdout.fnmatch_lines(["*fixture 'model' is a int: expected one torch.nn.Module and/or one torch.optim.Optimizer*"])
 
 
+@pytest.mark.slow  # three pytest runs, each importing torch
 def test_save_stores_every_figure_and_compare_compares_each(pytester, run, tmp_path):
     import memtorch
 
