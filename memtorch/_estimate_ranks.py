@@ -68,13 +68,15 @@ def zero_partition(groups, numels, world_size):
     group, by numel, largest first (stable), each to the rank holding the fewest
     elements so far (the first such rank); totals carry over between groups.
     """
-    sizes = [0] * world_size
+    import heapq
+
     out = [[] for _ in range(world_size)]
+    heap = [(0, r) for r in range(world_size)]  # (elements so far, rank): the first rank among the fewest on top
     for group in groups:
         for i in sorted(group, key=lambda i: numels[i], reverse=True):
-            rank = min(range(world_size), key=lambda r: sizes[r])
+            size, rank = heap[0]
             out[rank].append(i)
-            sizes[rank] += numels[i]
+            heapq.heapreplace(heap, (size + numels[i], rank))
     return out
 
 

@@ -197,15 +197,23 @@ def _zero1(b, n, out):
     S = b.step_scratch_at_peak
     fb = b.peak if b.peak_outside_step is None else b.peak_outside_step
     buckets = b.gradient if n > 1 else 0
-    peaks, states = [], []
-    for part in parts:
-        share = sum(numels[i] for i in part) / total
-        big_r = max((numels[i] for i in part), default=0)
-        step = b.peak - b.optimizer_state_at_peak + round(share * b.optimizer_state_at_peak) - S + round(S * big_r / big)
-        outside = fb - b.optimizer_state + round(share * b.optimizer_state)
-        peaks.append(int(max(step, outside) + buckets))
-        states.append(round(share * b.optimizer_state))
-    top = max(range(n), key=lambda r: peaks[r])
+    seen = {}  # (elements, largest parameter) of a rank -> its (peak, optimizer state): equal ranks computed once
+
+    def figures(part):
+        key = (sum(numels[i] for i in part), max((numels[i] for i in part), default=0))
+        if key not in seen:
+            share, big_r = key[0] / total, key[1]
+            step = b.peak - b.optimizer_state_at_peak + round(share * b.optimizer_state_at_peak) - S + round(S * big_r / big)
+            outside = fb - b.optimizer_state + round(share * b.optimizer_state)
+            seen[key] = (int(max(step, outside) + buckets), round(share * b.optimizer_state))
+        return seen[key]
+
+    idle = figures(())  # a rank without parameters (more ranks than parameters)
+    peaks, states = [idle[0]] * n, [idle[1]] * n
+    for r, part in enumerate(parts):
+        if part:
+            peaks[r], states[r] = figures(part)
+    top = peaks.index(max(peaks))  # the first rank with the highest peak
     out.update(optimizer_state=states[top], buckets=buckets, peak=peaks[top], peak_rank=top, rank_peaks=peaks)
     return out
 
