@@ -10,9 +10,10 @@ One process, interleaved rounds; each round times K steps of every configuration
   MemTracker                 torch.distributed._tools.mem_tracker, `with mt:` around the K steps
                              (mt.reset_mod_stats() after each step, else step 2 raises)
 Each round times every configuration once, in an order rotated from round to
-round; a configuration's ratio is the median over rounds of (its time / the
-plain time of the same round), which cancels most of the drift of a shared
-machine. torch runs on --threads threads
+round, each right beside a plain run of its own (plain first in even rounds,
+second in odd ones); a configuration's ratio is the median over rounds of (its
+time / the time of the plain run beside it), which cancels most of the drift of
+a shared machine (a plain run a few configurations away drifts further). torch runs on --threads threads
 (default 1) to keep other processes' load from dominating the figures.
 
 Peaks: one warmed-up step measured by each tool: memtorch's peak above start,
@@ -194,16 +195,32 @@ def measure(label, maker, full_target, peers, device, K, rounds, clock):
             notes.append(f"MemTracker could not be imported: {mt_error}")
 
     times = {name: [] for name, _ in configs}
+    ratios = {name: [] for name, _ in configs}
+
+    def timed(fn):
+        sync(device)
+        t0 = clock()
+        fn()
+        sync(device)
+        return (clock() - t0) / K
+
+    others = configs[1:]
+    for _, fn in configs:  # one untimed run of each: first calls, caches, the optimizer's hooks
+        fn()
     for rnd in range(rounds):
-        # rotate the order each round, so that no configuration always follows the same one
-        for name, fn in configs[rnd % len(configs):] + configs[: rnd % len(configs)]:
-            sync(device)
-            t0 = clock()
-            fn()
-            sync(device)
-            times[name].append((clock() - t0) / K)
+        # rotate the order each round, so that no configuration always follows the same one;
+        # each beside a plain run of its own, before it in even rounds and after it in odd ones
+        for name, fn in others[rnd % len(others):] + others[: rnd % len(others)]:
+            if rnd % 2 == 0:
+                p, t = timed(run_plain), timed(fn)
+            else:
+                t, p = timed(fn), timed(run_plain)
+            times[name].append(t)
+            times["plain"].append(p)
+            ratios[name].append(t / p)
     med = {name: statistics.median(v) for name, v in times.items()}
-    ratio_of = {name: statistics.median(t / p for t, p in zip(v, times["plain"])) for name, v in times.items()}
+    ratio_of = {name: statistics.median(v) for name, v in ratios.items() if v}
+    ratio_of["plain"] = 1.0
 
     lines = [
         f"### {label}",
@@ -338,8 +355,9 @@ def main():
         if dev_type == "cpu"
         else f"device: {torch.cuda.get_device_name()}",
         "",
-        f"{args.rounds} interleaved rounds of {K} steps per configuration; time per step is the median over "
-        f"rounds, the ratio the median of per-round ratios to the plain step (the targets are judged on it). "
+        f"{args.rounds} interleaved rounds of {K} steps per configuration, each beside a plain run of its own; "
+        f"time per step is the median over rounds, the ratio the median over rounds of (its time / the plain "
+        f"run beside it) (the targets are judged on it). "
         f"track() opens one block per step; the profiler and MemTracker one context per round. torch on "
         f"{torch.get_num_threads()} thread(s). Clock: "
         f"{'CPU time of the main thread (time.thread_time)' if clock_name == 'thread' else 'wall (perf_counter)'}."
