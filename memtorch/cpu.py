@@ -412,23 +412,20 @@ class Scope:
             mech = EXACT if _held else mechanism()  # held: installed, so exact (_resolve)
             if mech != FALLBACK:
                 if _held:  # one call: an installation of its own, the scope, the statistics it starts from
-                    sid, gen, start, t0, ev0, lost0, unseen0, unseen_b0 = _C.scope_begin(self._want_timeline)
+                    raw = _C.scope_begin(self._want_timeline)
                 else:
                     _C.counters_install()  # the first installation patches (and may raise)
                     try:
-                        sid, gen, start, t0, ev0 = _C.scope_open(self._want_timeline)
+                        raw = _C.scope_open(self._want_timeline)
                     except BaseException:
                         _C.counters_uninstall()
                         raise
                     stats = _C.counters_stats()
-                    lost0, unseen0, unseen_b0 = stats[1], stats[4], stats[5]
+                    raw += (stats[1], stats[4], stats[5])
                     if _keep:
                         _take_hold()
-                self._handle = (sid, gen)
-                self._unseen0 = (unseen0, unseen_b0)
-                self._lost0 = lost0
-                self._start, self._peak = start, start
-                self._t0, self._ev0 = t0, ev0
+                self._set_open(raw, _processes())
+                return self
             else:
                 _rss_installs += 1
                 _rss_open += 1
@@ -451,19 +448,9 @@ class Scope:
             if self._state != "open":
                 return
             if self._mechanism != FALLBACK:
-                sid, gen = self._handle
                 # one call: the close, the statistics, the installation given back
-                (self._start, self._end, self._peak, self._t1, ev1, self._hook_lost, self._other_bytes,
-                 self._other_allocs, lost, unseen, unseen_b) = _C.scope_end(sid, gen)
-                if self._want_timeline:
-                    t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
-                    self._events = (t, b)
-                self._lost_entries = lost - self._lost0
-                self._exact = lost == 0 and not self._hook_lost
-                self.unseen_frees = unseen - self._unseen0[0]
-                self.unseen_bytes = unseen_b - self._unseen0[1]
-                if self._hook_lost:
-                    self._loss_where = _C.counters_loss_info()[1]
+                self._set_closed(_C.scope_end(*self._handle), _processes())
+                return
             else:
                 self._end = self._sample()
                 self._peak = _rss_peak(self._hwm0, self._peak)
@@ -476,6 +463,37 @@ class Scope:
             if self._workers_seen():
                 self._exact = False
             self._state = "closed"
+
+    # The exact mechanism's open and close from the C core's tuples (scope_begin's, or
+    # scope_open's with the statistics added; scope_end's) and the processes at that time:
+    # also how track()'s counters-only block makes its Scope from its own calls.
+    def _set_open(self, raw, procs):
+        sid, gen, start, t0, ev0, lost0, unseen0, unseen_b0 = raw
+        self._handle = (sid, gen)
+        self._unseen0 = (unseen0, unseen_b0)
+        self._lost0 = lost0
+        self._start = self._peak = start
+        self._t0, self._ev0 = t0, ev0
+        self._procs0 = procs
+        self._mechanism = EXACT
+        self._state = "open"
+
+    def _set_closed(self, raw, procs):
+        (self._start, self._end, self._peak, self._t1, ev1, self._hook_lost, self._other_bytes,
+         self._other_allocs, lost, unseen, unseen_b) = raw  # fmt: skip
+        if self._want_timeline:
+            t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
+            self._events = (t, b)
+        self._lost_entries = lost - self._lost0
+        self._exact = lost == 0 and not self._hook_lost
+        self.unseen_frees = unseen - self._unseen0[0]
+        self.unseen_bytes = unseen_b - self._unseen0[1]
+        if self._hook_lost:
+            self._loss_where = _C.counters_loss_info()[1]
+        self._procs1 = procs
+        if self._workers_seen():
+            self._exact = False
+        self._state = "closed"
 
     def __enter__(self):
         return self.open()

@@ -741,9 +741,28 @@ def _describe_tensor(t):
 
 def _make_report(scope, kw):
     """A block's TrackReport from what its end read (Tracker._finish); the sentences of the
-    closed scope's caveats are written now, into the list the deferred replay shares."""
+    closed scope's caveats are written now, into the list the deferred replay shares, and
+    the rank and world size read (of torch.distributed's process group when first read)."""
     kw["caveats"].extend(getattr(scope, "caveats", None) or ())
+    kw.update(_rank_info())
     return TrackReport(**kw)
+
+
+def _make_counters_report(opening, closing, seconds):
+    """The TrackReport of a counters-only block: ``closing`` its closed cpu.Scope, or (with
+    ``opening``) the C core's tuples and processes its own calls read at the open and close."""
+    if opening is None:
+        s = closing
+    else:
+        s = cpu.Scope()
+        s._set_open(*opening)
+        s._set_closed(*closing)
+    kw = dict(
+        device="cpu", exact=bool(s._exact) and s._mechanism != cpu.FALLBACK, mechanism=s._mechanism,
+        start=s._start, end=s._end, peak=s._peak, seconds=seconds,
+        unseen_frees=s.unseen_frees, unseen_bytes=s.unseen_bytes, caveats=[],
+    )  # fmt: skip
+    return _make_report(s, kw)
 
 
 def _count_ok(n):
@@ -915,6 +934,7 @@ class Tracker:
         self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
         self._quick = False  # an open counters-only block (_enter_counters)
         self._scope = None
+        self._raw = None  # its C scope's opening tuple and processes, until a Scope is made
 
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
@@ -1299,8 +1319,14 @@ class Tracker:
         self._thread = threading.get_ident()
         self._t0 = time.perf_counter()
         with _lock:
-            _active.append(self)
+            _active.append(self)  # also what keeps an open block (and its C scope) from being collected
         try:
+            if cpu._held:  # counting held: one C call, the Scope object made only if asked for
+                try:
+                    self._raw = (_C.scope_begin(False), cpu._processes())
+                    return self
+                except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
+                    pass
             self._scope = cpu.Scope().open()
         except BaseException:
             self._quick = False
@@ -1309,9 +1335,18 @@ class Tracker:
             raise
         return self
 
+    def _raw_scope(self):
+        """The open cpu.Scope of a counters-only block opened by its own C call."""
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            self._scope = cpu.Scope()
+            self._scope._set_open(*raw)
+        return self._scope
+
     def _full_state(self):
         """A counters-only block asked for more while open: the general path's state now."""
         if self._quick:
+            self._raw_scope()
             self._quick = False
             self._reset_state()
             self._boundaries.append(self._scope.start)
@@ -1338,7 +1373,10 @@ class Tracker:
         if self._quick:
             self._quick = False
             try:
-                if self._scope is not None:
+                raw, self._raw = self._raw, None
+                if raw is not None:  # ended by an exception before its report (_finish_counters)
+                    _C.scope_end(raw[0][0], raw[0][1])
+                elif self._scope is not None:
                     self._scope.close()
             finally:
                 self._scope = None
@@ -1375,17 +1413,18 @@ class Tracker:
 
     def _finish_counters(self):
         """The end of a counters-only block (see _enter_counters)."""
+        seconds = time.perf_counter() - self._t0
+        raw, self._raw = self._raw, None
+        if raw is not None:  # its own C calls: the closed Scope is made with the report
+            closing = (_C.scope_end(raw[0][0], raw[0][1]), cpu._processes())
+            if not closing[0][5]:
+                return functools.partial(_make_counters_report, raw, closing, seconds)
+            self._scope = cpu.Scope()  # hooks lost: where they went is read now
+            self._scope._set_open(*raw)
+            self._scope._set_closed(*closing)
         s = self._scope
         s.close()
-        kw = dict(
-            device="cpu", exact=bool(s._exact) and s._mechanism != cpu.FALLBACK, mechanism=s._mechanism,
-            start=s._start, end=s._end, peak=s._peak, seconds=time.perf_counter() - self._t0,
-            unseen_frees=s.unseen_frees, unseen_bytes=s.unseen_bytes, caveats=[],
-        )  # fmt: skip
-        rank = _rank_info()
-        if rank:
-            kw.update(rank)
-        return functools.partial(_make_report, s, kw)
+        return functools.partial(_make_counters_report, None, s, seconds)
 
     def _finish(self):
         if self._quick:
@@ -1428,7 +1467,7 @@ class Tracker:
             t0 = int(t[0]) if len(t) else 0
             extra_marks = [(ns - t0, kind, label) for ns, kind, label in self._tl_marks]
         seconds = time.perf_counter() - self._t0
-        extra = _rank_info()
+        extra = {}  # the rank and world size are read with the report (_make_report)
         if self._kind == "cpu":
             mechanism = self._scope.mechanism  # what counted this block
             exact = exact and mechanism != cpu.FALLBACK
