@@ -102,6 +102,27 @@ class _Squares(torch.utils.data.Dataset):
         return torch.full((256,), float(i))
 
 
+def _child():
+    pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork start method")
+def test_process_counter_is_read_without_advancing_it():
+    """The processes check reads multiprocessing's counter without moving it, and counts
+    each process made between two reads, whichever form the reads took."""
+    import multiprocessing
+
+    before = cpu._processes()[0]
+    assert cpu._processes()[0] == before
+    p = multiprocessing.get_context("fork").Process(target=_child)
+    p.start()
+    p.join()
+    after = cpu._processes()[0]
+    assert cpu._started(before, after) == 1 and cpu._started(after, after) == 0
+    assert cpu._started("count(3)", 5) == 2 and cpu._started(3, "count(5)") == 2
+    assert cpu._started("something else", 4) == 0 and cpu._started(5, 3) == 0
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_dataloader_workers_make_the_scope_not_exact(exact_mode, persistent):
     """num_workers=2: the batches arrive through shared memory the counters do not see."""
