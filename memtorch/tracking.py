@@ -713,7 +713,7 @@ def _outer_tag(inner):
     with _lock:
         for t in reversed(_active):
             if t is not inner and t._open and t._evmode and t._thread == me:
-                return t._tags[-1] if t._tags else t._tagbase | t._phase_code
+                return t._top_tag()
     return 0
 
 
@@ -935,6 +935,7 @@ class Tracker:
         self._quick = False  # an open counters-only block (_enter_counters)
         self._scope = None
         self._raw = None  # its C scope's opening tuple and processes, until a Scope is made
+        self._marks = None
 
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
@@ -986,9 +987,10 @@ class Tracker:
             self._phases[name] = PhaseStats(name)
         if self._evmode:  # figures from the event log's marks at the end: no counter scope
             code = self._phase_code = attribution.PHASE_CODES[name]
+            if self._marks is not None:
+                self._marks.phase_code = code
             self._phase = (name, None, time.perf_counter())
-            tags = self._tags
-            _C.eventlog_mark(3, 0x100 | code, tags[-1] if tags else self._tagbase | code)
+            _C.eventlog_mark(3, 0x100 | code, self._top_tag())
         else:
             self._phase = (name, self._open_scope(), time.perf_counter())
         if self._timeline:
@@ -1005,12 +1007,28 @@ class Tracker:
         if s is None:  # event-log mode
             _C.eventlog_mark(3, 0x200 | self._phase_code, self._tagbase)
             self._phase_code = 0
+            if self._marks is not None:
+                self._marks.phase_code = 0
             p = self._phases[name]
             p.calls += 1
             p.seconds += time.perf_counter() - t0
             return
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
+
+    def _top_tag(self):
+        """The owner tag now (event-log mode): the innermost running module's, else the
+        block's with its phase."""
+        if self._marks is not None:
+            return self._marks.top()
+        return self._tags[-1] if self._tags else self._tagbase | self._phase_code
+
+    def _root_pre_marks(self, module, args):  # the root's part of _C.ModuleMarks.pre
+        self._root_pre()
+        self._note_inputs(args)
+
+    def _root_post_marks(self, module, args, output):  # the root's part of _C.ModuleMarks.post
+        self._root_post()
 
     def _root_pre(self):
         self._root_depth += 1
@@ -1192,8 +1210,16 @@ class Tracker:
             else:
                 self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
             self._ids = plan.ids
-        self._handles.append(torch_module.register_module_forward_pre_hook(self._pre))
-        self._handles.append(torch_module.register_module_forward_hook(self._post, always_call=True))
+        if self._evmode:  # in C: tags and marks of the model's modules, Python only for the root
+            self._marks = _C.ModuleMarks(
+                self._ids, self._root_id, self._tagbase, self._root_pre_marks, self._root_post_marks
+            )
+            self._marks.phase_code = self._phase_code
+            pre, post = self._marks.pre, self._marks.post
+        else:
+            pre, post = self._pre, self._post
+        self._handles.append(torch_module.register_module_forward_pre_hook(pre))
+        self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
 
     def _hook_optimizer(self, opt):
         self._handles.append(opt.register_step_pre_hook(self._opt_pre))
@@ -1245,6 +1271,7 @@ class Tracker:
         self._mod_specs = ()  # event-log mode: (name, type name) of the rows, made at the replay
         self._mod_stack = []
         self._tags = []  # event-log mode: owner tags of the modules whose forward is running
+        self._marks = None  # event-log mode with a model: _C.ModuleMarks, the module hooks in C
         self._phase_code = 0
         self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
         self._state_n = 0
@@ -1403,6 +1430,7 @@ class Tracker:
                 s.close()
             self._cuda_open = []
             self._ids = {}
+            self._marks = None
             self._params = None
             self._scope = None
             self._snap = None

@@ -103,6 +103,10 @@ void mt_platform_rss(int64_t *current, int64_t *hwm);
  * Returns the event's log index + 1 when sites.c wants the allocation's
  * source line (mt_sites_capture), else 0. */
 uint64_t mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta);
+/* Set the owner tag stamped on later events (GIL held) and, while a timeline
+ * is recorded, log a mark of `kind` (MT_EV_ENTER, MT_EV_EXIT, MT_EV_TAG) with
+ * the caller's `number` for what began or ended: eventlog_mark()'s work. */
+void mt_eventlog_mark(int kind, uint64_t number, uint32_t tag);
 /* 1 while a timeline is recorded (a block or a timeline scope is open). */
 int mt_eventlog_recording(void);
 /* Start/stop recording (refcounted); start returns -1 on out-of-memory. */

@@ -307,6 +307,16 @@ error:
     return py_result;
 }
 
+void
+mt_eventlog_mark(int kind, uint64_t number, uint32_t tag)
+{
+    atomic_store_explicit(&mt_event_tag, tag, memory_order_relaxed);
+    mt_sites_on_tag(tag);
+    if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) != 0) {
+        mt_eventlog_put(-1, number, 0, ((uint64_t)kind << 32) | (uint64_t)tag);
+    }
+}
+
 PyDoc_STRVAR(mark_doc,
 "eventlog_mark($module, kind, number, tag, /)\n--\n\n"
 "Set the owner tag stamped on later events to `tag` (0 <= tag < 2**32) and,\n"
@@ -339,11 +349,7 @@ eventlog_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      "(got %ld, %lld, %lld)", kind, number, tag);
         goto error;
     }
-    atomic_store_explicit(&mt_event_tag, (uint32_t)tag, memory_order_relaxed);
-    mt_sites_on_tag((uint32_t)tag);
-    if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) != 0) {
-        mt_eventlog_put(-1, (uint64_t)number, 0, ((uint64_t)kind << 32) | (uint64_t)tag);
-    }
+    mt_eventlog_mark((int)kind, (uint64_t)number, (uint32_t)tag);
     Py_RETURN_NONE;
 error:
     return NULL;

@@ -49,7 +49,7 @@ mt_exec(PyObject *module)
         PyModule_AddFunctions(module, mt_sites_methods) < 0) {
         return -1;
     }
-    if (mt_walker_exec(module, st) < 0 || mt_counters_exec(module) < 0) {
+    if (mt_walker_exec(module, st) < 0 || mt_counters_exec(module) < 0 || mt_marks_exec(module) < 0) {
         return -1;
     }
     return 0;

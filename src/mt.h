@@ -46,6 +46,7 @@ extern PyMethodDef mt_sites_methods[];
  * Each returns 0 on success, -1 with an exception set. */
 int mt_walker_exec(PyObject *module, mt_state *st);
 int mt_counters_exec(PyObject *module);
+int mt_marks_exec(PyObject *module);
 
 #ifdef MT_DEBUG
 #include <stdio.h>
