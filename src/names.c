@@ -1,5 +1,6 @@
 /* names.c: the storage addresses of parameters, gradients and optimizer state, by name (track()'s at_peak). */
 #include "mt.h"
+#include "counters.h"
 
 #include <stdint.h>
 
@@ -51,9 +52,30 @@ mt_put(PyObject *names, PyObject *t, PyObject *py_name, PyObject *py_kind, const
 {
     PyObject *py_storage = NULL, *py_addr = NULL, *py_shape = NULL, *py_dtype = NULL, *py_val = NULL;
     int rc = -1;
-    py_storage = PyObject_CallMethodNoArgs(t, s->untyped_storage); /* new reference */
-    if (py_storage != NULL) {
-        py_addr = PyObject_CallMethodNoArgs(py_storage, s->data_ptr); /* new reference */
+    /* t.data_ptr() is its storage's address when it is the start of an allocation the
+     * counters hold: live allocations never overlap, so a view into the middle of another
+     * storage cannot start there. Else t.untyped_storage().data_ptr() (one call more). */
+    py_addr = PyObject_CallMethodNoArgs(t, s->data_ptr); /* new reference */
+    if (py_addr != NULL) {
+        void *p = PyLong_AsVoidPtr(py_addr);
+        if (p == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+        if (p == NULL || mt_counters_size_of(p) < 0) {
+            Py_CLEAR(py_addr);
+        }
+    }
+    else if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear(); /* no data_ptr (nested, sparse): the storage's below, as in Python */
+    }
+    else {
+        goto error;
+    }
+    if (py_addr == NULL) {
+        py_storage = PyObject_CallMethodNoArgs(t, s->untyped_storage); /* new reference */
+        if (py_storage != NULL) {
+            py_addr = PyObject_CallMethodNoArgs(py_storage, s->data_ptr); /* new reference */
+        }
     }
     if (py_addr == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {

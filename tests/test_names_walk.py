@@ -219,3 +219,23 @@ def test_block_names_come_from_the_plan_only_while_the_same_allocations_live():
     assert _C.counters_serials([0])[0] == -1
     with pytest.raises(TypeError):
         _C.counters_serials(5)
+
+
+def test_a_view_is_named_by_its_storage_not_its_data_pointer():
+    """A gradient that is a view into the middle of a larger tensor: named by the address
+    of its storage (where the counters hold the allocation), not by its data pointer."""
+    from memtorch import cpu
+
+    with cpu.Scope():
+        p = torch.nn.Parameter(torch.zeros(4))
+        big = torch.zeros(16)
+        p.grad = big[4:8]  # data pointer 16 bytes into big's storage
+        whole = torch.ones(4)
+        q = torch.nn.Parameter(torch.zeros(4))
+        q.grad = whole  # its own allocation: data pointer == storage address
+        names = {}
+        _C.names_walk(names, [("p", weakref.ref(p)), ("q", weakref.ref(q))], None, 2 | 16)
+    assert p.grad.data_ptr() != big.untyped_storage().data_ptr()
+    assert names[big.untyped_storage().data_ptr()][0] == "p.grad"
+    assert names[whole.untyped_storage().data_ptr()][0] == "q.grad"
+    assert p.grad.data_ptr() not in names
