@@ -251,7 +251,8 @@ class TrackReport:
         self.caveats = list(kw.get("caveats") or [])
         # per step (t.step()): [(peak, end)] absolute bytes
         self.step_series = list(kw.get("step_series") or [])
-        # Under an initialised torch.distributed process group: this process's rank and the world size.
+        # Under an initialised torch.distributed process group: this process's rank and the world size
+        # (read when the report is made, at the first read of t.report).
         self.rank = kw.get("rank")
         self.world_size = kw.get("world_size")
 
