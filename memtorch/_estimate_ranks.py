@@ -48,6 +48,7 @@ zero2, zero3: FSDP2, fully_shard on each unit then on the root
     gloo ranks); on CUDA (NCCL) none is modelled.
 """
 
+import heapq
 import math
 
 from .errors import MemtorchError
@@ -68,8 +69,6 @@ def zero_partition(groups, numels, world_size):
     group, by numel, largest first (stable), each to the rank holding the fewest
     elements so far (the first such rank); totals carry over between groups.
     """
-    import heapq
-
     out = [[] for _ in range(world_size)]
     heap = [(0, r) for r in range(world_size)]  # (elements so far, rank): the first rank among the fewest on top
     for group in groups:

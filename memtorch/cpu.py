@@ -443,17 +443,14 @@ class Scope:
                         _take_hold()
                 self._set_open(raw, _processes())
                 return self
-            else:
-                _rss_installs += 1
-                _rss_open += 1
-                now = _rss()
-                self._start = self._peak = now
-                self._hwm0 = _C.counters_rss()[1]
-                self._t0 = _C.monotonic_ns()
-                self._samples = [(self._t0, now)] if self._want_timeline else None
-            self._procs0 = _processes()
-            self._mechanism = mech
-            self._state = "open"
+            _rss_installs += 1
+            _rss_open += 1
+            now = _rss()
+            self._start = self._peak = now
+            self._hwm0 = _C.counters_rss()[1]
+            self._t0 = _C.monotonic_ns()
+            self._samples = [(self._t0, now)] if self._want_timeline else None
+            self._opened(mech, _processes())
         return self
 
     def close(self):
@@ -468,18 +465,26 @@ class Scope:
                 # one call: the close, the statistics, the installation given back
                 self._set_closed(_C.scope_end(*self._handle), _processes())
                 return
-            else:
-                self._end = self._sample()
-                self._peak = _rss_peak(self._hwm0, self._peak)
-                self._t1 = _C.monotonic_ns()
-                if self._samples is not None:
-                    self._samples.append((self._t1, self._end))
-                _rss_open -= 1
-                _rss_installs -= 1
-            self._procs1 = _processes()
-            if self._workers_seen():
-                self._exact = False
-            self._state = "closed"
+            self._end = self._sample()
+            self._peak = _rss_peak(self._hwm0, self._peak)
+            self._t1 = _C.monotonic_ns()
+            if self._samples is not None:
+                self._samples.append((self._t1, self._end))
+            _rss_open -= 1
+            _rss_installs -= 1
+            self._closed(_processes())
+
+    # What every open and close ends with, on either mechanism.
+    def _opened(self, mech, procs):
+        self._procs0 = procs
+        self._mechanism = mech
+        self._state = "open"
+
+    def _closed(self, procs):
+        self._procs1 = procs
+        if self._workers_seen():
+            self._exact = False
+        self._state = "closed"
 
     # The exact mechanism's open and close from the C core's tuples (scope_begin's, or
     # scope_open's with the statistics added; scope_end's) and the processes at that time:
@@ -491,9 +496,7 @@ class Scope:
         self._lost0 = lost0
         self._start = self._peak = start
         self._t0, self._ev0 = t0, ev0
-        self._procs0 = procs
-        self._mechanism = EXACT
-        self._state = "open"
+        self._opened(EXACT, procs)
 
     def _set_closed(self, raw, procs):
         (self._start, self._end, self._peak, self._t1, ev1, self._hook_lost, self._other_bytes,
@@ -507,10 +510,16 @@ class Scope:
         self.unseen_bytes = unseen_b - self._unseen0[1]
         if self._hook_lost:
             self._loss_where = _C.counters_loss_info()[1]
-        self._procs1 = procs
-        if self._workers_seen():
-            self._exact = False
-        self._state = "closed"
+        self._closed(procs)
+
+    @classmethod
+    def _from_calls(cls, opening, closing=None):
+        """A Scope from what track()'s own C calls read: open, or closed as well."""
+        s = cls()
+        s._set_open(*opening)
+        if closing is not None:
+            s._set_closed(*closing)
+        return s
 
     def __enter__(self):
         return self.open()

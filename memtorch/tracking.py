@@ -752,12 +752,7 @@ def _make_report(scope, kw):
 def _make_counters_report(opening, closing, seconds):
     """The TrackReport of a counters-only block: ``closing`` its closed cpu.Scope, or (with
     ``opening``) the C core's tuples and processes its own calls read at the open and close."""
-    if opening is None:
-        s = closing
-    else:
-        s = cpu.Scope()
-        s._set_open(*opening)
-        s._set_closed(*closing)
+    s = closing if opening is None else cpu.Scope._from_calls(opening, closing)
     kw = dict(
         device="cpu", exact=bool(s._exact) and s._mechanism != cpu.FALLBACK, mechanism=s._mechanism,
         start=s._start, end=s._end, peak=s._peak, seconds=seconds,
@@ -1367,8 +1362,7 @@ class Tracker:
         """The open cpu.Scope of a counters-only block opened by its own C call."""
         raw, self._raw = self._raw, None
         if raw is not None:
-            self._scope = cpu.Scope()
-            self._scope._set_open(*raw)
+            self._scope = cpu.Scope._from_calls(raw)
         return self._scope
 
     def _full_state(self):
@@ -1448,9 +1442,7 @@ class Tracker:
             closing = (_C.scope_end(raw[0][0], raw[0][1]), cpu._processes())
             if not closing[0][5]:
                 return functools.partial(_make_counters_report, raw, closing, seconds)
-            self._scope = cpu.Scope()  # hooks lost: where they went is read now
-            self._scope._set_open(*raw)
-            self._scope._set_closed(*closing)
+            self._scope = cpu.Scope._from_calls(raw, closing)  # hooks lost: where they went is read now
         s = self._scope
         s.close()
         return functools.partial(_make_counters_report, None, s, seconds)

@@ -9,6 +9,7 @@ import pytest
 
 from memtorch import _C, cpu
 from memtorch import peak as attribution
+from test_refleaks_counters import _leaks
 
 MARKS_FUNCTIONS = {"ModuleMarks"}  # for the leak suites' meta-test (test_refleaks_meta.py)
 
@@ -157,11 +158,5 @@ def test_marks_do_not_leak():
         except TypeError:
             pass
 
-    deltas = []
-    for i in range(6):
-        before = sys.getallocatedblocks()
-        for _ in range(300):
-            once()
-        if i >= 2:
-            deltas.append(sys.getallocatedblocks() - before)
+    deltas = _leaks(once)
     assert not all(d > 0 for d in deltas), deltas
