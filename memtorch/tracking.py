@@ -977,22 +977,21 @@ class Tracker:
         """Now on the clock of this block's timeline (CPU event log: CLOCK_MONOTONIC; CUDA: perf_counter)."""
         return time.monotonic_ns() if self._kind == "cpu" else time.perf_counter_ns()
 
+    # Event-log mode: the phases are _C.ModuleMarks's (marks.c), which begins and ends them
+    # from its hooks; their figures come from the event log's marks at the end. Else a
+    # counter scope per phase, begun and ended by the Python hooks below.
     def _begin_phase(self, name):
         self._end_phase()
         if name not in self._phases:
             self._phases[name] = PhaseStats(name)
-        if self._evmode:  # figures from the event log's marks at the end: no counter scope
-            code = self._phase_code = attribution.PHASE_CODES[name]
-            if self._marks is not None:
-                self._marks.phase_code = code
-            self._phase = (name, None, time.perf_counter())
-            _C.eventlog_mark(3, 0x100 | code, self._top_tag())
-        else:
-            self._phase = (name, self._open_scope(), time.perf_counter())
+        self._phase = (name, self._open_scope(), time.perf_counter())
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "phase", name))
 
     def _end_phase(self):
+        if self._marks is not None:
+            self._marks.end_phase()
+            return
         ph = self._phase
         if ph is None:
             return
@@ -1000,31 +999,14 @@ class Tracker:
         name, s, t0 = ph
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "end", name))
-        if s is None:  # event-log mode
-            _C.eventlog_mark(3, 0x200 | self._phase_code, self._tagbase)
-            self._phase_code = 0
-            if self._marks is not None:
-                self._marks.phase_code = 0
-            p = self._phases[name]
-            p.calls += 1
-            p.seconds += time.perf_counter() - t0
-            return
         start, end, peak, exact = self._close_scope(s)
         self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
 
     def _top_tag(self):
         """The owner tag now (event-log mode): the innermost running module's, else the
         block's with its phase."""
-        if self._marks is not None:
-            return self._marks.top()
-        return self._tags[-1] if self._tags else self._tagbase | self._phase_code
-
-    def _root_pre_marks(self, module, args):  # the root's part of _C.ModuleMarks.pre
-        self._root_pre()
-        self._note_inputs(args)
-
-    def _root_post_marks(self, module, args, output):  # the root's part of _C.ModuleMarks.post
-        self._root_post()
+        m = self._marks
+        return self._tagbase if m is None else m.top()
 
     def _root_pre(self):
         self._root_depth += 1
@@ -1041,13 +1023,9 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
-        if self._evmode:  # the gradients, which zero_grad() may free before the end
-            self._snapshot_names(self._walk_names(full=False, state=False))
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
-        if self._evmode and len(optimizer.state) != self._state_n:  # new state: name it while it lives
-            self._snapshot_names(self._walk_names(full=False, grads=False))
 
     def _snapshot_names(self, names=None):
         """Note what the walk names now, at this point of the event log (the first 16 and the
@@ -1073,6 +1051,8 @@ class Tracker:
         st_all = None if opt is None or not (state or full) else opt.state
         if st_all is not None:
             self._state_n = len(st_all)
+            if self._marks is not None:
+                self._marks.state_n = self._state_n
             if not isinstance(st_all, dict):  # an optimizer of its own kind: read as a dict
                 st_all = dict(st_all)
         if not full and self._params is not None:
@@ -1090,6 +1070,8 @@ class Tracker:
         ):  # fmt: skip
             del opt
             self._params = cache[3]
+            if self._marks is not None:
+                self._marks.params = self._params
             names = dict(cache[6])
         else:
             params = [] if plan is None else list(plan.params)
@@ -1103,6 +1085,8 @@ class Tracker:
                         if id(p) not in known:
                             params.append((f"param_groups[{gi}][{pi}]", weakref.ref(p)))
             self._params = params
+            if self._marks is not None:  # the optimizer's hooks walk them (marks.c)
+                self._marks.params = params
             # in C: the names of the parameters and their optimizer state
             _C.names_walk(names, params, st_all, 1 | 4 | shape)
             if plan is not None:
@@ -1115,53 +1099,23 @@ class Tracker:
         _C.names_walk(names, self._params, None, 2 | shape)  # the gradients
         return names
 
-    def _note_inputs(self, args):
-        """Addresses of the tensors given to the model's forward (the batch); none kept."""
-        Tensor = _torch_mod.Tensor
-        self._last_inputs = []
-        found = {}
-        shapes = bool(self._largest)  # shapes and dtypes only for largest=, as in _walk_names
-        for j, a in enumerate(args[:64]):
-            if isinstance(a, Tensor):
-                p = _data_ptr(a)
-                self._last_inputs.append(p)
-                if p:
-                    found[p] = (
-                        f"input {j}" if len(args) > 1 else "input", "input", None,
-                        a.shape if shapes else None, a.dtype if shapes else None,
-                    )  # fmt: skip
-        if found:  # named at this point of the log: the batch may be freed before the block ends
-            self._snapshot_names(found)
-
     # -- modules -----------------------------------------------------------
     # Two global module hooks per block (torch.nn.modules.module.register_module_forward_*)
     # instead of two per module: registering and removing ~50 handles per block cost more
     # than the block's own counting. They filter the model's modules by id.
 
-    def _pre(self, module, args):
+    def _pre(self, module, args):  # not in event-log mode: _C.ModuleMarks.pre
         k = id(module)
         if k == self._root_id:
             self._root_pre()
-            if self._evmode:
-                self._note_inputs(args)
         i = self._ids.get(k)
         if i is not None:
-            if self._evmode:
-                tag = self._tagbase | ((i + 1) << 2) | self._phase_code
-                self._tags.append(tag)
-                _C.eventlog_mark(1, i, tag)
-            else:
-                self._mod_stack.append((i, self._open_scope()))
+            self._mod_stack.append((i, self._open_scope()))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
         i = self._ids.get(k)
-        if i is not None and self._evmode:
-            tags = self._tags
-            if tags:
-                tags.pop()
-            _C.eventlog_mark(2, i, tags[-1] if tags else self._tagbase | self._phase_code)
-        elif i is not None:
+        if i is not None:
             stack = self._mod_stack
             for j in range(len(stack) - 1, -1, -1):
                 if stack[j][0] == i:
@@ -1206,11 +1160,8 @@ class Tracker:
             else:
                 self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
             self._ids = plan.ids
-        if self._evmode:  # in C: tags and marks of the model's modules, Python only for the root
-            self._marks = _C.ModuleMarks(
-                self._ids, self._root_id, self._tagbase, self._root_pre_marks, self._root_post_marks
-            )
-            self._marks.phase_code = self._phase_code
+        if self._evmode:  # in C: tags and marks of the model's modules, the phases, the batch's names
+            self._marks.set_model(self._ids, self._root_id)
             pre, post = self._marks.pre, self._marks.post
         else:
             pre, post = self._pre, self._post
@@ -1218,8 +1169,9 @@ class Tracker:
         self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
 
     def _hook_optimizer(self, opt):
-        self._handles.append(opt.register_step_pre_hook(self._opt_pre))
-        self._handles.append(opt.register_step_post_hook(self._opt_post))
+        m = self._marks  # event-log mode: the phase and the gradients' and new state's names in C
+        self._handles.append(opt.register_step_pre_hook(self._opt_pre if m is None else m.opt_pre))
+        self._handles.append(opt.register_step_post_hook(self._opt_post if m is None else m.opt_post))
 
     def watch(self, model=None, optimizer=None):
         """Give the block the model and/or optimizer to name (phases, per-module figures,
@@ -1266,10 +1218,7 @@ class Tracker:
         self._mod_rows = []
         self._mod_specs = ()  # event-log mode: (name, type name) of the rows, made at the replay
         self._mod_stack = []
-        self._tags = []  # event-log mode: owner tags of the modules whose forward is running
-        self._marks = None  # event-log mode with a model: _C.ModuleMarks, the module hooks in C
-        self._phase_code = 0
-        self._last_inputs = []  # event-log mode: addresses of the last forward's inputs (the current batch)
+        self._marks = None  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
         self._state_n = 0
         self._params = None  # event-log mode: [(name, weakref)] of the parameters, from the first walk
         self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
@@ -1320,8 +1269,12 @@ class Tracker:
                 # need not read it again when it closes
                 self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
+                self._marks = _C.ModuleMarks(
+                    {}, 0, self._tagbase, self._snapshots, _torch_mod.is_grad_enabled,
+                    self._tl_marks if self._timeline else None, bool(self._largest),
+                )  # fmt: skip
                 _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
-                self._snapshots = [(_C.eventlog_head(), self._walk_names())]
+                self._snapshots.append((_C.eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
             self._install_hooks()
         except BaseException:
@@ -1461,6 +1414,14 @@ class Tracker:
         if self._evmode:
             _C.eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
             head = _C.eventlog_head()
+            m = self._marks
+            self._forwards = m.forwards
+            self._state_n = m.state_n
+            for name, (calls, seconds) in zip(PHASES, m.phases):  # what marks.c timed
+                if calls:
+                    p = self._phases[name] = PhaseStats(name)
+                    p.calls, p.seconds = calls, seconds
+            del m
         start, end, peak_bytes, exact = self._close_scope(self._scope)
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         timeline = None
@@ -1612,7 +1573,7 @@ class Tracker:
         if self._evmode:
             for a, named in self._walk_names().items():
                 expected.setdefault((a, "cpu"), named[1])
-            for a in self._last_inputs:
+            for a in self._marks.last_inputs:
                 expected.setdefault((a, "cpu"), "the current batch (the last forward's input)")
         local_names = leaks.stack_locals()
         # the survivors: new since the first growing step, one tensor per storage

@@ -1,4 +1,4 @@
-/* marks.c: track()'s module hooks in C (ModuleMarks): the owner tags and enter/exit marks of the event log. */
+/* marks.c: track()'s hooks in C (ModuleMarks): owner tags, module and phase marks of the event log, names of the batch and gradients. */
 #include "mt.h"
 #include "counters.h"
 
@@ -10,16 +10,26 @@
  * call in the process goes through them (torch.nn.modules.module's
  * register_module_forward_pre_hook / _hook). For the modules of the watched
  * model they push or pop the module's owner tag and log an enter or exit
- * mark; for its root they first (pre) or last (post) call back into Python
- * (the phases, the batch's names). Written in C because between a step's
- * operators the hooks run with cold caches, where every line of Python costs
- * several times what it costs in a loop.
+ * mark. Its root's forward begins the forward phase (and names the batch: the
+ * tensors given to it), its end the backward phase when autograd is on; the
+ * optimizer's step pre- and post-hooks begin and end the optimizer phase and
+ * name the gradients (which zero_grad() may free before the block ends) and
+ * new optimizer state. Each phase change is a tag mark; names go into the
+ * block's list of snapshots, (log index, {address: (name, kind, ...)}), which
+ * the replay reads. Written in C because between a step's operators the hooks
+ * run with cold caches, where every line of Python costs several times what it
+ * costs in a loop.
  *
  * The modules are kept as addresses only (ids, as the Python hooks compared
- * id(module)): never dereferenced, so no reference is held.
+ * id(module)): never dereferenced, so no reference is held. The phase codes
+ * are peak.py's PHASE_CODES (1 forward, 2 backward, 3 optimizer).
  */
 
 #define MT_MARKS_DEPTH 256 /* tags kept on the stack; deeper nesting reuses the last */
+#define MT_MARKS_INPUTS 64 /* the root's first arguments looked at for the batch */
+#define MT_MARKS_SNAPS 256 /* snapshots kept: the first 16 and the latest (a block's peak is often in its first step) */
+
+static const char *const mt_phase_names[4] = {NULL, "forward", "backward", "optimizer"};
 
 typedef struct {
     uintptr_t key; /* module address; 0: empty */
@@ -32,10 +42,22 @@ typedef struct {
     size_t cap;
     uintptr_t root;      /* the root module's address (0: none) */
     uint32_t tagbase;
-    unsigned int phase_code; /* the phase bits of the tags, set by the Python hooks */
+    unsigned int phase_code; /* the phase bits of the tags: the running phase's code, 0 between phases */
     Py_ssize_t depth;    /* tags pushed (may exceed MT_MARKS_DEPTH) */
     uint32_t tags[MT_MARKS_DEPTH];
-    PyObject *on_pre, *on_post; /* Python callables for the root (owned) */
+    Py_ssize_t root_depth; /* the root's forwards running (recursion) */
+    long long forwards;    /* the root's outermost forwards */
+    long long phase_calls[4];
+    int64_t phase_ns[4];   /* CLOCK_MONOTONIC time spent in each phase */
+    int64_t phase_t0;      /* when the running phase began */
+    Py_ssize_t state_n;    /* entries of the optimizer's state when its names were last read */
+    int no_shape;          /* names without shape and dtype (16 in names_walk's want) */
+    /* owned references: */
+    PyObject *snapshots;   /* list of (log index, names) */
+    PyObject *params;      /* list of (name, weakref to a parameter), or None until the first walk */
+    PyObject *grad_enabled; /* torch.is_grad_enabled */
+    PyObject *timeline;    /* list of (ns, "phase"|"end", name), or None */
+    PyObject *last_inputs; /* list of the addresses of the last forward's tensor arguments (0: none) */
 } mt_marks;
 
 static inline size_t
@@ -76,70 +98,41 @@ static int
 marks_traverse(mt_marks *m, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(m));
-    Py_VISIT(m->on_pre);
-    Py_VISIT(m->on_post);
+    Py_VISIT(m->snapshots);
+    Py_VISIT(m->params);
+    Py_VISIT(m->grad_enabled);
+    Py_VISIT(m->timeline);
+    Py_VISIT(m->last_inputs);
     return 0;
 }
 
 static int
 marks_clear(mt_marks *m)
 {
-    Py_CLEAR(m->on_pre);
-    Py_CLEAR(m->on_post);
+    Py_CLEAR(m->snapshots);
+    Py_CLEAR(m->params);
+    Py_CLEAR(m->grad_enabled);
+    Py_CLEAR(m->timeline);
+    Py_CLEAR(m->last_inputs);
     return 0;
 }
 
-static void
-marks_dealloc(mt_marks *m)
+/* Fill the hash of module addresses from py_ids ({id(module): row}, borrowed);
+ * replaces the old one. 0, or -1 with an exception set (the old one kept). */
+static int
+mt_marks_set_ids(mt_marks *m, PyObject *py_ids)
 {
-    PyTypeObject *tp = Py_TYPE(m);
-    PyObject_GC_UnTrack(m);
-    (void)marks_clear(m);
-    PyMem_Free(m->slots);
-    m->slots = NULL;
-    tp->tp_free((PyObject *)m);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-marks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"ids", "root_id", "tagbase", "on_root_pre", "on_root_post", NULL};
-    PyObject *py_ids, *py_pre, *py_post;
-    unsigned long long root = 0;
-    unsigned long long tagbase = 0;
-    mt_marks *m = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!KKOO:ModuleMarks", kwlist, &PyDict_Type, &py_ids,
-                                     &root, &tagbase, &py_pre, &py_post)) {
-        goto error;
-    }
-    if (!PyCallable_Check(py_pre) || !PyCallable_Check(py_post)) {
-        PyErr_SetString(PyExc_TypeError, "ModuleMarks(): on_root_pre and on_root_post must be callable");
-        goto error;
-    }
-    if (tagbase > 0xffffffffULL) {
-        PyErr_SetString(PyExc_ValueError, "ModuleMarks(): tagbase must be < 2**32");
-        goto error;
-    }
-    m = (mt_marks *)type->tp_alloc(type, 0); /* new reference, zeroed */
-    if (m == NULL) {
-        goto error;
-    }
-    m->root = (uintptr_t)root;
-    m->tagbase = (uint32_t)tagbase;
-    m->on_pre = Py_NewRef(py_pre);
-    m->on_post = Py_NewRef(py_post);
+    mt_mark_slot *slots = NULL;
     Py_ssize_t n = PyDict_GET_SIZE(py_ids);
     size_t cap = 8;
     while (cap < 2 * (size_t)n + 2) {
         cap *= 2;
     }
-    m->slots = PyMem_Calloc(cap, sizeof(mt_mark_slot));
-    if (m->slots == NULL) {
+    slots = PyMem_Calloc(cap, sizeof(mt_mark_slot));
+    if (slots == NULL) {
         PyErr_NoMemory();
         goto error;
     }
-    m->cap = cap;
     PyObject *py_k, *py_v; /* borrowed from py_ids */
     Py_ssize_t pos = 0;
     while (PyDict_Next(py_ids, &pos, &py_k, &py_v)) {
@@ -157,16 +150,244 @@ marks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             goto error;
         }
         size_t j = mt_marks_home((uintptr_t)key, cap);
-        while (m->slots[j].key != 0 && m->slots[j].key != (uintptr_t)key) {
+        while (slots[j].key != 0 && slots[j].key != (uintptr_t)key) {
             j = (j + 1) & (cap - 1);
         }
-        m->slots[j].key = (uintptr_t)key;
-        m->slots[j].row = row;
+        slots[j].key = (uintptr_t)key;
+        slots[j].row = row;
+    }
+    PyMem_Free(m->slots);
+    m->slots = slots;
+    m->cap = cap;
+    return 0;
+error:
+    PyMem_Free(slots);
+    return -1;
+}
+
+/* snapshots.append((log head, names)); beyond MT_MARKS_SNAPS, the 17th oldest goes. */
+static int
+mt_marks_snapshot(mt_marks *m, PyObject *names)
+{
+    PyObject *py_head = NULL, *py_pair = NULL;
+    int rc = -1;
+    py_head = PyLong_FromUnsignedLongLong((unsigned long long)mt_eventlog_head()); /* new reference */
+    if (py_head == NULL) {
+        goto error;
+    }
+    py_pair = PyTuple_Pack(2, py_head, names); /* new reference */
+    if (py_pair == NULL || PyList_Append(m->snapshots, py_pair) < 0) {
+        goto error;
+    }
+    if (PyList_GET_SIZE(m->snapshots) > MT_MARKS_SNAPS && PySequence_DelItem(m->snapshots, 16) < 0) {
+        goto error;
+    }
+    rc = 0;
+error:
+    Py_XDECREF(py_head);
+    Py_XDECREF(py_pair);
+    return rc;
+}
+
+/* Append (now, kind, the phase's name) to the timeline's marks (if one is kept). */
+static int
+mt_marks_timeline(mt_marks *m, int64_t now, const char *kind, unsigned int code)
+{
+    if (m->timeline == Py_None) {
+        return 0;
+    }
+    PyObject *py_mark = Py_BuildValue("(Lss)", (long long)now, kind, mt_phase_names[code]); /* new reference */
+    if (py_mark == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(m->timeline, py_mark);
+    Py_DECREF(py_mark);
+    return rc;
+}
+
+/* End the running phase (if any): its tag mark, time and timeline mark. */
+static int
+mt_marks_end_phase(mt_marks *m)
+{
+    unsigned int code = m->phase_code;
+    if (code == 0) {
+        return 0;
+    }
+    int64_t now = mt_monotonic_ns();
+    mt_eventlog_mark(MT_EV_TAG, 0x200u | code, m->tagbase);
+    m->phase_code = 0;
+    m->phase_ns[code] += now - m->phase_t0;
+    return mt_marks_timeline(m, now, "end", code);
+}
+
+/* Begin phase code (1..3), ending the running one first. */
+static int
+mt_marks_begin_phase(mt_marks *m, unsigned int code)
+{
+    if (mt_marks_end_phase(m) < 0) {
+        return -1;
+    }
+    m->phase_code = code;
+    m->phase_calls[code]++;
+    m->phase_t0 = mt_monotonic_ns();
+    mt_eventlog_mark(MT_EV_TAG, 0x100u | code, mt_marks_top(m));
+    return mt_marks_timeline(m, m->phase_t0, "phase", code);
+}
+
+static void
+marks_dealloc(mt_marks *m)
+{
+    PyTypeObject *tp = Py_TYPE(m);
+    PyObject_GC_UnTrack(m);
+    (void)marks_clear(m);
+    PyMem_Free(m->slots);
+    m->slots = NULL;
+    tp->tp_free((PyObject *)m);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+marks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ids", "root_id", "tagbase", "snapshots", "grad_enabled", "timeline", "shapes", NULL};
+    PyObject *py_ids, *py_snaps, *py_grad, *py_timeline = Py_None;
+    unsigned long long root = 0;
+    unsigned long long tagbase = 0;
+    int shapes = 0;
+    mt_marks *m = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!KKO!O|Op:ModuleMarks", kwlist, &PyDict_Type, &py_ids, &root,
+                                     &tagbase, &PyList_Type, &py_snaps, &py_grad, &py_timeline, &shapes)) {
+        goto error;
+    }
+    if (!PyCallable_Check(py_grad)) {
+        PyErr_SetString(PyExc_TypeError, "ModuleMarks(): grad_enabled must be callable (torch.is_grad_enabled)");
+        goto error;
+    }
+    if (py_timeline != Py_None && !PyList_Check(py_timeline)) {
+        PyErr_SetString(PyExc_TypeError, "ModuleMarks(): timeline must be a list or None");
+        goto error;
+    }
+    if (tagbase > 0xffffffffULL || (tagbase & 0xffffffULL) != 0) {
+        PyErr_SetString(PyExc_ValueError, "ModuleMarks(): tagbase must be < 2**32 with its low 24 bits 0");
+        goto error;
+    }
+    m = (mt_marks *)type->tp_alloc(type, 0); /* new reference, zeroed */
+    if (m == NULL) {
+        goto error;
+    }
+    m->root = (uintptr_t)root;
+    m->tagbase = (uint32_t)tagbase;
+    m->no_shape = !shapes;
+    m->snapshots = Py_NewRef(py_snaps);
+    m->grad_enabled = Py_NewRef(py_grad);
+    m->timeline = Py_NewRef(py_timeline);
+    m->params = Py_NewRef(Py_None);
+    m->last_inputs = PyList_New(0); /* new reference */
+    if (m->last_inputs == NULL || mt_marks_set_ids(m, py_ids) < 0) {
+        goto error;
     }
     return (PyObject *)m;
 error:
     Py_XDECREF(m);
     return NULL;
+}
+
+/* The root's forward began: the forward phase (if not running already, for a
+ * recursive root) and the names of the tensors among its arguments (py_args,
+ * borrowed: the module's args tuple). */
+static int
+mt_marks_root_pre(mt_marks *m, PyObject *py_args)
+{
+    PyObject *py_names = NULL, *py_inputs = NULL, *py_name = NULL, *py_addr = NULL;
+    int rc = -1;
+    PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
+    if (module == NULL) {
+        goto error;
+    }
+    PyObject *tensor_type = mt_get_state(module)->tensor_type; /* borrowed from the state */
+    const mt_strs *s = mt_names_strs(module);                   /* borrowed from the state */
+    if (s == NULL) {
+        goto error;
+    }
+    if (tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ModuleMarks: the torch types were not handed over (_set_types)");
+        goto error;
+    }
+    m->root_depth++;
+    if (m->root_depth == 1) {
+        m->forwards++;
+        if (mt_marks_begin_phase(m, 1) < 0) {
+            goto error;
+        }
+    }
+    py_names = PyDict_New();    /* new reference */
+    py_inputs = PyList_New(0); /* new reference */
+    if (py_names == NULL || py_inputs == NULL) {
+        goto error;
+    }
+    if (PyTuple_Check(py_args)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(py_args);
+        for (Py_ssize_t j = 0; j < n && j < MT_MARKS_INPUTS; j++) {
+            PyObject *py_a = PyTuple_GET_ITEM(py_args, j); /* borrowed from py_args */
+            int is_tensor = PyObject_IsInstance(py_a, tensor_type);
+            if (is_tensor < 0) {
+                goto error;
+            }
+            if (!is_tensor) {
+                continue;
+            }
+            py_name = n > 1 ? PyUnicode_FromFormat("input %zd", j) : Py_NewRef(s->input); /* new reference */
+            void *addr = NULL;
+            if (py_name == NULL || mt_names_put(module, py_names, py_a, py_name, s->input, m->no_shape, &addr) < 0) {
+                goto error;
+            }
+            py_addr = PyLong_FromVoidPtr(addr); /* new reference */
+            if (py_addr == NULL || PyList_Append(py_inputs, py_addr) < 0) {
+                goto error;
+            }
+            Py_CLEAR(py_name);
+            Py_CLEAR(py_addr);
+        }
+    }
+    Py_SETREF(m->last_inputs, Py_NewRef(py_inputs));
+    /* named at this point of the log: the batch may be freed before the block ends */
+    if (PyDict_GET_SIZE(py_names) > 0 && mt_marks_snapshot(m, py_names) < 0) {
+        goto error;
+    }
+    rc = 0;
+error:
+    Py_XDECREF(py_names);
+    Py_XDECREF(py_inputs);
+    Py_XDECREF(py_name);
+    Py_XDECREF(py_addr);
+    return rc;
+}
+
+/* The root's forward ended: at the outermost, the forward phase ends and, when
+ * autograd records (a training step), the backward phase begins. */
+static int
+mt_marks_root_post(mt_marks *m)
+{
+    if (m->root_depth == 0) { /* an end without its beginning (hooks added mid-forward) */
+        return 0;
+    }
+    m->root_depth--;
+    if (m->root_depth > 0) {
+        return 0;
+    }
+    if (mt_marks_end_phase(m) < 0) {
+        return -1;
+    }
+    PyObject *py_on = PyObject_CallNoArgs(m->grad_enabled); /* new reference */
+    if (py_on == NULL) {
+        return -1;
+    }
+    int on = PyObject_IsTrue(py_on);
+    Py_DECREF(py_on);
+    if (on < 0) {
+        return -1;
+    }
+    return on ? mt_marks_begin_phase(m, 2) : 0;
 }
 
 /* pre(module, args): the forward pre-hook. */
@@ -178,12 +399,8 @@ marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     uintptr_t key = (uintptr_t)args[0];
-    if (key == m->root) {
-        PyObject *py_r = PyObject_Vectorcall(m->on_pre, args, 2, NULL); /* new reference */
-        if (py_r == NULL) {
-            goto error;
-        }
-        Py_DECREF(py_r);
+    if (key == m->root && mt_marks_root_pre(m, args[1]) < 0) {
+        goto error;
     }
     int64_t row = mt_marks_row(m, key);
     if (row >= 0) {
@@ -215,16 +432,138 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         }
         mt_eventlog_mark(MT_EV_EXIT, (uint64_t)row, mt_marks_top(m));
     }
-    if (key == m->root) {
-        PyObject *py_r = PyObject_Vectorcall(m->on_post, args, 3, NULL); /* new reference */
-        if (py_r == NULL) {
-            goto error;
-        }
-        Py_DECREF(py_r);
+    if (key == m->root && mt_marks_root_post(m) < 0) {
+        goto error;
     }
     Py_RETURN_NONE;
 error:
     return NULL;
+}
+
+/* Names from a walk of the parameters (want: names_walk's) as a snapshot now;
+ * state: the optimizer's state dict or NULL. Nothing before the first walk. */
+static int
+mt_marks_walk(mt_marks *m, PyObject *state, long want)
+{
+    if (m->params == Py_None) {
+        return 0;
+    }
+    PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
+    if (module == NULL) {
+        return -1;
+    }
+    PyObject *py_names = PyDict_New(); /* new reference */
+    if (py_names == NULL) {
+        return -1;
+    }
+    int rc = mt_names_walk(module, py_names, m->params, state, want | (m->no_shape ? 16 : 0));
+    if (rc == 0 && PyDict_GET_SIZE(py_names) > 0) {
+        rc = mt_marks_snapshot(m, py_names);
+    }
+    Py_DECREF(py_names);
+    return rc;
+}
+
+/* opt_pre(optimizer, args, kwargs): the optimizer's step pre-hook. */
+static PyObject *
+marks_opt_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.opt_pre() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    /* the gradients, named while they live: zero_grad() may free them before the block ends */
+    if (mt_marks_begin_phase(m, 3) < 0 || mt_marks_walk(m, NULL, 2) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* opt_post(optimizer, args, kwargs): the optimizer's step post-hook. */
+static PyObject *
+marks_opt_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_state = NULL, *py_dict = NULL, *py_result = NULL;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.opt_post() takes 3 arguments (%zd given)", nargs);
+        goto error;
+    }
+    if (mt_marks_end_phase(m) < 0) {
+        goto error;
+    }
+    PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
+    const mt_strs *s = module == NULL ? NULL : mt_names_strs(module); /* borrowed from the state */
+    if (s == NULL) {
+        goto error;
+    }
+    py_state = PyObject_GetAttr(args[0], s->state_attr); /* new reference: optimizer.state */
+    if (py_state == NULL) {
+        goto error;
+    }
+    Py_ssize_t n = PyObject_Length(py_state);
+    if (n < 0) {
+        goto error;
+    }
+    if (n != m->state_n) { /* new state (the first step's): named while it lives */
+        m->state_n = n;
+        /* an optimizer of its own kind may keep state in a mapping that is not a dict: read as one */
+        py_dict = PyDict_Check(py_state) ? Py_NewRef(py_state) : PyDict_New(); /* new reference */
+        if (py_dict == NULL || (py_dict != py_state && PyDict_Merge(py_dict, py_state, 1) < 0)) {
+            goto error;
+        }
+        if (mt_marks_walk(m, py_dict, 4) < 0) {
+            goto error;
+        }
+    }
+    py_result = Py_NewRef(Py_None);
+error:
+    Py_XDECREF(py_state);
+    Py_XDECREF(py_dict);
+    return py_result;
+}
+
+static PyObject *
+marks_begin_phase(mt_marks *m, PyObject *py_code)
+{
+    long code = PyLong_AsLong(py_code);
+    if (code == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (code < 1 || code > 3) {
+        PyErr_SetString(PyExc_ValueError, "ModuleMarks.begin_phase(): the phase code is 1, 2 or 3");
+        return NULL;
+    }
+    if (mt_marks_begin_phase(m, (unsigned int)code) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+marks_end_phase(mt_marks *m, PyObject *Py_UNUSED(ignored))
+{
+    if (mt_marks_end_phase(m) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+marks_set_model(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "ModuleMarks.set_model() takes a dict {id(module): row} and the root's id");
+        return NULL;
+    }
+    unsigned long long root = PyLong_AsUnsignedLongLong(args[1]);
+    if (root == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (mt_marks_set_ids(m, args[0]) < 0) {
+        return NULL;
+    }
+    m->root = (uintptr_t)root;
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -239,51 +578,107 @@ marks_get_phase_code(mt_marks *m, void *Py_UNUSED(closure))
     return PyLong_FromUnsignedLong(m->phase_code);
 }
 
-static int
-marks_set_phase_code(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
-{
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "phase_code cannot be deleted");
-        return -1;
-    }
-    unsigned long v = PyLong_AsUnsignedLong(value);
-    if (v == (unsigned long)-1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (v > 3) {
-        PyErr_SetString(PyExc_ValueError, "phase_code must be 0..3 (the tag's two phase bits)");
-        return -1;
-    }
-    m->phase_code = (unsigned int)v;
-    return 0;
-}
-
 static PyObject *
 marks_get_depth(mt_marks *m, void *Py_UNUSED(closure))
 {
     return PyLong_FromSsize_t(m->depth);
 }
 
+static PyObject *
+marks_get_forwards(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(m->forwards);
+}
+
+static PyObject *
+marks_get_phases(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_BuildValue("((Ld)(Ld)(Ld))", m->phase_calls[1], (double)m->phase_ns[1] / 1e9, m->phase_calls[2],
+                         (double)m->phase_ns[2] / 1e9, m->phase_calls[3], (double)m->phase_ns[3] / 1e9);
+}
+
+static PyObject *
+marks_get_state_n(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(m->state_n);
+}
+
+static int
+marks_set_state_n(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "state_n cannot be deleted");
+        return -1;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(value);
+    if (n == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    m->state_n = n;
+    return 0;
+}
+
+static PyObject *
+marks_get_params(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(m->params);
+}
+
+static int
+marks_set_params(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL || (value != Py_None && !PyList_Check(value))) {
+        PyErr_SetString(PyExc_TypeError, "params is a list of (name, weakref) or None");
+        return -1;
+    }
+    Py_SETREF(m->params, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+marks_get_last_inputs(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(m->last_inputs);
+}
+
 static PyMethodDef marks_methods[] = {
     {"pre", (PyCFunction)(void (*)(void))marks_pre, METH_FASTCALL,
-     "pre(module, args): the forward pre-hook (the root's Python callback first)."},
+     "pre(module, args): the forward pre-hook (for the root, the forward phase and the batch's names first)."},
     {"post", (PyCFunction)(void (*)(void))marks_post, METH_FASTCALL,
-     "post(module, args, output): the forward hook (the root's Python callback last)."},
+     "post(module, args, output): the forward hook (for the root, the phase change last)."},
+    {"opt_pre", (PyCFunction)(void (*)(void))marks_opt_pre, METH_FASTCALL,
+     "opt_pre(optimizer, args, kwargs): the step pre-hook: the optimizer phase, the gradients' names."},
+    {"opt_post", (PyCFunction)(void (*)(void))marks_opt_post, METH_FASTCALL,
+     "opt_post(optimizer, args, kwargs): the step post-hook: the phase ends, new state is named."},
+    {"begin_phase", (PyCFunction)marks_begin_phase, METH_O,
+     "begin_phase(code): end the running phase, begin phase code (1 forward, 2 backward, 3 optimizer)."},
+    {"end_phase", (PyCFunction)marks_end_phase, METH_NOARGS, "end_phase(): end the running phase, if any."},
+    {"set_model", (PyCFunction)(void (*)(void))marks_set_model, METH_FASTCALL,
+     "set_model(ids, root_id): the model's modules ({id(module): row}) and its root, replacing the old."},
     {"top", (PyCFunction)marks_top, METH_NOARGS,
      "top(): the owner tag now: the innermost running module's, else tagbase | phase_code."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef marks_getset[] = {
-    {"phase_code", (getter)marks_get_phase_code, (setter)marks_set_phase_code,
-     "the phase bits of the tags (0..3)", NULL},
+    {"phase_code", (getter)marks_get_phase_code, NULL, "the running phase's code (0: none)", NULL},
     {"depth", (getter)marks_get_depth, NULL, "module forwards running (tags pushed)", NULL},
+    {"forwards", (getter)marks_get_forwards, NULL, "the root's outermost forwards so far", NULL},
+    {"phases", (getter)marks_get_phases, NULL,
+     "((calls, seconds) of the forward, backward and optimizer phases)", NULL},
+    {"state_n", (getter)marks_get_state_n, (setter)marks_set_state_n,
+     "entries of the optimizer's state when its names were last read", NULL},
+    {"params", (getter)marks_get_params, (setter)marks_set_params,
+     "[(name, weakref)] the walks read, or None (no walk in the optimizer's hooks)", NULL},
+    {"last_inputs", (getter)marks_get_last_inputs, NULL,
+     "the addresses of the last root forward's tensor arguments (0: no storage)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyType_Slot marks_slots[] = {
-    {Py_tp_doc, (void *)"ModuleMarks(ids, root_id, tagbase, on_root_pre, on_root_post): track()'s module "
-                        "hooks in event-log mode (ids: {id(module): row})."},
+    {Py_tp_doc, (void *)"ModuleMarks(ids, root_id, tagbase, snapshots, grad_enabled, timeline=None, shapes=False): "
+                        "track()'s module and optimizer hooks in event-log mode (ids: {id(module): row}; "
+                        "snapshots: the block's list of (log index, names))."},
     {Py_tp_new, marks_new},
     {Py_tp_dealloc, marks_dealloc},
     {Py_tp_traverse, marks_traverse},

@@ -86,6 +86,7 @@ mt_clear(PyObject *module)
     Py_CLEAR(st->row_dtype);
     Py_CLEAR(st->log_dtype);
     Py_CLEAR(st->extra);
+    mt_names_strs_clear(&st->strs);
     return 0;
 }
 

@@ -15,6 +15,13 @@
 
 #include "compat.h"
 
+/* The attribute names and owner kinds the names walk uses (names.c), made once
+ * per module on first use (mt_names_strs). All new references. */
+typedef struct {
+    PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype, *state_attr;
+    PyObject *parameter, *gradient, *state, *buffer, *input;
+} mt_strs;
+
 /* Per-module state (PEP 489). The torch types are handed over once by
  * memtorch/_torch.py through _C._set_types(); until then they are NULL and
  * the walker refuses to run. All references here are strong (owned). */
@@ -26,6 +33,7 @@ typedef struct {
     PyObject *row_dtype;       /* numpy dtype of a walker row (PyArray_Descr) */
     PyObject *log_dtype;       /* numpy dtype of an event log row (eventlog_read_all), made once */
     PyObject *extra;           /* dict: further objects the walker needs */
+    mt_strs strs;              /* names.c's strings; strs.input NULL until made */
 } mt_state;
 
 /* Borrowed pointer to the state of memtorch._C, from the module object. */
@@ -41,6 +49,20 @@ extern PyMethodDef mt_counters_methods[];
 extern PyMethodDef mt_replay_methods[];
 extern PyMethodDef mt_names_methods[];
 extern PyMethodDef mt_sites_methods[];
+
+/* names.c, for marks.c: fill names (a dict) as names_walk() does (params: a
+ * list of (name, weakref); state: the optimizer's state dict or NULL). 0, or -1
+ * with an exception set. */
+int mt_names_walk(PyObject *module, PyObject *names, PyObject *params, PyObject *state, long want);
+/* names.c, for marks.c: names[address of t's storage] = (name, kind, None, shape,
+ * dtype) unless named already (no_shape: shape and dtype None); *addr is that
+ * address (0: t has no storage with data). t, name and kind are borrowed. 0, or -1
+ * with an exception set. */
+int mt_names_put(PyObject *module, PyObject *names, PyObject *t, PyObject *name, PyObject *kind,
+                 int no_shape, void **addr);
+/* names.c: the module's strings (borrowed from its state), made on first use; NULL with an exception set. */
+const mt_strs *mt_names_strs(PyObject *module);
+void mt_names_strs_clear(mt_strs *s);
 
 /* Per-file hooks called from module.c's exec slot, traverse and clear.
  * Each returns 0 on success, -1 with an exception set. */

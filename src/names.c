@@ -4,54 +4,69 @@
 
 #include <stdint.h>
 
-/* The attribute and kind strings of one call (new references, released by mt_strs_clear). */
-typedef struct {
-    PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype;
-    PyObject *parameter, *gradient, *state, *buffer;
-    int no_shape; /* want & 16: shape and dtype left None */
-} mt_strs;
-
-static void
-mt_strs_clear(mt_strs *s)
+void
+mt_names_strs_clear(mt_strs *s)
 {
     Py_CLEAR(s->untyped_storage);
     Py_CLEAR(s->data_ptr);
     Py_CLEAR(s->grad);
     Py_CLEAR(s->shape);
     Py_CLEAR(s->dtype);
+    Py_CLEAR(s->state_attr);
     Py_CLEAR(s->parameter);
     Py_CLEAR(s->gradient);
     Py_CLEAR(s->state);
     Py_CLEAR(s->buffer);
+    Py_CLEAR(s->input);
 }
 
-static int
-mt_strs_init(mt_strs *s)
+/* Made once per module: a names walk runs several times per track() block, and
+ * between a training step's operators making nine strings costs more than the
+ * walk's own work. s->input is made last: set means all are. */
+const mt_strs *
+mt_names_strs(PyObject *module)
 {
+    mt_strs *s = &mt_get_state(module)->strs;
+    if (s->input != NULL) {
+        return s;
+    }
+    mt_names_strs_clear(s);
     s->untyped_storage = PyUnicode_InternFromString("untyped_storage");
     s->data_ptr = PyUnicode_InternFromString("data_ptr");
     s->grad = PyUnicode_InternFromString("grad");
     s->shape = PyUnicode_InternFromString("shape");
     s->dtype = PyUnicode_InternFromString("dtype");
+    s->state_attr = PyUnicode_InternFromString("state");
     s->parameter = PyUnicode_FromString("parameter");
     s->gradient = PyUnicode_FromString("gradient");
     s->state = PyUnicode_FromString("optimizer state");
     s->buffer = PyUnicode_FromString("buffer");
-    if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->parameter ||
-        !s->gradient || !s->state || !s->buffer) {
-        return -1;
+    if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->state_attr ||
+        !s->parameter || !s->gradient || !s->state || !s->buffer) {
+        mt_names_strs_clear(s);
+        return NULL;
     }
-    return 0;
+    s->input = PyUnicode_FromString("input");
+    if (s->input == NULL) {
+        mt_names_strs_clear(s);
+        return NULL;
+    }
+    return s;
 }
 
 /* names[address of t's storage] = (name, kind, None, t.shape, t.dtype) unless the
- * address is named already. t, py_name and py_kind are borrowed. 0, or -1 with an
+ * address is named already (no_shape: shape and dtype None); *addr (if addr) is the
+ * address, 0 for none. t, py_name and py_kind are borrowed. 0, or -1 with an
  * exception set. A tensor without a single storage with data is left unnamed. */
 static int
-mt_put(PyObject *names, PyObject *t, PyObject *py_name, PyObject *py_kind, const mt_strs *s)
+mt_put(PyObject *names, PyObject *t, PyObject *py_name, PyObject *py_kind, const mt_strs *s, int no_shape,
+       void **addr)
 {
     PyObject *py_storage = NULL, *py_addr = NULL, *py_shape = NULL, *py_dtype = NULL, *py_val = NULL;
     int rc = -1;
+    if (addr != NULL) {
+        *addr = NULL;
+    }
     /* t.data_ptr() is its storage's address when it is the start of an allocation the
      * counters hold: live allocations never overlap, so a view into the middle of another
      * storage cannot start there. Else t.untyped_storage().data_ptr() (one call more). */
@@ -85,17 +100,20 @@ mt_put(PyObject *names, PyObject *t, PyObject *py_name, PyObject *py_kind, const
         rc = 0;
         goto error;
     }
-    int truth = PyObject_IsTrue(py_addr);
-    if (truth <= 0) { /* 0: a storage without data; -1: an error */
-        rc = truth == 0 ? 0 : -1;
+    void *p = PyLong_AsVoidPtr(py_addr);
+    if (p == NULL) { /* a storage without data, or an error */
+        rc = PyErr_Occurred() ? -1 : 0;
         goto error;
+    }
+    if (addr != NULL) {
+        *addr = p;
     }
     int has = PyDict_Contains(names, py_addr);
     if (has != 0) {
         rc = has > 0 ? 0 : -1;
         goto error;
     }
-    if (s->no_shape) {
+    if (no_shape) {
         py_val = PyTuple_Pack(5, py_name, py_kind, Py_None, Py_None, Py_None); /* new reference */
         if (py_val == NULL || PyDict_SetItem(names, py_addr, py_val) < 0) {
             goto error;
@@ -128,7 +146,8 @@ error:
 /* The optimizer state of one parameter: each tensor value of py_st (a dict,
  * borrowed) named "<name>.<key>". 0, or -1 with an exception set. */
 static int
-mt_put_state(PyObject *names, PyObject *py_st, PyObject *py_name, PyObject *tensor_type, const mt_strs *s)
+mt_put_state(PyObject *names, PyObject *py_st, PyObject *py_name, PyObject *tensor_type, const mt_strs *s,
+             int no_shape)
 {
     PyObject *py_items = NULL, *py_sname = NULL;
     int rc = -1;
@@ -147,7 +166,7 @@ mt_put_state(PyObject *names, PyObject *py_st, PyObject *py_name, PyObject *tens
             continue;
         }
         py_sname = PyUnicode_FromFormat("%U.%S", py_name, PyTuple_GET_ITEM(py_kv, 0)); /* new reference */
-        if (py_sname == NULL || mt_put(names, py_v, py_sname, s->state, s) < 0) {
+        if (py_sname == NULL || mt_put(names, py_v, py_sname, s->state, s, no_shape, NULL) < 0) {
             goto error;
         }
         Py_CLEAR(py_sname);
@@ -167,35 +186,22 @@ PyDoc_STRVAR(names_walk_doc,
 "(\"<name>.<key>\"; state: the optimizer's state dict or None); & 16: shape\n"
 "and dtype left None. An address already in names keeps its name. Returns None.");
 
-static PyObject *
-names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+int
+mt_names_walk(PyObject *module, PyObject *names, PyObject *params, PyObject *state, long want)
 {
-    mt_strs s = {0};
     PyObject *py_params = NULL, *py_p = NULL, *py_g = NULL, *py_gname = NULL, *py_st = NULL;
-    PyObject *py_result = NULL;
+    int rc = -1;
     mt_state *st = mt_get_state(module);
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "names_walk() takes 4 arguments (%zd given)", nargs);
-        goto error;
-    }
     if (st->tensor_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "names_walk(): the torch types were not handed over (_set_types)");
         goto error;
     }
-    PyObject *names = args[0], *state = args[2]; /* borrowed arguments */
-    if (!PyDict_Check(names) || !PyList_Check(args[1]) || (state != Py_None && !PyDict_Check(state))) {
-        PyErr_SetString(PyExc_TypeError, "names_walk() expects a dict, a list of (name, weakref) and a dict or None");
+    const mt_strs *s = mt_names_strs(module); /* borrowed from the module state */
+    if (s == NULL) {
         goto error;
     }
-    long want = PyLong_AsLong(args[3]);
-    if (want == -1 && PyErr_Occurred()) {
-        goto error;
-    }
-    if (mt_strs_init(&s) < 0) {
-        goto error;
-    }
-    s.no_shape = (want & 16) != 0;
-    py_params = PySequence_Tuple(args[1]); /* new reference: a snapshot of the list */
+    int no_shape = (want & 16) != 0;
+    py_params = PySequence_Tuple(params); /* new reference: a snapshot of the list */
     if (py_params == NULL) {
         goto error;
     }
@@ -214,44 +220,76 @@ names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_CLEAR(py_p);
             continue;
         }
-        if ((want & 1) && mt_put(names, py_p, py_name, (want & 8) ? s.buffer : s.parameter, &s) < 0) {
+        if ((want & 1) && mt_put(names, py_p, py_name, (want & 8) ? s->buffer : s->parameter, s, no_shape, NULL) < 0) {
             goto error;
         }
         if (want & 2) {
-            py_g = PyObject_GetAttr(py_p, s.grad); /* new reference */
+            py_g = PyObject_GetAttr(py_p, s->grad); /* new reference */
             if (py_g == NULL) {
                 goto error;
             }
             if (py_g != Py_None) {
                 py_gname = PyUnicode_FromFormat("%U.grad", py_name); /* new reference */
-                if (py_gname == NULL || mt_put(names, py_g, py_gname, s.gradient, &s) < 0) {
+                if (py_gname == NULL || mt_put(names, py_g, py_gname, s->gradient, s, no_shape, NULL) < 0) {
                     goto error;
                 }
                 Py_CLEAR(py_gname);
             }
             Py_CLEAR(py_g);
         }
-        if ((want & 4) && state != Py_None) {
+        if ((want & 4) && state != NULL) {
             if (PyDict_GetItemRef(state, py_p, &py_st) < 0) { /* py_st: new reference or NULL */
                 goto error;
             }
             if (py_st != NULL && PyDict_Check(py_st) &&
-                mt_put_state(names, py_st, py_name, st->tensor_type, &s) < 0) {
+                mt_put_state(names, py_st, py_name, st->tensor_type, s, no_shape) < 0) {
                 goto error;
             }
             Py_CLEAR(py_st);
         }
         Py_CLEAR(py_p);
     }
-    py_result = Py_NewRef(Py_None);
+    rc = 0;
 error:
-    mt_strs_clear(&s);
     Py_XDECREF(py_params);
     Py_XDECREF(py_p);
     Py_XDECREF(py_g);
     Py_XDECREF(py_gname);
     Py_XDECREF(py_st);
-    return py_result;
+    return rc;
+}
+
+int
+mt_names_put(PyObject *module, PyObject *names, PyObject *t, PyObject *name, PyObject *kind, int no_shape,
+             void **addr)
+{
+    const mt_strs *s = mt_names_strs(module); /* borrowed from the module state */
+    if (s == NULL) {
+        return -1;
+    }
+    return mt_put(names, t, name, kind, s, no_shape, addr);
+}
+
+static PyObject *
+names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "names_walk() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *names = args[0], *state = args[2]; /* borrowed arguments */
+    if (!PyDict_Check(names) || !PyList_Check(args[1]) || (state != Py_None && !PyDict_Check(state))) {
+        PyErr_SetString(PyExc_TypeError, "names_walk() expects a dict, a list of (name, weakref) and a dict or None");
+        return NULL;
+    }
+    long want = PyLong_AsLong(args[3]);
+    if (want == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (mt_names_walk(module, names, args[1], state == Py_None ? NULL : state, want) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* Mix every (key, value) identity of the dict py_d (borrowed) into *h. Reads the

@@ -1,11 +1,14 @@
-"""_C.ModuleMarks: track()'s module hooks in C (event-log mode), checked against the marks and
-owner tags the Python hooks wrote, with bad input, deep nesting, cycles and a leak loop."""
+"""_C.ModuleMarks: track()'s module and optimizer hooks in C (event-log mode): the marks and
+owner tags of the modules and phases, the names of the batch, gradients and new optimizer
+state, checked against hand-written expectations and the tensors themselves; with bad input,
+deep nesting, cycles and a leak loop."""
 
 import gc
 import sys
 import weakref
 
 import pytest
+import torch
 
 from memtorch import _C, cpu
 from memtorch import peak as attribution
@@ -14,6 +17,8 @@ from test_refleaks_counters import _leaks
 MARKS_FUNCTIONS = {"ModuleMarks"}  # for the leak suites' meta-test (test_refleaks_meta.py)
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact counters are Linux-only")
+
+FORWARD, BACKWARD, OPTIMIZER = (attribution.PHASE_CODES[k] for k in ("forward", "backward", "optimizer"))
 
 
 class _Mod:  # stands for a module: the marks only compare its address
@@ -26,51 +31,156 @@ def _log(ev0):
     return [(int(k), int(p), int(t)) for k, p, t in zip(ev["kind"], ev["ptr"], ev["tag"]) if k != 0]
 
 
+def _marks(ids=None, root=0, token=7, snaps=None, grad=lambda: True, timeline=None, shapes=False):
+    return _C.ModuleMarks(
+        {} if ids is None else ids, root, token << attribution.TAG_BITS, [] if snaps is None else snaps, grad,
+        timeline, shapes,
+    )  # fmt: skip
+
+
 @linux_only
-def test_marks_and_tags_are_those_of_the_python_hooks():
-    """A root with one child: enter root, enter child, exit child, exit root. The root's
-    callbacks run before its enter mark and after its exit mark; the tags are
-    tagbase | (row + 1) << 2 | phase, and on exit the enclosing module's (or the block's)."""
+def test_module_and_phase_marks_and_tags():
+    """A root with one child, with autograd on: the root's pre-hook begins the forward phase
+    before its enter mark; its post-hook, after its exit mark, ends it and begins the
+    backward phase. Tags are tagbase | (row + 1) << 2 | phase; on exit the enclosing
+    module's (or the block's with its phase); a phase's end mark carries the bare tagbase."""
     root, child, other = _Mod(), _Mod(), _Mod()
     base = 7 << attribution.TAG_BITS
-    calls = []
-
-    def on_pre(module, args):
-        calls.append(("pre", module is root, args))
-        marks.phase_code = 1  # what the Python root hook's forward phase does
-        _C.eventlog_mark(3, 0x101, marks.top())
-
-    def on_post(module, args, output):
-        calls.append(("post", module is root, output))
-        marks.phase_code = 0
-
-    marks = _C.ModuleMarks({id(root): 0, id(child): 1}, id(root), base, on_pre, on_post)
+    timeline = []
+    marks = _marks({id(root): 0, id(child): 1}, id(root), timeline=timeline)
     with cpu.Scope(timeline=True) as s:
         marks.pre(root, ("x",))
         marks.pre(other, ())  # not the model's: nothing
         marks.pre(child, ())
-        assert marks.depth == 2 and marks.top() == attribution.make_tag(7, 1, 1)
+        assert marks.depth == 2 and marks.top() == attribution.make_tag(7, 1, FORWARD)
         marks.post(child, (), "out")
         marks.post(other, (), None)
         marks.post(root, ("x",), "y")
+        assert marks.phase_code == BACKWARD and marks.top() == base | BACKWARD
+        marks.end_phase()
         log = _log(s._ev0)
-    assert calls == [("pre", True, ("x",)), ("post", True, "y")]
     assert log == [
-        (3, 0x101, base | 1),
-        (1, 0, attribution.make_tag(7, 0, 1)),
-        (1, 1, attribution.make_tag(7, 1, 1)),
-        (2, 1, attribution.make_tag(7, 0, 1)),
-        (2, 0, base | 1),  # the phase ends in the root's post callback, after this mark
+        (3, 0x100 | FORWARD, base | FORWARD),
+        (1, 0, attribution.make_tag(7, 0, FORWARD)),
+        (1, 1, attribution.make_tag(7, 1, FORWARD)),
+        (2, 1, attribution.make_tag(7, 0, FORWARD)),
+        (2, 0, base | FORWARD),  # the phase ends after the root's exit mark
+        (3, 0x200 | FORWARD, base),
+        (3, 0x100 | BACKWARD, base | BACKWARD),
+        (3, 0x200 | BACKWARD, base),
     ]
-    assert marks.depth == 0 and marks.top() == base  # phase_code back to 0
+    assert marks.depth == 0 and marks.top() == base and marks.phase_code == 0
+    assert marks.forwards == 1
+    (fc, fs), (bc, bs), (oc, os_) = marks.phases
+    assert (fc, bc, oc) == (1, 1, 0) and fs > 0 and bs > 0 and os_ == 0
+    assert [(kind, name) for _, kind, name in timeline] == [
+        ("phase", "forward"), ("end", "forward"), ("phase", "backward"), ("end", "backward"),
+    ]  # fmt: skip
+    times = [ns for ns, _, _ in timeline]
+    assert times == sorted(times) and times[0] > 0
+
+
+def test_no_backward_phase_without_autograd_and_recursion_is_one_forward():
+    root = _Mod()
+    marks = _marks({id(root): 0}, id(root), grad=lambda: False)
+    marks.pre(root, ())
+    marks.pre(root, ())  # a root calling itself: one forward
+    marks.post(root, (), None)
+    assert marks.phase_code == FORWARD
+    marks.post(root, (), None)
+    assert marks.phase_code == 0 and marks.forwards == 1
+    assert [c for c, _ in marks.phases] == [1, 0, 0]
+    marks.post(root, (), None)  # an end without its beginning (hooks added mid-forward): nothing
+    assert marks.phase_code == 0 and [c for c, _ in marks.phases] == [1, 0, 0]
 
 
 @linux_only
+def test_the_batch_is_named_by_address_and_listed_as_the_last_inputs():
+    """The tensors among the root's arguments are named "input j" (or "input" for a single
+    argument) at the point of the log where the forward began; others are skipped."""
+    root = _Mod()
+    snaps = []
+    marks = _marks({id(root): 0}, id(root), snaps=snaps, shapes=True)
+    with cpu.Scope():
+        x = torch.randn(4, 3)
+        y = torch.zeros(5, dtype=torch.int64)[1:]  # a view: its storage's address
+        head = _C.eventlog_head()
+        marks.pre(root, (x, "not a tensor", y))
+        assert marks.last_inputs == [x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()]
+        assert snaps == [(head, {
+            x.untyped_storage().data_ptr(): ("input 0", "input", None, x.shape, x.dtype),
+            y.untyped_storage().data_ptr(): ("input 2", "input", None, y.shape, y.dtype),
+        })]  # fmt: skip
+        marks.post(root, (), None)
+        marks.pre(root, (x,))
+        assert snaps[-1][1] == {x.untyped_storage().data_ptr(): ("input", "input", None, x.shape, x.dtype)}
+        marks.post(root, (), None)
+        marks.pre(root, ("no tensor",))
+        assert marks.last_inputs == [] and len(snaps) == 2  # nothing to name: no snapshot
+        marks.post(root, (), None)
+        marks.end_phase()
+
+
+@linux_only
+def test_optimizer_hooks_name_gradients_and_new_state():
+    """opt_pre: the optimizer phase and the gradients' names; opt_post: the phase ends and,
+    when the optimizer's state has new entries, their tensors are named
+    ("<param>.exp_avg"); no walk before the params are set."""
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    b = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.Adam([w, b], lr=0.1)
+    snaps = []
+    base = 3 << attribution.TAG_BITS
+    marks = _marks(token=3, snaps=snaps)
+    addr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    with cpu.Scope(timeline=True) as s:
+        (w.sum() + b.sum()).backward()
+        marks.opt_pre(opt, (), {})
+        assert snaps == [] and marks.phase_code == OPTIMIZER  # params not set yet: no names
+        marks.opt_post(opt, (), {})
+        marks.params = [("w", weakref.ref(w)), ("b", weakref.ref(b))]
+        marks.state_n = len(opt.state)
+        marks.opt_pre(opt, (), {})
+        opt.step()
+        marks.opt_post(opt, (), {})
+        log = _log(s._ev0)
+    assert snaps[0][1] == {
+        addr(w.grad): ("w.grad", "gradient", None, None, None),
+        addr(b.grad): ("b.grad", "gradient", None, None, None),
+    }
+    assert marks.state_n == 2 == len(opt.state)
+    want = {}
+    for name, p in (("w", w), ("b", b)):
+        for key, v in opt.state[p].items():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr():
+                want[addr(v)] = (f"{name}.{key}", "optimizer state", None, None, None)
+    assert snaps[1][1] == want and len(want) >= 4  # exp_avg and exp_avg_sq of each
+    assert [k for k, _, _ in log].count(3) == 4  # two optimizer phases, begun and ended
+    assert (3, 0x100 | OPTIMIZER, base | OPTIMIZER) in log and (3, 0x200 | OPTIMIZER, base) in log
+    n = len(snaps)
+    marks.opt_pre(opt, (), {})
+    opt.step()
+    marks.opt_post(opt, (), {})  # no new state: the gradients only
+    assert len(snaps) == n + 1 and all(v[1] == "gradient" for v in snaps[-1][1].values())
+    assert [c for c, _ in marks.phases] == [0, 0, 3]
+
+
+def test_snapshots_keep_the_first_16_and_the_latest():
+    w = torch.nn.Parameter(torch.randn(3))
+    w.grad = torch.ones(3)
+    snaps = [(-i, {}) for i in range(256)]  # stand-ins for the walks already kept
+    marks = _marks(snaps=snaps)
+    marks.params = [("w", weakref.ref(w))]
+    marks.opt_pre(None, (), {})
+    assert len(snaps) == 256 and [h for h, _ in snaps[:17]] == [-i for i in range(16)] + [-17]
+    assert [v[0] for v in snaps[-1][1].values()] == ["w.grad"]
+
+
 def test_nesting_deeper_than_the_stack_keeps_counting():
     """Recursion deeper than the 256 tags kept: the depth still counts, and once back
     within the stack the tags are the modules' again."""
     m = _Mod()
-    marks = _C.ModuleMarks({id(m): 3}, 0, 1 << attribution.TAG_BITS, lambda *a: None, lambda *a: None)
+    marks = _marks({id(m): 3}, token=1)
     for _ in range(300):
         marks.pre(m, ())
     assert marks.depth == 300 and marks.top() == attribution.make_tag(1, 3, 0)
@@ -81,16 +191,34 @@ def test_nesting_deeper_than_the_stack_keeps_counting():
     assert marks.depth == 0
 
 
+def test_set_model_replaces_the_modules():
+    a, b = _Mod(), _Mod()
+    marks = _marks({id(a): 0}, id(a))
+    marks.set_model({id(b): 4}, id(b))
+    marks.pre(a, ())
+    assert marks.depth == 0 and marks.forwards == 0  # a is no longer the model's
+    marks.pre(b, ())
+    assert marks.depth == 1 and marks.forwards == 1 and marks.top() == attribution.make_tag(7, 4, FORWARD)
+    with pytest.raises(ValueError, match="module ids"):
+        marks.set_model({0: 1}, 0)
+    assert marks.top() == attribution.make_tag(7, 4, FORWARD)  # a refused set_model keeps the old
+    with pytest.raises(TypeError, match="set_model"):
+        marks.set_model([], 0)
+
+
 @pytest.mark.parametrize(
     "args, error, match",
     [
-        (([], 0, 0, print, print), TypeError, "dict"),
-        (({1: 0}, 0, 0, 1, print), TypeError, "callable"),
-        (({0: 0}, 0, 0, print, print), ValueError, "module ids"),
-        (({1: -1}, 0, 0, print, print), ValueError, "rows"),
-        (({1: 1 << 22}, 0, 0, print, print), ValueError, "rows"),
-        (({"a": 0}, 0, 0, print, print), TypeError, "integer"),
-        (({1: 0}, 0, 1 << 32, print, print), ValueError, "tagbase"),
+        (([], 0, 0, [], print), TypeError, "dict"),
+        (({}, 0, 0, (), print), TypeError, "list"),
+        (({1: 0}, 0, 0, [], 1), TypeError, "callable"),
+        (({0: 0}, 0, 0, [], print), ValueError, "module ids"),
+        (({1: -1}, 0, 0, [], print), ValueError, "rows"),
+        (({1: 1 << 22}, 0, 0, [], print), ValueError, "rows"),
+        (({"a": 0}, 0, 0, [], print), TypeError, "integer"),
+        (({1: 0}, 0, 1 << 32, [], print), ValueError, "tagbase"),
+        (({1: 0}, 0, 5, [], print), ValueError, "low 24 bits"),
+        (({1: 0}, 0, 0, [], print, ()), TypeError, "timeline"),
     ],
 )
 def test_bad_input_is_refused(args, error, match):
@@ -98,39 +226,62 @@ def test_bad_input_is_refused(args, error, match):
         _C.ModuleMarks(*args)
 
 
-def test_bad_calls_and_phase_codes_are_refused():
-    marks = _C.ModuleMarks({}, 0, 0, print, print)
+def test_bad_calls_are_refused():
+    marks = _marks()
     with pytest.raises(TypeError, match="2 arguments"):
         marks.pre(_Mod())
     with pytest.raises(TypeError, match="3 arguments"):
         marks.post(_Mod(), ())
-    with pytest.raises(ValueError, match="0..3"):
-        marks.phase_code = 4
+    with pytest.raises(TypeError, match="3 arguments"):
+        marks.opt_pre(None)
+    with pytest.raises(TypeError, match="3 arguments"):
+        marks.opt_post(None, ())
+    for code in (0, 4, -1):
+        with pytest.raises(ValueError, match="1, 2 or 3"):
+            marks.begin_phase(code)
     with pytest.raises(AttributeError):
-        del marks.phase_code
+        marks.phase_code = 1
+    with pytest.raises(TypeError, match="params"):
+        marks.params = ("w", None)
+    with pytest.raises(AttributeError, match="deleted"):
+        del marks.state_n
+    with pytest.raises(AttributeError):
+        marks.opt_post(object(), (), {})  # no .state: an optimizer's hook on something else
+    assert marks.phase_code == 0  # the phase ended before the state was read
+
+
+def test_errors_inside_the_hooks_reach_the_caller():
     root = _Mod()
 
-    def fails(module, args):
-        raise RuntimeError("from the root's hook")
+    def fails():
+        raise RuntimeError("from is_grad_enabled")
 
-    marks = _C.ModuleMarks({id(root): 0}, id(root), 0, fails, print)
-    with pytest.raises(RuntimeError, match="root's hook"):
-        marks.pre(root, ())
-    assert marks.depth == 0  # nothing pushed for a failed root
+    marks = _marks({id(root): 0}, id(root), grad=fails)
+    marks.pre(root, ())
+    with pytest.raises(RuntimeError, match="is_grad_enabled"):
+        marks.post(root, (), None)
+    assert marks.phase_code == 0 and marks.depth == 0  # the forward ended; no backward began
+
+    class Boom:
+        def __call__(self):
+            raise RuntimeError("weakref gone wrong")
+
+    marks.params = [("w", Boom())]
+    with pytest.raises(RuntimeError, match="weakref gone wrong"):
+        marks.opt_pre(None, (), {})
 
 
-def test_a_cycle_through_the_callbacks_is_collected():
-    """The Tracker holds its marks and the marks hold the Tracker's bound methods."""
+def test_a_cycle_through_the_lists_is_collected():
+    """The Tracker holds its marks and the marks hold the Tracker's lists (snapshots,
+    timeline); a list that holds the marks makes a cycle the collector must break."""
 
     class Holder:
-        def pre(self, module, args):
-            pass
-
-        def post(self, module, args, output):
-            pass
+        pass
 
     h = Holder()
-    h.marks = _C.ModuleMarks({}, 0, 0, h.pre, h.post)
+    h.snaps = []
+    h.marks = _marks(snaps=h.snaps, timeline=[], grad=lambda: h)
+    h.snaps.append(h)
     ref = weakref.ref(h)
     del h
     gc.collect()
@@ -140,23 +291,31 @@ def test_a_cycle_through_the_callbacks_is_collected():
 def test_marks_do_not_leak():
     root, child = _Mod(), _Mod()
     ids = {id(root): 0, id(child): 1}
+    w = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
 
     def once():
-        marks = _C.ModuleMarks(ids, id(root), 5 << attribution.TAG_BITS, lambda m, a: None, lambda m, a, o: None)
-        marks.pre(root, ())
+        snaps, timeline = [], []
+        marks = _marks(ids, id(root), snaps=snaps, timeline=timeline, shapes=True)
+        marks.params = [("w", weakref.ref(w))]
+        x = torch.ones(2)
+        marks.pre(root, (x, 1))
         marks.pre(child, ())
         marks.post(child, (), None)
         marks.post(root, (), None)
-        marks.phase_code = 2
-        marks.top()
-        try:
-            _C.ModuleMarks({1: -1}, 0, 0, print, print)
-        except ValueError:
-            pass
-        try:
-            marks.pre(root)
-        except TypeError:
-            pass
+        w.grad = torch.ones(4)
+        marks.opt_pre(opt, (), {})
+        marks.state_n = -1
+        marks.opt_post(opt, (), {})
+        marks.set_model(ids, id(root))
+        marks.top(), marks.phases, marks.last_inputs, marks.forwards, marks.params
+        for bad in (lambda: _C.ModuleMarks({1: -1}, 0, 0, [], print), lambda: marks.pre(root),
+                    lambda: marks.begin_phase(9), lambda: marks.opt_post(object(), (), {})):
+            try:
+                bad()
+            except (ValueError, TypeError, AttributeError):
+                pass
+        w.grad = None
 
     deltas = _leaks(once)
     assert not all(d > 0 for d in deltas), deltas
