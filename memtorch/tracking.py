@@ -684,7 +684,11 @@ def _average_modules(rows, forwards):
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
             phases=None, sites=None):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
+    ``ev``: the block's events as eventlog_read_all(..., raw=True) copied them (bytes);
     ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
+    import numpy as np
+
+    ev = np.frombuffer(ev, dtype=_log_dtype())
     rows.extend(ModuleStats(name, type_name) for name, type_name in specs)
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
     replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
@@ -703,6 +707,13 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
 
 
 _token = [0]
+_dtype = []  # the numpy dtype of the event log's rows, read once
+
+
+def _log_dtype():
+    if not _dtype:
+        _dtype.append(_C.eventlog_read_all(0, 0)[0].dtype)
+    return _dtype[0]
 
 
 def _outer_tag(inner):
@@ -1429,7 +1440,7 @@ class Tracker:
         pending = None
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
-            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head)
+            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head, True)  # bytes: the array made at the replay
             sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != self._state_n

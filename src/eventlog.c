@@ -235,51 +235,20 @@ error:
 }
 
 PyDoc_STRVAR(read_all_doc,
-"eventlog_read_all($module, first, last, /)\n--\n\n"
+"eventlog_read_all($module, first, last, raw=False, /)\n--\n\n"
 "Every event with index in [first, last), marks included, as (array, dropped):\n"
 "a structured array with fields index (uint64), time (int64, ns), bytes\n"
 "(int64: counted bytes after the event, -1 for a mark), ptr (uint64: the\n"
 "address, or a mark's number), delta (int64: bytes allocated, negative when\n"
 "freed), kind (uint32: 0 allocation or free, 1 enter, 2 exit, 3 tag) and tag\n"
 "(uint32: the owner tag), and the number of events of the range lost to the\n"
-"ring's wrap-around or torn.");
+"ring's wrap-around or torn. raw true: the array's bytes instead (a bytes\n"
+"object, for numpy.frombuffer with the array's dtype).");
 
-static PyObject *
-eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The rows of [lo, last) into rows (room for last - lo); returns how many were intact. */
+static npy_intp
+mt_eventlog_rows(mt_log_row *rows, uint64_t lo, uint64_t last)
 {
-    PyObject *py_spec = NULL, *py_arr = NULL, *py_result = NULL;
-    PyArray_Descr *descr = NULL;
-    uint64_t lo = 0, last = 0, n = 0;
-    mt_state *st = mt_get_state(module);
-    if (mt_eventlog_range(args, nargs, "eventlog_read_all", &lo, &last, &n) < 0) {
-        goto error;
-    }
-    if (st->log_dtype == NULL) { /* made once: the layout of mt_log_row (counters.h) */
-        py_spec = Py_BuildValue(
-            "[(ss)(ss)(ss)(ss)(ss)(ss)(ss)]", "index", "<u8", "time", "<i8", "bytes", "<i8",
-            "ptr", "<u8", "delta", "<i8", "kind", "<u4", "tag", "<u4");  /* new reference */
-        if (py_spec == NULL) {
-            goto error;
-        }
-        if (!PyArray_DescrConverter(py_spec, &descr)) {  /* descr: new reference */
-            goto error;
-        }
-        if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_log_row)) {
-            PyErr_SetString(PyExc_SystemError, "eventlog_read_all(): unexpected record layout");
-            goto error;
-        }
-        st->log_dtype = (PyObject *)descr; /* the state takes descr's reference */
-        descr = NULL;
-    }
-    descr = (PyArray_Descr *)Py_NewRef(st->log_dtype); /* new reference, for the array to steal */
-    npy_intp dims[1] = {(npy_intp)(last - lo)};
-    /* PyArray_NewFromDescr steals descr, even on failure. */
-    py_arr = PyArray_NewFromDescr(&PyArray_Type, descr, 1, dims, NULL, NULL, 0, NULL);
-    descr = NULL;
-    if (py_arr == NULL) {
-        goto error;
-    }
-    mt_log_row *rows = (mt_log_row *)PyArray_DATA((PyArrayObject *)py_arr);
     npy_intp kept = 0;
     mt_event *events = atomic_load(&mt_events);
     for (uint64_t i = lo; events != NULL && i < last; i++) {
@@ -296,14 +265,90 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             r->tag = (uint32_t)(info & 0xffffffffu);
         }
     }
-    if (mt_shrink(py_arr, kept) < 0) {
+    return kept;
+}
+
+/* The numpy dtype of an event row (borrowed from the module state), made once. */
+static PyObject *
+mt_log_dtype(mt_state *st)
+{
+    PyObject *py_spec = NULL;
+    PyArray_Descr *descr = NULL;
+    if (st->log_dtype == NULL) { /* the layout of mt_log_row (counters.h) */
+        py_spec = Py_BuildValue(
+            "[(ss)(ss)(ss)(ss)(ss)(ss)(ss)]", "index", "<u8", "time", "<i8", "bytes", "<i8",
+            "ptr", "<u8", "delta", "<i8", "kind", "<u4", "tag", "<u4");  /* new reference */
+        if (py_spec == NULL) {
+            goto error;
+        }
+        if (!PyArray_DescrConverter(py_spec, &descr)) {  /* descr: new reference */
+            goto error;
+        }
+        if (PyDataType_ELSIZE(descr) != (npy_intp)sizeof(mt_log_row)) {
+            PyErr_SetString(PyExc_SystemError, "eventlog_read_all(): unexpected record layout");
+            goto error;
+        }
+        st->log_dtype = (PyObject *)descr; /* the state takes descr's reference */
+        descr = NULL;
+    }
+error:
+    Py_XDECREF(py_spec);
+    Py_XDECREF((PyObject *)descr);
+    return st->log_dtype;
+}
+
+static PyObject *
+eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_arr = NULL, *py_raw = NULL, *py_result = NULL;
+    uint64_t lo = 0, last = 0, n = 0;
+    mt_state *st = mt_get_state(module);
+    int raw = 0;
+    if (nargs == 3) {
+        raw = PyObject_IsTrue(args[2]);
+        if (raw < 0) {
+            goto error;
+        }
+    }
+    if (mt_eventlog_range(args, nargs == 3 ? 2 : nargs, "eventlog_read_all", &lo, &last, &n) < 0) {
+        goto error;
+    }
+    PyObject *dtype = mt_log_dtype(st); /* borrowed from the state */
+    if (dtype == NULL) {
+        goto error;
+    }
+    npy_intp kept;
+    if (raw) { /* the rows as bytes: one copy now, the array made when (if) the replay runs */
+        py_raw = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((last - lo) * sizeof(mt_log_row))); /* new reference */
+        if (py_raw == NULL) {
+            goto error;
+        }
+        kept = mt_eventlog_rows((mt_log_row *)PyBytes_AS_STRING(py_raw), lo, last);
+        if ((uint64_t)kept < last - lo) { /* torn events left out: the kept rows alone */
+            PyObject *py_short = PyBytes_FromStringAndSize(PyBytes_AS_STRING(py_raw),
+                                                           (Py_ssize_t)(kept * (npy_intp)sizeof(mt_log_row)));
+            if (py_short == NULL) {
+                goto error;
+            }
+            Py_SETREF(py_raw, py_short);
+        }
+        py_result = Py_BuildValue("(OL)", py_raw, (long long)n - (long long)kept);
+        goto error;
+    }
+    npy_intp dims[1] = {(npy_intp)(last - lo)};
+    /* PyArray_NewFromDescr steals the descr, even on failure. */
+    py_arr = PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)Py_NewRef(dtype), 1, dims, NULL, NULL, 0, NULL);
+    if (py_arr == NULL) {
+        goto error;
+    }
+    kept = mt_eventlog_rows((mt_log_row *)PyArray_DATA((PyArrayObject *)py_arr), lo, last);
+    if (kept < dims[0] && mt_shrink(py_arr, kept) < 0) {
         goto error;
     }
     py_result = Py_BuildValue("(OL)", py_arr, (long long)n - (long long)kept);
 error:
-    Py_XDECREF(py_spec);
-    Py_XDECREF((PyObject *)descr);
     Py_XDECREF(py_arr);
+    Py_XDECREF(py_raw);
     return py_result;
 }
 

@@ -693,3 +693,27 @@ def test_a_range_older_than_the_ring_reads_empty(exact_mode):
     assert len(ev) == 0 and dropped == 10
     ev, dropped = _C.eventlog_read_all(head - 5, head)
     assert len(ev) == 5 and dropped == 0
+    raw, dropped = _C.eventlog_read_all(0, 10, True)
+    assert raw == b"" and dropped == 10
+
+
+def test_raw_read_is_the_arrays_bytes(exact_mode):
+    """eventlog_read_all(..., raw=True): the same rows as bytes (what track() keeps until its
+    report is read), read back with the array's dtype."""
+    import numpy as np
+
+    from memtorch import _C
+
+    with cpu.Scope(timeline=True) as s:
+        kept = [torch.empty(n) for n in (3, 5, 7)]
+        del kept[1]
+        head = _C.eventlog_head()
+    ev, dropped = _C.eventlog_read_all(s._ev0, head)
+    raw, dropped_raw = _C.eventlog_read_all(s._ev0, head, True)
+    assert type(raw) is bytes and len(ev) >= 4 and (dropped, dropped_raw) == (0, 0)
+    back = np.frombuffer(raw, dtype=ev.dtype)
+    assert back.tolist() == ev.tolist()
+    assert [int(d) for d in back["delta"] if d] == [12, 20, 28, -20]  # float32: 4 bytes each
+    assert _C.eventlog_read_all(s._ev0, head, False)[0].tolist() == ev.tolist()
+    with pytest.raises(TypeError, match="2 arguments"):
+        _C.eventlog_read_all(0, 1, True, 4)
