@@ -736,6 +736,57 @@ def _next_token():
         return _token[0]
 
 
+_direct = []  # [(pre, post, always-called dicts, RemovableHandle)] or [None]: see _hook_dicts
+
+
+def _hook_dicts():
+    """torch's global forward hook dicts (pre-hooks, hooks, hooks always called) and its
+    RemovableHandle when they are where torch 2.x keeps them, else None (then the public
+    register_* functions). A block adds its hooks to them directly, under ids from the
+    handles' own counter: a RemovableHandle per hook, made and removed once per block,
+    cost as much as the rest of the block's start."""
+    if not _direct:
+        found = None
+        try:
+            from torch.utils.hooks import RemovableHandle
+
+            m = sys.modules["torch.nn.modules.module"]
+            dicts = (m._global_forward_pre_hooks, m._global_forward_hooks, m._global_forward_hooks_always_called)
+            if all(isinstance(d, dict) for d in dicts) and type(RemovableHandle.next_id) is int:  # noqa: E721
+                found = dicts + (RemovableHandle,)
+        except (ImportError, KeyError, AttributeError):
+            pass
+        _direct.append(found)
+    return _direct[0]
+
+
+def _opt_hook_dicts(opt):
+    """The optimizer's step pre- and post-hook dicts when its class registers them as
+    torch.optim.Optimizer does, else None (then opt.register_step_*_hook)."""
+    if _hook_dicts() is None:  # no handle counter to take ids from
+        return None
+    cls, base = type(opt), _torch_mod.optim.Optimizer
+    if cls.register_step_pre_hook is base.register_step_pre_hook and cls.register_step_post_hook is base.register_step_post_hook:
+        pre = opt.__dict__.get("_optimizer_step_pre_hooks")
+        post = opt.__dict__.get("_optimizer_step_post_hooks")
+        if isinstance(pre, dict) and isinstance(post, dict):
+            return pre, post
+    return None
+
+
+def _add_hook(handles, hooks, hook, always=None):
+    """hooks[id] = hook (and always[id] = True), as torch's register_* functions do, with
+    an id from RemovableHandle's counter; (hooks, id, always) goes to ``handles``, for
+    Tracker._remove_hooks."""
+    h = _direct[0][3]
+    i = h.next_id
+    h.next_id = i + 1
+    hooks[i] = hook
+    if always is not None:
+        always[i] = True
+    handles.append((hooks, i, always))
+
+
 def _data_ptr(t):
     try:
         return t.untyped_storage().data_ptr()
@@ -1162,7 +1213,6 @@ class Tracker:
         return plan
 
     def _hook_model(self, model):
-        torch_module = sys.modules["torch.nn.modules.module"]
         self._root_id = id(model)
         if self._modules_on:
             plan = self._model_plan(model)
@@ -1176,13 +1226,25 @@ class Tracker:
             pre, post = self._marks.pre, self._marks.post
         else:
             pre, post = self._pre, self._post
-        self._handles.append(torch_module.register_module_forward_pre_hook(pre))
-        self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
+        direct = _hook_dicts()
+        if direct is not None:
+            _add_hook(self._handles, direct[0], pre)
+            _add_hook(self._handles, direct[1], post, direct[2])  # always called, as always_call=True
+        else:
+            torch_module = sys.modules["torch.nn.modules.module"]
+            self._handles.append(torch_module.register_module_forward_pre_hook(pre))
+            self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
 
     def _hook_optimizer(self, opt):
         m = self._marks  # event-log mode: the phase and the gradients' and new state's names in C
-        self._handles.append(opt.register_step_pre_hook(self._opt_pre if m is None else m.opt_pre))
-        self._handles.append(opt.register_step_post_hook(self._opt_post if m is None else m.opt_post))
+        pre, post = (self._opt_pre, self._opt_post) if m is None else (m.opt_pre, m.opt_post)
+        direct = _opt_hook_dicts(opt)
+        if direct is not None:
+            _add_hook(self._handles, direct[0], pre)
+            _add_hook(self._handles, direct[1], post)
+        else:
+            self._handles.append(opt.register_step_pre_hook(pre))
+            self._handles.append(opt.register_step_post_hook(post))
 
     def watch(self, model=None, optimizer=None):
         """Give the block the model and/or optimizer to name (phases, per-module figures,
@@ -1216,8 +1278,16 @@ class Tracker:
         return self
 
     def _remove_hooks(self):
-        while self._handles:
-            self._handles.pop().remove()
+        handles = self._handles
+        while handles:
+            h = handles.pop()
+            if type(h) is tuple:  # noqa: E721  (_add_hook's)
+                hooks, i, always = h
+                hooks.pop(i, None)
+                if always is not None:
+                    always.pop(i, None)
+            else:
+                h.remove()
 
     # -- block -------------------------------------------------------------
     def _reset_state(self):

@@ -18,7 +18,7 @@ def _leftovers():
     torch_mod = sys.modules.get("torch.nn.modules.module")
     if torch_mod is not None:
         for attr in dir(torch_mod):
-            if attr.startswith("_global_") and attr.endswith("hooks"):
+            if attr.startswith("_global_") and (attr.endswith("hooks") or attr.endswith("_called")):
                 hooks = getattr(torch_mod, attr)
                 if hooks:
                     found.append(f"torch.nn.modules.module.{attr} holds {len(hooks)} hook(s)")

@@ -41,6 +41,7 @@ def no_hooks(model, optimizer=None):
     from torch.nn.modules import module as torch_module
 
     assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+    assert not torch_module._global_forward_hooks_always_called
     if optimizer is not None:
         assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     assert tracking._debug_leftovers() == []
@@ -993,3 +994,59 @@ def test_watch_checks_its_arguments():
     t.watch(mlp())
     with pytest.raises(MemtorchError, match="already watches a model"):
         t.watch(mlp())
+
+
+class _OwnHooksAdam(torch.optim.Adam):
+    """An optimizer whose class registers its step hooks its own way."""
+
+    def register_step_pre_hook(self, hook):
+        self.registered = getattr(self, "registered", 0) + 1
+        return super().register_step_pre_hook(hook)
+
+
+def _at_peak_block(model, opt, x):
+    with memtorch.track(model, opt) as t:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    r = t.report
+    return r.peak, {o.name: o.nbytes for o in r.at_peak.owners}, {k: p.calls for k, p in r.phases.items()}
+
+
+def test_hooks_are_added_to_torchs_dicts_and_removed_without_touching_the_users(monkeypatch):
+    """A block adds its hooks straight into torch's hook dicts (ids from RemovableHandle's
+    counter); a hook the user registers inside the block gets its own id and stays. With
+    the dicts elsewhere (another torch) or an optimizer class that registers its own way,
+    the public register_* functions are used, with the same figures."""
+    from torch.nn.modules import module as torch_module
+    from torch.utils.hooks import RemovableHandle
+
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(B, D_IN)
+    _at_peak_block(model, opt, x)  # optimizer state exists from here on
+    seen = []
+    with memtorch.track(model, opt):
+        n0 = RemovableHandle.next_id
+        assert len(torch_module._global_forward_pre_hooks) == 1 and len(torch_module._global_forward_hooks) == 1
+        assert len(torch_module._global_forward_hooks_always_called) == 1
+        assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+        user = torch_module.register_module_forward_pre_hook(lambda m, a: seen.append(type(m).__name__))
+        assert user.id >= n0
+    assert list(torch_module._global_forward_pre_hooks) == [user.id]
+    model(x)
+    assert seen[0] == "Sequential"
+    user.remove()
+    no_hooks(model, opt)
+    direct = _at_peak_block(model, opt, x)
+
+    monkeypatch.setattr(tracking, "_direct", [None])
+    public = _at_peak_block(model, opt, x)
+    assert public == direct
+    no_hooks(model, opt)
+
+    monkeypatch.undo()
+    own = _OwnHooksAdam(model.parameters(), lr=0.1)
+    _at_peak_block(model, own, x)
+    assert own.registered == 1 and _at_peak_block(model, own, x)[2] == direct[2] and own.registered == 2
+    no_hooks(model, own)
