@@ -67,8 +67,8 @@ def eventlog_read(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]: ...  # times_ns, bytes, dropped
 def eventlog_read_all(first: int, last: int, raw: bool = ..., /) -> tuple[Any, int]: ...  # events (index, time, bytes, ptr, delta, kind, tag) as an array (raw: its bytes), dropped
 def eventlog_mark(kind: int, number: int, tag: int, /) -> None: ...  # kind 1 enter, 2 exit, 3 tag
-def counters_sizes(ptrs: Sequence[int], /) -> npt.NDArray[np.int64]: ...  # counted size per address, -1 if none
-def counters_serials(ptrs: Sequence[int], /) -> npt.NDArray[np.int64]: ...  # allocation number per address, -1 if none
+def counters_sizes(ptrs: Sequence[int], /) -> list[int]: ...  # counted size per address, -1 if none
+def counters_serials(ptrs: Sequence[int], /) -> list[int]: ...  # allocation number per address, -1 if none
 def eventlog_head() -> int: ...
 
 # One pass over a block's log (src/replay.c).
@@ -85,7 +85,7 @@ def eventlog_names(
 # Storage addresses by name (src/names.c).
 def names_walk(names: dict[int, tuple[Any, ...]], params: list[tuple[str, Any]], state: dict[Any, Any] | None,
                want: int, /) -> None: ...
-def modules_fingerprint(modules: Sequence[Any], /) -> int: ...
+def modules_fingerprint(modules: Sequence[Any], /) -> int | None: ...  # modules or weakrefs to them; None: one is dead
 
 # Source lines of large allocations outside a block's phases (src/sites.c).
 def eventlog_sites(

@@ -918,10 +918,9 @@ def _plan_of(model):
     plan = _plans.get(key)
     known = False
     if plan is not None:
-        mods = [r() for r in plan.mods]
-        if mods[0] is model and None not in mods and _C.modules_fingerprint(mods) == plan.fp:
+        known = plan.mods[0]() is model
+        if known and _C.modules_fingerprint(plan.mods) == plan.fp:  # None if a module is gone
             return plan
-        known = mods[0] is model
     plan = _plans[key] = _Plan(model)
     if not known:  # a finalizer, not a reference: the model is never kept alive
         weakref.finalize(model, _drop_plan, key, plan.mods[0])
@@ -945,8 +944,37 @@ def _on_meta(model):
     return t is not None and t.device.type == "meta"
 
 
+# A block's state at its start (Tracker._reset_state), the immutable part.
+_FRESH = dict(
+    _phase=None,
+    _mod_specs=(),  # event-log mode: (name, type name) of the rows, made at the replay
+    _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
+    _state_n=0,
+    _params=None,  # event-log mode: [(name, weakref)] of the parameters, from the first walk
+    _at_peak=None,
+    _root_id=None,
+    _root_depth=0,
+    _forwards=0,
+    _scan0=None,  # leaks.Scan at the first judged step that grew
+    _scan0_step=None,
+    _step_scope=None,
+)
+
+
 class Tracker:
     """A track() block: context manager and decorator. See memtorch.tracking."""
+
+    # What a Tracker holds before its block opens (class defaults: a block per training
+    # step makes one per step, cheaply; __enter__ and _reset_state set them on the instance).
+    _report = None
+    _open = False
+    _last = None  # decorator: the Tracker of the last call
+    _evmode = False
+    _with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
+    _quick = False  # an open counters-only block (_enter_counters)
+    _scope = None
+    _raw = None  # its C scope's opening tuple and processes, until a Scope is made
+    _marks = None
 
     def __init__(
         self, model=None, optimizer=None, device="auto", timeline=False, modules=True, leaks=True, warmup=1, largest=0
@@ -985,15 +1013,6 @@ class Tracker:
         self._leaks = bool(leaks)
         self._warmup = warmup
         self._largest = largest
-        self._report = None
-        self._open = False
-        self._last = None  # decorator: the Tracker of the last call
-        self._evmode = False
-        self._with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
-        self._quick = False  # an open counters-only block (_enter_counters)
-        self._scope = None
-        self._raw = None  # its C scope's opening tuple and processes, until a Scope is made
-        self._marks = None
 
     # -- counters ----------------------------------------------------------
     def _open_scope(self, timeline=False):
@@ -1128,7 +1147,7 @@ class Tracker:
         cache = None if plan is None else plan.names
         if (
             cache is not None and (None if cache[0] is None else cache[0]()) is opt and cache[1] == self._state_n
-            and cache[2] == shape and _C.counters_serials(cache[4]).tolist() == cache[5]
+            and cache[2] == shape and _C.counters_serials(cache[4]) == cache[5]
         ):  # fmt: skip
             del opt
             self._params = cache[3]
@@ -1155,7 +1174,7 @@ class Tracker:
                 addrs = list(names)
                 plan.names = (
                     None if opt is None else weakref.ref(opt), self._state_n, shape, params, addrs,
-                    _C.counters_serials(addrs).tolist(), dict(names),
+                    _C.counters_serials(addrs), dict(names),
                 )  # fmt: skip
             del opt
         _C.names_walk(names, self._params, None, 2 | shape)  # the gradients
@@ -1292,28 +1311,18 @@ class Tracker:
     # -- block -------------------------------------------------------------
     def _reset_state(self):
         """The per-block state of the general path (phases, modules, steps, event log)."""
-        self._handles = []
-        self._cuda_open = []
-        self._phase = None
-        self._phases = {}  # name -> PhaseStats, made when the phase first begins
-        self._mod_rows = []
-        self._mod_specs = ()  # event-log mode: (name, type name) of the rows, made at the replay
-        self._mod_stack = []
-        self._marks = None  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
-        self._state_n = 0
-        self._params = None  # event-log mode: [(name, weakref)] of the parameters, from the first walk
-        self._snapshots = []  # event-log mode: [(log index, {address: name...})] walks
-        self._at_peak = None
-        self._ids = {}  # id(module) -> row index, for the model's modules
-        self._root_id = None
-        self._root_depth = 0
-        self._forwards = 0
-        self._boundaries = []
-        self._tl_marks = []  # timeline=True: (clock ns, kind, label) of phase starts/ends and steps
-        self._scan0 = None  # leaks.Scan at the first judged step that grew
-        self._scan0_step = None
-        self._step_scope = None
-        self._step_series = []  # [(peak, end)] per step
+        d = self.__dict__
+        d.update(_FRESH)  # the immutable part, in one call
+        d["_handles"] = []
+        d["_cuda_open"] = []
+        d["_phases"] = {}  # name -> PhaseStats, made when the phase first begins
+        d["_mod_rows"] = []
+        d["_mod_stack"] = []
+        d["_snapshots"] = []  # event-log mode: [(log index, {address: name...})] walks
+        d["_ids"] = {}  # id(module) -> row index, for the model's modules
+        d["_boundaries"] = []
+        d["_tl_marks"] = []  # timeline=True: (clock ns, kind, label) of phase starts/ends and steps
+        d["_step_series"] = []  # [(peak, end)] per step
 
     def __enter__(self):
         if self._open:
@@ -1517,7 +1526,7 @@ class Tracker:
             del opt
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
-            sizes = dict(zip(addrs, _C.counters_sizes(addrs).tolist()))
+            sizes = dict(zip(addrs, _C.counters_sizes(addrs)))
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,

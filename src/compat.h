@@ -20,6 +20,24 @@ mt_PyDict_GetItemRef(PyObject *d, PyObject *key, PyObject **result)
     return PyErr_Occurred() ? -1 : 0;
 }
 #define PyDict_GetItemRef mt_PyDict_GetItemRef
+
+/* PyWeakref_GetRef (3.13): *pobj is a new reference to the referent, or NULL
+ * when it is dead. Returns 1 if alive, 0 if dead, -1 on error. */
+static inline int
+mt_PyWeakref_GetRef(PyObject *ref, PyObject **pobj)
+{
+    PyObject *obj = PyWeakref_GetObject(ref); /* borrowed, or NULL with an exception */
+    *pobj = NULL;
+    if (obj == NULL) {
+        return -1;
+    }
+    if (obj == Py_None) {
+        return 0;
+    }
+    *pobj = Py_NewRef(obj);
+    return 1;
+}
+#define PyWeakref_GetRef mt_PyWeakref_GetRef
 #endif
 
 #if PY_VERSION_HEX < 0x030A0000

@@ -410,20 +410,24 @@ mt_lookup_all(PyObject *arg, int want_serial, const char *msg)
     if (py_seq == NULL) {
         goto error;
     }
-    npy_intp dims[1] = {PySequence_Fast_GET_SIZE(py_seq)};
-    py_out = PyArray_SimpleNew(1, dims, NPY_INT64);  /* new reference */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(py_seq);
+    /* a list, not an array: track() compares and zips it, and a small array costs more to make */
+    py_out = PyList_New(n);  /* new reference */
     if (py_out == NULL) {
         goto error;
     }
-    int64_t *out = (int64_t *)PyArray_DATA((PyArrayObject *)py_out);
-    for (npy_intp i = 0; i < dims[0]; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         /* borrowed from py_seq, which lives through the loop */
         unsigned long long p = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(py_seq, i));
         if (p == (unsigned long long)-1 && PyErr_Occurred()) {
             goto error;
         }
         int64_t serial = -1, size = p == 0 ? -1 : mt_counters_lookup((const void *)(uintptr_t)p, &serial);
-        out[i] = want_serial ? serial : size;
+        PyObject *py_v = PyLong_FromLongLong((long long)(want_serial ? serial : size)); /* new reference */
+        if (py_v == NULL) {
+            goto error;
+        }
+        PyList_SET_ITEM(py_out, i, py_v); /* steals py_v */
     }
     Py_DECREF(py_seq);
     return py_out;
@@ -436,7 +440,7 @@ error:
 PyDoc_STRVAR(sizes_doc,
 "counters_sizes($module, ptrs, /)\n--\n\n"
 "For each address of the sequence `ptrs` (ints), the counted size of the live\n"
-"allocation there, or -1 where the counters hold none: an int64 array.");
+"allocation there, or -1 where the counters hold none: a list of ints.");
 
 static PyObject *
 counters_sizes(PyObject *module, PyObject *arg)
@@ -448,7 +452,7 @@ PyDoc_STRVAR(serials_doc,
 "counters_serials($module, ptrs, /)\n--\n\n"
 "For each address of the sequence `ptrs` (ints), a number that tells the live\n"
 "allocation there from any other made at that address before or after it, or\n"
-"-1 where the counters hold none: an int64 array. Two reads that give the same\n"
+"-1 where the counters hold none: a list of ints. Two reads that give the same\n"
 "number saw the same allocation.");
 
 static PyObject *

@@ -19,6 +19,7 @@
  * per module on first use (mt_names_strs). All new references. */
 typedef struct {
     PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype, *state_attr;
+    PyObject *dict_keys[3]; /* "_modules", "_parameters", "_buffers" */
     PyObject *parameter, *gradient, *state, *buffer, *input;
 } mt_strs;
 

@@ -13,6 +13,9 @@ mt_names_strs_clear(mt_strs *s)
     Py_CLEAR(s->shape);
     Py_CLEAR(s->dtype);
     Py_CLEAR(s->state_attr);
+    for (size_t j = 0; j < 3; j++) {
+        Py_CLEAR(s->dict_keys[j]);
+    }
     Py_CLEAR(s->parameter);
     Py_CLEAR(s->gradient);
     Py_CLEAR(s->state);
@@ -37,12 +40,15 @@ mt_names_strs(PyObject *module)
     s->shape = PyUnicode_InternFromString("shape");
     s->dtype = PyUnicode_InternFromString("dtype");
     s->state_attr = PyUnicode_InternFromString("state");
+    s->dict_keys[0] = PyUnicode_InternFromString("_modules");
+    s->dict_keys[1] = PyUnicode_InternFromString("_parameters");
+    s->dict_keys[2] = PyUnicode_InternFromString("_buffers");
     s->parameter = PyUnicode_FromString("parameter");
     s->gradient = PyUnicode_FromString("gradient");
     s->state = PyUnicode_FromString("optimizer state");
     s->buffer = PyUnicode_FromString("buffer");
     if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->state_attr ||
-        !s->parameter || !s->gradient || !s->state || !s->buffer) {
+        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->parameter || !s->gradient || !s->state || !s->buffer) {
         mt_names_strs_clear(s);
         return NULL;
     }
@@ -310,27 +316,44 @@ PyDoc_STRVAR(modules_fingerprint_doc,
 "modules_fingerprint($module, modules, /)\n--\n\n"
 "A hash of the identities of every module's children, parameters and buffers\n"
 "(the _modules, _parameters and _buffers dicts of each module of the list, read\n"
-"directly): it changes when any of them is added, removed or replaced.");
+"directly): it changes when any of them is added, removed or replaced. The list\n"
+"may hold weak references to the modules instead: None if one of them is dead.");
 
 static PyObject *
 modules_fingerprint(PyObject *module, PyObject *py_mods)
 {
-    static const char *const keys[] = {"_modules", "_parameters", "_buffers"};
-    PyObject *py_seq = NULL, *py_dict = NULL, *py_result = NULL;
+    PyObject *py_seq = NULL, *py_m = NULL, *py_dict = NULL, *py_result = NULL;
     uint64_t h = UINT64_C(0xCBF29CE484222325);
-    (void)module;
+    const mt_strs *s = mt_names_strs(module); /* borrowed from the module state */
+    if (s == NULL) {
+        goto error;
+    }
     py_seq = PySequence_Fast(py_mods, "modules_fingerprint() expects a list of modules"); /* new reference */
     if (py_seq == NULL) {
         goto error;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(py_seq); i++) {
-        PyObject *py_m = PySequence_Fast_GET_ITEM(py_seq, i); /* borrowed from py_seq */
-        py_dict = PyObject_GenericGetDict(py_m, NULL);          /* new reference: the instance __dict__ */
+        py_m = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
+        if (PyWeakref_CheckRef(py_m)) { /* what track()'s plan keeps: the module, if alive */
+            PyObject *py_obj;
+            if (PyWeakref_GetRef(py_m, &py_obj) < 0) { /* py_obj: new reference or NULL */
+                goto error;
+            }
+            Py_SETREF(py_m, py_obj);
+            if (py_m == NULL) {
+                py_result = Py_NewRef(Py_None);
+                goto error;
+            }
+        }
+        py_dict = PyObject_GenericGetDict(py_m, NULL); /* new reference: the instance __dict__ */
         if (py_dict == NULL) {
             goto error;
         }
         for (size_t j = 0; j < 3; j++) {
-            PyObject *py_d = PyDict_GetItemString(py_dict, keys[j]); /* borrowed */
+            PyObject *py_d = PyDict_GetItemWithError(py_dict, s->dict_keys[j]); /* borrowed */
+            if (py_d == NULL && PyErr_Occurred()) {
+                goto error;
+            }
             if (py_d != NULL && PyDict_Check(py_d)) {
                 mt_mix_dict(&h, py_d);
             }
@@ -339,10 +362,12 @@ modules_fingerprint(PyObject *module, PyObject *py_mods)
             }
         }
         Py_CLEAR(py_dict);
+        Py_CLEAR(py_m);
     }
     py_result = PyLong_FromUnsignedLongLong((unsigned long long)h);
 error:
     Py_XDECREF(py_seq);
+    Py_XDECREF(py_m);
     Py_XDECREF(py_dict);
     return py_result;
 }

@@ -105,6 +105,18 @@ def test_fingerprint_changes_with_structure():
         _C.modules_fingerprint(5)
 
 
+def test_fingerprint_of_weak_references_is_that_of_the_modules_or_none_when_one_is_gone():
+    model, _ = _trained()
+    mods = list(model.modules())
+    refs = [weakref.ref(m) for m in mods]
+    assert _C.modules_fingerprint(refs) == _C.modules_fingerprint(mods)
+    extra = torch.nn.ReLU()
+    refs.append(weakref.ref(extra))
+    assert _C.modules_fingerprint(refs) == _C.modules_fingerprint(mods + [extra])
+    del extra
+    assert _C.modules_fingerprint(refs) is None
+
+
 def test_fingerprint_changes_when_a_parameter_is_replaced():
     model, _ = _trained()
     mods = list(model.modules())
@@ -170,8 +182,12 @@ def test_modules_fingerprint_does_not_leak():
     model, _ = _trained()
     mods = list(model.modules())
 
+    refs = [weakref.ref(m) for m in mods] + [weakref.ref(torch.nn.ReLU())]  # the last one dead
+
     def call():
         _C.modules_fingerprint(mods)
+        _C.modules_fingerprint(refs[:-1])
+        _C.modules_fingerprint(refs)
         try:
             _C.modules_fingerprint(5)
         except TypeError:
