@@ -65,7 +65,8 @@ def scope_close(id: int, generation: int, /) -> tuple[int, int, int, int, int, i
 def eventlog_read(
     first: int, last: int, /
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]: ...  # times_ns, bytes, dropped
-def eventlog_read_all(first: int, last: int, raw: bool = ..., /) -> tuple[Any, int]: ...  # events (index, time, bytes, ptr, delta, kind, tag) as an array (raw: its bytes), dropped
+# events (index, time, bytes, ptr, delta, kind, tag) as an array (raw: its bytes), dropped
+def eventlog_read_all(first: int, last: int, raw: bool = ..., /) -> tuple[Any, int]: ...
 def eventlog_mark(kind: int, number: int, tag: int, /) -> None: ...  # kind 1 enter, 2 exit, 3 tag
 def counters_sizes(ptrs: Sequence[int], /) -> list[int]: ...  # counted size per address, -1 if none
 def counters_serials(ptrs: Sequence[int], /) -> list[int]: ...  # allocation number per address, -1 if none
@@ -85,7 +86,8 @@ def eventlog_names(
 # Storage addresses by name (src/names.c).
 def names_walk(names: dict[int, tuple[Any, ...]], params: list[tuple[str, Any]], state: dict[Any, Any] | None,
                want: int, /) -> None: ...
-def modules_fingerprint(modules: Sequence[Any], /) -> int | None: ...  # modules or weakrefs to them; None: one is dead
+# modules or weakrefs to them; None: one is dead
+def modules_fingerprint(modules: Sequence[Any], /) -> int | None: ...
 
 # Source lines of large allocations outside a block's phases (src/sites.c).
 def eventlog_sites(
@@ -110,8 +112,10 @@ class ModuleMarks:  # track()'s module and optimizer hooks in event-log mode (ma
     state_n: int
     params: list[tuple[str, Any]] | None
     last_inputs: list[int]
-    def __init__(self, ids: dict[int, int], root_id: int, tagbase: int, snapshots: list[Any],
-                 grad_enabled: Callable[[], bool], timeline: list[Any] | None = ..., shapes: bool = ...) -> None: ...
+    def __init__(
+        self, ids: dict[int, int], root_id: int, tagbase: int, snapshots: list[Any],
+        grad_enabled: Callable[[], bool], timeline: list[Any] | None = ..., shapes: bool = ...,
+    ) -> None: ...
     def pre(self, module: Any, args: Any, /) -> None: ...
     def post(self, module: Any, args: Any, output: Any, /) -> None: ...
     def opt_pre(self, optimizer: Any, args: Any, kwargs: Any, /) -> None: ...

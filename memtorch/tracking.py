@@ -751,7 +751,9 @@ def _hook_dicts():
             from torch.utils.hooks import RemovableHandle
 
             m = sys.modules["torch.nn.modules.module"]
-            dicts = (m._global_forward_pre_hooks, m._global_forward_hooks, m._global_forward_hooks_always_called)
+            dicts = (
+                m._global_forward_pre_hooks, m._global_forward_hooks, m._global_forward_hooks_always_called,
+            )  # fmt: skip
             if all(isinstance(d, dict) for d in dicts) and type(RemovableHandle.next_id) is int:  # noqa: E721
                 found = dicts + (RemovableHandle,)
         except (ImportError, KeyError, AttributeError):
@@ -766,7 +768,10 @@ def _opt_hook_dicts(opt):
     if _hook_dicts() is None:  # no handle counter to take ids from
         return None
     cls, base = type(opt), _torch_mod.optim.Optimizer
-    if cls.register_step_pre_hook is base.register_step_pre_hook and cls.register_step_post_hook is base.register_step_post_hook:
+    if (
+        cls.register_step_pre_hook is base.register_step_pre_hook
+        and cls.register_step_post_hook is base.register_step_post_hook
+    ):
         pre = opt.__dict__.get("_optimizer_step_pre_hooks")
         post = opt.__dict__.get("_optimizer_step_post_hooks")
         if isinstance(pre, dict) and isinstance(post, dict):
@@ -1181,11 +1186,12 @@ class Tracker:
         return names
 
     # -- modules -----------------------------------------------------------
-    # Two global module hooks per block (torch.nn.modules.module.register_module_forward_*)
+    # Two global module hooks per block (torch.nn.modules.module's global forward hooks)
     # instead of two per module: registering and removing ~50 handles per block cost more
-    # than the block's own counting. They filter the model's modules by id.
+    # than the block's own counting. They filter the model's modules by id. They go
+    # straight into torch's hook dicts when torch keeps them where 2.x does (_add_hook).
 
-    def _pre(self, module, args):  # not in event-log mode: _C.ModuleMarks.pre
+    def _pre(self, module, args):  # the counter-scope hooks; event-log mode has _C.ModuleMarks.pre
         k = id(module)
         if k == self._root_id:
             self._root_pre()
@@ -1519,7 +1525,8 @@ class Tracker:
         pending = None
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
-            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head, True)  # bytes: the array made at the replay
+            # as bytes: the array is made at the replay
+            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head, True)
             sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != self._state_n

@@ -72,7 +72,8 @@ def _calls(handle):
         "eventlog_head": _C.eventlog_head,
         "eventlog_read_all": lambda: (_C.eventlog_read_all(0, _C.eventlog_head()),
                                       _C.eventlog_read_all(0, _C.eventlog_head(), True),
-                                      raises(_C.eventlog_read_all, -1, 0)(), raises(_C.eventlog_read_all, 0, 0, 0, 0)()),
+                                      raises(_C.eventlog_read_all, -1, 0)(),
+                                      raises(_C.eventlog_read_all, 0, 0, 0, 0)()),
         "eventlog_replay": lambda: (
             _C.eventlog_replay(_C.eventlog_read_all(0, _C.eventlog_head())[0], 0, 0, 0, 1, 3, [0, 64]),
             raises(_C.eventlog_replay, [1], 0, 0, 0, 1, 0, [])(),

@@ -1028,7 +1028,7 @@ def test_hooks_are_added_to_torchs_dicts_and_removed_without_touching_the_users(
     seen = []
     with memtorch.track(model, opt):
         n0 = RemovableHandle.next_id
-        assert len(torch_module._global_forward_pre_hooks) == 1 and len(torch_module._global_forward_hooks) == 1
+        assert len(torch_module._global_forward_pre_hooks) == len(torch_module._global_forward_hooks) == 1
         assert len(torch_module._global_forward_hooks_always_called) == 1
         assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
         user = torch_module.register_module_forward_pre_hook(lambda m, a: seen.append(type(m).__name__))
