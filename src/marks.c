@@ -171,6 +171,9 @@ mt_marks_snapshot(mt_marks *m, PyObject *names)
 {
     PyObject *py_head = NULL, *py_pair = NULL;
     int rc = -1;
+    if (m->snapshots == NULL) { /* cleared by the collector (marks_clear): nothing to add to */
+        return 0;
+    }
     py_head = PyLong_FromUnsignedLongLong((unsigned long long)mt_eventlog_head()); /* new reference */
     if (py_head == NULL) {
         goto error;
@@ -193,7 +196,7 @@ error:
 static int
 mt_marks_timeline(mt_marks *m, int64_t now, const char *kind, unsigned int code)
 {
-    if (m->timeline == Py_None) {
+    if (m->timeline == NULL || m->timeline == Py_None) {
         return 0;
     }
     PyObject *py_mark = Py_BuildValue("(Lss)", (long long)now, kind, mt_phase_names[code]); /* new reference */
@@ -378,6 +381,9 @@ mt_marks_root_post(mt_marks *m)
     if (mt_marks_end_phase(m) < 0) {
         return -1;
     }
+    if (m->grad_enabled == NULL) { /* cleared by the collector (marks_clear) */
+        return 0;
+    }
     PyObject *py_on = PyObject_CallNoArgs(m->grad_enabled); /* new reference */
     if (py_on == NULL) {
         return -1;
@@ -445,7 +451,7 @@ error:
 static int
 mt_marks_walk(mt_marks *m, PyObject *state, long want)
 {
-    if (m->params == Py_None) {
+    if (m->params == NULL || m->params == Py_None) {
         return 0;
     }
     PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
@@ -618,10 +624,11 @@ marks_set_state_n(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
     return 0;
 }
 
+/* The getters below answer None for a reference the collector cleared (marks_clear). */
 static PyObject *
 marks_get_params(mt_marks *m, void *Py_UNUSED(closure))
 {
-    return Py_NewRef(m->params);
+    return Py_NewRef(m->params != NULL ? m->params : Py_None);
 }
 
 static int
@@ -638,7 +645,7 @@ marks_set_params(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 static PyObject *
 marks_get_last_inputs(mt_marks *m, void *Py_UNUSED(closure))
 {
-    return Py_NewRef(m->last_inputs);
+    return Py_NewRef(m->last_inputs != NULL ? m->last_inputs : Py_None);
 }
 
 static PyMethodDef marks_methods[] = {
