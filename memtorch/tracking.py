@@ -984,7 +984,7 @@ class Tracker:
     def __init__(
         self, model=None, optimizer=None, device="auto", timeline=False, modules=True, leaks=True, warmup=1, largest=0
     ):
-        torch = _torch()
+        torch = _torch_mod or _torch()
         if model is not None and not isinstance(model, torch.nn.Module):
             if callable(model) and not isinstance(model, type) and optimizer is None:
                 raise TypeError(
@@ -994,9 +994,9 @@ class Tracker:
             raise TypeError(f"track(model=...) expects a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"track(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not _count_ok(warmup):
+        if not (type(warmup) is int and warmup >= 0) and not _count_ok(warmup):  # noqa: E721 (the common case first)
             raise ValueError(f"track(warmup=...) expects an int >= 0, got {warmup!r}")
-        if not _count_ok(largest):
+        if not (type(largest) is int and largest >= 0) and not _count_ok(largest):  # noqa: E721
             raise ValueError(f"track(largest=...) expects an int >= 0, got {largest!r}")
         if type(timeline) is not bool or type(modules) is not bool or type(leaks) is not bool:  # noqa: E721
             for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
@@ -1011,7 +1011,10 @@ class Tracker:
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
         self._model = None if model is None else weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
-        self._kind, self._index = _parse_device(device, first)
+        if type(device) is str and device == "auto" and (first is None or first.is_cpu):  # noqa: E721
+            self._kind, self._index = "cpu", None  # _parse_device's answer, without the call
+        else:
+            self._kind, self._index = _parse_device(device, first)
         del first
         self._timeline = bool(timeline)
         self._modules_on = bool(modules) and model is not None
