@@ -1226,10 +1226,21 @@ class Tracker:
 
     def _install_hooks(self):
         model = None if self._model is None else self._model()
+        opt = None if self._optimizer is None else self._optimizer()
+        direct = None if self._marks is None else _hook_dicts()
+        opt_direct = None if opt is None or direct is None else _opt_hook_dicts(opt)
+        if direct is not None and (opt is None or opt_direct is not None):
+            # event-log mode: all of the block's hooks in C, put in and taken out in one call each
+            # (the model's modules were given to the marks when they were made: __enter__)
+            self._marks.install(
+                *(direct[:3] if model is not None else (None, None, None)),
+                *(opt_direct if opt is not None else (None, None)), direct[3],
+            )  # fmt: skip
+            self._handles.append(self._marks)
+            return
         if model is not None:
             self._hook_model(model)
         del model
-        opt = None if self._optimizer is None else self._optimizer()
         if opt is not None:
             self._hook_optimizer(opt)
 
@@ -1240,15 +1251,19 @@ class Tracker:
             plan = self._plan = _plan_of(model)
         return plan
 
-    def _hook_model(self, model):
+    def _model_rows(self, model):
+        """The model's root and its modules' rows (event-log mode: made when the report is first read)."""
         self._root_id = id(model)
         if self._modules_on:
             plan = self._model_plan(model)
-            if self._evmode:  # the rows are made when the report is first read
+            if self._evmode:
                 self._mod_specs = plan.specs
             else:
                 self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
             self._ids = plan.ids
+
+    def _hook_model(self, model):
+        self._model_rows(model)
         if self._evmode:  # in C: tags and marks of the model's modules, the phases, the batch's names
             self._marks.set_model(self._ids, self._root_id)
             pre, post = self._marks.pre, self._marks.post
@@ -1314,6 +1329,8 @@ class Tracker:
                 hooks.pop(i, None)
                 if always is not None:
                     always.pop(i, None)
+            elif type(h) is _C.ModuleMarks:  # noqa: E721  (its install())
+                h.uninstall()
             else:
                 h.remove()
 
@@ -1368,8 +1385,12 @@ class Tracker:
                 # need not read it again when it closes
                 self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
+                model = None if self._model is None else self._model()
+                if model is not None:
+                    self._model_rows(model)
+                del model
                 self._marks = _C.ModuleMarks(
-                    {}, 0, self._tagbase, self._snapshots, _torch_mod.is_grad_enabled,
+                    self._ids, self._root_id or 0, self._tagbase, self._snapshots, _torch_mod.is_grad_enabled,
                     self._tl_marks if self._timeline else None, bool(self._largest),
                 )  # fmt: skip
                 _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")

@@ -40,6 +40,39 @@ mt_PyWeakref_GetRef(PyObject *ref, PyObject **pobj)
 #define PyWeakref_GetRef mt_PyWeakref_GetRef
 #endif
 
+#if PY_VERSION_HEX < 0x030C0000
+/* PyErr_GetRaisedException (3.12): the raised exception (a new reference, or
+ * NULL), taken off the indicator; PyErr_SetRaisedException raises it again
+ * (stealing the reference). */
+static inline PyObject *
+mt_PyErr_GetRaisedException(void)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL) {
+        return NULL;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL && tb != NULL) {
+        PyException_SetTraceback(value, tb);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+static inline void
+mt_PyErr_SetRaisedException(PyObject *exc)
+{
+    if (exc == NULL) {
+        return;
+    }
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+}
+#define PyErr_GetRaisedException mt_PyErr_GetRaisedException
+#define PyErr_SetRaisedException mt_PyErr_SetRaisedException
+#endif
+
 #if PY_VERSION_HEX < 0x030A0000
 static inline PyObject *
 Py_NewRef(PyObject *o)

@@ -31,6 +31,11 @@
 
 static const char *const mt_phase_names[4] = {NULL, "forward", "backward", "optimizer"};
 
+/* install()'s hooks: the module pre-hook, the module hook and its always-called
+ * entry, the optimizer's step pre- and post-hook. */
+#define MT_MARKS_HOOKS 5
+static const char *const mt_hook_methods[MT_MARKS_HOOKS] = {"pre", "post", NULL, "opt_pre", "opt_post"};
+
 typedef struct {
     uintptr_t key; /* module address; 0: empty */
     int64_t row;
@@ -58,6 +63,9 @@ typedef struct {
     PyObject *grad_enabled; /* torch.is_grad_enabled */
     PyObject *timeline;    /* list of (ns, "phase"|"end", name), or None */
     PyObject *last_inputs; /* list of the addresses of the last forward's tensor arguments (0: none) */
+    /* install(): the hook dicts this object's hooks were put in (owned, NULL: none) and their ids */
+    PyObject *hook_dicts[MT_MARKS_HOOKS];
+    PyObject *hook_ids[MT_MARKS_HOOKS];
 } mt_marks;
 
 static inline size_t
@@ -103,6 +111,10 @@ marks_traverse(mt_marks *m, visitproc visit, void *arg)
     Py_VISIT(m->grad_enabled);
     Py_VISIT(m->timeline);
     Py_VISIT(m->last_inputs);
+    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
+        Py_VISIT(m->hook_dicts[j]);
+        Py_VISIT(m->hook_ids[j]);
+    }
     return 0;
 }
 
@@ -114,6 +126,10 @@ marks_clear(mt_marks *m)
     Py_CLEAR(m->grad_enabled);
     Py_CLEAR(m->timeline);
     Py_CLEAR(m->last_inputs);
+    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
+        Py_CLEAR(m->hook_dicts[j]);
+        Py_CLEAR(m->hook_ids[j]);
+    }
     return 0;
 }
 
@@ -528,6 +544,137 @@ error:
     return py_result;
 }
 
+/* Take out every hook install() put in (a missing entry is skipped). 0, or -1 with
+ * an exception set (after trying every entry). */
+static int
+mt_marks_uninstall(mt_marks *m)
+{
+    PyObject *first = NULL; /* the first error (new reference), raised again at the end */
+    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
+        PyObject *py_d = m->hook_dicts[j], *py_id = m->hook_ids[j]; /* owned, taken over below */
+        m->hook_dicts[j] = NULL;
+        m->hook_ids[j] = NULL;
+        if (py_d == NULL) {
+            Py_XDECREF(py_id);
+            continue;
+        }
+        /* the abstract API: torch's hook dicts are OrderedDicts, whose order a PyDict_DelItem would break */
+        int has = PySequence_Contains(py_d, py_id);
+        if (has > 0 && PyObject_DelItem(py_d, py_id) < 0) {
+            has = -1;
+        }
+        if (has < 0) { /* keep the first error; the later entries are still taken out */
+            PyObject *exc = PyErr_GetRaisedException(); /* new reference */
+            if (first == NULL) {
+                first = exc;
+            }
+            else {
+                Py_XDECREF(exc);
+            }
+        }
+        Py_DECREF(py_d);
+        Py_DECREF(py_id);
+    }
+    if (first != NULL) {
+        PyErr_SetRaisedException(first); /* steals first */
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_id = NULL, *py_next = NULL, *py_hook = NULL;
+    /* refused before anything goes in (the error path below takes out what this call put in) */
+    if (nargs != MT_MARKS_HOOKS + 1) {
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.install() takes %d arguments (%zd given)", MT_MARKS_HOOKS + 1,
+                     nargs);
+        return NULL;
+    }
+    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
+        if (m->hook_dicts[j] != NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "ModuleMarks.install(): the hooks are installed already");
+            return NULL;
+        }
+        if (args[j] != Py_None && !PyDict_Check(args[j])) {
+            PyErr_SetString(PyExc_TypeError, "ModuleMarks.install() expects hook dicts (or None) and a handle class");
+            return NULL;
+        }
+    }
+    if ((args[1] == Py_None) != (args[2] == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the module hook dict comes with its always-called dict");
+        return NULL;
+    }
+    PyObject *handle = args[MT_MARKS_HOOKS]; /* borrowed: torch.utils.hooks.RemovableHandle */
+    PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
+    const mt_strs *s = module == NULL ? NULL : mt_names_strs(module); /* borrowed from the state */
+    if (s == NULL) {
+        return NULL;
+    }
+    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
+        PyObject *py_d = args[j]; /* borrowed */
+        if (py_d == Py_None) {
+            continue;
+        }
+        if (mt_hook_methods[j] == NULL) { /* always-called: the module hook's id, set to True */
+            py_id = Py_NewRef(m->hook_ids[1]);
+            if (PyObject_SetItem(py_d, py_id, Py_True) < 0) {
+                goto error;
+            }
+        }
+        else { /* an id from the handles' own counter, as RemovableHandle() takes one */
+            py_id = PyObject_GetAttr(handle, s->next_id); /* new reference */
+            if (py_id == NULL) {
+                goto error;
+            }
+            if (!PyLong_CheckExact(py_id)) {
+                PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the handle class's next_id is not an int");
+                goto error;
+            }
+            long long id = PyLong_AsLongLong(py_id);
+            if (id == -1 && PyErr_Occurred()) {
+                goto error;
+            }
+            py_next = PyLong_FromLongLong(id + 1); /* new reference */
+            if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
+                goto error;
+            }
+            Py_CLEAR(py_next);
+            py_hook = PyObject_GetAttrString((PyObject *)m, mt_hook_methods[j]); /* new reference: bound */
+            if (py_hook == NULL || PyObject_SetItem(py_d, py_id, py_hook) < 0) {
+                goto error;
+            }
+            Py_CLEAR(py_hook);
+        }
+        m->hook_dicts[j] = Py_NewRef(py_d);
+        m->hook_ids[j] = py_id; /* takes py_id's reference */
+        py_id = NULL;
+    }
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(py_id);
+    Py_XDECREF(py_next);
+    Py_XDECREF(py_hook);
+    { /* what this call put in before the error comes out again */
+        PyObject *exc = PyErr_GetRaisedException(); /* new reference */
+        if (mt_marks_uninstall(m) < 0) {
+            PyErr_Clear(); /* the install's own error is the one to raise */
+        }
+        PyErr_SetRaisedException(exc); /* steals exc */
+    }
+    return NULL;
+}
+
+static PyObject *
+marks_uninstall(mt_marks *m, PyObject *Py_UNUSED(ignored))
+{
+    if (mt_marks_uninstall(m) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 marks_begin_phase(mt_marks *m, PyObject *py_code)
 {
@@ -660,6 +807,11 @@ static PyMethodDef marks_methods[] = {
     {"begin_phase", (PyCFunction)marks_begin_phase, METH_O,
      "begin_phase(code): end the running phase, begin phase code (1 forward, 2 backward, 3 optimizer)."},
     {"end_phase", (PyCFunction)marks_end_phase, METH_NOARGS, "end_phase(): end the running phase, if any."},
+    {"install", (PyCFunction)(void (*)(void))marks_install, METH_FASTCALL,
+     "install(pre_hooks, hooks, always_called, opt_pre_hooks, opt_post_hooks, handle_class): put pre, post, "
+     "opt_pre and opt_post into torch's hook dicts (None: not that one) under ids from handle_class.next_id."},
+    {"uninstall", (PyCFunction)marks_uninstall, METH_NOARGS,
+     "uninstall(): take out what install() put in (safe to call again)."},
     {"set_model", (PyCFunction)(void (*)(void))marks_set_model, METH_FASTCALL,
      "set_model(ids, root_id): the model's modules ({id(module): row}) and its root, replacing the old."},
     {"top", (PyCFunction)marks_top, METH_NOARGS,

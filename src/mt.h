@@ -20,6 +20,7 @@
 typedef struct {
     PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype, *state_attr;
     PyObject *dict_keys[3]; /* "_modules", "_parameters", "_buffers" */
+    PyObject *next_id;      /* RemovableHandle.next_id (marks.c's install) */
     PyObject *parameter, *gradient, *state, *buffer, *input;
 } mt_strs;
 

@@ -16,6 +16,7 @@ mt_names_strs_clear(mt_strs *s)
     for (size_t j = 0; j < 3; j++) {
         Py_CLEAR(s->dict_keys[j]);
     }
+    Py_CLEAR(s->next_id);
     Py_CLEAR(s->parameter);
     Py_CLEAR(s->gradient);
     Py_CLEAR(s->state);
@@ -43,12 +44,13 @@ mt_names_strs(PyObject *module)
     s->dict_keys[0] = PyUnicode_InternFromString("_modules");
     s->dict_keys[1] = PyUnicode_InternFromString("_parameters");
     s->dict_keys[2] = PyUnicode_InternFromString("_buffers");
+    s->next_id = PyUnicode_InternFromString("next_id");
     s->parameter = PyUnicode_FromString("parameter");
     s->gradient = PyUnicode_FromString("gradient");
     s->state = PyUnicode_FromString("optimizer state");
     s->buffer = PyUnicode_FromString("buffer");
     if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->state_attr ||
-        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->parameter || !s->gradient || !s->state || !s->buffer) {
+        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->next_id || !s->parameter || !s->gradient || !s->state || !s->buffer) {
         mt_names_strs_clear(s);
         return NULL;
     }

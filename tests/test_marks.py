@@ -176,6 +176,73 @@ def test_snapshots_keep_the_first_16_and_the_latest():
     assert [v[0] for v in snaps[-1][1].values()] == ["w.grad"]
 
 
+class _Handle:  # stands for torch.utils.hooks.RemovableHandle: the marks take ids from its counter
+    next_id = 40
+
+
+def test_install_puts_the_hooks_in_and_uninstall_takes_them_out():
+    """Into torch's kind of dicts (OrderedDicts, kept in order): pre, post (and its
+    always-called entry), opt_pre, opt_post, under consecutive ids from next_id; entries
+    of others stay; None leaves a dict out; uninstall twice is harmless."""
+    from collections import OrderedDict
+
+    _Handle.next_id = 40
+    pre, post, always, opre, opost = OrderedDict(), OrderedDict(), {}, OrderedDict(), OrderedDict()
+    pre[7] = "someone else's"
+    marks = _marks()
+    marks.install(pre, post, always, opre, opost, _Handle)
+    assert list(pre) == [7, 40] and pre[40] == marks.pre and post == {41: marks.post} and always == {41: True}
+    assert opre == {42: marks.opt_pre} and opost == {43: marks.opt_post} and _Handle.next_id == 44
+    with pytest.raises(RuntimeError, match="installed already"):
+        marks.install(pre, post, always, opre, opost, _Handle)
+    del opre[42]  # taken out by someone else: skipped
+    marks.uninstall()
+    assert pre == {7: "someone else's"} and not post and not always and not opre and not opost
+    marks.uninstall()
+    marks.install(None, None, None, opre, opost, _Handle)  # an optimizer without a model
+    assert opre == {44: marks.opt_pre} and opost == {45: marks.opt_post}
+    marks.uninstall()
+    assert not opre and not opost
+
+
+def test_install_refuses_bad_input_and_leaves_nothing_behind():
+    d = [{} for _ in range(5)]
+    marks = _marks()
+    with pytest.raises(TypeError, match="6 arguments"):
+        marks.install(*d)
+    with pytest.raises(TypeError, match="hook dicts"):
+        marks.install([], *d[1:], _Handle)
+    with pytest.raises(TypeError, match="always-called"):
+        marks.install(d[0], d[1], None, d[3], d[4], _Handle)
+
+    class NotAnInt:
+        next_id = 1.5
+
+    with pytest.raises(TypeError, match="not an int"):
+        marks.install(*d, NotAnInt)
+    assert d == [{}] * 5
+
+    class FailsLater(dict):
+        def __setitem__(self, key, value):
+            raise RuntimeError("no room")
+
+    _Handle.next_id = 0
+    with pytest.raises(RuntimeError, match="no room"):
+        marks.install(d[0], d[1], d[2], FailsLater(), d[4], _Handle)
+    assert d == [{}] * 5  # what went in before the error came out again
+
+    class FailsToDelete(dict):
+        def __delitem__(self, key):
+            raise RuntimeError("stuck")
+
+    stuck = FailsToDelete()
+    marks.install(d[0], d[1], d[2], stuck, d[4], _Handle)
+    with pytest.raises(RuntimeError, match="stuck"):
+        marks.uninstall()
+    assert d == [{}] * 5 and len(stuck) == 1  # the others were still taken out
+    marks.uninstall()  # nothing left to take out
+
+
 def test_nesting_deeper_than_the_stack_keeps_counting():
     """Recursion deeper than the 256 tags kept: the depth still counts, and once back
     within the stack the tags are the modules' again."""
@@ -282,6 +349,8 @@ def test_a_cycle_through_the_lists_is_collected():
     h.snaps = []
     h.marks = _marks(snaps=h.snaps, timeline=[], grad=lambda: h)
     h.snaps.append(h)
+    h.hooks = [{} for _ in range(5)]
+    h.marks.install(*h.hooks, _Handle)  # the dicts hold the marks' hooks, the marks hold the dicts
     ref = weakref.ref(h)
     del h
     gc.collect()
@@ -309,6 +378,9 @@ def test_marks_do_not_leak():
         marks.opt_post(opt, (), {})
         marks.set_model(ids, id(root))
         marks.top(), marks.phases, marks.last_inputs, marks.forwards, marks.params
+        hooks = [{} for _ in range(5)]
+        marks.install(*hooks, _Handle)
+        marks.uninstall()
         for bad in (lambda: _C.ModuleMarks({1: -1}, 0, 0, [], print), lambda: marks.pre(root),
                     lambda: marks.begin_phase(9), lambda: marks.opt_post(object(), (), {})):
             try:
