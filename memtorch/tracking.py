@@ -890,7 +890,7 @@ class _Plan:
             for k, p in mod._parameters.items():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
-                    self.params.append((pre + k, weakref.ref(p)))
+                    self.params.append((pre + k, weakref.ref(p), pre + k + ".grad"))
             for k, b in mod._buffers.items():
                 if b is not None:
                     self.buffers.append((pre + k, weakref.ref(b)))
@@ -902,7 +902,7 @@ class _Plan:
 
     def first(self):
         """The model's first parameter, else its first buffer, else None."""
-        for _, r in self.params:
+        for _, r, _ in self.params:
             t = r()
             if t is not None:
                 return t
@@ -955,7 +955,7 @@ _FRESH = dict(
     _mod_specs=(),  # event-log mode: (name, type name) of the rows, made at the replay
     _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
     _state_n=0,
-    _params=None,  # event-log mode: [(name, weakref)] of the parameters, from the first walk
+    _params=None,  # event-log mode: [(name, weakref, gradient's name)] of the parameters, from the first walk
     _at_peak=None,
     _root_id=None,
     _root_depth=0,
@@ -1168,11 +1168,12 @@ class Tracker:
             if plan is not None:
                 _C.names_walk(names, plan.buffers, None, 1 | 8 | shape)
             if opt is not None:
-                known = {id(r()) for _, r in params}
+                known = {id(r()) for _, r, _ in params}
                 for gi, group in enumerate(opt.param_groups):
                     for pi, p in enumerate(group["params"]):
                         if id(p) not in known:
-                            params.append((f"param_groups[{gi}][{pi}]", weakref.ref(p)))
+                            name = f"param_groups[{gi}][{pi}]"
+                            params.append((name, weakref.ref(p), name + ".grad"))
             self._params = params
             if self._marks is not None:  # the optimizer's hooks walk them (marks.c)
                 self._marks.params = params

@@ -782,7 +782,7 @@ static int
 marks_set_params(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 {
     if (value == NULL || (value != Py_None && !PyList_Check(value))) {
-        PyErr_SetString(PyExc_TypeError, "params is a list of (name, weakref) or None");
+        PyErr_SetString(PyExc_TypeError, "params is a list of (name, weakref[, grad name]) or None");
         return -1;
     }
     Py_SETREF(m->params, Py_NewRef(value));
@@ -828,7 +828,7 @@ static PyGetSetDef marks_getset[] = {
     {"state_n", (getter)marks_get_state_n, (setter)marks_set_state_n,
      "entries of the optimizer's state when its names were last read", NULL},
     {"params", (getter)marks_get_params, (setter)marks_set_params,
-     "[(name, weakref)] the walks read, or None (no walk in the optimizer's hooks)", NULL},
+     "[(name, weakref[, grad name])] the walks read, or None (no walk in the optimizer's hooks)", NULL},
     {"last_inputs", (getter)marks_get_last_inputs, NULL,
      "the addresses of the last root forward's tensor arguments (0: no storage)", NULL},
     {NULL, NULL, NULL, NULL, NULL},

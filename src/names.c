@@ -189,8 +189,9 @@ error:
 PyDoc_STRVAR(names_walk_doc,
 "names_walk($module, names, params, state, want, /)\n--\n\n"
 "Fill the dict names with {storage address: (name, kind, None, shape, dtype)}\n"
-"for params, a list of (name, weakref to a parameter): with want & 1 each\n"
-"parameter (& 8: named as a buffer instead), & 2 its .grad (\"<name>.grad\"), & 4 the tensors of state[param]\n"
+"for params, a list of (name, weakref to a parameter[, name of its gradient]):\n"
+"with want & 1 each parameter (& 8: named as a buffer instead), & 2 its .grad (the\n"
+"name given, else \"<name>.grad\"), & 4 the tensors of state[param]\n"
 "(\"<name>.<key>\"; state: the optimizer's state dict or None); & 16: shape\n"
 "and dtype left None. An address already in names keeps its name. Returns None.");
 
@@ -215,8 +216,10 @@ mt_names_walk(PyObject *module, PyObject *names, PyObject *params, PyObject *sta
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(py_params); i++) {
         PyObject *py_pair = PyTuple_GET_ITEM(py_params, i); /* borrowed from py_params */
-        if (!PyTuple_Check(py_pair) || PyTuple_GET_SIZE(py_pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(py_pair, 0))) {
-            PyErr_SetString(PyExc_TypeError, "names_walk(): params must hold (name, weakref) pairs");
+        Py_ssize_t size = PyTuple_Check(py_pair) ? PyTuple_GET_SIZE(py_pair) : 0;
+        if ((size != 2 && size != 3) || !PyUnicode_Check(PyTuple_GET_ITEM(py_pair, 0)) ||
+            (size == 3 && !PyUnicode_Check(PyTuple_GET_ITEM(py_pair, 2)))) {
+            PyErr_SetString(PyExc_TypeError, "names_walk(): params must hold (name, weakref[, grad name]) tuples");
             goto error;
         }
         PyObject *py_name = PyTuple_GET_ITEM(py_pair, 0); /* borrowed from py_pair */
@@ -237,7 +240,9 @@ mt_names_walk(PyObject *module, PyObject *names, PyObject *params, PyObject *sta
                 goto error;
             }
             if (py_g != Py_None) {
-                py_gname = PyUnicode_FromFormat("%U.grad", py_name); /* new reference */
+                /* the gradient's name made once by the caller (a walk per step), else here */
+                py_gname = size == 3 ? Py_NewRef(PyTuple_GET_ITEM(py_pair, 2))
+                                     : PyUnicode_FromFormat("%U.grad", py_name); /* new reference */
                 if (py_gname == NULL || mt_put(names, py_g, py_gname, s->gradient, s, no_shape, NULL) < 0) {
                     goto error;
                 }

@@ -74,12 +74,27 @@ def test_names_walk_keeps_a_known_address_and_skips_dead_and_storageless():
     assert len(names) == 1  # nothing for the freed parameter, nothing for a storage without data
 
 
+def test_a_gradient_is_named_as_given_else_after_its_parameter():
+    _torch.torch()
+    model, opt = _trained()
+    w, b = model[0].weight, model[0].bias
+    assert w.grad is not None and b.grad is not None
+    names = {}
+    _C.names_walk(names, [("0.weight", weakref.ref(w), "W's gradient"), ("0.bias", weakref.ref(b))], None, 2 | 16)
+    assert names == {
+        w.grad.untyped_storage().data_ptr(): ("W's gradient", "gradient", None, None, None),
+        b.grad.untyped_storage().data_ptr(): ("0.bias.grad", "gradient", None, None, None),
+    }
+
+
 def test_names_walk_bad_input():
     _torch.torch()
     with pytest.raises(TypeError, match="names_walk"):
         _C.names_walk([], [], None, 1)
-    with pytest.raises(TypeError, match="pairs"):
+    with pytest.raises(TypeError, match="grad name"):
         _C.names_walk({}, [("a",)], None, 1)
+    with pytest.raises(TypeError, match="grad name"):
+        _C.names_walk({}, [("a", None, 5)], None, 2)  # a gradient's name that is not a str
     with pytest.raises(TypeError, match="weakref"):
         _C.names_walk({}, [], [], 1)
     with pytest.raises(TypeError, match="4 arguments"):
