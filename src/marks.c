@@ -612,6 +612,30 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     if (s == NULL) {
         return NULL;
     }
+    /* the ids: from the handles' own counter, as RemovableHandle() takes one, read and moved on once */
+    long long first = 0, n = 0;
+    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
+        n += args[j] != Py_None && mt_hook_methods[j] != NULL;
+    }
+    if (n > 0) {
+        py_id = PyObject_GetAttr(handle, s->next_id); /* new reference */
+        if (py_id == NULL) {
+            return NULL;
+        }
+        first = PyLong_CheckExact(py_id) ? PyLong_AsLongLong(py_id) : -1;
+        Py_CLEAR(py_id);
+        if (first < 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
+            }
+            return NULL;
+        }
+        py_next = PyLong_FromLongLong(first + n); /* new reference */
+        if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
+            goto error;
+        }
+        Py_CLEAR(py_next);
+    }
     for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
         PyObject *py_d = args[j]; /* borrowed */
         if (py_d == Py_None) {
@@ -623,24 +647,11 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             }
         }
-        else { /* an id from the handles' own counter, as RemovableHandle() takes one */
-            py_id = PyObject_GetAttr(handle, s->next_id); /* new reference */
+        else {
+            py_id = PyLong_FromLongLong(first++); /* new reference */
             if (py_id == NULL) {
                 goto error;
             }
-            if (!PyLong_CheckExact(py_id)) {
-                PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the handle class's next_id is not an int");
-                goto error;
-            }
-            long long id = PyLong_AsLongLong(py_id);
-            if (id == -1 && PyErr_Occurred()) {
-                goto error;
-            }
-            py_next = PyLong_FromLongLong(id + 1); /* new reference */
-            if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
-                goto error;
-            }
-            Py_CLEAR(py_next);
             py_hook = PyObject_GetAttrString((PyObject *)m, mt_hook_methods[j]); /* new reference: bound */
             if (py_hook == NULL || PyObject_SetItem(py_d, py_id, py_hook) < 0) {
                 goto error;

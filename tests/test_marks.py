@@ -220,6 +220,10 @@ def test_install_refuses_bad_input_and_leaves_nothing_behind():
 
     with pytest.raises(TypeError, match="not an int"):
         marks.install(*d, NotAnInt)
+    NotAnInt.next_id = -1
+    with pytest.raises(TypeError, match="not an int >= 0"):
+        marks.install(*d, NotAnInt)
+    marks.install(*([None] * 5), NotAnInt)  # nothing to put in: the counter is not read
     assert d == [{}] * 5
 
     class FailsLater(dict):
