@@ -792,13 +792,6 @@ def _add_hook(handles, hooks, hook, always=None):
     handles.append((hooks, i, always))
 
 
-def _data_ptr(t):
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:  # nested, sparse and wrapper tensors have no single storage
-        return 0
-
-
 def _describe_tensor(t):
     return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
@@ -954,8 +947,6 @@ _FRESH = dict(
     _phase=None,
     _mod_specs=(),  # event-log mode: (name, type name) of the rows, made at the replay
     _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
-    _state_n=0,
-    _params=None,  # event-log mode: [(name, weakref, gradient's name)] of the parameters, from the first walk
     _at_peak=None,
     _root_id=None,
     _root_depth=0,
@@ -994,9 +985,9 @@ class Tracker:
             raise TypeError(f"track(model=...) expects a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"track(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not (type(warmup) is int and warmup >= 0) and not _count_ok(warmup):  # noqa: E721 (the common case first)
+        if not _count_ok(warmup):
             raise ValueError(f"track(warmup=...) expects an int >= 0, got {warmup!r}")
-        if not (type(largest) is int and largest >= 0) and not _count_ok(largest):  # noqa: E721
+        if not _count_ok(largest):
             raise ValueError(f"track(largest=...) expects an int >= 0, got {largest!r}")
         if type(timeline) is not bool or type(modules) is not bool or type(leaks) is not bool:  # noqa: E721
             for flag, value in (("timeline", timeline), ("modules", modules), ("leaks", leaks)):
@@ -1011,10 +1002,7 @@ class Tracker:
         self._args = dict(device=device, timeline=timeline, modules=modules, leaks=leaks, warmup=warmup, largest=largest)
         self._model = None if model is None else weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
-        if type(device) is str and device == "auto" and (first is None or first.is_cpu):  # noqa: E721
-            self._kind, self._index = "cpu", None  # _parse_device's answer, without the call
-        else:
-            self._kind, self._index = _parse_device(device, first)
+        self._kind, self._index = _parse_device(device, first)
         del first
         self._timeline = bool(timeline)
         self._modules_on = bool(modules) and model is not None
@@ -1116,14 +1104,6 @@ class Tracker:
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
 
-    def _snapshot_names(self, names=None):
-        """Note what the walk names now, at this point of the event log (the first 16 and the
-        latest 240 kept: a block's peak is often in its first step)."""
-        snaps = self._snapshots
-        snaps.append((_C.eventlog_head(), self._walk_names(full=False) if names is None else names))
-        if len(snaps) > 256:
-            del snaps[16]
-
     # -- names for at_peak --------------------------------------------------
     def _walk_names(self, full=True, grads=True, state=True):
         """{address: (name, kind, None, shape, dtype)} of the model's parameters, buffers and
@@ -1134,33 +1114,32 @@ class Tracker:
         of the parameters, buffers and optimizer state come from the model's plan when the
         counters show every one of those storages is still the very allocation named last
         time (same address, same allocation number) and the optimizer has no new state;
-        else they are read again. Gradients are always read."""
+        else they are read again. Gradients are always read. Event-log mode only: the
+        parameters walked and the optimizer's state count are the block's marks' (marks.c
+        walks them again in the optimizer's hooks)."""
+        m = self._marks
         shape = 0 if self._largest else 16  # shapes and dtypes only for largest=
         opt = None if self._optimizer is None else self._optimizer()
         st_all = None if opt is None or not (state or full) else opt.state
         if st_all is not None:
-            self._state_n = len(st_all)
-            if self._marks is not None:
-                self._marks.state_n = self._state_n
+            m.state_n = len(st_all)
             if not isinstance(st_all, dict):  # an optimizer of its own kind: read as a dict
                 st_all = dict(st_all)
-        if not full and self._params is not None:
+        if not full and m.params is not None:
             del opt
             names = {}
-            _C.names_walk(names, self._params, st_all, (2 if grads else 0) | 4 | shape)
+            _C.names_walk(names, m.params, st_all, (2 if grads else 0) | 4 | shape)
             return names
         model = None if self._model is None else self._model()
         plan = None if model is None else self._model_plan(model)
         del model
         cache = None if plan is None else plan.names
         if (
-            cache is not None and (None if cache[0] is None else cache[0]()) is opt and cache[1] == self._state_n
+            cache is not None and (None if cache[0] is None else cache[0]()) is opt and cache[1] == m.state_n
             and cache[2] == shape and _C.counters_serials(cache[4]) == cache[5]
         ):  # fmt: skip
             del opt
-            self._params = cache[3]
-            if self._marks is not None:
-                self._marks.params = self._params
+            m.params = cache[3]
             names = dict(cache[6])
         else:
             params = [] if plan is None else list(plan.params)
@@ -1174,19 +1153,17 @@ class Tracker:
                         if id(p) not in known:
                             name = f"param_groups[{gi}][{pi}]"
                             params.append((name, weakref.ref(p), name + ".grad"))
-            self._params = params
-            if self._marks is not None:  # the optimizer's hooks walk them (marks.c)
-                self._marks.params = params
+            m.params = params
             # in C: the names of the parameters and their optimizer state
             _C.names_walk(names, params, st_all, 1 | 4 | shape)
             if plan is not None:
                 addrs = list(names)
                 plan.names = (
-                    None if opt is None else weakref.ref(opt), self._state_n, shape, params, addrs,
+                    None if opt is None else weakref.ref(opt), m.state_n, shape, params, addrs,
                     _C.counters_serials(addrs), dict(names),
                 )  # fmt: skip
             del opt
-        _C.names_walk(names, self._params, None, 2 | shape)  # the gradients
+        _C.names_walk(names, m.params, None, 2 | shape)  # the gradients
         return names
 
     # -- modules -----------------------------------------------------------
@@ -1240,7 +1217,10 @@ class Tracker:
             self._handles.append(self._marks)
             return
         if model is not None:
-            self._hook_model(model)
+            if self._marks is None:
+                self._hook_model(model)
+            else:  # the marks have the model's modules already (__enter__)
+                self._add_module_hooks(self._marks.pre, self._marks.post)
         del model
         if opt is not None:
             self._hook_optimizer(opt)
@@ -1264,12 +1244,14 @@ class Tracker:
             self._ids = plan.ids
 
     def _hook_model(self, model):
+        """The model's rows and hooks: a block's start without marks, or a model given by watch()."""
         self._model_rows(model)
-        if self._evmode:  # in C: tags and marks of the model's modules, the phases, the batch's names
-            self._marks.set_model(self._ids, self._root_id)
-            pre, post = self._marks.pre, self._marks.post
-        else:
-            pre, post = self._pre, self._post
+        m = self._marks
+        if m is not None:  # in C: tags and marks of the model's modules, the phases, the batch's names
+            m.set_model(self._ids, self._root_id)
+        self._add_module_hooks(self._pre if m is None else m.pre, self._post if m is None else m.post)
+
+    def _add_module_hooks(self, pre, post):
         direct = _hook_dicts()
         if direct is not None:
             _add_hook(self._handles, direct[0], pre)
@@ -1317,8 +1299,8 @@ class Tracker:
             if optimizer is not None:
                 self._hook_optimizer(optimizer)
             if self._evmode:  # what lives now, by name
-                self._params = None
-                self._snapshot_names(self._walk_names())
+                self._marks.params = None
+                self._marks.snapshot(self._walk_names())
         return self
 
     def _remove_hooks(self):
@@ -1500,7 +1482,6 @@ class Tracker:
             self._cuda_open = []
             self._ids = {}
             self._marks = None
-            self._params = None
             self._scope = None
             self._snap = None
             self._open = False
@@ -1537,12 +1518,10 @@ class Tracker:
             head = _C.eventlog_head()
             m = self._marks
             self._forwards = m.forwards
-            self._state_n = m.state_n
             for name, (calls, seconds) in zip(PHASES, m.phases):  # what marks.c timed
                 if calls:
                     p = self._phases[name] = PhaseStats(name)
                     p.calls, p.seconds = calls, seconds
-            del m
         start, end, peak_bytes, exact = self._close_scope(self._scope)
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         timeline = None
@@ -1554,8 +1533,8 @@ class Tracker:
             ev, dropped = _C.eventlog_read_all(self._scope._ev0, head, True)
             sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
-            new_state = opt is not None and len(opt.state) != self._state_n
-            del opt
+            new_state = opt is not None and len(opt.state) != m.state_n
+            del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
             sizes = dict(zip(addrs, _C.counters_sizes(addrs)))

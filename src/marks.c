@@ -687,6 +687,19 @@ marks_uninstall(mt_marks *m, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
+marks_snapshot(mt_marks *m, PyObject *py_names)
+{
+    if (!PyDict_Check(py_names)) {
+        PyErr_SetString(PyExc_TypeError, "ModuleMarks.snapshot() expects a dict {address: (name, kind, ...)}");
+        return NULL;
+    }
+    if (mt_marks_snapshot(m, py_names) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 marks_begin_phase(mt_marks *m, PyObject *py_code)
 {
     long code = PyLong_AsLong(py_code);
@@ -815,6 +828,8 @@ static PyMethodDef marks_methods[] = {
      "opt_pre(optimizer, args, kwargs): the step pre-hook: the optimizer phase, the gradients' names."},
     {"opt_post", (PyCFunction)(void (*)(void))marks_opt_post, METH_FASTCALL,
      "opt_post(optimizer, args, kwargs): the step post-hook: the phase ends, new state is named."},
+    {"snapshot", (PyCFunction)marks_snapshot, METH_O,
+     "snapshot(names): add (log head now, names) to the block's snapshots, as the hooks' walks do."},
     {"begin_phase", (PyCFunction)marks_begin_phase, METH_O,
      "begin_phase(code): end the running phase, begin phase code (1 forward, 2 backward, 3 optimizer)."},
     {"end_phase", (PyCFunction)marks_end_phase, METH_NOARGS, "end_phase(): end the running phase, if any."},

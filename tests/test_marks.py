@@ -174,6 +174,12 @@ def test_snapshots_keep_the_first_16_and_the_latest():
     marks.opt_pre(None, (), {})
     assert len(snaps) == 256 and [h for h, _ in snaps[:17]] == [-i for i in range(16)] + [-17]
     assert [v[0] for v in snaps[-1][1].values()] == ["w.grad"]
+    given = {1: ("mine", "input", None, None, None)}  # watch()'s walk, added the same way
+    head = _C.eventlog_head()
+    marks.snapshot(given)
+    assert len(snaps) == 256 and snaps[-1] == (head, given) and snaps[16][0] == -18
+    with pytest.raises(TypeError, match="dict"):
+        marks.snapshot([])
 
 
 class _Handle:  # stands for torch.utils.hooks.RemovableHandle: the marks take ids from its counter
@@ -382,11 +388,13 @@ def test_marks_do_not_leak():
         marks.opt_post(opt, (), {})
         marks.set_model(ids, id(root))
         marks.top(), marks.phases, marks.last_inputs, marks.forwards, marks.params
+        marks.snapshot({1: ("x", "input", None, None, None)})
         hooks = [{} for _ in range(5)]
         marks.install(*hooks, _Handle)
         marks.uninstall()
         for bad in (lambda: _C.ModuleMarks({1: -1}, 0, 0, [], print), lambda: marks.pre(root),
-                    lambda: marks.begin_phase(9), lambda: marks.opt_post(object(), (), {})):
+                    lambda: marks.begin_phase(9), lambda: marks.opt_post(object(), (), {}),
+                    lambda: marks.snapshot(None)):
             try:
                 bad()
             except (ValueError, TypeError, AttributeError):
