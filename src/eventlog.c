@@ -313,10 +313,6 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (mt_eventlog_range(args, nargs == 3 ? 2 : nargs, "eventlog_read_all", &lo, &last, &n) < 0) {
         goto error;
     }
-    PyObject *dtype = mt_log_dtype(st); /* borrowed from the state */
-    if (dtype == NULL) {
-        goto error;
-    }
     npy_intp kept;
     if (raw) { /* the rows as bytes: one copy now, the array made when (if) the replay runs */
         py_raw = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((last - lo) * sizeof(mt_log_row))); /* new reference */
@@ -333,6 +329,10 @@ eventlog_read_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_SETREF(py_raw, py_short);
         }
         py_result = Py_BuildValue("(OL)", py_raw, (long long)n - (long long)kept);
+        goto error;
+    }
+    PyObject *dtype = mt_log_dtype(st); /* borrowed from the state */
+    if (dtype == NULL) {
         goto error;
     }
     npy_intp dims[1] = {(npy_intp)(last - lo)};

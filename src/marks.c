@@ -603,7 +603,8 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if ((args[1] == Py_None) != (args[2] == Py_None)) {
-        PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the module hook dict comes with its always-called dict");
+        PyErr_SetString(PyExc_TypeError,
+                        "ModuleMarks.install(): the module hook dict comes with its always-called dict");
         return NULL;
     }
     PyObject *handle = args[MT_MARKS_HOOKS]; /* borrowed: torch.utils.hooks.RemovableHandle */
@@ -626,7 +627,8 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         Py_CLEAR(py_id);
         if (first < 0) {
             if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
+                PyErr_SetString(PyExc_TypeError,
+                                "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
             }
             return NULL;
         }

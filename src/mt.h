@@ -15,7 +15,7 @@
 
 #include "compat.h"
 
-/* The attribute names and owner kinds the names walk uses (names.c), made once
+/* The attribute names and owner kinds the names walk and the marks use (names.c), made once
  * per module on first use (mt_names_strs). All new references. */
 typedef struct {
     PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype, *state_attr;

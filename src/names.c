@@ -25,7 +25,7 @@ mt_names_strs_clear(mt_strs *s)
 }
 
 /* Made once per module: a names walk runs several times per track() block, and
- * between a training step's operators making nine strings costs more than the
+ * between a training step's operators making its strings costs more than the
  * walk's own work. s->input is made last: set means all are. */
 const mt_strs *
 mt_names_strs(PyObject *module)
@@ -50,7 +50,8 @@ mt_names_strs(PyObject *module)
     s->state = PyUnicode_FromString("optimizer state");
     s->buffer = PyUnicode_FromString("buffer");
     if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->state_attr ||
-        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->next_id || !s->parameter || !s->gradient || !s->state || !s->buffer) {
+        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->next_id || !s->parameter ||
+        !s->gradient || !s->state || !s->buffer) {
         mt_names_strs_clear(s);
         return NULL;
     }
