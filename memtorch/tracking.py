@@ -864,6 +864,82 @@ _META_HINT = (
 )
 
 
+def _unwrap_optimizer(opt, where="track"):
+    """The torch.optim.Optimizer whose step() runs the update behind ``opt``: ``opt`` itself,
+    or the optimizer a wrapper holds (accelerate's AcceleratedOptimizer ``.optimizer``,
+    Lightning's LightningOptimizer ``._optimizer``, any object whose ``.optimizer`` is one).
+    A torch optimizer with step hooks of its own (one that wraps another and adds to its
+    update) is kept; a TypeError, before any hook goes in, for anything else."""
+    Optimizer = _torch().optim.Optimizer
+    o = opt
+    for _ in range(8):  # wrappers of wrappers, bounded
+        d = getattr(o, "__dict__", None)
+        own = isinstance(d, dict) and isinstance(d.get("_optimizer_step_pre_hooks"), dict)
+        inner = None
+        for attr in ("optimizer", "_optimizer"):
+            v = d.get(attr) if isinstance(d, dict) else None
+            if v is None and not isinstance(o, Optimizer):
+                try:
+                    v = getattr(o, attr, None)  # a wrapper's property
+                except Exception:  # noqa: BLE001 - a wrapper's property that raises: not a wrapper
+                    v = None
+            if isinstance(v, Optimizer) and v is not o:
+                inner = v
+                break
+        if inner is None:
+            break
+        inner_pre = inner.__dict__.get("_optimizer_step_pre_hooks")
+        if own and isinstance(o, Optimizer) and d["_optimizer_step_pre_hooks"] is not inner_pre:
+            break  # an optimizer with hooks of its own (its step does more than the inner one's)
+        o = inner
+    if not isinstance(o, Optimizer):
+        raise TypeError(
+            f"{where}(optimizer=...) expects a torch.optim.Optimizer (or a wrapper holding one in .optimizer), "
+            f"got {type(opt).__name__}"
+        )
+    if not isinstance(o.__dict__.get("_optimizer_step_pre_hooks"), dict):
+        raise TypeError(
+            f"{where}(optimizer=...): {type(o).__name__} is a torch.optim.Optimizer that never ran "
+            "Optimizer.__init__ (it has no step hooks) and holds no optimizer in .optimizer: "
+            "pass the optimizer it wraps"
+        )
+    return o
+
+
+def _closure_args(tref, args, kwargs):
+    """A step pre-hook's answer for ``optimizer.step(closure)`` (args[0] is the optimizer,
+    as torch's step wrapper passes it): the same arguments with the closure wrapped, so that
+    when it returns the optimizer phase resumes (the closure's forward and backward are
+    their own phases); None when the step has no closure. ``tref``: a weakref to the Tracker."""
+    closure = kwargs.get("closure") if kwargs else None
+    if closure is not None:
+        if not callable(closure):
+            return None
+        kwargs = dict(kwargs)
+        kwargs["closure"] = _in_step(tref, closure)
+        return args, kwargs
+    if len(args) > 1 and args[1] is not None and callable(args[1]):
+        return (args[0], _in_step(tref, args[1])) + tuple(args[2:]), kwargs
+    return None
+
+
+def _in_step(tref, closure):
+    """``closure``, telling the Tracker behind ``tref`` when it begins and returns (no reference kept to it)."""
+
+    def closure_in_step(*args, **kwargs):
+        t = tref()
+        if t is not None:  # what the closure does before its forward (zero_grad) is no phase's, as in a plain loop
+            t._pause_optimizer()
+        del t
+        out = closure(*args, **kwargs)
+        t = tref()
+        if t is not None:
+            t._resume_optimizer()
+        return out
+
+    return closure_in_step
+
+
 class _Plan:
     """What a block reads of a model's structure, kept between blocks (the Tracker of a
     training loop opens one per step) while the structure stays the same: the modules by
@@ -954,6 +1030,7 @@ _FRESH = dict(
     _scan0=None,  # leaks.Scan at the first judged step that grew
     _scan0_step=None,
     _step_scope=None,
+    _adopting=False,  # the optimizer is the first that steps the model's parameters (_hook_any_optimizer)
 )
 
 
@@ -983,8 +1060,8 @@ class Tracker:
                     f"(or @memtorch.track(model, optimizer)), not @memtorch.track, above {getattr(model, '__name__', 'the function')}"
                 )
             raise TypeError(f"track(model=...) expects a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"track(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if optimizer is not None:
+            optimizer = _unwrap_optimizer(optimizer, "track")
         if not _count_ok(warmup):
             raise ValueError(f"track(warmup=...) expects an int >= 0, got {warmup!r}")
         if not _count_ok(largest):
@@ -1057,11 +1134,12 @@ class Tracker:
     # Event-log mode: the phases are _C.ModuleMarks's (marks.c), which begins and ends them
     # from its hooks; their figures come from the event log's marks at the end. Else a
     # counter scope per phase, begun and ended by the Python hooks below.
-    def _begin_phase(self, name):
+    def _begin_phase(self, name, counted=True):
+        """counted=False: the optimizer's update resumed after its step's closure (the same call)."""
         self._end_phase()
         if name not in self._phases:
             self._phases[name] = PhaseStats(name)
-        self._phase = (name, self._open_scope(), time.perf_counter())
+        self._phase = (name, self._open_scope(), time.perf_counter(), counted)
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "phase", name))
 
@@ -1073,11 +1151,16 @@ class Tracker:
         if ph is None:
             return
         self._phase = None
-        name, s, t0 = ph
+        name, s, t0, counted = ph
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "end", name))
         start, end, peak, exact = self._close_scope(s)
-        self._phases[name]._add(start, end, peak, exact, time.perf_counter() - t0)
+        p = self._phases[name]
+        if counted:
+            p._add(start, end, peak, exact, time.perf_counter() - t0)
+        else:
+            p._add_bytes(start, end, peak, exact)
+            p.seconds += time.perf_counter() - t0
 
     def _top_tag(self):
         """The owner tag now (event-log mode): the innermost running module's, else the
@@ -1100,9 +1183,80 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
+        if len(args) > 1 or kwargs:  # step(closure): see _closure_args
+            return _closure_args(weakref.ref(self), args, kwargs)
+        return None
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
+
+    def _pause_optimizer(self):
+        """The closure of an optimizer step begins: the optimizer phase ends (_in_step)."""
+        if self._open and not self._quick:
+            self._end_phase()
+
+    def _resume_optimizer(self):
+        """The closure of an optimizer step returned: the optimizer phase again (_in_step)."""
+        if not self._open or self._quick:
+            return
+        if self._marks is not None:
+            self._marks.resume_optimizer()
+        else:
+            self._begin_phase("optimizer", counted=False)
+
+    # An optimizer not given to the block (track(model) around a framework's loop that makes
+    # its own): the first optimizer whose step updates the model's parameters is the block's
+    # from that step on, seen through torch's global step hooks (every optimizer's step runs
+    # them; the others are let through untouched).
+    def _hook_any_optimizer(self):
+        optim_mod = sys.modules["torch.optim.optimizer"]
+        self._adopting = True
+        self._foreign = weakref.WeakSet()
+        self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._any_opt_pre))
+        self._handles.append(optim_mod.register_optimizer_step_post_hook(self._any_opt_post))
+
+    def _adopted(self, opt):
+        """True when ``opt`` is the block's optimizer, made so if it is the first to step the model's parameters."""
+        if not self._adopting or not self._open:
+            return False
+        ref = self._optimizer
+        if ref is not None:
+            return ref() is opt
+        if opt in self._foreign:
+            return False
+        model = None if self._model is None else self._model()
+        plan = None if model is None else self._model_plan(model)
+        del model
+        mine = set() if plan is None else {id(r()) for _, r, _ in plan.params}
+        for group in opt.param_groups:
+            if any(id(p) in mine for p in group["params"]):
+                self._optimizer = weakref.ref(opt)
+                return True
+        self._foreign.add(opt)
+        return False
+
+    def _any_opt_pre(self, opt, args, kwargs):
+        if not self._adopted(opt):
+            return None
+        m = self._marks
+        return self._opt_pre(opt, args, kwargs) if m is None else m.opt_pre(opt, args, kwargs)
+
+    def _any_opt_post(self, opt, args, kwargs):
+        if self._adopted(opt):
+            m = self._marks
+            (self._opt_post if m is None else m.opt_post)(opt, args, kwargs)
+
+    def _root_kwargs(self, hook_id):
+        """Event-log mode: the root's forward pre-hook (global, id ``hook_id``) is called with the
+        forward's kwargs too (torch calls a pre-hook with them when its id is in the module's
+        _forward_pre_hooks_with_kwargs), so that a batch given as ``model(**batch)`` is named.
+        The entry goes with the block's hooks."""
+        model = None if self._model is None else self._model()
+        d = None if model is None else model.__dict__.get("_forward_pre_hooks_with_kwargs")
+        del model
+        if hook_id is not None and isinstance(d, dict) and hook_id not in d:
+            d[hook_id] = True
+            self._handles.append((d, hook_id, None))
 
     # -- names for at_peak --------------------------------------------------
     def _walk_names(self, full=True, grads=True, state=True):
@@ -1215,12 +1369,18 @@ class Tracker:
                 *(opt_direct if opt is not None else (None, None)), direct[3],
             )  # fmt: skip
             self._handles.append(self._marks)
+            if model is not None:
+                self._root_kwargs(self._marks.pre_id)
+                if opt is None:
+                    self._hook_any_optimizer()
             return
         if model is not None:
             if self._marks is None:
                 self._hook_model(model)
             else:  # the marks have the model's modules already (__enter__)
-                self._add_module_hooks(self._marks.pre, self._marks.post)
+                self._root_kwargs(self._add_module_hooks(self._marks.pre, self._marks.post))
+            if opt is None:
+                self._hook_any_optimizer()
         del model
         if opt is not None:
             self._hook_optimizer(opt)
@@ -1249,17 +1409,24 @@ class Tracker:
         m = self._marks
         if m is not None:  # in C: tags and marks of the model's modules, the phases, the batch's names
             m.set_model(self._ids, self._root_id)
-        self._add_module_hooks(self._pre if m is None else m.pre, self._post if m is None else m.post)
+        pre_id = self._add_module_hooks(self._pre if m is None else m.pre, self._post if m is None else m.post)
+        if m is not None:
+            self._root_kwargs(pre_id)
 
     def _add_module_hooks(self, pre, post):
+        """The two global module hooks; returns the pre-hook's id."""
         direct = _hook_dicts()
         if direct is not None:
             _add_hook(self._handles, direct[0], pre)
+            pre_id = self._handles[-1][1]
             _add_hook(self._handles, direct[1], post, direct[2])  # always called, as always_call=True
         else:
             torch_module = sys.modules["torch.nn.modules.module"]
-            self._handles.append(torch_module.register_module_forward_pre_hook(pre))
+            handle = torch_module.register_module_forward_pre_hook(pre)
+            self._handles.append(handle)
+            pre_id = handle.id
             self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
+        return pre_id
 
     def _hook_optimizer(self, opt):
         m = self._marks  # event-log mode: the phase and the gradients' and new state's names in C
@@ -1278,8 +1445,8 @@ class Tracker:
         torch = _torch()
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"watch(model=...) expects a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"watch(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if optimizer is not None:
+            optimizer = _unwrap_optimizer(optimizer, "watch")
         if model is not None and self._model is not None:
             raise MemtorchError("this tracker already watches a model: one model per block")
         if optimizer is not None and self._optimizer is not None:
@@ -1291,6 +1458,7 @@ class Tracker:
             self._modules_on = bool(self._args["modules"])
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
+            self._adopting = False  # given: its own hooks from here on
         if self._open:
             if self._quick and (model is not None or optimizer is not None):
                 self._full_state()  # phases and modules from here on (the event log only if it ran from the start)
@@ -1376,6 +1544,8 @@ class Tracker:
                     self._ids, self._root_id or 0, self._tagbase, self._snapshots, _torch_mod.is_grad_enabled,
                     self._tl_marks if self._timeline else None, bool(self._largest),
                 )  # fmt: skip
+                # step(closure): the closure wrapped by _closure_args (called only for a step given arguments)
+                self._marks.closure_hook = functools.partial(_closure_args, weakref.ref(self))
                 _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots.append((_C.eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
@@ -1481,6 +1651,9 @@ class Tracker:
                 s.close()
             self._cuda_open = []
             self._ids = {}
+            if getattr(self, "_adopting", False):  # found in this block, not given: the next block looks again
+                self._adopting = False
+                self._optimizer = None
             self._marks = None
             self._scope = None
             self._snap = None

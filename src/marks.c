@@ -63,6 +63,7 @@ typedef struct {
     PyObject *grad_enabled; /* torch.is_grad_enabled */
     PyObject *timeline;    /* list of (ns, "phase"|"end", name), or None */
     PyObject *last_inputs; /* list of the addresses of the last forward's tensor arguments (0: none) */
+    PyObject *closure_hook; /* closure_hook(args, kwargs) for a step given arguments (a closure), or None */
     /* install(): the hook dicts this object's hooks were put in (owned, NULL: none) and their ids */
     PyObject *hook_dicts[MT_MARKS_HOOKS];
     PyObject *hook_ids[MT_MARKS_HOOKS];
@@ -111,6 +112,7 @@ marks_traverse(mt_marks *m, visitproc visit, void *arg)
     Py_VISIT(m->grad_enabled);
     Py_VISIT(m->timeline);
     Py_VISIT(m->last_inputs);
+    Py_VISIT(m->closure_hook);
     for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
         Py_VISIT(m->hook_dicts[j]);
         Py_VISIT(m->hook_ids[j]);
@@ -126,6 +128,7 @@ marks_clear(mt_marks *m)
     Py_CLEAR(m->grad_enabled);
     Py_CLEAR(m->timeline);
     Py_CLEAR(m->last_inputs);
+    Py_CLEAR(m->closure_hook);
     for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
         Py_CLEAR(m->hook_dicts[j]);
         Py_CLEAR(m->hook_ids[j]);
@@ -239,18 +242,25 @@ mt_marks_end_phase(mt_marks *m)
     return mt_marks_timeline(m, now, "end", code);
 }
 
-/* Begin phase code (1..3), ending the running one first. */
+/* Begin phase code (1..3), ending the running one first; counted: a new call of
+ * the phase (0: the optimizer's update resumed after its closure, the same call). */
 static int
-mt_marks_begin_phase(mt_marks *m, unsigned int code)
+mt_marks_begin_phase_as(mt_marks *m, unsigned int code, int counted)
 {
     if (mt_marks_end_phase(m) < 0) {
         return -1;
     }
     m->phase_code = code;
-    m->phase_calls[code]++;
+    m->phase_calls[code] += counted != 0;
     m->phase_t0 = mt_monotonic_ns();
     mt_eventlog_mark(MT_EV_TAG, 0x100u | code, mt_marks_top(m));
     return mt_marks_timeline(m, m->phase_t0, "phase", code);
+}
+
+static inline int
+mt_marks_begin_phase(mt_marks *m, unsigned int code)
+{
+    return mt_marks_begin_phase_as(m, code, 1);
 }
 
 static void
@@ -301,6 +311,7 @@ marks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->grad_enabled = Py_NewRef(py_grad);
     m->timeline = Py_NewRef(py_timeline);
     m->params = Py_NewRef(Py_None);
+    m->closure_hook = Py_NewRef(Py_None);
     m->last_inputs = PyList_New(0); /* new reference */
     if (m->last_inputs == NULL || mt_marks_set_ids(m, py_ids) < 0) {
         goto error;
@@ -311,13 +322,37 @@ error:
     return NULL;
 }
 
+/* One tensor of the batch: py_t named py_name (kind "input") into py_names, its
+ * address appended to py_inputs (all borrowed). 0, or -1 with an exception set. */
+static int
+mt_marks_input(PyObject *module, mt_marks *m, PyObject *py_names, PyObject *py_inputs, PyObject *py_t,
+               PyObject *py_name)
+{
+    const mt_strs *s = mt_names_strs(module); /* borrowed from the state */
+    if (s == NULL) {
+        return -1;
+    }
+    void *addr = NULL;
+    if (mt_names_put(module, py_names, py_t, py_name, s->input, m->no_shape, &addr) < 0) {
+        return -1;
+    }
+    PyObject *py_addr = PyLong_FromVoidPtr(addr); /* new reference */
+    if (py_addr == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(py_inputs, py_addr);
+    Py_DECREF(py_addr);
+    return rc;
+}
+
 /* The root's forward began: the forward phase (if not running already, for a
  * recursive root) and the names of the tensors among its arguments (py_args,
- * borrowed: the module's args tuple). */
+ * borrowed: the module's args tuple; py_kwargs, borrowed: its kwargs dict, or
+ * NULL when the hook was called without them). */
 static int
-mt_marks_root_pre(mt_marks *m, PyObject *py_args)
+mt_marks_root_pre(mt_marks *m, PyObject *py_args, PyObject *py_kwargs)
 {
-    PyObject *py_names = NULL, *py_inputs = NULL, *py_name = NULL, *py_addr = NULL;
+    PyObject *py_names = NULL, *py_inputs = NULL, *py_name = NULL;
     int rc = -1;
     PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
     if (module == NULL) {
@@ -344,9 +379,10 @@ mt_marks_root_pre(mt_marks *m, PyObject *py_args)
     if (py_names == NULL || py_inputs == NULL) {
         goto error;
     }
+    Py_ssize_t seen = 0; /* arguments looked at, positional and keyword together */
     if (PyTuple_Check(py_args)) {
         Py_ssize_t n = PyTuple_GET_SIZE(py_args);
-        for (Py_ssize_t j = 0; j < n && j < MT_MARKS_INPUTS; j++) {
+        for (Py_ssize_t j = 0; j < n && seen < MT_MARKS_INPUTS; j++, seen++) {
             PyObject *py_a = PyTuple_GET_ITEM(py_args, j); /* borrowed from py_args */
             int is_tensor = PyObject_IsInstance(py_a, tensor_type);
             if (is_tensor < 0) {
@@ -356,16 +392,26 @@ mt_marks_root_pre(mt_marks *m, PyObject *py_args)
                 continue;
             }
             py_name = n > 1 ? PyUnicode_FromFormat("input %zd", j) : Py_NewRef(s->input); /* new reference */
-            void *addr = NULL;
-            if (py_name == NULL || mt_names_put(module, py_names, py_a, py_name, s->input, m->no_shape, &addr) < 0) {
-                goto error;
-            }
-            py_addr = PyLong_FromVoidPtr(addr); /* new reference */
-            if (py_addr == NULL || PyList_Append(py_inputs, py_addr) < 0) {
+            if (py_name == NULL || mt_marks_input(module, m, py_names, py_inputs, py_a, py_name) < 0) {
                 goto error;
             }
             Py_CLEAR(py_name);
-            Py_CLEAR(py_addr);
+        }
+    }
+    /* model(**batch): the tensors given by keyword, named by their keyword (the root's pre-hook
+     * is called with the kwargs when its id is in the root's _forward_pre_hooks_with_kwargs) */
+    if (py_kwargs != NULL && PyDict_Check(py_kwargs)) {
+        PyObject *py_k, *py_a; /* borrowed from py_kwargs */
+        Py_ssize_t pos = 0;
+        while (seen < MT_MARKS_INPUTS && PyDict_Next(py_kwargs, &pos, &py_k, &py_a)) {
+            seen++;
+            int is_tensor = PyUnicode_Check(py_k) ? PyObject_IsInstance(py_a, tensor_type) : 0;
+            if (is_tensor < 0) {
+                goto error;
+            }
+            if (is_tensor && mt_marks_input(module, m, py_names, py_inputs, py_a, py_k) < 0) {
+                goto error;
+            }
         }
     }
     Py_SETREF(m->last_inputs, Py_NewRef(py_inputs));
@@ -378,7 +424,6 @@ error:
     Py_XDECREF(py_names);
     Py_XDECREF(py_inputs);
     Py_XDECREF(py_name);
-    Py_XDECREF(py_addr);
     return rc;
 }
 
@@ -412,16 +457,16 @@ mt_marks_root_post(mt_marks *m)
     return on ? mt_marks_begin_phase(m, 2) : 0;
 }
 
-/* pre(module, args): the forward pre-hook. */
+/* pre(module, args[, kwargs]): the forward pre-hook (with kwargs: the root's, see mt_marks_root_pre). */
 static PyObject *
 marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "ModuleMarks.pre() takes 2 arguments (%zd given)", nargs);
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.pre() takes 2 or 3 arguments (%zd given)", nargs);
         goto error;
     }
     uintptr_t key = (uintptr_t)args[0];
-    if (key == m->root && mt_marks_root_pre(m, args[1]) < 0) {
+    if (key == m->root && mt_marks_root_pre(m, args[1], nargs == 3 ? args[2] : NULL) < 0) {
         goto error;
     }
     int64_t row = mt_marks_row(m, key);
@@ -496,6 +541,26 @@ marks_opt_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     }
     /* the gradients, named while they live: zero_grad() may free them before the block ends */
     if (mt_marks_begin_phase(m, 3) < 0 || mt_marks_walk(m, NULL, 2) < 0) {
+        return NULL;
+    }
+    /* step(closure): the closure's forward and backward are their own phases, the update
+     * after it the optimizer's again; closure_hook answers the step's arguments with the
+     * closure wrapped to say when it returns (Python only when the step has arguments) */
+    /* (torch's step wrapper passes the optimizer itself as args[0]) */
+    int has_args = (PyTuple_Check(args[1]) && PyTuple_GET_SIZE(args[1]) > 1) ||
+                   (PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) > 0);
+    if (has_args && m->closure_hook != NULL && m->closure_hook != Py_None) {
+        return PyObject_CallFunctionObjArgs(m->closure_hook, args[1], args[2], NULL); /* new reference */
+    }
+    Py_RETURN_NONE;
+}
+
+/* resume_optimizer(): the step's closure returned: the optimizer phase again (the
+ * same call), the gradients the closure made named while they live. */
+static PyObject *
+marks_resume_optimizer(mt_marks *m, PyObject *Py_UNUSED(ignored))
+{
+    if (mt_marks_begin_phase_as(m, 3, 0) < 0 || mt_marks_walk(m, NULL, 2) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -821,6 +886,29 @@ marks_get_last_inputs(mt_marks *m, void *Py_UNUSED(closure))
     return Py_NewRef(m->last_inputs != NULL ? m->last_inputs : Py_None);
 }
 
+static PyObject *
+marks_get_closure_hook(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(m->closure_hook != NULL ? m->closure_hook : Py_None);
+}
+
+static int
+marks_set_closure_hook(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL || (value != Py_None && !PyCallable_Check(value))) {
+        PyErr_SetString(PyExc_TypeError, "closure_hook is a callable (args, kwargs) or None");
+        return -1;
+    }
+    Py_XSETREF(m->closure_hook, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+marks_get_pre_id(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(m->hook_ids[0] != NULL ? m->hook_ids[0] : Py_None);
+}
+
 static PyMethodDef marks_methods[] = {
     {"pre", (PyCFunction)(void (*)(void))marks_pre, METH_FASTCALL,
      "pre(module, args): the forward pre-hook (for the root, the forward phase and the batch's names first)."},
@@ -830,6 +918,8 @@ static PyMethodDef marks_methods[] = {
      "opt_pre(optimizer, args, kwargs): the step pre-hook: the optimizer phase, the gradients' names."},
     {"opt_post", (PyCFunction)(void (*)(void))marks_opt_post, METH_FASTCALL,
      "opt_post(optimizer, args, kwargs): the step post-hook: the phase ends, new state is named."},
+    {"resume_optimizer", (PyCFunction)marks_resume_optimizer, METH_NOARGS,
+     "resume_optimizer(): the step's closure returned: the optimizer phase again (not a new call)."},
     {"snapshot", (PyCFunction)marks_snapshot, METH_O,
      "snapshot(names): add (log head now, names) to the block's snapshots, as the hooks' walks do."},
     {"begin_phase", (PyCFunction)marks_begin_phase, METH_O,
@@ -857,6 +947,10 @@ static PyGetSetDef marks_getset[] = {
      "entries of the optimizer's state when its names were last read", NULL},
     {"params", (getter)marks_get_params, (setter)marks_set_params,
      "[(name, weakref[, grad name])] the walks read, or None (no walk in the optimizer's hooks)", NULL},
+    {"closure_hook", (getter)marks_get_closure_hook, (setter)marks_set_closure_hook,
+     "closure_hook(args, kwargs): called by opt_pre for a step given arguments; its answer is the "
+     "pre-hook's (None, or (args, kwargs) with the closure wrapped); None: not called", NULL},
+    {"pre_id", (getter)marks_get_pre_id, NULL, "the id install() gave the module pre-hook (None: not installed)", NULL},
     {"last_inputs", (getter)marks_get_last_inputs, NULL,
      "the addresses of the last root forward's tensor arguments (0: no storage)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
