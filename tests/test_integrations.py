@@ -1,0 +1,541 @@
+"""track() in the loops of the frameworks: optimizer.step(closure), wrapped optimizers, an optimizer
+made inside the block, a batch given as kwargs; memtorch.integrations' callbacks in real
+transformers and Lightning Trainers (skipped without them; CI installs the extras hf, lightning).
+
+Truths: the Adam/AdamW state by hand (two float32 tensors per parameter, the size of the
+parameter, and a 4-byte ``step``) and from the optimizer's own tensors; the optimizer phase of
+``step(closure)`` against a plain loop of the same model (zero_grad, forward, backward, step),
+which the issue measured right (it matched the profiler to the byte).
+"""
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import memtorch  # noqa: E402
+from memtorch import tracking  # noqa: E402
+
+EXACT = sys.platform.startswith("linux") and memtorch.cpu.exact()
+
+
+def _optional(name):
+    """The framework, imported at collection (its import takes seconds), or None."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+transformers = _optional("transformers")
+accelerate = _optional("accelerate")
+pl = _optional("pytorch_lightning")
+needs_hf = pytest.mark.skipif(transformers is None or accelerate is None, reason="needs transformers and accelerate (extra hf)")
+# Lightning's own deprecation warnings (torch's pytree) are not this test's concern
+_PL_MARKS = (
+    pytest.mark.skipif(pl is None, reason="needs pytorch-lightning (extra lightning)"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+)
+
+
+def needs_pl(test):
+    for mark in _PL_MARKS:
+        test = mark(test)
+    return test
+exact_only = pytest.mark.skipif(not EXACT, reason="needs exact CPU counters (the event log)")
+
+D_IN, D_H = 64, 256
+P_BYTES = (D_IN * D_H + D_H + D_H * D_IN + D_IN) * 4  # 132,352: the MLP's weights and biases, float32
+ADAM_STATE = 2 * P_BYTES + 4 * 4  # exp_avg and exp_avg_sq per parameter, a float32 step per parameter (4 of them)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_H), nn.ReLU(), nn.Linear(D_H, D_IN))
+
+
+def batches(n=3, b=64):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(b, D_IN, generator=g) for _ in range(n)]
+
+
+def no_hooks(model, optimizer=None):
+    from torch.nn.modules import module as torch_module
+    from torch.optim import optimizer as optim_module
+
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._forward_pre_hooks_with_kwargs
+    assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+    assert not optim_module._global_optimizer_pre_hooks and not optim_module._global_optimizer_post_hooks
+    if optimizer is not None:
+        assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert tracking._debug_leftovers() == []
+
+
+def phases(report):
+    return {k: (p.calls, p.delta, p.peak_above_start) for k, p in report.phases.items()}
+
+
+def plain_loop(model, opt, xs):
+    with memtorch.track(model, optimizer=opt, leaks=False) as t:
+        for x in xs:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            t.step()
+    return t.report
+
+
+def closure_loop(model, opt, xs):
+    with memtorch.track(model, optimizer=opt, leaks=False) as t:
+        for x in xs:
+
+            def closure():
+                opt.zero_grad()
+                loss = model(x).sum()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            t.step()
+    return t.report
+
+
+@pytest.fixture(params=["event log", "counter scopes"])
+def hook_path(request, monkeypatch):
+    """Both ways track() runs its hooks: the C marks with the event log (exact CPU counters on
+    Linux), and the Python hooks with a counter scope per phase (CUDA, other platforms)."""
+    if request.param == "event log":
+        if not EXACT:
+            pytest.skip("needs exact CPU counters (the event log)")
+    else:  # tracking.py takes the event log on Linux only: it sees another platform
+        monkeypatch.setattr(tracking, "sys", _OtherPlatform())
+    return request.param
+
+
+class _OtherPlatform:
+    platform = "elsewhere"
+
+    def __getattr__(self, name):
+        return getattr(sys, name)
+
+
+# --- row 7: optimizer.step(closure) -------------------------------------------------------
+
+
+def test_closure_step_phases_are_the_plain_loops(hook_path):
+    xs = batches()
+    model, opt = mlp(), None
+    opt = torch.optim.Adam(model.parameters())
+    plain = plain_loop(model, opt, xs)
+    model2 = mlp()
+    opt2 = torch.optim.Adam(model2.parameters())
+    closed = closure_loop(model2, opt2, xs)
+    no_hooks(model2, opt2)
+    p, c = phases(plain), phases(closed)
+    # one optimizer call per step (the update resumed after the closure is the same call)
+    assert c["optimizer"][0] == p["optimizer"][0] == 3
+    assert c["forward"][0] == c["backward"][0] == 3
+    if EXACT:
+        # the state is made in the first update, by hand; the later updates keep their bytes
+        assert p["optimizer"][1] == ADAM_STATE
+        assert c["optimizer"][1] == ADAM_STATE
+        # the update's own peak (state + temporaries) is the plain loop's, not 0 B in backward
+        assert c["optimizer"][2] == p["optimizer"][2] > ADAM_STATE
+        assert c["backward"][2] == p["backward"][2]
+
+
+@exact_only
+def test_closure_step_at_peak_names_the_update():
+    xs = batches(2)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    plain = plain_loop(model, opt, xs).at_peak
+    model2 = mlp()
+    opt2 = torch.optim.Adam(model2.parameters())
+    closed = closure_loop(model2, opt2, xs).at_peak
+    by = closed.by_kind()
+    assert by["optimizer state"] == ADAM_STATE
+    owners = {(o.name, o.kind): o.nbytes for o in closed.owners}
+    # the update's temporaries are the optimizer's, as in the plain loop (they were "backward temporaries")
+    assert owners[("optimizer temporaries (not its state)", "temporary")] == {
+        (o.name, o.kind): o.nbytes for o in plain.owners
+    }[("optimizer temporaries (not its state)", "temporary")]
+    assert owners.get(("backward temporaries (not gradients)", "temporary"), 0) < 64
+
+
+def test_lbfgs_calls_its_closure_many_times(hook_path):
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3, history_size=2)
+    x = batches(1)[0]
+    calls = []
+    with memtorch.track(model, optimizer=opt) as t:
+        for _ in range(2):
+
+            def closure():
+                calls.append(1)
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    no_hooks(model, opt)
+    p = phases(t.report)
+    assert p["optimizer"][0] == 2  # two steps
+    assert p["forward"][0] == p["backward"][0] == len(calls) >= 4  # every closure call's forward and backward
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records the closure its step() receives (after the step pre-hooks)."""
+
+    received = []
+
+    def step(self, closure=None):
+        self.received.append(closure)
+        return super().step(closure)
+
+
+def test_what_the_optimizer_receives():
+    model = mlp()
+    opt = _RecordingSGD(model.parameters(), lr=0.1)
+    opt.received = []
+    x = batches(1)[0]
+
+    def closure():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with memtorch.track(model, optimizer=opt):
+        opt.step()
+        opt.step(closure=None)
+        opt.step(closure)
+    opt.step(closure)  # after the block: the user's own closure
+    no_hooks(model, opt)
+    got = opt.received
+    assert got[0] is None and got[1] is None  # no closure made up
+    assert got[2] is not closure and callable(got[2])  # wrapped inside the block only
+    assert got[3] is closure
+
+
+# --- row 8: wrapped optimizers ------------------------------------------------------------
+
+
+class _Wrapper:
+    """A wrapper as frameworks write them: the torch optimizer in .optimizer."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+class _SubclassWrapper(torch.optim.Optimizer):
+    """accelerate's AcceleratedOptimizer's shape: an Optimizer subclass that never runs Optimizer.__init__."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+class _Hollow(torch.optim.Optimizer):
+    def __init__(self):
+        pass
+
+
+@pytest.mark.parametrize("wrap", [_Wrapper, _SubclassWrapper])
+def test_wrapped_optimizer_is_unwrapped(wrap):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    wrapped = wrap(opt)
+    with memtorch.track(model, optimizer=wrapped) as t:
+        model(batches(1)[0]).sum().backward()
+        wrapped.step()
+    no_hooks(model, opt)
+    assert t.report.phases["optimizer"].calls == 1
+    if EXACT:
+        assert t.report.phases["optimizer"].delta == ADAM_STATE
+
+
+@needs_hf
+def test_accelerated_optimizer_is_unwrapped():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    wrapped = accelerate.Accelerator(cpu=True).prepare_optimizer(opt)
+    assert type(wrapped).__name__ == "AcceleratedOptimizer"
+    with memtorch.track(model, optimizer=wrapped) as t:  # AttributeError '_optimizer_step_pre_hooks' before
+        model(batches(1)[0]).sum().backward()
+        wrapped.step()
+    no_hooks(model, opt)
+    assert t.report.phases["optimizer"].calls == 1
+
+
+@pytest.mark.skipif(pl is None, reason="needs pytorch-lightning (extra lightning)")
+def test_lightning_optimizer_is_unwrapped():
+    opt = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    assert tracking._unwrap_optimizer(pl.core.optimizer.LightningOptimizer(opt)) is opt
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [(object(), "expects a torch.optim.Optimizer (or a wrapper"), (_Hollow(), "never ran Optimizer.__init__")],
+)
+def test_not_an_optimizer_is_refused_with_no_hook_left(bad, words):
+    model = mlp()
+    with pytest.raises(TypeError, match=words.replace("(", r"\(")):
+        with memtorch.track(model, optimizer=bad):
+            pass
+    t = memtorch.track(model)
+    with t:
+        with pytest.raises(TypeError, match="watch"):
+            t.watch(optimizer=bad)
+    no_hooks(model)
+
+
+# --- row 9: an optimizer made in the block, a batch given as kwargs ------------------------
+
+
+def test_optimizer_made_inside_the_block_is_found(hook_path):
+    model = mlp()
+    other = nn.Linear(4, 4)
+    xs = batches(2)
+    with memtorch.track(model) as t:
+        foreign = torch.optim.SGD(other.parameters(), lr=0.1)  # steps no parameter of the model
+        opt = torch.optim.AdamW(model.parameters())
+        for x in xs:
+            model(x).sum().backward()
+            other(torch.ones(1, 4)).sum().backward()
+            foreign.step()
+            opt.step()
+            opt.zero_grad()
+            t.step()
+    no_hooks(model, opt)
+    state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values())
+    assert state == ADAM_STATE  # the tensors' own sizes, and by hand
+    p = phases(t.report)
+    assert p["optimizer"][0] == 2  # AdamW's steps only, not the SGD's of the other model
+    if EXACT:
+        assert p["optimizer"][1] == ADAM_STATE
+    if hook_path == "event log":
+        assert t.report.at_peak.by_kind()["optimizer state"] == ADAM_STATE  # was "backward temporaries"
+    # the next block looks again: nothing of this one's optimizer is kept
+    assert t._optimizer is None
+
+
+class _KwargsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, D_IN)
+
+    def forward(self, input_ids=None, mask=None):
+        return self.lin(input_ids) * mask
+
+
+@exact_only
+def test_batch_given_as_kwargs_is_named_input():
+    model = _KwargsModel()
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randn(32, D_IN, generator=g), "mask": torch.ones(32, D_IN)}
+    with memtorch.track(model) as t:
+        model(**batch).sum().backward()
+    no_hooks(model)
+    named = {o.name: o.nbytes for o in t.report.at_peak.owners if o.kind == "input"}
+    assert named == {"input_ids": 32 * D_IN * 4, "mask": 32 * D_IN * 4}  # by hand: float32
+    # the leak scan's "current batch" is these storages too
+    assert len(t._marks.last_inputs if t._marks is not None else []) in (0, 2)
+
+
+# --- the callbacks, in the real frameworks ----------------------------------------------
+
+
+def _tiny_gpt2():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=32)
+    return transformers, transformers.GPT2LMHeadModel(cfg)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _hf_trainer(transformers, model, out, callbacks=()):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=3, per_device_train_batch_size=4, report_to=[], save_strategy="no",
+        logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    return transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=list(callbacks))
+
+
+def _state_bytes(opt):
+    opt = getattr(opt, "optimizer", opt)
+    return sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _adamw_by_hand(model):
+    params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
+    return sum(2 * p.untyped_storage().nbytes() + 4 for p in params)
+
+
+@needs_hf
+def test_transformers_callback(tmp_path, capsys):
+    transformers, model = _tiny_gpt2()
+    from memtorch.integrations.transformers import MemoryCallback
+
+    cb = MemoryCallback(leak="1 MiB")
+    trainer = _hf_trainer(transformers, model, tmp_path, [cb])
+    trainer.train()
+    no_hooks(model)
+    r = cb.report
+    assert cb.tracker is None and r.steps == 3 and r.leak is not None
+    assert "memtorch.track on cpu" in capsys.readouterr().out
+    state = _state_bytes(trainer.optimizer)
+    assert state == _adamw_by_hand(model)
+    p = phases(r)
+    assert p["optimizer"][0] == p["forward"][0] == p["backward"][0] == 3
+    if EXACT:
+        assert p["optimizer"][1] == state  # the AcceleratedOptimizer was unwrapped: AdamW's own steps
+        assert r.at_peak.by_kind()["optimizer state"] == state
+        inputs = {o.name for o in r.at_peak.owners if o.kind == "input"}
+        assert {"input_ids", "labels"} <= inputs  # model(**batch)
+
+
+@needs_hf
+def test_transformers_trainer_inside_track(tmp_path):
+    transformers, model = _tiny_gpt2()
+    trainer = _hf_trainer(transformers, model, tmp_path)
+    with memtorch.track(model) as t:
+        trainer.train()
+    no_hooks(model)
+    state = _state_bytes(trainer.optimizer)
+    p = phases(t.report)
+    assert p["optimizer"][0] == 3
+    if EXACT:
+        assert p["optimizer"][1] == state
+        assert t.report.at_peak.by_kind()["optimizer state"] == state  # was filed as backward temporaries
+
+
+@needs_hf
+def test_transformers_callback_budget(tmp_path):
+    transformers, model = _tiny_gpt2()
+    from memtorch.integrations.transformers import MemoryCallback
+
+    with pytest.raises(ValueError, match="size|unit|parse"):
+        MemoryCallback(peak="lots")
+    cb = MemoryCallback(peak="1 KiB", print_report=False)
+    with pytest.raises(memtorch.BudgetExceeded, match="peak .* exceeds budget 1.0 KiB"):
+        _hf_trainer(transformers, model, tmp_path, [cb]).train()
+    no_hooks(model)
+    assert cb.report is not None
+
+
+def _lightning():
+    import logging
+
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    return pl
+
+
+def _lit_module(pl, fail_at=None):
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, i):
+            if i == fail_at:
+                raise RuntimeError("training_step failed")
+            return self(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters())
+
+    return Lit()
+
+
+def _fit(pl, module, callbacks=()):
+    data = torch.utils.data.TensorDataset(torch.cat(batches(3)))
+    trainer = pl.Trainer(
+        max_epochs=1, callbacks=list(callbacks), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+    return trainer
+
+
+@needs_pl
+def test_lightning_callback_phases_are_the_plain_loops():
+    pl = _lightning()
+    from memtorch.integrations.lightning import MemoryCallback
+
+    cb = MemoryCallback(print_report=False)
+    module = _lit_module(pl)
+    trainer = _fit(pl, module, [cb])
+    no_hooks(module, trainer.optimizers[0])
+    model = mlp()
+    plain = plain_loop(model, torch.optim.Adam(model.parameters()), batches(3))
+    r = cb.report
+    p, q = phases(r), phases(plain)
+    assert r.steps == 3 and p["optimizer"][0] == 3
+    if EXACT:
+        assert p["optimizer"][1] == ADAM_STATE  # 0 B before: the update was filed as backward
+        assert p["optimizer"][2] == q["optimizer"][2]
+        owners = {(o.name, o.kind): o.nbytes for o in r.at_peak.owners}
+        assert owners.get(("backward temporaries (not gradients)", "temporary"), 0) < 64
+
+
+@needs_pl
+def test_lightning_fit_inside_track():
+    pl = _lightning()
+    module = _lit_module(pl)
+    with memtorch.track(module) as t:  # the optimizer is made by fit(): found at its first step
+        trainer = _fit(pl, module)
+    no_hooks(module, trainer.optimizers[0])
+    model = mlp()
+    plain = plain_loop(model, torch.optim.Adam(model.parameters()), batches(3))
+    p, q = phases(t.report), phases(plain)
+    assert p["optimizer"][0] == 3
+    if EXACT:
+        assert p["optimizer"][1] == ADAM_STATE and p["optimizer"][2] == q["optimizer"][2]
+
+
+@needs_pl
+def test_lightning_callback_closes_on_exception():
+    pl = _lightning()
+    from memtorch.integrations.lightning import MemoryCallback
+
+    cb = MemoryCallback(print_report=False)
+    module = _lit_module(pl, fail_at=1)
+    with pytest.raises(RuntimeError, match="training_step failed"):
+        _fit(pl, module, [cb])
+    assert cb.tracker is None and cb.report is None
+    no_hooks(module)
+
+
+def test_importing_memtorch_imports_no_framework():
+    import subprocess
+
+    code = (
+        "import sys, memtorch, memtorch.integrations; "
+        "print(sorted(m for m in ('transformers', 'pytorch_lightning', 'lightning', 'accelerate') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
