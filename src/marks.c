@@ -462,7 +462,7 @@ static PyObject *
 marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 && nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "ModuleMarks.pre() takes 2 or 3 arguments (%zd given)", nargs);
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.pre() takes 2 arguments, or 3 with the kwargs (%zd given)", nargs);
         goto error;
     }
     uintptr_t key = (uintptr_t)args[0];

@@ -191,6 +191,27 @@ def test_lbfgs_calls_its_closure_many_times(hook_path):
     assert p["forward"][0] == p["backward"][0] == len(calls) >= 4  # every closure call's forward and backward
 
 
+def test_marks_closure_hook_and_resume():
+    from memtorch import _C
+
+    marks = _C.ModuleMarks({}, 0, 1 << 24, [], torch.is_grad_enabled)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    seen = []
+    with pytest.raises(TypeError, match="closure_hook"):
+        marks.closure_hook = 3
+    marks.closure_hook = lambda args, kwargs: seen.append((args, kwargs))
+    assert marks.opt_pre(opt, (opt,), {}) is None and seen == []  # a step without arguments: no Python
+    marks.opt_post(opt, (opt,), {})
+    marks.opt_pre(opt, (opt, print), {})
+    assert seen == [((opt, print), {})]
+    marks.end_phase()  # the closure began
+    marks.resume_optimizer()  # ... and returned
+    assert marks.phase_code == 3
+    marks.opt_post(opt, (opt, print), {})
+    assert marks.phases[2][0] == 2  # two steps, the resumed update no call of its own
+    marks.closure_hook = None
+
+
 class _RecordingSGD(torch.optim.SGD):
     """SGD that records the closure its step() receives (after the step pre-hooks)."""
 
@@ -392,6 +413,7 @@ def _adamw_by_hand(model):
 
 
 @needs_hf
+@pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
 def test_transformers_callback(tmp_path, capsys):
     transformers, model = _tiny_gpt2()
     from memtorch.integrations.transformers import MemoryCallback
@@ -415,6 +437,7 @@ def test_transformers_callback(tmp_path, capsys):
 
 
 @needs_hf
+@pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
 def test_transformers_trainer_inside_track(tmp_path):
     transformers, model = _tiny_gpt2()
     trainer = _hf_trainer(transformers, model, tmp_path)
@@ -430,6 +453,7 @@ def test_transformers_trainer_inside_track(tmp_path):
 
 
 @needs_hf
+@pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
 def test_transformers_callback_budget(tmp_path):
     transformers, model = _tiny_gpt2()
     from memtorch.integrations.transformers import MemoryCallback

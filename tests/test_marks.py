@@ -378,13 +378,19 @@ def test_marks_do_not_leak():
         marks = _marks(ids, id(root), snaps=snaps, timeline=timeline, shapes=True)
         marks.params = [("w", weakref.ref(w))]
         x = torch.ones(2)
-        marks.pre(root, (x, 1))
+        marks.pre(root, (x, 1), {"mask": x, "n": 2})  # the root's hook with the kwargs (a batch as model(**batch))
         marks.pre(child, ())
         marks.post(child, (), None)
         marks.post(root, (), None)
         w.grad = torch.ones(4)
         marks.opt_pre(opt, (), {})
         marks.state_n = -1
+        marks.opt_post(opt, (), {})
+        marks.closure_hook = lambda args, kwargs: (args, kwargs)  # step(closure): see tracking._closure_args
+        marks.opt_pre(opt, (opt, print), {})
+        marks.resume_optimizer()
+        marks.closure_hook = None
+        marks.pre_id, marks.closure_hook
         marks.opt_post(opt, (), {})
         marks.set_model(ids, id(root))
         marks.top(), marks.phases, marks.last_inputs, marks.forwards, marks.params
