@@ -894,8 +894,8 @@ def _unwrap_optimizer(opt, where="track"):
         o = inner
     if not isinstance(o, Optimizer):
         raise TypeError(
-            f"{where}(optimizer=...) expects a torch.optim.Optimizer (or a wrapper holding one in .optimizer), "
-            f"got {type(opt).__name__}"
+            f"{where}(optimizer=...) expects a torch.optim.Optimizer, got {type(opt).__name__} "
+            "(a wrapper is accepted when it holds the optimizer in .optimizer)"
         )
     if not isinstance(o.__dict__.get("_optimizer_step_pre_hooks"), dict):
         raise TypeError(

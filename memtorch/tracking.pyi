@@ -112,7 +112,7 @@ class Tracker:
     def __init__(
         self,
         model: Optional[torch.nn.Module] = ...,
-        optimizer: Optional[torch.optim.Optimizer] = ...,
+        optimizer: Optional[Any] = ...,
         device: Union[str, torch.device] = ...,
         timeline: bool = ...,
         modules: bool = ...,
@@ -132,13 +132,13 @@ class Tracker:
     def report(self) -> TrackReport: ...
     def step(self) -> None: ...
     def watch(
-        self, model: Optional[torch.nn.Module] = ..., optimizer: Optional[torch.optim.Optimizer] = ...
+        self, model: Optional[torch.nn.Module] = ..., optimizer: Optional[Any] = ...
     ) -> Tracker: ...
     def _repr_html_(self) -> str: ...
 
 def track(
     model: Optional[torch.nn.Module] = ...,
-    optimizer: Optional[torch.optim.Optimizer] = ...,
+    optimizer: Optional[Any] = ...,
     device: Union[str, torch.device] = ...,
     timeline: bool = ...,
     modules: bool = ...,

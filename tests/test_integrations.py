@@ -308,7 +308,7 @@ def test_lightning_optimizer_is_unwrapped():
 
 @pytest.mark.parametrize(
     "bad, words",
-    [(object(), "expects a torch.optim.Optimizer (or a wrapper"), (_Hollow(), "never ran Optimizer.__init__")],
+    [(object(), "expects a torch.optim.Optimizer, got object (a wrapper"), (_Hollow(), "never ran Optimizer.__init__")],
 )
 def test_not_an_optimizer_is_refused_with_no_hook_left(bad, words):
     model = mlp()
