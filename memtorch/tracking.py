@@ -1464,6 +1464,8 @@ class Tracker:
                 self._full_state()  # phases and modules from here on (the event log only if it ran from the start)
             if model is not None:
                 self._hook_model(model)
+                if self._optimizer is None and not self._adopting:  # found at its first step
+                    self._hook_any_optimizer()
             if optimizer is not None:
                 self._hook_optimizer(optimizer)
             if self._evmode:  # what lives now, by name

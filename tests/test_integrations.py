@@ -352,6 +352,19 @@ def test_optimizer_made_inside_the_block_is_found(hook_path):
     assert t._optimizer is None
 
 
+def test_optimizer_found_after_watch():
+    model = mlp()
+    with memtorch.track() as t:  # the pytest fixture's way: the model given once the block is open
+        t.watch(model)
+        opt = torch.optim.Adam(model.parameters())
+        model(batches(1)[0]).sum().backward()
+        opt.step()
+    no_hooks(model, opt)
+    assert t.report.phases["optimizer"].calls == 1
+    if EXACT:
+        assert t.report.phases["optimizer"].delta == ADAM_STATE
+
+
 class _KwargsModel(nn.Module):
     def __init__(self):
         super().__init__()
