@@ -924,11 +924,12 @@ def _closure_args(tref, args, kwargs):
 
 
 def _in_step(tref, closure):
-    """``closure``, telling the Tracker behind ``tref`` when it begins and returns (no reference kept to it)."""
+    """``closure``, telling the Tracker behind ``tref`` when it begins and returns (holding no
+    reference to it)."""
 
     def closure_in_step(*args, **kwargs):
         t = tref()
-        if t is not None:  # what the closure does before its forward (zero_grad) is no phase's, as in a plain loop
+        if t is not None:  # what it does before its forward (zero_grad) is no phase's, as in a plain loop
             t._pause_optimizer()
         del t
         out = closure(*args, **kwargs)
@@ -1216,7 +1217,8 @@ class Tracker:
         self._handles.append(optim_mod.register_optimizer_step_post_hook(self._any_opt_post))
 
     def _adopted(self, opt):
-        """True when ``opt`` is the block's optimizer, made so if it is the first to step the model's parameters."""
+        """True when ``opt`` is the block's optimizer, made so if it is the first to step the
+        model's parameters."""
         if not self._adopting or not self._open:
             return False
         ref = self._optimizer
@@ -1409,7 +1411,8 @@ class Tracker:
         m = self._marks
         if m is not None:  # in C: tags and marks of the model's modules, the phases, the batch's names
             m.set_model(self._ids, self._root_id)
-        pre_id = self._add_module_hooks(self._pre if m is None else m.pre, self._post if m is None else m.post)
+        pre, post = (self._pre, self._post) if m is None else (m.pre, m.post)
+        pre_id = self._add_module_hooks(pre, post)
         if m is not None:
             self._root_kwargs(pre_id)
 
@@ -1653,7 +1656,7 @@ class Tracker:
                 s.close()
             self._cuda_open = []
             self._ids = {}
-            if getattr(self, "_adopting", False):  # found in this block, not given: the next block looks again
+            if getattr(self, "_adopting", False):  # found, not given: the next block looks again
                 self._adopting = False
                 self._optimizer = None
             self._marks = None

@@ -34,7 +34,9 @@ def _optional(name):
 transformers = _optional("transformers")
 accelerate = _optional("accelerate")
 pl = _optional("pytorch_lightning")
-needs_hf = pytest.mark.skipif(transformers is None or accelerate is None, reason="needs transformers and accelerate (extra hf)")
+needs_hf = pytest.mark.skipif(
+    transformers is None or accelerate is None, reason="needs transformers and accelerate (extra hf)"
+)
 # Lightning's own deprecation warnings (torch's pytree) are not this test's concern
 _PL_MARKS = (
     pytest.mark.skipif(pl is None, reason="needs pytorch-lightning (extra lightning)"),
@@ -51,7 +53,8 @@ exact_only = pytest.mark.skipif(not EXACT, reason="needs exact CPU counters (the
 
 D_IN, D_H = 64, 256
 P_BYTES = (D_IN * D_H + D_H + D_H * D_IN + D_IN) * 4  # 132,352: the MLP's weights and biases, float32
-ADAM_STATE = 2 * P_BYTES + 4 * 4  # exp_avg and exp_avg_sq per parameter, a float32 step per parameter (4 of them)
+# exp_avg and exp_avg_sq per parameter, a float32 step per parameter (4 of them)
+ADAM_STATE = 2 * P_BYTES + 4 * 4
 
 
 def mlp():
@@ -308,7 +311,10 @@ def test_lightning_optimizer_is_unwrapped():
 
 @pytest.mark.parametrize(
     "bad, words",
-    [(object(), "expects a torch.optim.Optimizer, got object (a wrapper"), (_Hollow(), "never ran Optimizer.__init__")],
+    [
+        (object(), "expects a torch.optim.Optimizer, got object (a wrapper"),
+        (_Hollow(), "never ran Optimizer.__init__"),
+    ],
 )
 def test_not_an_optimizer_is_refused_with_no_hook_left(bad, words):
     model = mlp()
@@ -417,7 +423,8 @@ def _hf_trainer(transformers, model, out, callbacks=()):
 
 def _state_bytes(opt):
     opt = getattr(opt, "optimizer", opt)
-    return sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(v.untyped_storage().nbytes() for v in tensors)
 
 
 def _adamw_by_hand(model):
@@ -572,7 +579,8 @@ def test_importing_memtorch_imports_no_framework():
 
     code = (
         "import sys, memtorch, memtorch.integrations; "
-        "print(sorted(m for m in ('transformers', 'pytorch_lightning', 'lightning', 'accelerate') if m in sys.modules))"
+        "print(sorted(m for m in ('transformers', 'pytorch_lightning', 'lightning', 'accelerate') "
+        "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,7 +1,7 @@
 """memtorch beside the training frameworks: one callback added to a Trainer tracks its training.
 
     trainer = transformers.Trainer(..., callbacks=[memtorch.integrations.transformers.MemoryCallback()])
-    trainer = pytorch_lightning.Trainer(..., callbacks=[memtorch.integrations.lightning.MemoryCallback(peak="2 GiB")])
+    trainer = pytorch_lightning.Trainer(..., callbacks=[memtorch.integrations.lightning.MemoryCallback()])
 
 Each submodule imports its framework when it is imported itself, never with
 ``import memtorch``. The callback opens one track() block when training begins
