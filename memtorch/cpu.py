@@ -607,16 +607,25 @@ class Scope:
     @property
     def caveats(self):
         """What these figures could not see, as sentences for a user; [] when all is well."""
+        return [text for text, _ in self._caveats()]
+
+    @property
+    def why_not_exact(self):
+        """The sentences of ``caveats`` that make the figures not exact ([] when ``exact``)."""
+        return [text for text, inexact in self._caveats() if inexact]
+
+    def _caveats(self):
+        """[(sentence, whether it makes the figures not exact)]."""
         self._need_opened()
         out = []
         if self._mechanism == FALLBACK:
-            out.append(
+            out.append((
                 "CPU figures are the process's resident set size, not exact bytes of tensor memory "
-                f"(exact counting is unavailable: {fallback_reason() or 'see memtorch.cpu'})."
-            )
+                f"(exact counting is unavailable: {fallback_reason() or 'see memtorch.cpu'}).", True,
+            ))  # fmt: skip
             procs = self._workers_seen()
             if procs:
-                out.append(self._workers_sentence(*procs))
+                out.append((self._workers_sentence(*procs), True))
             return out
         if self._state == "closed":
             lost, other_b, other_n = self._hook_lost, self._other_bytes, self._other_allocs
@@ -630,32 +639,32 @@ class Scope:
             where = _C.counters_loss_info()[1] if lost else None
         if lost:
             found = f" (its import slots pointed into {os.path.basename(where)} instead)" if where else ""
-            out.append(
+            out.append((
                 "Another tool replaced memtorch's allocation hooks in libc10 during this block"
                 f"{found}; memray and pytest-memray do this, and put libc's functions back when they "
                 "stop. Allocations and frees made meanwhile were not counted, so these figures are not "
-                "exact. memtorch has put its hooks back for the blocks that follow."
-            )
+                "exact. memtorch has put its hooks back for the blocks that follow.", True,
+            ))  # fmt: skip
         if other_n:
-            out.append(
+            out.append((
                 f"{units.format(other_b)} ({_plural(other_n, 'allocation')}) were allocated by other "
                 "threads than the one that opened this block. The CPU counters are process-wide, so "
-                "these bytes are included in the figures."
-            )
+                "these bytes are included in the figures.", False,
+            ))  # fmt: skip
         procs = self._workers_seen()
         if procs:
-            out.append(self._workers_sentence(*procs))
+            out.append((self._workers_sentence(*procs), True))
         if unseen_n:
-            out.append(
+            out.append((
                 f"{_plural(unseen_n, 'free')} of memory allocated before counting began "
                 f"({units.format(unseen_b)} as malloc sized them): delta and peak may be up to that much too "
-                "high. Call memtorch.cpu.start() at start-up to count from the start."
-            )
+                "high. Call memtorch.cpu.start() at start-up to count from the start.", False,
+            ))  # fmt: skip
         if entries:
-            out.append(
+            out.append((
                 f"{_plural(entries, 'allocation')} could not be recorded (memtorch's pointer table ran "
-                "out of memory), so these figures are not exact."
-            )
+                "out of memory), so these figures are not exact.", True,
+            ))  # fmt: skip
         return out
 
     @staticmethod

@@ -325,8 +325,16 @@ class TrackReport:
 
         return gather(self, group=group, dst=dst, timeout=timeout)
 
+    def budget_bounds(self, name):
+        """(low, high, why, fix) of the leak figure for memtorch.budget (LeakReport.budget_bounds);
+        None for the other figures (budget's own rules)."""
+        if name == "leak" and self.leak is not None and self.leak.per_step is not None:
+            return self.leak.budget_bounds()
+        return None
+
     def check(self, peak=None, delta=None, leak=None):
-        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
+        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse);
+        memtorch.errors.BudgetInconclusive (a BudgetExceeded) for a leak that is not exact."""
         from .budget import assert_budget
 
         assert_budget(self, peak=peak, delta=delta, leak=leak)
@@ -806,6 +814,9 @@ def _make_report(scope, kw):
     the rank and world size read (of torch.distributed's process group when first read)."""
     kw["caveats"].extend(getattr(scope, "caveats", None) or ())
     kw.update(_rank_info())
+    leak = kw.get("leak")
+    if leak is not None and not leak.exact and leak.why is None:  # the reason travels with the leak figure
+        leak.why = " ".join(getattr(scope, "why_not_exact", None) or ()) or None
     return TrackReport(**kw)
 
 
