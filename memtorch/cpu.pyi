@@ -34,6 +34,7 @@ class Scope:
     other_thread_allocations: int
     other_thread_bytes: int
     caveats: list[Any]
+    why_not_exact: list[str]
     def __init__(self, timeline: bool = ...) -> None: ...
     def __enter__(self) -> Scope: ...
     def __exit__(

@@ -100,10 +100,11 @@ class PhaseStats:
 
     calls: occurrences; delta: sum of (end - start) bytes; peak: the highest
     absolute bytes; peak_above_start: the largest (peak - start) of one
-    occurrence; seconds: total time; exact: every peak exact.
+    occurrence; seconds: total time; exact: every peak exact; why: the reason
+    when not exact (or None).
     """
 
-    __slots__ = ("name", "calls", "delta", "peak", "peak_above_start", "seconds", "exact")
+    __slots__ = ("name", "calls", "delta", "peak", "peak_above_start", "seconds", "exact", "why", "_seen")
 
     def __init__(self, name):
         self.name = name
@@ -113,6 +114,8 @@ class PhaseStats:
         self.peak_above_start = 0
         self.seconds = 0.0
         self.exact = True
+        self.why = None  # why not exact (a sentence), None when exact or not known
+        self._seen = 0  # event-log mode: occurrences the replay saw whole
 
     def _add_bytes(self, start, end, peak, exact):
         self.delta += end - start
@@ -140,6 +143,7 @@ class ModuleStats:
 
     __slots__ = (
         "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
+        "why",
     )  # fmt: skip
 
     def __init__(self, name, type_name):
@@ -151,6 +155,7 @@ class ModuleStats:
         self.activation_total = 0
         self.peak_above_start = 0
         self.exact = True
+        self.why = None  # why not exact (a sentence), None when exact or not known
 
     def __repr__(self):
         return (
@@ -303,12 +308,12 @@ class TrackReport:
             d["reserved_peak"] = int(self.reserved_peak)
         d["phases"] = {
             k: {"calls": p.calls, "delta": int(p.delta), "peak": int(p.peak), "peak_above_start": int(p.peak_above_start),
-                "seconds": float(p.seconds), "exact": bool(p.exact)}
+                "seconds": float(p.seconds), "exact": bool(p.exact), "why": p.why}
             for k, p in self.phases.items()
         }  # fmt: skip
         d["modules"] = [
             {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
-             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact)}
+             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why}
             for m in self.modules
         ]  # fmt: skip
         d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
@@ -405,10 +410,12 @@ class TrackReport:
         if phases:
             out.append("")
             out += _table(["phase", "calls", "delta", "peak above start", "time"], phases)
+            out += _why_lines(self.phases.values())
         mods = self._module_rows()
         if mods:
             out.append("")
             out += _table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods)
+            out += _why_lines(self.modules)
         if self.leak is not None:
             out.append("")
             out.append(str(self.leak))
@@ -469,6 +476,20 @@ def _rank_info():
     from .distributed import rank_info
 
     return rank_info()
+
+
+def _why_lines(items):
+    """One line per distinct reason why rows of a table are not exact (said under the table)."""
+    whys = {}
+    for it in items:
+        why = getattr(it, "why", None)
+        if not it.exact and why:
+            whys.setdefault(why, []).append(getattr(it, "name", "") or "(model)")
+    out = []
+    for why, names in whys.items():
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        out.append(f"not exact ({shown}): {why}")
+    return out
 
 
 def _table(header, rows):
@@ -664,6 +685,7 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
                 phases[name]._add_bytes(b0, b1, peak, True)
                 seen[name] += 1
         for name, p in phases.items():
+            p._seen = seen[name]
             if seen[name] < p.calls:  # begun before the oldest event kept
                 p.exact = False
     if not n_events:
@@ -680,6 +702,43 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
             row.exact = False
 
 
+_WRAPPED = (
+    "the event log keeps the latest 131,072 events and this block made more ({dropped:,} lost): {what} "
+    "is the highest over the latest {measured:,} of its {calls:,} {unit}, a lower bound (calls and bytes "
+    "left alive are exact: counted by the hooks)"
+)
+
+
+def _apply_totals(totals, rows, phases, dropped):
+    """After the event log wrapped: each module's calls and the bytes they left allocated as the
+    marks' hooks counted them (exact however long the block), and each phase's delta; the peaks
+    inside are those of the calls the log still held, flagged as lower bounds with the reason."""
+    mods, deltas = totals
+    for row, (calls, act, unmatched) in zip(rows, mods):
+        if not calls:
+            continue
+        measured = row._measured  # calls the replay saw whole (their peaks)
+        row.calls = calls
+        row.activation_total = act
+        row._measured = calls - unmatched
+        if unmatched:
+            row.exact = False
+            row.why = f"{unmatched:,} of its {calls:,} calls began out of the hooks' sight (nested too deep)"
+        elif measured < calls:
+            row.exact = False
+            row.why = _WRAPPED.format(dropped=dropped, what="its peak inside", measured=measured, calls=calls,
+                                      unit="calls")
+    if phases:
+        for name, delta in zip(PHASES, deltas):
+            p = phases.get(name)
+            if p is None or not p.calls:
+                continue
+            p.delta = delta
+            if not p.exact:
+                p.why = _WRAPPED.format(dropped=dropped, what="its peak above start", measured=p._seen,
+                                        calls=p.calls, unit="occurrences")
+
+
 def _average_modules(rows, forwards):
     forwards = max(1, forwards)
     if rows and 0 < rows[0]._measured < rows[0].calls:
@@ -690,7 +749,7 @@ def _average_modules(rows, forwards):
 
 
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
-            phases=None, sites=None):
+            phases=None, sites=None, totals=None):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
     ``ev``: the block's events as eventlog_read_all(..., raw=True) copied them (bytes);
     ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
@@ -701,6 +760,8 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
     replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
     _apply_replay(replayed, len(ev), rows, phases)
+    if totals is not None:
+        _apply_totals(totals, rows, phases, dropped)
     _average_modules(rows, forwards)
     names = [(r.name, r.type) for r in rows]
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
@@ -1545,6 +1606,8 @@ class Tracker:
             sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
+            # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
+            totals = (m.module_totals, m.phase_deltas) if dropped else None
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
@@ -1552,7 +1615,7 @@ class Tracker:
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
-                caveats, exact, self._phases, sites=sites,
+                caveats, exact, self._phases, sites=sites, totals=totals,
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:

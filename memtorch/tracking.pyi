@@ -23,6 +23,7 @@ class PhaseStats:
     peak_above_start: int
     seconds: float
     exact: bool
+    why: Optional[str]
     def __init__(self, name: str) -> None: ...
 
 class ModuleStats:
@@ -33,6 +34,7 @@ class ModuleStats:
     activation_total: int
     peak_above_start: int
     exact: bool
+    why: Optional[str]
     def __init__(self, name: str, type_name: str) -> None: ...
 
 class TensorInfo:

@@ -444,6 +444,12 @@ mt_check_locked(void)
     return lost;
 }
 
+int64_t
+mt_counters_current(void)
+{
+    return atomic_load_explicit(&mt_current, memory_order_relaxed);
+}
+
 /* The counted size of the live allocation at ptr, or -1 if the table does
  * not hold it (for the event log's replay: which storages made before a
  * block are counted). Takes the pointer's stripe lock. */

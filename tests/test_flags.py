@@ -102,3 +102,43 @@ def test_a_leak_hidden_by_dataloader_workers_is_flagged_and_its_budget_inconclus
     # however generous: never passes
     with pytest.raises(BudgetInconclusive):
         r.check(leak="1 GiB")
+
+
+# ---------------------------------------------------------------------------
+# Row 4: a block whose event log wraps: module calls and activations from the hooks' own counts
+
+
+@linux
+def test_module_rows_stay_right_when_the_event_log_wraps():
+    from memtorch import _C
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 256)
+    steps = 4
+    with memtorch.track(model, optimizer=opt) as t:
+        for i in range(steps):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:  # 140,000 events (an allocation and a free each) between steps: the ring of 131,072 wraps
+                _C._counters_bench(70_000, 64)
+        model(x)
+    r = t.report
+    assert r.at_peak is not None and not r.at_peak.exact  # the log did wrap
+    rows = {m.name: m for m in r.modules}
+    # steps + 1 forwards of the model, each calling every module once
+    assert all(m.calls == steps + 1 for m in r.modules), [(m.name, m.calls) for m in r.modules]
+    # `0` is Linear(256 -> 512) on a batch of 32: its output, 32 * 512 float32 = 65,536 B, stays alive
+    assert rows["0"].activation_bytes == 32 * 512 * 4
+    assert rows["2"].activation_bytes == 32 * 10 * 4
+    # the peaks inside are those of the calls the log still held: a lower bound, said so
+    for m in r.modules:
+        assert not m.exact and "event log" in m.why and "lower bound" in m.why
+    assert "not exact (" in str(r) and "lower bound" in str(r)
+    d = r.to_dict()["modules"][1]
+    assert d["calls"] == steps + 1 and d["exact"] is False and "event log" in d["why"]
+    # phases: the forward phase's delta from the hooks' counts, flagged peak
+    fwd = r.phases["forward"]
+    assert fwd.calls == steps + 1 and not fwd.exact and "lower bound" in fwd.why
