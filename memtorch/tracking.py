@@ -749,7 +749,7 @@ def _average_modules(rows, forwards):
 
 
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
-            phases=None, sites=None, totals=None):
+            phases=None, sites=None, totals=None, other=(0, 0)):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
     ``ev``: the block's events as eventlog_read_all(..., raw=True) copied them (bytes);
     ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
@@ -772,6 +772,19 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     at_peak.notes += caveats
     if not exact:
         at_peak.exact = False
+    if other[1]:
+        # the counters are process-wide and the owner tag was this thread's: what other threads
+        # allocated is in these figures, and at_peak may file it under this block's phases/modules
+        why = (
+            f"other threads allocated {units.format(other[0])} ({other[1]:,} allocation(s)) while the block "
+            "was open: they are counted in these figures and may be filed under this block's phases and modules"
+        )
+        at_peak.exact = False
+        at_peak.notes.insert(0, why)
+        for item in list(rows) + list((phases or {}).values()):
+            if item.calls:
+                item.exact = False
+                item.why = item.why or why
     return at_peak
 
 
@@ -1616,6 +1629,7 @@ class Tracker:
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
                 caveats, exact, self._phases, sites=sites, totals=totals,
+                other=(self._scope._other_bytes, self._scope._other_allocs),
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:

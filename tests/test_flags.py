@@ -142,3 +142,37 @@ def test_module_rows_stay_right_when_the_event_log_wraps():
     # phases: the forward phase's delta from the hooks' counts, flagged peak
     fwd = r.phases["forward"]
     assert fwd.calls == steps + 1 and not fwd.exact and "lower bound" in fwd.why
+
+
+# ---------------------------------------------------------------------------
+# Row 5: another thread allocates while the block is open
+
+
+@linux
+def test_other_threads_allocations_flag_at_peak_phases_and_modules():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    x = torch.randn(8, 64)
+    started, stop = threading.Event(), threading.Event()
+    held = []
+
+    def other():
+        held.append(torch.empty(256, 1024))  # 1 MiB allocated by another thread during the block
+        started.set()
+        stop.wait(10)
+        held.clear()
+
+    th = threading.Thread(target=other)
+    with memtorch.track(model) as t:
+        th.start()
+        started.wait(10)
+        model(x).sum().backward()
+    stop.set()
+    th.join()
+    r = t.report
+    assert any("other threads" in c for c in r.caveats)
+    ap = r.at_peak
+    assert not ap.exact and any("other threads allocated 1.0 MiB" in n for n in ap.notes)
+    for m in r.modules:
+        assert not m.exact and "other threads" in m.why
+    for p in r.phases.values():
+        assert not p.exact and "other threads" in p.why
