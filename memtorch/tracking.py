@@ -260,11 +260,18 @@ class TrackReport:
         # (read when the report is made, at the first read of t.report).
         self.rank = kw.get("rank")
         self.world_size = kw.get("world_size")
+        # None, or why start, end, peak and at_peak have an unknown baseline (memtorch re-took its
+        # hooks from another tool before the block: cpu.Scope.baseline); delta and peak_above_start
+        # stay exact. absolute_exact: exact and the baseline known.
+        self.baseline = kw.get("baseline")
+        self.absolute_exact = bool(self.exact) and self.baseline is None
 
     def _settle(self):
         pending, self._pending = self._pending, None
         if pending is not None:
             self._at_peak = pending()
+            if self.baseline is not None:  # the storages before the restart are not in the replay
+                self._at_peak.exact = False
             if self._largest_n:
                 self._largest = self._at_peak.storages[: self._largest_n]
 
@@ -299,6 +306,7 @@ class TrackReport:
             "start": int(self.start), "end": int(self.end), "delta": int(self.delta), "peak": int(self.peak),
             "peak_above_start": int(self.peak_above_start), "seconds": float(self.seconds), "steps": int(self.steps),
             "live": bool(self.live), "caveats": list(self.caveats),
+            "absolute_exact": bool(self.absolute_exact), "baseline": self.baseline,
             "unseen_frees": int(self.unseen_frees), "unseen_bytes": int(self.unseen_bytes),
             "rank": self.rank, "world_size": self.world_size,
         }  # fmt: skip
@@ -347,10 +355,11 @@ class TrackReport:
     # -- presentation ------------------------------------------------------
     def _summary_rows(self):
         f = units.format
+        unknown = " (baseline unknown: see the note)" if self.baseline else ""
         rows = [
-            ("start", f(self.start), ""),
-            ("end", f(self.end), units.format_delta(self.delta)),
-            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above start"),
+            ("start", f(self.start), unknown.strip()),
+            ("end", f(self.end), units.format_delta(self.delta) + unknown),
+            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above start{unknown}"),
         ]
         if not self.exact and self.peak_upper is not None:
             rows.append(("peak at most", f(self.peak_upper), "counters cannot be more precise (sampled)"))
@@ -887,6 +896,7 @@ def _make_report(scope, kw):
     closed scope's caveats are written now, into the list the deferred replay shares, and
     the rank and world size read (of torch.distributed's process group when first read)."""
     kw["caveats"].extend(getattr(scope, "caveats", None) or ())
+    kw["baseline"] = getattr(scope, "baseline", None) if getattr(scope, "_state", "") != "new" else None
     kw.update(_rank_info())
     leak = kw.get("leak")
     if leak is not None and not leak.exact and leak.why is None:  # the reason travels with the leak figure

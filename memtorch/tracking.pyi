@@ -97,6 +97,8 @@ class TrackReport:
     marks: Any
     rank: Optional[int]
     world_size: Optional[int]
+    baseline: Optional[str]
+    absolute_exact: bool
     def __init__(self, **kw: Any) -> None: ...
     def budget_bounds(self, name: str) -> Optional[tuple[Any, Any, Optional[str], Optional[str]]]: ...
     def check(

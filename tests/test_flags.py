@@ -176,3 +176,52 @@ def test_other_threads_allocations_flag_at_peak_phases_and_modules():
         assert not m.exact and "other threads" in m.why
     for p in r.phases.values():
         assert not p.exact and "other threads" in p.why
+
+
+# ---------------------------------------------------------------------------
+# Row 11: memray's Tracker came and went between blocks: memtorch re-took its hooks
+
+
+@linux
+def test_after_memray_took_the_hooks_absolute_figures_say_their_baseline_is_unknown():
+    pytest.importorskip("memray")
+    import json
+    import subprocess
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = textwrap.dedent('''
+        import json, os, tempfile, torch, memray, memtorch
+        from memtorch import cpu
+        cpu.start()
+        old = torch.empty(1000, 1000)             # 4,000,000 B, counted before memray ran
+        with memray.Tracker(os.path.join(tempfile.mkdtemp(), "m.bin")):
+            pass                                   # memray writes libc's functions back when it stops
+        with memtorch.track() as t:
+            x = torch.empty(250, 1000)             # 1,000,000 B
+            del old                                # a free of a tensor older than the re-take
+        r = t.report
+        model = torch.nn.Linear(1000, 1000)         # 4,004,000 B of parameters made after the re-take
+        with memtorch.track(model) as t2:
+            model(torch.randn(1, 1000))
+        print(json.dumps({
+            "at_peak_exact": t2.report.at_peak.exact, "at_peak_notes": t2.report.at_peak.notes,
+            "exact": r.exact, "absolute_exact": r.absolute_exact, "baseline": r.baseline,
+            "peak_above_start": r.peak_above_start, "delta": r.delta, "text": str(r),
+            "caveats": r.caveats, "cpu_baseline": cpu.baseline(),
+        }))
+    ''')
+    env = dict(os.environ, MEMTORCH_CPU_MECHANISM="libc10-got", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["absolute_exact"] is False and "baseline is unknown since" in r["baseline"]
+    assert "baseline is unknown since" in r["cpu_baseline"]
+    assert "baseline unknown" in r["text"]
+    assert r["at_peak_exact"] is False and any("baseline is unknown" in n for n in r["at_peak_notes"])
+    # what the block itself did stays exact: 250 * 1000 float32 = 1,000,000 B
+    assert r["peak_above_start"] == 1_000_000
+    # the free of the older tensor is not blamed on a missing cpu.start() (it was called)
+    text = " ".join(r["caveats"])
+    assert "Call memtorch.cpu.start()" not in text
+    assert "before memtorch re-took its allocation hooks" in text
