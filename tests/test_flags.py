@@ -172,6 +172,11 @@ def test_other_threads_allocations_flag_at_peak_phases_and_modules():
     assert any("other threads" in c for c in r.caveats)
     ap = r.at_peak
     assert not ap.exact and any("other threads allocated 1.0 MiB" in n for n in ap.notes)
+    # the other thread's 256 * 1024 float32 = 1,048,576 B: an owner of their own, not this block's
+    from memtorch.peak import OTHER_THREADS
+
+    assert ap[OTHER_THREADS] == 256 * 1024 * 4
+    assert not any(o.kind in ("activation", "temporary") and o.nbytes >= 256 * 1024 * 4 for o in ap.owners)
     for m in r.modules:
         assert not m.exact and "other threads" in m.why
     for p in r.phases.values():
