@@ -27,6 +27,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact C
 
 
 @linux
+@pytest.mark.slow  # 2,000 steps / 140,000 events / a fresh interpreter: 1.5-6 s here
 def test_a_leak_rate_is_an_exact_fraction_never_floored_into_a_passing_budget():
     # torch.zeros(1) is one float32: 4 B kept in each of steps 2..2000 and nothing in step 1;
     # with no warm-up all 2,000 steps are judged: 1,999 * 4 = 7,996 B over 2,000 steps,
@@ -109,6 +110,7 @@ def test_a_leak_hidden_by_dataloader_workers_is_flagged_and_its_budget_inconclus
 
 
 @linux
+@pytest.mark.slow  # 2,000 steps / 140,000 events / a fresh interpreter: 1.5-6 s here
 def test_module_rows_stay_right_when_the_event_log_wraps():
     from memtorch import _C
 
@@ -188,6 +190,7 @@ def test_other_threads_allocations_flag_at_peak_phases_and_modules():
 
 
 @linux
+@pytest.mark.slow  # 2,000 steps / 140,000 events / a fresh interpreter: 1.5-6 s here
 def test_after_memray_took_the_hooks_absolute_figures_say_their_baseline_is_unknown():
     pytest.importorskip("memray")
     import json
