@@ -55,6 +55,7 @@ def counters_stats() -> tuple[int, int, int, int, int, int, int, int]: ...
 # live entries, lost, allocations, frees, unseen frees, unseen bytes, foreign frees, hook losses
 def counters_check() -> int: ...  # slots found without our hooks (then patched again)
 def counters_loss_info() -> tuple[int, str | None, str | None]: ...  # losses, object path, symbol
+def counters_restarted() -> int: ...  # CLOCK_MONOTONIC ns of the first restart after a loss, 0: none
 def counters_open_scopes() -> int: ...
 def counters_rss() -> tuple[int, int]: ...  # resident set size, high-water mark (bytes; -1 unknown)
 def scope_open(timeline: bool, /) -> tuple[int, int, int, int, int]: ...  # id, generation, start, time_ns, event index

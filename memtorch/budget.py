@@ -17,11 +17,59 @@ its limit.
 import re
 
 from . import units
-from .errors import BudgetExceeded, MemtorchError
+from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
-__all__ = ["assert_budget", "breakdown", "check_budget", "format_pair", "verdict_line"]
+__all__ = ["assert_budget", "breakdown", "check_budget", "failure_line", "format_pair", "verdict_line", "Failure"]
 
 _FIGURES = ("peak", "delta", "leak")
+
+
+class Failure(tuple):
+    """One figure that did not pass: unpacks and compares as (name, measured, limit).
+
+    ``inconclusive`` True when the figure is not exact and cannot be judged (a leak
+    measured while DataLoader workers ran: it fails, never passes); ``why`` and
+    ``fix`` then say why and how to get an exact figure. ``measured`` is exact (a
+    leak rate may be a fractions.Fraction of bytes, never floored).
+    """
+
+    def __new__(cls, name, measured, limit, upper=None, inconclusive=False, why=None, fix=None):
+        self = super().__new__(cls, (name, measured, int(limit)))
+        self.upper = upper
+        self.inconclusive = bool(inconclusive)
+        self.why = why
+        self.fix = fix
+        return self
+
+
+def _leak_failure(report, limit):
+    """The leak budget's Failure, or None when it passes: an exact rate compared exactly; a
+    rate that is not exact is inconclusive whatever the limit (leaks.LeakReport.budget_bounds)."""
+    leak = getattr(report, "leak", None)
+    bounds = getattr(leak, "budget_bounds", None)
+    if not callable(bounds):
+        measured = _measured(report, "leak")
+        return Failure("leak", measured, limit) if measured > limit else None
+    _measured(report, "leak")  # a clear error without steps
+    low, high, why, fix = bounds()
+    if why is not None:
+        return Failure("leak", low, limit, high, True, why, fix)
+    return Failure("leak", low, limit, high) if low > limit else None
+
+
+def failure_line(failure, spelled=None):
+    """The one-line verdict of a Failure: exceeded, or inconclusive (why, and how to get an exact figure)."""
+    if not getattr(failure, "inconclusive", False):
+        return verdict_line(*failure, spelled=spelled)
+    from .leaks import format_rate
+
+    name, measured, limit = failure
+    m = format_rate(measured, signed=False) if name == "leak" else units.format(int(measured))
+    lim = _spelled(units.format(limit), spelled)
+    return (
+        f"{name} budget {lim} inconclusive: the {name} measured, {m}, is not exact because {failure.why} "
+        f"It does not pass. For an exact figure: {failure.fix}"
+    )
 
 
 def format_pair(measured, limit):
@@ -48,10 +96,19 @@ def verdict_line(name, measured, limit, spelled=None):
     Figures print in binary units; a limit the user wrote in decimal units is also
     shown as written, so that "3 MB" reads 'budget 2.9 MiB (3 MB)'.
     """
+    if getattr(measured, "denominator", 1) != 1:  # a leak rate in fractions of a byte: never floored
+        from .leaks import format_rate
+
+        m, lim = format_rate(measured, signed=False), units.format(int(limit))
+        return f"{name} {m} exceeds budget {_spelled(lim, spelled)} by {format_rate(measured - int(limit), signed=False)}"
     m, lim = format_pair(measured, limit)
+    return f"{name} {m} exceeds budget {_spelled(lim, spelled)} by {units.format(int(measured) - int(limit))}"
+
+
+def _spelled(text, spelled):
     if isinstance(spelled, str) and _DECIMAL_UNIT.search(spelled):
-        lim += f" ({spelled.strip()})"
-    return f"{name} {m} exceeds budget {lim} by {units.format(int(measured) - int(limit))}"
+        text += f" ({spelled.strip()})"
+    return text
 
 
 def _measured(report, name):
@@ -70,8 +127,8 @@ def _measured(report, name):
         )
     if isinstance(per_step, (list, tuple)):
         # One figure per step: the budget holds for every step.
-        return max((int(x) for x in per_step), default=0)
-    return int(per_step)
+        return max(per_step, default=0)
+    return per_step  # exact (a Fraction of bytes): compared as it is, never floored
 
 
 def _as_report(obj, fname):
@@ -101,9 +158,14 @@ def check_budget(report, peak=None, delta=None, leak=None):
         if limits[name] is None:
             continue
         limit = units.parse(limits[name])
+        if name == "leak":
+            failure = _leak_failure(report, limit)
+            if failure is not None:
+                failures.append(failure)
+            continue
         measured = _measured(report, name)
         if measured > limit:
-            failures.append((name, measured, limit))
+            failures.append(Failure(name, measured, limit))
     return failures
 
 
@@ -198,7 +260,11 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         survivors = list(_get(leak, "survivors") or [])
         if isinstance(per_step, (list, tuple)):
             per_step = max(per_step, default=0)
-        lines.append(f"  leak: {_fmt(per_step, signed=True)} per step, {len(survivors)} surviving tensor(s)")
+        from .leaks import format_rate
+
+        rate = "n/a" if per_step is None else format_rate(per_step)
+        how = "" if _get(leak, "exact", True) else f" (not exact: {_get(leak, 'why') or 'see the notes'})"
+        lines.append(f"  leak: {rate} per step{how}, {len(survivors)} surviving tensor(s)")
         for g in list(_get(leak, "groups") or [])[:5]:
             if hasattr(g, "describe"):
                 lines.append(f"    kept: {g.describe(_get(leak, 'steps_after'))}")
@@ -221,5 +287,7 @@ def assert_budget(report, peak=None, delta=None, leak=None):
     spelled = {"peak": peak, "delta": delta, "leak": leak}
     failures = check_budget(report, peak=peak, delta=delta, leak=leak)
     if failures:
-        head = "\n".join(verdict_line(*f, spelled=spelled[f[0]]) for f in failures)
-        raise BudgetExceeded(f"{head}\n\n{breakdown(report)}", failures=failures, report=report)
+        head = "\n".join(failure_line(f, spelled=spelled[f[0]]) for f in failures)
+        # over for sure wins: inconclusive only when no figure is known to be over
+        error = BudgetInconclusive if all(getattr(f, "inconclusive", False) for f in failures) else BudgetExceeded
+        raise error(f"{head}\n\n{breakdown(report)}", failures=failures, report=report)

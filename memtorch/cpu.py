@@ -93,6 +93,7 @@ __all__ = [
     "start",
     "stop",
     "check",
+    "baseline",
 ]
 
 EXACT = "libc10-got"
@@ -362,6 +363,28 @@ def _started(before, after):
         return 0
 
 
+def _baseline_sentence(restart_ns):
+    """The sentence for absolute figures after the counters restarted at ``restart_ns`` (0: None)."""
+    if not restart_ns:
+        return None
+    ago = max(_C.monotonic_ns() - restart_ns, 0) / 1e9
+    return (
+        f"The baseline is unknown since memtorch re-took its allocation hooks {ago:.1f} s ago (another tool, "
+        "memray or pytest-memray, had replaced them) and started its table afresh: start, end, peak, "
+        "memtorch.cpu.allocated() and the storages at the peak count only what was allocated since, so "
+        "these absolute figures are not exact; delta and peak above start are."
+    )
+
+
+def baseline():
+    """None when allocated() counts every storage since counting began; else why its baseline
+    is unknown (memtorch re-took its hooks from another tool and started its table afresh)."""
+    if not _C.counters_installed():
+        return None
+    _C.counters_check()
+    return _baseline_sentence(_C.counters_restarted())
+
+
 def _plural(n, one, many=None):
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
@@ -412,6 +435,7 @@ class Scope:
     _procs0 = _procs1 = None
     _lost_entries = 0
     _lost0 = 0
+    _restart = 0  # counters_restarted() at the open: the baseline unknown since then (0: known)
 
     def __init__(self, timeline=False):
         if timeline is not False and timeline is not True:
@@ -496,6 +520,7 @@ class Scope:
         self._lost0 = lost0
         self._start = self._peak = start
         self._t0, self._ev0 = t0, ev0
+        self._restart = _C.counters_restarted()
         self._opened(EXACT, procs)
 
     def _set_closed(self, raw, procs):
@@ -607,16 +632,34 @@ class Scope:
     @property
     def caveats(self):
         """What these figures could not see, as sentences for a user; [] when all is well."""
+        return [text for text, _ in self._caveats()]
+
+    @property
+    def baseline(self):
+        """None when start, end and peak count every storage since counting began; else a
+        sentence: memtorch re-took its hooks (from memray, say) before this scope opened and
+        started its table afresh, so absolute figures count only what was allocated since
+        (delta and peak_above_start stay exact)."""
+        self._need_opened()
+        return _baseline_sentence(self._restart) if self._mechanism != FALLBACK else None
+
+    @property
+    def why_not_exact(self):
+        """The sentences of ``caveats`` that make the figures not exact ([] when ``exact``)."""
+        return [text for text, inexact in self._caveats() if inexact]
+
+    def _caveats(self):
+        """[(sentence, whether it makes the figures not exact)]."""
         self._need_opened()
         out = []
         if self._mechanism == FALLBACK:
-            out.append(
+            out.append((
                 "CPU figures are the process's resident set size, not exact bytes of tensor memory "
-                f"(exact counting is unavailable: {fallback_reason() or 'see memtorch.cpu'})."
-            )
+                f"(exact counting is unavailable: {fallback_reason() or 'see memtorch.cpu'}).", True,
+            ))  # fmt: skip
             procs = self._workers_seen()
             if procs:
-                out.append(self._workers_sentence(*procs))
+                out.append((self._workers_sentence(*procs), True))
             return out
         if self._state == "closed":
             lost, other_b, other_n = self._hook_lost, self._other_bytes, self._other_allocs
@@ -630,32 +673,43 @@ class Scope:
             where = _C.counters_loss_info()[1] if lost else None
         if lost:
             found = f" (its import slots pointed into {os.path.basename(where)} instead)" if where else ""
-            out.append(
+            out.append((
                 "Another tool replaced memtorch's allocation hooks in libc10 during this block"
                 f"{found}; memray and pytest-memray do this, and put libc's functions back when they "
                 "stop. Allocations and frees made meanwhile were not counted, so these figures are not "
-                "exact. memtorch has put its hooks back for the blocks that follow."
-            )
+                "exact. memtorch has put its hooks back for the blocks that follow.", True,
+            ))  # fmt: skip
         if other_n:
-            out.append(
+            out.append((
                 f"{units.format(other_b)} ({_plural(other_n, 'allocation')}) were allocated by other "
                 "threads than the one that opened this block. The CPU counters are process-wide, so "
-                "these bytes are included in the figures."
-            )
+                "these bytes are included in the figures.", False,
+            ))  # fmt: skip
         procs = self._workers_seen()
         if procs:
-            out.append(self._workers_sentence(*procs))
+            out.append((self._workers_sentence(*procs), True))
+        base = _baseline_sentence(self._restart)
+        if base:
+            out.append((base, False))
         if unseen_n:
-            out.append(
-                f"{_plural(unseen_n, 'free')} of memory allocated before counting began "
+            before = (
+                "before memtorch re-took its allocation hooks (the table started afresh then)" if base
+                else "before counting began"
+            )
+            fix = (
+                "Stop the other tool before the first block, or keep it off while measuring." if base
+                else "Call memtorch.cpu.start() at start-up to count from the start."
+            )
+            out.append((
+                f"{_plural(unseen_n, 'free')} of memory allocated {before} "
                 f"({units.format(unseen_b)} as malloc sized them): delta and peak may be up to that much too "
-                "high. Call memtorch.cpu.start() at start-up to count from the start."
-            )
+                f"high. {fix}", False,
+            ))  # fmt: skip
         if entries:
-            out.append(
+            out.append((
                 f"{_plural(entries, 'allocation')} could not be recorded (memtorch's pointer table ran "
-                "out of memory), so these figures are not exact."
-            )
+                "out of memory), so these figures are not exact.", True,
+            ))  # fmt: skip
         return out
 
     @staticmethod

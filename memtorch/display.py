@@ -645,15 +645,19 @@ def at_peak_html(at_peak, limit=15):
 
 def leak_report_html(leak, wrap=True):
     """Per-step growth (warm-up steps marked), the verdict and the surviving tensors."""
+    from .leaks import format_rate
+
     parts = ['<div class="memtorch memtorch-leak">'] if wrap else ['<div class="memtorch-leak">']
     if leak.per_step is None:
         parts.append(f"<p>leak: not judged ({len(leak.steps)} step(s), warm-up {leak.warmup})</p>")
     else:
         verdict = "LEAKING: every judged step grew" if leak.leaking else "not leaking"
         parts.append(
-            f"<p><b>leak: {_e(units.format_delta(leak.per_step))} per step</b> after {leak.warmup} warm-up step(s); "
+            f"<p><b>leak: {_e(format_rate(leak.per_step))} per step</b> after {leak.warmup} warm-up step(s); "
             f"{_e(verdict)}</p>"
         )
+        if not getattr(leak, "exact", True):
+            parts.append(f"<p>not exact: {_e(getattr(leak, 'why', None) or 'the counters are not exact')}</p>")
     if leak.steps:
         body = [
             [str(i + 1), units.format_delta(g), "warm-up (not judged)" if i < leak.warmup else ""]

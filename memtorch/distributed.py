@@ -88,6 +88,13 @@ def _int_or_none(v):
     return None if v is None else int(v)
 
 
+def _rate_or_none(v):
+    """A leak rate for JSON: an int of whole bytes, else a float (never floored)."""
+    if v is None:
+        return None
+    return int(v) if getattr(v, "denominator", 1) == 1 else float(v)
+
+
 def figures(report):
     """The figures of one rank's TrackReport as a JSON-safe dict (what gather() sends).
 
@@ -120,7 +127,7 @@ def figures(report):
     leak_d = None
     if leak is not None:
         leak_d = {
-            "per_step": _int_or_none(_get(leak, "per_step")),
+            "per_step": _rate_or_none(_get(leak, "per_step")),
             "steps": [int(s) for s in (_get(leak, "steps") or [])],
             "warmup": int(_get(leak, "warmup", 0) or 0),
             "leaking": bool(_get(leak, "leaking", False)),

@@ -21,10 +21,11 @@ import gc
 import sys
 import time
 import weakref
+from fractions import Fraction
 
 from . import units
 
-__all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan"]
+__all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan", "format_rate"]
 
 SCAN_SECONDS = 3.0  # a walk of gc objects stops after this long
 SCAN_OBJECTS = 5_000_000  # ... or after this many objects
@@ -54,7 +55,25 @@ def judge(growth, warmup):
         "judged_steps": n, "steps_that_grew": grew, "net_growth": int(net), "slope_per_step": float(slope),
         "largest_step_growth": int(max(judged)),
     }  # fmt: skip
-    return leaking, (net // n), evidence
+    # exact: 7,996 B over 2,000 steps is 3.998 B a step, never floored to 3 (a budget of 3 B must fail)
+    return leaking, Fraction(int(net), n), evidence
+
+
+def format_rate(rate, signed=True):
+    """A per-step figure (bytes, possibly a fraction of a byte) as text that never reads lower
+    than it is: whole bytes as units.format does ('+4 B', '+1.5 MiB'); a fraction under 1 KiB
+    with up to 3 decimals, '≈' when those do not hold it exactly ('+3.998 B', '+≈1.333 B')."""
+    rate = Fraction(rate)
+    if rate.denominator == 1:
+        n = int(rate)
+        return units.format_delta(n) if signed else units.format(n)
+    sign = "-" if rate < 0 else ("+" if signed else "")
+    a = abs(rate)
+    if a < 1024:
+        exact = (a * 1000).denominator == 1
+        text = f"{float(a):.3f}".rstrip("0").rstrip(".")
+        return f"{sign}{'' if exact else '≈'}{text} B"
+    return f"{sign}≈{units.format(round(a))}"
 
 
 class SurvivorGroup:
@@ -97,26 +116,45 @@ class LeakReport:
     """Growth of allocated bytes per step, judged over the whole run.
 
     steps: growth of each step (bytes, warm-up steps included); warmup; per_step:
-    net growth of the judged steps divided by their number (floor); leaking: the
-    run grew in two or more judged steps (or every one) and its net growth is
-    positive; evidence: {judged_steps, steps_that_grew, net_growth,
-    slope_per_step, largest_step_growth}; groups: SurvivorGroup of tensors kept
-    (the unexpected first); survivors: TensorInfo of a few of them; notes: what
-    the scan could not do (stopped early, ...).
+    net growth of the judged steps divided by their number, exactly (a
+    fractions.Fraction of bytes: 7,996 B over 2,000 steps is 3.998 B, never
+    floored); leaking: the run grew in two or more judged steps (or every one)
+    and its net growth is positive; evidence: {judged_steps, steps_that_grew,
+    net_growth, slope_per_step, largest_step_growth}; groups: SurvivorGroup of
+    tensors kept (the unexpected first); survivors: TensorInfo of a few of them;
+    notes: what the scan could not do (stopped early, ...). exact: False when the
+    counters could not see every allocation of the block (DataLoader workers'
+    shared memory, another tool's hooks, ...); ``why`` then says why, the text
+    says "not exact" and a leak budget is inconclusive (it fails, never passes).
     """
 
     __slots__ = ("steps", "warmup", "per_step", "leaking", "survivors", "exact", "groups", "evidence", "notes",
-                 "steps_after")  # fmt: skip
+                 "steps_after", "why")  # fmt: skip
 
-    def __init__(self, steps, warmup, survivors, exact, groups=(), notes=(), steps_after=None):
+    def __init__(self, steps, warmup, survivors, exact, groups=(), notes=(), steps_after=None, why=None):
         self.steps = list(steps)
         self.warmup = warmup
         self.leaking, self.per_step, self.evidence = judge(self.steps, warmup)
         self.survivors = list(survivors)
-        self.exact = exact
+        self.exact = bool(exact)
         self.groups = list(groups)
         self.notes = list(notes)
         self.steps_after = steps_after
+        # why the figure is not exact (a sentence), None when it is; track() fills it from the
+        # block's counters when the report is made
+        self.why = why
+
+    def budget_bounds(self):
+        """(low, high, why, fix) of per_step for a leak budget (memtorch.budget): (per_step,
+        per_step, None, None) when exact; when not, nothing bounds it (an allocation the
+        counters cannot see may be kept, or freed, in any step): (per_step, None, why, fix),
+        and a budget on it is inconclusive whatever its limit."""
+        if self.per_step is None or self.exact:
+            return self.per_step, self.per_step, None, None
+        return self.per_step, None, self.why or "the block's counters are not exact", (
+            "measure the leak where the counters see every allocation: DataLoader(num_workers=0), "
+            "no other tool patching the allocator during the block"
+        )
 
     def _repr_html_(self):
         from . import display
@@ -135,12 +173,18 @@ class LeakReport:
         grew = ev["steps_that_grew"]
         shown = ", ".join(str(s) for s in grew[:8]) + (", ..." if len(grew) > 8 else "")
         head = (
-            f"leak: {units.format_delta(self.per_step)} per step after {self.warmup} warm-up step(s)"
-            f"{' (LEAKING)' if self.leaking else ''}: net {units.format_delta(ev['net_growth'])} over "
+            f"leak: {format_rate(self.per_step)} per step after {self.warmup} warm-up step(s)"
+            f"{' (LEAKING)' if self.leaking else ''}{'' if self.exact else ' (NOT EXACT)'}: net "
+            f"{units.format_delta(ev['net_growth'])} over "
             f"{ev['judged_steps']} judged step(s), grew in {len(grew)}" + (f" (step {shown})" if grew else "")
-            + f", slope {units.format_delta(int(ev['slope_per_step']))} per step"
+            + f", slope {format_rate(Fraction(ev['slope_per_step']).limit_denominator(1000))} per step"
         )
         lines = [head]
+        if not self.exact:
+            lines.append(
+                "  not exact: " + (self.why or "the block's counters are not exact")
+                + " A leak budget on this figure is inconclusive (it fails, never passes)."
+            )
         for g in self.groups:
             lines.append("  kept: " + g.describe(self.steps_after))
         lines += ["  note: " + n for n in self.notes]
@@ -149,14 +193,22 @@ class LeakReport:
     def to_dict(self):
         return {
             "steps": [int(g) for g in self.steps], "warmup": self.warmup,
-            "per_step": None if self.per_step is None else int(self.per_step), "leaking": bool(self.leaking),
-            "exact": bool(self.exact), "evidence": dict(self.evidence),
+            "per_step": _rate_json(self.per_step), "leaking": bool(self.leaking),
+            "per_step_fraction": None if self.per_step is None else [self.per_step.numerator, self.per_step.denominator],
+            "exact": bool(self.exact), "why": self.why, "evidence": dict(self.evidence),
             "groups": [g.to_dict() for g in self.groups], "survivors": [s.to_dict() for s in self.survivors],
             "notes": list(self.notes),
         }  # fmt: skip
 
     def __repr__(self):
         return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, groups={len(self.groups)})"
+
+
+def _rate_json(rate):
+    """per_step for JSON: an int when whole bytes, else a float (per_step_fraction holds it exactly)."""
+    if rate is None:
+        return None
+    return int(rate) if rate.denominator == 1 else float(rate)
 
 
 # ---------------------------------------------------------------------------

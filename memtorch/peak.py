@@ -179,6 +179,7 @@ class AtPeak:
 
 
 OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
+OTHER_THREADS = "other threads (allocated by threads with no block open)"
 
 
 def where(file, line, function):
@@ -291,7 +292,9 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
             add(nm, kind, phase, size, shape, dtype)
             continue
         row = ((tag >> 2) & mask) - 1
-        if not mine:
+        if not mine and tag == 0:  # a thread with no block open: never this block's phases or modules
+            add(OTHER_THREADS, "other", None, size)
+        elif not mine:
             add(OTHER_IN_BLOCK, "other", None, size)
             other_live.append((g, size, False))
         elif 0 <= row < len(rows):

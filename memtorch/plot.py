@@ -348,8 +348,11 @@ def leak(report, ax=None, title=None):
     ax.set_xlabel("step")
     ax.set_ylabel(f"growth during the step ({name})")
     ax.set_xticks(x)
+    from .leaks import format_rate
+
     verdict = (
-        "not judged" if lk.per_step is None else f"{units.format_delta(lk.per_step)} per step after warm-up"
+        "not judged" if lk.per_step is None else f"{format_rate(lk.per_step)} per step after warm-up"
+        + ("" if getattr(lk, "exact", True) else " (not exact)")
     )
     ax.set_title(title or f"leak: {verdict} (grey: warm-up steps)", fontsize=10)
     return fig

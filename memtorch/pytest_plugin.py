@@ -334,12 +334,12 @@ class _Session:
         at_peak = getattr(report, "at_peak", None)
         if at_peak is not None:
             figures["at_peak"] = {o.name: int(o.nbytes) for o in at_peak.owners[:5]}
-        from .budget import check_budget, verdict_line
+        from .budget import check_budget, failure_line
 
         lines, problem = [], None
         try:
             failures = check_budget(report, **budget.limits)
-            lines += [verdict_line(*f, spelled=budget.spelled.get(f[0])) for f in failures]
+            lines += [failure_line(f, spelled=budget.spelled.get(f[0])) for f in failures]
         except MemtorchError as e:  # e.g. a leak budget on a test that marked no steps
             problem = str(e)
         figures["over_budget"] = lines[:]

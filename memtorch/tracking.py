@@ -100,10 +100,11 @@ class PhaseStats:
 
     calls: occurrences; delta: sum of (end - start) bytes; peak: the highest
     absolute bytes; peak_above_start: the largest (peak - start) of one
-    occurrence; seconds: total time; exact: every peak exact.
+    occurrence; seconds: total time; exact: every peak exact; why: the reason
+    when not exact (or None).
     """
 
-    __slots__ = ("name", "calls", "delta", "peak", "peak_above_start", "seconds", "exact")
+    __slots__ = ("name", "calls", "delta", "peak", "peak_above_start", "seconds", "exact", "why", "_seen")
 
     def __init__(self, name):
         self.name = name
@@ -113,6 +114,8 @@ class PhaseStats:
         self.peak_above_start = 0
         self.seconds = 0.0
         self.exact = True
+        self.why = None  # why not exact (a sentence), None when exact or not known
+        self._seen = 0  # event-log mode: occurrences the replay saw whole
 
     def _add_bytes(self, start, end, peak, exact):
         self.delta += end - start
@@ -140,6 +143,7 @@ class ModuleStats:
 
     __slots__ = (
         "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
+        "why",
     )  # fmt: skip
 
     def __init__(self, name, type_name):
@@ -151,6 +155,7 @@ class ModuleStats:
         self.activation_total = 0
         self.peak_above_start = 0
         self.exact = True
+        self.why = None  # why not exact (a sentence), None when exact or not known
 
     def __repr__(self):
         return (
@@ -255,11 +260,18 @@ class TrackReport:
         # (read when the report is made, at the first read of t.report).
         self.rank = kw.get("rank")
         self.world_size = kw.get("world_size")
+        # None, or why start, end, peak and at_peak have an unknown baseline (memtorch re-took its
+        # hooks from another tool before the block: cpu.Scope.baseline); delta and peak_above_start
+        # stay exact. absolute_exact: exact and the baseline known.
+        self.baseline = kw.get("baseline")
+        self.absolute_exact = bool(self.exact) and self.baseline is None
 
     def _settle(self):
         pending, self._pending = self._pending, None
         if pending is not None:
             self._at_peak = pending()
+            if self.baseline is not None:  # the storages before the restart are not in the replay
+                self._at_peak.exact = False
             if self._largest_n:
                 self._largest = self._at_peak.storages[: self._largest_n]
 
@@ -294,6 +306,7 @@ class TrackReport:
             "start": int(self.start), "end": int(self.end), "delta": int(self.delta), "peak": int(self.peak),
             "peak_above_start": int(self.peak_above_start), "seconds": float(self.seconds), "steps": int(self.steps),
             "live": bool(self.live), "caveats": list(self.caveats),
+            "absolute_exact": bool(self.absolute_exact), "baseline": self.baseline,
             "unseen_frees": int(self.unseen_frees), "unseen_bytes": int(self.unseen_bytes),
             "rank": self.rank, "world_size": self.world_size,
         }  # fmt: skip
@@ -303,12 +316,12 @@ class TrackReport:
             d["reserved_peak"] = int(self.reserved_peak)
         d["phases"] = {
             k: {"calls": p.calls, "delta": int(p.delta), "peak": int(p.peak), "peak_above_start": int(p.peak_above_start),
-                "seconds": float(p.seconds), "exact": bool(p.exact)}
+                "seconds": float(p.seconds), "exact": bool(p.exact), "why": p.why}
             for k, p in self.phases.items()
         }  # fmt: skip
         d["modules"] = [
             {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
-             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact)}
+             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why}
             for m in self.modules
         ]  # fmt: skip
         d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
@@ -325,8 +338,16 @@ class TrackReport:
 
         return gather(self, group=group, dst=dst, timeout=timeout)
 
+    def budget_bounds(self, name):
+        """(low, high, why, fix) of the leak figure for memtorch.budget (LeakReport.budget_bounds);
+        None for the other figures (budget's own rules)."""
+        if name == "leak" and self.leak is not None and self.leak.per_step is not None:
+            return self.leak.budget_bounds()
+        return None
+
     def check(self, peak=None, delta=None, leak=None):
-        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse)."""
+        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse);
+        memtorch.errors.BudgetInconclusive (a BudgetExceeded) for a leak that is not exact."""
         from .budget import assert_budget
 
         assert_budget(self, peak=peak, delta=delta, leak=leak)
@@ -334,10 +355,11 @@ class TrackReport:
     # -- presentation ------------------------------------------------------
     def _summary_rows(self):
         f = units.format
+        unknown = " (baseline unknown: see the note)" if self.baseline else ""
         rows = [
-            ("start", f(self.start), ""),
-            ("end", f(self.end), units.format_delta(self.delta)),
-            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above start"),
+            ("start", f(self.start), unknown.strip()),
+            ("end", f(self.end), units.format_delta(self.delta) + unknown),
+            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above start{unknown}"),
         ]
         if not self.exact and self.peak_upper is not None:
             rows.append(("peak at most", f(self.peak_upper), "counters cannot be more precise (sampled)"))
@@ -397,10 +419,12 @@ class TrackReport:
         if phases:
             out.append("")
             out += _table(["phase", "calls", "delta", "peak above start", "time"], phases)
+            out += _why_lines(self.phases.values())
         mods = self._module_rows()
         if mods:
             out.append("")
             out += _table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods)
+            out += _why_lines(self.modules)
         if self.leak is not None:
             out.append("")
             out.append(str(self.leak))
@@ -461,6 +485,20 @@ def _rank_info():
     from .distributed import rank_info
 
     return rank_info()
+
+
+def _why_lines(items):
+    """One line per distinct reason why rows of a table are not exact (said under the table)."""
+    whys = {}
+    for it in items:
+        why = getattr(it, "why", None)
+        if not it.exact and why:
+            whys.setdefault(why, []).append(getattr(it, "name", "") or "(model)")
+    out = []
+    for why, names in whys.items():
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        out.append(f"not exact ({shown}): {why}")
+    return out
 
 
 def _table(header, rows):
@@ -656,6 +694,7 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
                 phases[name]._add_bytes(b0, b1, peak, True)
                 seen[name] += 1
         for name, p in phases.items():
+            p._seen = seen[name]
             if seen[name] < p.calls:  # begun before the oldest event kept
                 p.exact = False
     if not n_events:
@@ -672,6 +711,43 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
             row.exact = False
 
 
+_WRAPPED = (
+    "the event log keeps the latest 131,072 events and this block made more ({dropped:,} lost): {what} "
+    "is the highest over the latest {measured:,} of its {calls:,} {unit}, a lower bound (calls and bytes "
+    "left alive are exact: counted by the hooks)"
+)
+
+
+def _apply_totals(totals, rows, phases, dropped):
+    """After the event log wrapped: each module's calls and the bytes they left allocated as the
+    marks' hooks counted them (exact however long the block), and each phase's delta; the peaks
+    inside are those of the calls the log still held, flagged as lower bounds with the reason."""
+    mods, deltas = totals
+    for row, (calls, act, unmatched) in zip(rows, mods):
+        if not calls:
+            continue
+        measured = row._measured  # calls the replay saw whole (their peaks)
+        row.calls = calls
+        row.activation_total = act
+        row._measured = calls - unmatched
+        if unmatched:
+            row.exact = False
+            row.why = f"{unmatched:,} of its {calls:,} calls began out of the hooks' sight (nested too deep)"
+        elif measured < calls:
+            row.exact = False
+            row.why = _WRAPPED.format(dropped=dropped, what="its peak inside", measured=measured, calls=calls,
+                                      unit="calls")
+    if phases:
+        for name, delta in zip(PHASES, deltas):
+            p = phases.get(name)
+            if p is None or not p.calls:
+                continue
+            p.delta = delta
+            if not p.exact:
+                p.why = _WRAPPED.format(dropped=dropped, what="its peak above start", measured=p._seen,
+                                        calls=p.calls, unit="occurrences")
+
+
 def _average_modules(rows, forwards):
     forwards = max(1, forwards)
     if rows and 0 < rows[0]._measured < rows[0].calls:
@@ -682,7 +758,7 @@ def _average_modules(rows, forwards):
 
 
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
-            phases=None, sites=None):
+            phases=None, sites=None, totals=None, other=(0, 0)):
     """The deferred part of a block's end (event-log mode): per-module and per-phase figures, at_peak.
     ``ev``: the block's events as eventlog_read_all(..., raw=True) copied them (bytes);
     ``rows`` (the report's list of ModuleStats) is filled here from ``specs``."""
@@ -693,6 +769,8 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
     replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
     _apply_replay(replayed, len(ev), rows, phases)
+    if totals is not None:
+        _apply_totals(totals, rows, phases, dropped)
     _average_modules(rows, forwards)
     names = [(r.name, r.type) for r in rows]
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
@@ -703,6 +781,19 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     at_peak.notes += caveats
     if not exact:
         at_peak.exact = False
+    if other[1]:
+        # the counters are process-wide and the owner tag was this thread's: what other threads
+        # allocated is in these figures, and at_peak may file it under this block's phases/modules
+        why = (
+            f"other threads allocated {units.format(other[0])} ({other[1]:,} allocation(s)) while the block "
+            "was open: they are counted in these figures and may be filed under this block's phases and modules"
+        )
+        at_peak.exact = False
+        at_peak.notes.insert(0, why)
+        for item in list(rows) + list((phases or {}).values()):
+            if item.calls:
+                item.exact = False
+                item.why = item.why or why
     return at_peak
 
 
@@ -805,7 +896,11 @@ def _make_report(scope, kw):
     closed scope's caveats are written now, into the list the deferred replay shares, and
     the rank and world size read (of torch.distributed's process group when first read)."""
     kw["caveats"].extend(getattr(scope, "caveats", None) or ())
+    kw["baseline"] = getattr(scope, "baseline", None) if getattr(scope, "_state", "") != "new" else None
     kw.update(_rank_info())
+    leak = kw.get("leak")
+    if leak is not None and not leak.exact and leak.why is None:  # the reason travels with the leak figure
+        leak.why = " ".join(getattr(scope, "why_not_exact", None) or ()) or None
     return TrackReport(**kw)
 
 
@@ -1712,6 +1807,8 @@ class Tracker:
             sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
+            # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
+            totals = (m.module_totals, m.phase_deltas) if dropped else None
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
@@ -1719,7 +1816,8 @@ class Tracker:
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
-                caveats, exact, self._phases, sites=sites,
+                caveats, exact, self._phases, sites=sites, totals=totals,
+                other=(self._scope._other_bytes, self._scope._other_allocs),
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:

@@ -5,6 +5,7 @@ and each class's methods, properties and attributes) is declared here.
 """
 
 import types
+from fractions import Fraction
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import numpy as np
@@ -22,6 +23,7 @@ class PhaseStats:
     peak_above_start: int
     seconds: float
     exact: bool
+    why: Optional[str]
     def __init__(self, name: str) -> None: ...
 
 class ModuleStats:
@@ -32,6 +34,7 @@ class ModuleStats:
     activation_total: int
     peak_above_start: int
     exact: bool
+    why: Optional[str]
     def __init__(self, name: str, type_name: str) -> None: ...
 
 class TensorInfo:
@@ -57,11 +60,13 @@ class TensorInfo:
 class LeakReport:
     steps: list[int]
     warmup: int
-    per_step: Optional[int]
+    per_step: Optional[Fraction]
     leaking: bool
     survivors: list[TensorInfo]
     exact: bool
+    why: Optional[str]
     def __init__(self, steps: list[int], warmup: int, survivors: list[TensorInfo], exact: bool) -> None: ...
+    def budget_bounds(self) -> tuple[Optional[Fraction], Optional[Fraction], Optional[str], Optional[str]]: ...
     def plot(self, *args: Any, **kwargs: Any) -> Any: ...
     def _repr_html_(self) -> str: ...
 
@@ -92,7 +97,10 @@ class TrackReport:
     marks: Any
     rank: Optional[int]
     world_size: Optional[int]
+    baseline: Optional[str]
+    absolute_exact: bool
     def __init__(self, **kw: Any) -> None: ...
+    def budget_bounds(self, name: str) -> Optional[tuple[Any, Any, Optional[str], Optional[str]]]: ...
     def check(
         self,
         peak: Union[int, str, None] = ...,

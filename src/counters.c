@@ -90,6 +90,11 @@ static int mt_install_count;          /* under the GIL and all stripe locks */
  * what the first lost slot held then; under all stripe locks. */
 static uint64_t mt_loss_count;
 static uintptr_t mt_loss_found;
+/* When the table was first started afresh after a loss since counting began
+ * (CLOCK_MONOTONIC ns; 0: never): from then on the counters hold only what was
+ * allocated since, so absolute figures have an unknown baseline until counting
+ * restarts (the install that patches zeroes it). Under all stripe locks. */
+static int64_t mt_restart_ns;
 
 /* Re-entrancy guard: set while this thread is inside a hook, so that
  * anything the hook itself allocates is never counted (memray's recursion
@@ -429,6 +434,9 @@ mt_check_locked(void)
     (void)mt_interpose_repair();
     mt_loss_count++;
     mt_loss_found = found;
+    if (mt_restart_ns == 0) {
+        mt_restart_ns = mt_monotonic_ns();
+    }
     int64_t old = atomic_load(&mt_current);
     mt_table_drop();
     atomic_store(&mt_current, 0);
@@ -442,6 +450,12 @@ mt_check_locked(void)
         mask &= mask - 1;
     }
     return lost;
+}
+
+int64_t
+mt_counters_current(void)
+{
+    return atomic_load_explicit(&mt_current, memory_order_relaxed);
 }
 
 /* The counted size of the live allocation at ptr, or -1 if the table does
@@ -486,6 +500,7 @@ mt_counters_lookup(const void *ptr, int64_t *serial)
 static void
 mt_reset_counts(void)
 {
+    mt_restart_ns = 0;
     mt_table_clear();
     atomic_store(&mt_current, 0);
     atomic_store(&mt_peak, 0);
@@ -700,6 +715,22 @@ counters_check(PyObject *module, PyObject *Py_UNUSED(ignored))
     lost = mt_check_locked();
     mt_unlock_all();
     return PyLong_FromLong(lost);
+}
+
+PyDoc_STRVAR(restarted_doc,
+"counters_restarted($module, /)\n--\n\n"
+"CLOCK_MONOTONIC ns at which the table was first started afresh after another\n"
+"tool took the hooks since counting began (absolute figures count only what\n"
+"was allocated since), or 0 if it never was.");
+
+static PyObject *
+counters_restarted(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    long long ns;
+    mt_lock_all();
+    ns = (long long)mt_restart_ns;
+    mt_unlock_all();
+    return PyLong_FromLongLong(ns);
 }
 
 PyDoc_STRVAR(loss_info_doc,
@@ -1244,6 +1275,7 @@ PyMethodDef mt_counters_methods[] = {
     {"_counters_bench", (PyCFunction)(void (*)(void))counters_bench, METH_FASTCALL, bench_doc},
     {"counters_check", counters_check, METH_NOARGS, check_doc},
     {"counters_loss_info", counters_loss_info, METH_NOARGS, loss_info_doc},
+    {"counters_restarted", counters_restarted, METH_NOARGS, restarted_doc},
     {"_counters_set_target", counters_set_target, METH_O, set_target_doc},
     {"_counters_tool", counters_tool, METH_O, tool_doc},
     {NULL, NULL, 0, NULL},

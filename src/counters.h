@@ -25,6 +25,10 @@ void mt_counters_on_alloc(void *ptr, size_t size);
  * address cannot be handed out again while it is still in the table). */
 void mt_counters_on_free(void *ptr, int kind);
 
+/* The counted bytes live now (process-wide; 0 when not installed): a relaxed
+ * atomic load, for marks.c's hooks (any thread, no lock). */
+int64_t mt_counters_current(void);
+
 /* The counted size of the live allocation at ptr, or -1 if not counted. */
 int64_t mt_counters_size_of(const void *ptr);
 int64_t mt_counters_lookup(const void *ptr, int64_t *serial);

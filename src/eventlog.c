@@ -33,10 +33,11 @@ static mt_event *_Atomic mt_events;   /* NULL until first used */
 static _Atomic uint64_t mt_events_head; /* next index to claim */
 static _Atomic int mt_eventlog_users;   /* open timelines */
 /* The owner tag: a small integer set by Python's module and optimizer hooks
- * (through eventlog_mark, GIL held) and stamped on every event; the hooks
- * only load it (relaxed), so they stay lock-free and GIL-free. It is
- * process-wide: allocations by other threads carry the tag of the moment. */
-static _Atomic uint32_t mt_event_tag;
+ * (through eventlog_mark, GIL held) and stamped on every event. It is the
+ * setting thread's own (thread-local): an allocation by another thread
+ * carries that thread's tag (0 where no block runs), never the module or
+ * phase running in a block's thread, so the replay can file it apart. */
+static _Thread_local uint32_t mt_event_tag;
 
 /* Claim one slot and publish an event in it (any thread, no GIL); returns
  * its index + 1, or 0 when there is no ring. */
@@ -67,7 +68,7 @@ mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta)
     if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) == 0) {
         return 0;
     }
-    uint64_t tag = atomic_load_explicit(&mt_event_tag, memory_order_relaxed);
+    uint64_t tag = mt_event_tag;
     uint64_t i1 = mt_eventlog_put(bytes, (uint64_t)(uintptr_t)ptr, delta,
                                   ((uint64_t)MT_EV_ALLOC << 32) | tag);
     /* sites.c: does this allocation want its source line? */
@@ -355,7 +356,7 @@ error:
 void
 mt_eventlog_mark(int kind, uint64_t number, uint32_t tag)
 {
-    atomic_store_explicit(&mt_event_tag, tag, memory_order_relaxed);
+    mt_event_tag = tag;
     mt_sites_on_tag(tag);
     if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) != 0) {
         mt_eventlog_put(-1, number, 0, ((uint64_t)kind << 32) | (uint64_t)tag);

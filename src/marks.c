@@ -50,6 +50,17 @@ typedef struct {
     unsigned int phase_code; /* the phase bits of the tags: the running phase's code, 0 between phases */
     Py_ssize_t depth;    /* tags pushed (may exceed MT_MARKS_DEPTH) */
     uint32_t tags[MT_MARKS_DEPTH];
+    /* Per module call, beside the event log (whose ring may wrap in a long block and
+     * lose old marks): the row and the counted bytes when its forward began, and per
+     * row the calls, the bytes they left allocated (end - start, summed) and the ends
+     * whose start was not on the stack (deeper than MT_MARKS_DEPTH, or hooks added
+     * mid-forward). rows_n rows; PyMem arrays owned here. */
+    int64_t starts[MT_MARKS_DEPTH];
+    int64_t srows[MT_MARKS_DEPTH];
+    int64_t *row_calls, *row_act, *row_unmatched;
+    Py_ssize_t rows_n;
+    int64_t phase_b0;      /* counted bytes when the running phase began */
+    int64_t phase_delta[4]; /* per phase, counted bytes at its end - at its start, summed */
     Py_ssize_t root_depth; /* the root's forwards running (recursion) */
     long long forwards;    /* the root's outermost forwards */
     long long phase_calls[4];
@@ -142,6 +153,8 @@ static int
 mt_marks_set_ids(mt_marks *m, PyObject *py_ids)
 {
     mt_mark_slot *slots = NULL;
+    int64_t *calls = NULL, *act = NULL, *unmatched = NULL;
+    Py_ssize_t nrows = 0;
     Py_ssize_t n = PyDict_GET_SIZE(py_ids);
     size_t cap = 8;
     while (cap < 2 * (size_t)n + 2) {
@@ -174,13 +187,37 @@ mt_marks_set_ids(mt_marks *m, PyObject *py_ids)
         }
         slots[j].key = (uintptr_t)key;
         slots[j].row = row;
+        nrows = row + 1 > nrows ? (Py_ssize_t)row + 1 : nrows;
+    }
+    /* the per-row totals, the old rows' kept (a model given to an open block starts at 0) */
+    calls = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
+    act = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
+    unmatched = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
+    if (calls == NULL || act == NULL || unmatched == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t r = 0; r < nrows && r < m->rows_n; r++) {
+        calls[r] = m->row_calls[r];
+        act[r] = m->row_act[r];
+        unmatched[r] = m->row_unmatched[r];
     }
     PyMem_Free(m->slots);
+    PyMem_Free(m->row_calls);
+    PyMem_Free(m->row_act);
+    PyMem_Free(m->row_unmatched);
     m->slots = slots;
     m->cap = cap;
+    m->row_calls = calls;
+    m->row_act = act;
+    m->row_unmatched = unmatched;
+    m->rows_n = nrows;
     return 0;
 error:
     PyMem_Free(slots);
+    PyMem_Free(calls);
+    PyMem_Free(act);
+    PyMem_Free(unmatched);
     return -1;
 }
 
@@ -237,6 +274,7 @@ mt_marks_end_phase(mt_marks *m)
     }
     int64_t now = mt_monotonic_ns();
     mt_eventlog_mark(MT_EV_TAG, 0x200u | code, m->tagbase);
+    m->phase_delta[code] += mt_counters_current() - m->phase_b0;
     m->phase_code = 0;
     m->phase_ns[code] += now - m->phase_t0;
     return mt_marks_timeline(m, now, "end", code);
@@ -252,6 +290,7 @@ mt_marks_begin_phase_as(mt_marks *m, unsigned int code, int counted)
     }
     m->phase_code = code;
     m->phase_calls[code] += counted != 0;
+    m->phase_b0 = mt_counters_current();
     m->phase_t0 = mt_monotonic_ns();
     mt_eventlog_mark(MT_EV_TAG, 0x100u | code, mt_marks_top(m));
     return mt_marks_timeline(m, m->phase_t0, "phase", code);
@@ -271,6 +310,10 @@ marks_dealloc(mt_marks *m)
     (void)marks_clear(m);
     PyMem_Free(m->slots);
     m->slots = NULL;
+    PyMem_Free(m->row_calls);
+    PyMem_Free(m->row_act);
+    PyMem_Free(m->row_unmatched);
+    m->row_calls = m->row_act = m->row_unmatched = NULL;
     tp->tp_free((PyObject *)m);
     Py_DECREF(tp);
 }
@@ -474,6 +517,8 @@ marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         uint32_t tag = m->tagbase | ((uint32_t)(row + 1) << 2) | m->phase_code;
         if (m->depth < MT_MARKS_DEPTH) {
             m->tags[m->depth] = tag;
+            m->srows[m->depth] = row;
+            m->starts[m->depth] = mt_counters_current();
         }
         m->depth++;
         mt_eventlog_mark(MT_EV_ENTER, (uint64_t)row, tag);
@@ -494,8 +539,19 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     uintptr_t key = (uintptr_t)args[0];
     int64_t row = mt_marks_row(m, key);
     if (row >= 0) {
+        int matched = 0;
         if (m->depth > 0) {
             m->depth--;
+            matched = m->depth < MT_MARKS_DEPTH && m->srows[m->depth] == row;
+        }
+        if (row < m->rows_n) {
+            m->row_calls[row]++;
+            if (matched) {
+                m->row_act[row] += mt_counters_current() - m->starts[m->depth];
+            }
+            else {
+                m->row_unmatched[row]++;
+            }
         }
         mt_eventlog_mark(MT_EV_EXIT, (uint64_t)row, mt_marks_top(m));
     }
@@ -842,6 +898,32 @@ marks_get_phases(mt_marks *m, void *Py_UNUSED(closure))
 }
 
 static PyObject *
+marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
+{
+    PyObject *py_list = PyList_New(m->rows_n); /* new reference */
+    if (py_list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < m->rows_n; r++) {
+        PyObject *py_t = Py_BuildValue("(LLL)", (long long)m->row_calls[r], (long long)m->row_act[r],
+                                       (long long)m->row_unmatched[r]); /* new reference */
+        if (py_t == NULL) {
+            Py_DECREF(py_list);
+            return NULL;
+        }
+        PyList_SET_ITEM(py_list, r, py_t); /* steals py_t */
+    }
+    return py_list;
+}
+
+static PyObject *
+marks_get_phase_deltas(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_BuildValue("(LLL)", (long long)m->phase_delta[1], (long long)m->phase_delta[2],
+                         (long long)m->phase_delta[3]);
+}
+
+static PyObject *
 marks_get_state_n(mt_marks *m, void *Py_UNUSED(closure))
 {
     return PyLong_FromSsize_t(m->state_n);
@@ -943,6 +1025,11 @@ static PyGetSetDef marks_getset[] = {
     {"forwards", (getter)marks_get_forwards, NULL, "the root's outermost forwards so far", NULL},
     {"phases", (getter)marks_get_phases, NULL,
      "((calls, seconds) of the forward, backward and optimizer phases)", NULL},
+    {"module_totals", (getter)marks_get_module_totals, NULL,
+     "[(calls, bytes left allocated summed, calls without their start)] per row, counted in the hooks "
+     "(exact however long the block: the event log's ring may lose old marks)", NULL},
+    {"phase_deltas", (getter)marks_get_phase_deltas, NULL,
+     "(forward, backward, optimizer): counted bytes at each phase's end - at its start, summed", NULL},
     {"state_n", (getter)marks_get_state_n, (setter)marks_set_state_n,
      "entries of the optimizer's state when its names were last read", NULL},
     {"params", (getter)marks_get_params, (setter)marks_set_params,

@@ -62,6 +62,7 @@ def _calls(handle):
                                     raises(_C._counters_bench, 1)()),
         "counters_check": _C.counters_check,
         "counters_loss_info": _C.counters_loss_info,
+        "counters_restarted": _C.counters_restarted,
         # refused while installed (a scope is open): the error path; the success path runs in test_coexist
         "_counters_set_target": lambda: (raises(_C._counters_set_target, "libc10.so")(),
                                          raises(_C._counters_set_target, 5)()),

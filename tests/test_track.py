@@ -9,6 +9,7 @@ import gc
 import sys
 import threading
 import weakref
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -879,7 +880,7 @@ def test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence(unhurried):
     if EXACT:
         assert leak.evidence["steps_that_grew"] == [50, 100, 150, 200]
         assert leak.evidence["net_growth"] == 4 * 4000
-        assert leak.per_step == 4 * 4000 // 199
+        assert leak.per_step == Fraction(4 * 4000, 199)  # exact: never floored (issue 23 row 13)
     # the first growing step (50) is the reference: the tensors of steps 100, 150 and 200 survive
     g = leak.groups[0]
     assert (g.count, g.shape, g.nbytes) == (3, "1000", 3 * 4000), str(leak)
