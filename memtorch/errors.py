@@ -1,6 +1,6 @@
 """memtorch's exceptions."""
 
-__all__ = ["MemtorchError", "UnitError", "BudgetExceeded", "DeviceUnavailable"]
+__all__ = ["MemtorchError", "UnitError", "BudgetExceeded", "BudgetInconclusive", "DeviceUnavailable"]
 
 
 class MemtorchError(Exception):
@@ -27,3 +27,15 @@ class BudgetExceeded(MemtorchError, AssertionError):
         super().__init__(message)
         self.failures = list(failures)
         self.report = report
+
+
+class BudgetInconclusive(BudgetExceeded):
+    """A budget that cannot be judged: the figure is only bounded and the limit lies between its bounds.
+
+    A CUDA block that stayed below a peak the device reached before it has only a
+    range for its peak (torch's counters keep one global peak); such a budget fails
+    with this error, never passes. It is a BudgetExceeded, so ``except
+    BudgetExceeded`` still catches every budget failure. ``failures`` as in
+    BudgetExceeded: each has ``upper`` (None: no upper bound), ``why`` and ``fix``
+    (how to get an exact figure). Raised only when no figure is over budget for sure.
+    """
