@@ -399,6 +399,13 @@ class Scope:
         rp = block_peak(r0.reserved, r0.reserved_peak, r.reserved, r.reserved_peak, self._seen_reserved)
         return p, rp
 
+    def _peak_so_far(self, reading=None):
+        """The open scope's peak up to ``reading`` (a BlockPeak: exact, or a lower bound)."""
+        r = _read(self.index) if reading is None else reading
+        self.see(r)
+        p, _ = self._parts(r)
+        return p if self._carry is None else combine_peaks(self._carry, p)
+
     def _fold(self, before, after):
         """memtorch.cuda.reset_peak() ran: ``before`` read just before it, ``after`` just after."""
         self.see(before)
