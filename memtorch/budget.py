@@ -27,13 +27,13 @@ upper bound).
 import re
 
 from . import units
+from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
 from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
 __all__ = ["assert_budget", "breakdown", "check_budget", "failure_line", "figure_bounds", "format_pair",
            "verdict_line", "Failure"]  # fmt: skip
 
 _FIGURES = ("peak", "delta", "leak")
-_CUDA_MECHANISM = "torch.cuda counters"  # memtorch.cuda.MECHANISM (not imported: it is cheap, but keep budget alone)
 
 
 class Failure(tuple):
@@ -94,11 +94,12 @@ def verdict_line(name, measured, limit, spelled=None):
     shown as written, so that "3 MB" reads 'budget 2.9 MiB (3 MB)'.
     """
     m, lim = format_pair(measured, limit)
-    return f"{name} {m} exceeds budget {_spelled_limit(lim, spelled)} by {units.format(int(measured) - int(limit))}"
+    excess = units.format(int(measured) - int(limit))
+    return f"{name} {m} exceeds budget {_spelled_limit(lim, spelled)} by {excess}"
 
 
 def failure_line(failure, spelled=None):
-    """The one-line verdict of a Failure: exceeded (exact, or its lower bound already over) or inconclusive."""
+    """The one-line verdict of a Failure: exceeded (exact, or its lower bound over) or inconclusive."""
     name, low, limit = failure
     if not failure.inconclusive:
         if failure.exact:

@@ -466,9 +466,8 @@ class _Session:
 
     def pytest_terminal_summary(self, terminalreporter):
         tr = terminalreporter
-        bad = [
-            (n, f) for n, f in self.results.items() if f.get("over_budget") or f.get("inconclusive") or f.get("regression")
-        ]  # fmt: skip
+        keys = ("over_budget", "inconclusive", "regression")
+        bad = [(n, f) for n, f in self.results.items() if any(f.get(k) for k in keys)]
         if bad:
             tr.section("memtorch: tests over budget", sep="=", red=True, bold=True)
             for nodeid, f in bad:

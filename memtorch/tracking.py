@@ -1041,7 +1041,8 @@ class Tracker:
         return s
 
     def _close_scope(self, s, reading=None):
-        """Close ``s`` (CUDA: at ``reading``, a shared _read_cuda(), or a new read); returns (start, end, peak, exact)."""
+        """Close ``s`` (CUDA: at ``reading``, a shared _read_cuda(), or a new read);
+        returns (start, end, peak, exact)."""
         if self._kind == "cpu":
             s.close()  # its end is current at the close (the close reads it once, with the hooks' check)
             return s._start, s._end, s._peak, bool(s._exact)  # what close() read (s.exact: False unless exact)

@@ -137,7 +137,9 @@ def test_assert_budget_accepts_the_tracker_itself():
         a = torch.ones(1000, 1000)  # 4,000,000 bytes
     memtorch.assert_budget(t, peak="10 MiB")  # the Tracker: its report is judged
     if memtorch.cpu.exact():
-        with pytest.raises(memtorch.BudgetExceeded, match=r"^peak 3\.8 MiB exceeds budget 1\.0 MiB"):
+        # "at least" when the counters saw frees of memory allocated before counting began (an earlier
+        # test's): the figure is then an upper bound, and its lower bound is still over
+        with pytest.raises(memtorch.BudgetExceeded, match=r"^peak (at least )?3\.8 MiB exceeds budget 1\.0 MiB"):
             memtorch.assert_budget(t, peak="1 MiB")
     del a
 
