@@ -159,9 +159,6 @@ def _one_report_bounds(report, name):
     if name == "peak" and not exact and mechanism.startswith(_CUDA_MECHANISM):
         start = int(report.start)
         upper = getattr(report, "peak_upper", None)
-        if getattr(report, "live", False):
-            return (value, None, "the block is still open and its peak so far is only sampled",
-                    "read t.report after the block closes")  # fmt: skip
         if upper is None:
             return (
                 value, None,

@@ -399,12 +399,14 @@ class Scope:
         rp = block_peak(r0.reserved, r0.reserved_peak, r.reserved, r.reserved_peak, self._seen_reserved)
         return p, rp
 
-    def _peak_so_far(self, reading=None):
-        """The open scope's peak up to ``reading`` (a BlockPeak: exact, or a lower bound)."""
+    def _so_far(self, reading=None):
+        """The open scope's (allocated, reserved) peaks up to ``reading``: BlockPeaks, exact or bounded."""
         r = _read(self.index) if reading is None else reading
         self.see(r)
-        p, _ = self._parts(r)
-        return p if self._carry is None else combine_peaks(self._carry, p)
+        p, rp = self._parts(r)
+        if self._carry is not None:
+            p, rp = combine_peaks(self._carry, p), combine_peaks(self._carry_reserved, rp)
+        return p, rp
 
     def _fold(self, before, after):
         """memtorch.cuda.reset_peak() ran: ``before`` read just before it, ``after`` just after."""

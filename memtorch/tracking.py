@@ -1583,7 +1583,7 @@ class Tracker:
             extra["unseen_frees"] = self._scope.unseen_frees
             extra["unseen_bytes"] = self._scope.unseen_bytes
         else:
-            mechanism = f"torch.cuda counters ({self._scope.how})"
+            mechanism = f"{cuda.MECHANISM} ({self._scope.how})"
             device = f"cuda:{self._index}"
             extra["reserved_peak"] = self._scope.reserved_peak
             if not exact:
@@ -1618,16 +1618,19 @@ class Tracker:
     def _snapshot(self):
         """A report of the open block so far: start, current as end, peak so far, steps."""
         self._full_state()
-        self._sample()
         s = self._scope
         extra = _rank_info()
         if self._kind == "cpu":
             start, end, peak = s.start, s.current, s.peak
             exact, mechanism, device = bool(s.exact) and cpu.exact(), cpu.mechanism(), "cpu"
-        else:
-            start, end, peak = s.start, s.current, s.peak
-            exact, mechanism, device = False, f"torch.cuda counters ({s.how or 'sampled'})", f"cuda:{self._index}"
-            extra["reserved_peak"] = s.reserved_peak
+        else:  # one read: the peak so far by the block's rule (exact, or bounded with its upper bound)
+            r = self._read_cuda()
+            p, rp = s._so_far(r)
+            start, end, peak, exact = s.start, r.allocated, p.peak, p.exact
+            mechanism, device = f"{cuda.MECHANISM} ({p.how})", f"cuda:{self._index}"
+            extra["reserved_peak"] = rp.peak
+            if not exact:
+                extra["peak_upper"] = p.upper
         leak = None
         steps = len(self._boundaries) - 1
         if steps > 0:
@@ -1663,7 +1666,7 @@ class Tracker:
         now = self._current() if r is None else r.allocated
         # the step's peak: the block's peak so far for the first step, then a scope per step
         if self._step_scope is None:
-            step_peak = self._scope.peak if r is None else self._scope._peak_so_far(r).peak
+            step_peak = self._scope.peak if r is None else self._scope._so_far(r)[0].peak
         else:
             _, _, step_peak, _ = self._close_scope(self._step_scope, r)
             self._step_scope = None

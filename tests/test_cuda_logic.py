@@ -360,3 +360,23 @@ def test_tracked_step_reads_cuda_counters_per_step_not_per_module(monkeypatch):
     assert small1 == 5
     assert total3 == small3 + 1  # and one read for the block's close
     assert calls["reset_peak_memory_stats"] == 0  # track() never resets torch's peak
+
+
+def test_live_report_inside_a_cuda_block_has_the_peak_so_far(fake):
+    MiB = 2**20
+    with memtorch.track(device="cuda") as t:
+        fake.alloc(8 * MiB)
+        fake.free(8 * MiB)
+        r = t.report  # a snapshot: torch's peak rose by 8 MiB since the block began
+        assert r.live and r.exact and r.peak_above_start == 8 * MiB and r.delta == 0
+        with pytest.raises(memtorch.BudgetExceeded, match="^peak 8.0 MiB exceeds budget 4.0 MiB"):
+            r.check(peak="4 MiB")
+    fake.alloc(16 * MiB)
+    fake.free(16 * MiB)  # an older peak of 16 MiB above what follows
+    with memtorch.track(device="cuda") as t:
+        fake.alloc(2 * MiB)
+        r = t.report  # below the older peak: between 2 MiB and 16 MiB so far
+        assert not r.exact and r.peak_above_start == 2 * MiB and r.peak_upper - r.start == 16 * MiB
+        with pytest.raises(memtorch.BudgetInconclusive):
+            r.check(peak="4 MiB")
+        fake.free(2 * MiB)
