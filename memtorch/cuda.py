@@ -64,10 +64,18 @@ RESERVED = "reserved_bytes.all.current"
 RESERVED_PEAK = "reserved_bytes.all.peak"
 
 
-def _torch():
-    from ._torch import torch
+_torch_mod = None
 
-    return torch()
+
+def _torch():
+    """The torch module (imported on first use). Its ``cuda`` attribute is read at each call
+    (tests put a fake torch.cuda there)."""
+    global _torch_mod
+    if _torch_mod is None:
+        from ._torch import torch
+
+        _torch_mod = torch()
+    return _torch_mod
 
 
 def _available():
@@ -322,8 +330,10 @@ class Scope:
     ``reserved_peak`` and ``peak_upper``. Never resets torch's counters.
     """
 
-    def __init__(self, device=None, timeline=False):
-        self.index = _index(device)
+    def __init__(self, device=None, timeline=False, _index_checked=None):
+        # _index_checked: a device index the caller has already checked (track()'s scopes: one
+        # check per block, not one per phase and step)
+        self.index = _index(device) if _index_checked is None else _index_checked
         self._timeline = bool(timeline)
         self._times = []
         self._bytes = []

@@ -19,7 +19,9 @@ forward made with grad enabled to the next optimizer step, forward, t.step()
 or the end of the block (so it includes the loss); "optimizer" from the
 optimizer's step pre-hook to its post-hook.
 
-Per module (modules=True): ``activation_bytes`` is the bytes a module's forward
+Per module (modules=True, on the CPU; on CUDA the counters are read only at the
+block's, phases' and steps' boundaries, five reads a training step, and the
+module rows are absent, as a caveat says): ``activation_bytes`` is the bytes a module's forward
 leaves allocated when it returns (its output plus what autograd saved for
 backward, minus what it freed), summed over its calls and divided by the number
 of forwards of the model; ``peak_above_start`` the largest peak above the
@@ -1035,7 +1037,7 @@ class Tracker:
             s.__enter__()
             return s
         r = self._read_cuda() if reading is None else reading  # a sample for the enclosing scopes too
-        s = cuda.Scope(self._index, timeline=timeline)
+        s = cuda.Scope(timeline=timeline, _index_checked=self._index)  # checked by _parse_device
         s.open(r)
         self._cuda_open.append(s)
         return s
@@ -1271,6 +1273,12 @@ class Tracker:
         m = self._marks
         if m is not None:  # in C: tags and marks of the model's modules, the phases, the batch's names
             m.set_model(self._ids, self._root_id)
+        if m is None and not self._ids:
+            # no per-module rows (CUDA): hooks on the root only, for the phases. A global module
+            # hook would send every module of the process through torch's slow call path.
+            self._handles.append(model.register_forward_pre_hook(self._pre))
+            self._handles.append(model.register_forward_hook(self._post, always_call=True))
+            return
         self._add_module_hooks(self._pre if m is None else m.pre, self._post if m is None else m.post)
 
     def _add_module_hooks(self, pre, post):
@@ -1830,7 +1838,8 @@ def track(model=None, optimizer=None, device="auto", timeline=False, modules=Tru
     Also a decorator: ``@memtorch.track()`` tracks each call, the report of the
     last call at ``f.tracker.report``. After the block, ``t.report`` is a
     TrackReport. model/optimizer add phases (forward, backward, optimizer) and,
-    with modules=True, per-module figures; device is "auto" (the device of the
+    with modules=True, per-module figures (on the CPU; on CUDA they are not measured:
+    a counter read per module boundary costs too much of a GPU step); device is "auto" (the device of the
     model's first parameter or buffer; the CPU without a model), "cpu", "cuda",
     "cuda:N" or a torch.device; timeline=True records (time,
     bytes); leaks=True judges per-step growth after ``warmup`` steps marked

@@ -380,3 +380,18 @@ def test_live_report_inside_a_cuda_block_has_the_peak_so_far(fake):
         with pytest.raises(memtorch.BudgetInconclusive):
             r.check(peak="4 MiB")
         fake.free(2 * MiB)
+
+
+def test_cuda_block_hooks_only_the_models_root(fake):
+    # no per-module figures on CUDA: no global module hook either, which would send every module
+    # call of the process through torch's slow path; the root's two hooks give the phases
+    import torch.nn.modules.module as tmod
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with memtorch.track(model, device="cuda") as t:
+        assert not tmod._global_forward_pre_hooks and not tmod._global_forward_hooks
+        assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+        assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+        model(torch.ones(1, 2))
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model._forward_hooks_always_called
+    assert t.report.phases["forward"].calls == 1
