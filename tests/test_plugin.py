@@ -736,3 +736,39 @@ def test_cuda_budget_verdict_does_not_depend_on_an_earlier_higher_test(pytester,
     assert data["test_order.py::test_b_low"]["peak"] == 64 * MiB and data["test_order.py::test_b_low"]["exact"]
     assert data["test_order.py::test_c_within"]["peak"] == 64 * MiB and data["test_order.py::test_c_within"]["exact"]
     assert data["test_order.py::test_d_resets_torchs_peak_itself"]["exact"] is False
+
+
+def test_cuda_regression_check_never_passes_on_a_lower_bound(pytester, run, tmp_path, monkeypatch):
+    # --memtorch-fail-on-increase compares with a baseline; a peak only bounded from below (the
+    # body reset torch's peak itself: no upper bound) cannot be shown within the allowed growth
+    monkeypatch.setattr(torch, "cuda", torch.cuda)
+    pytester.makepyfile(fake_cuda=(ROOT / "tests" / "fake_cuda.py").read_text())
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(
+        test_base="""
+        import pytest, torch
+
+        MiB = 2**20
+
+        @pytest.fixture
+        def held():
+            torch.cuda.alloc(64 * MiB)
+            yield
+            torch.cuda.allocated = 0
+
+        def test_resets_itself(held, memtorch_tracker):
+            torch.cuda.free(64 * MiB)
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.alloc(16 * MiB)
+            torch.cuda.free(16 * MiB)
+        """
+    )
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps({"test_base.py::test_resets_itself": {"peak": 0, "device": "cuda:0"}}))
+    result = run(f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=5%")
+    result.assert_outcomes(failed=1)
+    expected = (
+        f"peak at least 0 B (no upper bound) cannot be compared with baseline 0 B (allowed +5%, "
+        f"baseline from {baseline}): inconclusive, the body reset torch's peak counter itself"
+    )
+    assert expected in result.outlines, result.outlines
