@@ -772,3 +772,42 @@ def test_cuda_regression_check_never_passes_on_a_lower_bound(pytester, run, tmp_
         f"baseline from {baseline}): inconclusive, the body reset torch's peak counter itself"
     )
     assert expected in result.outlines, result.outlines
+
+
+def test_cuda_budget_reset_keeps_an_enclosing_block_exact_and_says_what_the_user_sees(
+    pytester, run, monkeypatch
+):
+    # The plugin resets torch's peak at test_b_low's start (torch's peak, 100 MiB, is above what is
+    # allocated, 0): a memtorch block open around the tests keeps its exact 100 MiB (the reset is
+    # folded into it); the user's own torch.cuda.max_memory_allocated() gives the peak since that reset.
+    monkeypatch.setattr(torch, "cuda", torch.cuda)
+    pytester.makepyfile(fake_cuda=(ROOT / "tests" / "fake_cuda.py").read_text())
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(
+        test_user="""
+        import pytest, torch, memtorch
+
+        MiB = 2**20
+
+        @pytest.fixture(scope="module")
+        def outer():
+            with memtorch.track(device="cuda") as t:
+                yield t
+            assert t.report.exact and t.report.peak_above_start == 100 * MiB, t.report
+
+        def test_a_high(outer):
+            torch.cuda.alloc(100 * MiB)
+            torch.cuda.free(100 * MiB)
+
+        @pytest.mark.memory_budget(peak="64 MiB", device="cuda")
+        def test_b_low(outer):
+            torch.cuda.alloc(16 * MiB)
+            torch.cuda.free(16 * MiB)
+
+        def test_c_users_view(outer):
+            assert torch.cuda.max_memory_allocated() == 16 * MiB
+            assert torch.cuda.calls["reset_peak_memory_stats"] == 1
+        """
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=3)
