@@ -35,6 +35,7 @@ _EXPORTS = {
     "errors": ("errors", None),
     "MemtorchError": ("errors", "MemtorchError"),
     "BudgetExceeded": ("errors", "BudgetExceeded"),
+    "BudgetInconclusive": ("errors", "BudgetInconclusive"),
     "UnitError": ("errors", "UnitError"),
     "DeviceUnavailable": ("errors", "DeviceUnavailable"),
     "advise": ("advice", "advise"),

@@ -22,6 +22,7 @@ from .advice import advise as advise
 from .distributed import MultiRankReport as MultiRankReport
 from .planning import plan as plan
 from .errors import BudgetExceeded as BudgetExceeded
+from .errors import BudgetInconclusive as BudgetInconclusive
 from .errors import DeviceUnavailable as DeviceUnavailable
 from .errors import MemtorchError as MemtorchError
 from .errors import UnitError as UnitError
@@ -48,4 +49,5 @@ def assert_budget(
     delta: Union[int, str, None] = ...,
     leak: Union[int, str, None] = ...,
 ) -> None:
-    """Raise BudgetExceeded if `report` goes over any given limit (bytes, or sizes such as '64 MiB')."""
+    """Raise BudgetExceeded if `report` goes over any given limit (bytes, or sizes such as '64 MiB'),
+    BudgetInconclusive (a BudgetExceeded) if a figure is only bounded and a limit lies between its bounds."""

@@ -12,64 +12,57 @@ script, a notebook); ``TrackReport.check`` delegates here. The figures compared:
 Sizes go through ``memtorch.units.parse``: KiB/MiB/GiB are 1024-based,
 kB/MB/GB 1000-based. A figure is over budget when it is strictly greater than
 its limit.
+
+A figure that is only bounded (a CUDA block that stayed below a peak the device
+reached before it: torch's counters give a range; a CPU block that freed memory
+allocated before counting began: the figure is an upper bound) is judged by its
+bounds: over budget when its lower bound is above the limit, within when its
+upper bound is at or below it, and otherwise *inconclusive*: it fails with
+memtorch.BudgetInconclusive (a BudgetExceeded), saying why and how to get an
+exact figure. A budget never passes on a lower bound. A report can give its own
+bounds with ``budget_bounds(name) -> (low, high, why, fix)`` (high None: no
+upper bound).
 """
 
 import re
 
 from . import units
+from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
 from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
-__all__ = ["assert_budget", "breakdown", "check_budget", "failure_line", "format_pair", "verdict_line", "Failure"]
+__all__ = ["assert_budget", "breakdown", "check_budget", "failure_line", "figure_bounds", "format_pair",
+           "verdict_line", "Failure"]  # fmt: skip
 
 _FIGURES = ("peak", "delta", "leak")
 
 
 class Failure(tuple):
-    """One figure that did not pass: unpacks and compares as (name, measured, limit).
+    """One figure that did not pass: unpacks and compares as (name, measured, limit), bytes.
 
-    ``inconclusive`` True when the figure is not exact and cannot be judged (a leak
-    measured while DataLoader workers ran: it fails, never passes); ``why`` and
-    ``fix`` then say why and how to get an exact figure. ``measured`` is exact (a
-    leak rate may be a fractions.Fraction of bytes, never floored).
+    ``measured`` is the figure, or its lower bound when it is only bounded;
+    ``upper`` its upper bound (== measured when exact, None when nothing bounds
+    it from above); ``inconclusive`` True when the limit lies between the bounds;
+    ``why`` and ``fix`` say why the figure is only bounded and how to get an
+    exact one (None when exact).
     """
 
     def __new__(cls, name, measured, limit, upper=None, inconclusive=False, why=None, fix=None):
+        if getattr(measured, "denominator", 1) == 1:
+            measured = int(measured)  # a leak rate may be a Fraction of bytes: kept exact, never floored
         self = super().__new__(cls, (name, measured, int(limit)))
-        self.upper = upper
+        self.upper = None if upper is None else int(upper)
         self.inconclusive = bool(inconclusive)
         self.why = why
         self.fix = fix
         return self
 
+    @property
+    def exact(self):
+        return self.upper == self[1] and self.why is None
 
-def _leak_failure(report, limit):
-    """The leak budget's Failure, or None when it passes: an exact rate compared exactly; a
-    rate that is not exact is inconclusive whatever the limit (leaks.LeakReport.budget_bounds)."""
-    leak = getattr(report, "leak", None)
-    bounds = getattr(leak, "budget_bounds", None)
-    if not callable(bounds):
-        measured = _measured(report, "leak")
-        return Failure("leak", measured, limit) if measured > limit else None
-    _measured(report, "leak")  # a clear error without steps
-    low, high, why, fix = bounds()
-    if why is not None:
-        return Failure("leak", low, limit, high, True, why, fix)
-    return Failure("leak", low, limit, high) if low > limit else None
-
-
-def failure_line(failure, spelled=None):
-    """The one-line verdict of a Failure: exceeded, or inconclusive (why, and how to get an exact figure)."""
-    if not getattr(failure, "inconclusive", False):
-        return verdict_line(*failure, spelled=spelled)
-    from .leaks import format_rate
-
-    name, measured, limit = failure
-    m = format_rate(measured, signed=False) if name == "leak" else units.format(int(measured))
-    lim = _spelled(units.format(limit), spelled)
-    return (
-        f"{name} budget {lim} inconclusive: the {name} measured, {m}, is not exact because {failure.why} "
-        f"It does not pass. For an exact figure: {failure.fix}"
-    )
+    def __repr__(self):
+        extra = ", inconclusive" if self.inconclusive else "" if self.exact else f", upper={self.upper}"
+        return f"Failure({self[0]!r}, {self[1]}, {self[2]}{extra})"
 
 
 def format_pair(measured, limit):
@@ -90,6 +83,12 @@ def format_pair(measured, limit):
 _DECIMAL_UNIT = re.compile(r"(?i)[0-9.\s][kmgt]b\s*$")
 
 
+def _spelled_limit(text, spelled):
+    if isinstance(spelled, str) and _DECIMAL_UNIT.search(spelled):
+        text += f" ({spelled.strip()})"
+    return text
+
+
 def verdict_line(name, measured, limit, spelled=None):
     """The one-line verdict, e.g. 'peak 71.2 MiB exceeds budget 64.0 MiB by 7.2 MiB'.
 
@@ -100,23 +99,46 @@ def verdict_line(name, measured, limit, spelled=None):
         from .leaks import format_rate
 
         m, lim = format_rate(measured, signed=False), units.format(int(limit))
-        return f"{name} {m} exceeds budget {_spelled(lim, spelled)} by {format_rate(measured - int(limit), signed=False)}"
+        return f"{name} {m} exceeds budget {_spelled_limit(lim, spelled)} by {format_rate(measured - int(limit), signed=False)}"
     m, lim = format_pair(measured, limit)
-    return f"{name} {m} exceeds budget {_spelled(lim, spelled)} by {units.format(int(measured) - int(limit))}"
+    excess = units.format(int(measured) - int(limit))
+    return f"{name} {m} exceeds budget {_spelled_limit(lim, spelled)} by {excess}"
 
 
-def _spelled(text, spelled):
-    if isinstance(spelled, str) and _DECIMAL_UNIT.search(spelled):
-        text += f" ({spelled.strip()})"
-    return text
+def failure_line(failure, spelled=None):
+    """The one-line verdict of a Failure: exceeded (exact, or its lower bound over) or inconclusive."""
+    name, low, limit = failure
+    if getattr(low, "denominator", 1) != 1:  # a leak rate in fractions of a byte: never floored
+        from .leaks import format_rate
+
+        if not failure.inconclusive:
+            return verdict_line(name, low, limit, spelled)
+        return (
+            f"{name} budget {_spelled_limit(units.format(limit), spelled)} inconclusive: the {name} is "
+            f"{format_rate(low, signed=False)}, not an exact figure, because {failure.why}; it does not "
+            f"pass. For an exact figure: {failure.fix}"
+        )
+    if not failure.inconclusive:
+        if failure.exact:
+            return verdict_line(name, low, limit, spelled)
+        m, lim = format_pair(low, limit)
+        return (
+            f"{name} at least {m} exceeds budget {_spelled_limit(lim, spelled)} by at least "
+            f"{units.format(low - limit)} ({failure.why})"
+        )
+    m, lim = format_pair(low, limit)
+    if failure.upper is None:
+        measured = f"at least {m}, with no upper bound"
+    else:
+        hi, _ = format_pair(failure.upper, limit)
+        measured = f"between {m} and {hi}"
+    return (
+        f"{name} budget {_spelled_limit(lim, spelled)} inconclusive: the {name} is {measured}, "
+        f"not an exact figure, because {failure.why}; it does not pass. For an exact figure: {failure.fix}"
+    )
 
 
-def _measured(report, name):
-    """The figure of ``report`` that the budget ``name`` is compared with (bytes)."""
-    if name == "peak":
-        return int(report.peak_above_start)
-    if name == "delta":
-        return int(report.delta)
+def _leak_figure(report):
     leak = getattr(report, "leak", None)
     per_step = None if leak is None else getattr(leak, "per_step", None)
     if per_step is None:
@@ -129,6 +151,80 @@ def _measured(report, name):
         # One figure per step: the budget holds for every step.
         return max(per_step, default=0)
     return per_step  # exact (a Fraction of bytes): compared as it is, never floored
+
+
+def _measured(report, name):
+    """The figure of ``report`` that the budget ``name`` is compared with (bytes; a lower bound
+    when the figure is only bounded: see figure_bounds)."""
+    if name == "peak":
+        return int(report.peak_above_start)
+    if name == "delta":
+        return int(report.delta)
+    return _leak_figure(report)
+
+
+def _one_report_bounds(report, name):
+    """(low, high, why, fix) of one report's figure; high None: unbounded; why None: exact."""
+    own = getattr(report, "budget_bounds", None)
+    if callable(own):
+        got = own(name)
+        if got is not None:
+            return got
+    value = _measured(report, name)
+    exact = bool(getattr(report, "exact", True))
+    mechanism = str(getattr(report, "mechanism", "") or "")
+    if name == "peak" and not exact and mechanism.startswith(_CUDA_MECHANISM):
+        start = int(report.start)
+        upper = getattr(report, "peak_upper", None)
+        if upper is None:
+            return (
+                value, None,
+                "torch's peak counter was reset inside the block (torch.cuda.reset_peak_memory_stats(), "
+                "by the code measured or another tool), so nothing bounds the block's peak from above",
+                "do not reset torch's peak inside the block, or reset it with memtorch.cuda.reset_peak(), "
+                "which keeps open blocks exact",
+            )  # fmt: skip
+        return (
+            value, int(upper) - start,
+            "the block stayed below a peak the device reached before it: torch keeps one peak per "
+            "device, so its counters only bound the block's own peak",
+            "call memtorch.cuda.reset_peak() (torch.cuda.reset_peak_memory_stats()) just before the "
+            "block, or measure it under the pytest marker memory_budget(device='cuda'), which does so "
+            "for each test",
+        )  # fmt: skip
+    unseen = int(getattr(report, "unseen_bytes", 0) or 0)
+    if name in ("peak", "delta") and unseen > 0:
+        return (
+            value - unseen, value,
+            f"the CPU counters saw frees of {units.format(unseen)} allocated before counting began, so the "
+            f"{name} may be up to that much too high",
+            "call memtorch.cpu.start() at start-up, before the memory the block frees is allocated "
+            "(the pytest plugin does so for every budgeted test)",
+        )  # fmt: skip
+    return value, value, None, None
+
+
+def figure_bounds(report, name):
+    """(low, high, why, fix) of the figure ``name`` ("peak", "delta", "leak") of ``report``, bytes.
+
+    low == high and why None for an exact figure (or an approximate one that is not a
+    bound); high None when nothing bounds it from above. A multi-rank report's figure is
+    the maximum over its ranks, bounded by the maxima of their bounds.
+    """
+    report = _as_report(report, "figure_bounds")
+    ranks = getattr(report, "ranks", None)
+    if not ranks or name == "leak":
+        return _one_report_bounds(report, name)
+    low, high, why, fix = None, 0, None, None
+    for r in ranks:
+        lo, hi, w, f = _one_report_bounds(r, name)
+        low = lo if low is None else max(low, lo)
+        high = None if high is None or hi is None else max(high, hi)
+        if w is not None and why is None:
+            why, fix = f"on rank {getattr(r, 'rank', '?')}, {w}", f
+    if why is None:
+        return low, low, None, None
+    return low, high, why, fix
 
 
 def _as_report(obj, fname):
@@ -146,7 +242,9 @@ def _as_report(obj, fname):
 
 
 def check_budget(report, peak=None, delta=None, leak=None):
-    """Return the list of (name, measured_bytes, limit_bytes) over budget; empty when within.
+    """Return the list of Failures (they unpack as (name, measured_bytes, limit_bytes)): the figures
+    over budget and those only bounded whose limit lies between their bounds (``inconclusive``);
+    empty when every figure is within its budget.
 
     Raises UnitError for an unparsable size and MemtorchError for a leak budget
     on a report without steps.
@@ -158,14 +256,11 @@ def check_budget(report, peak=None, delta=None, leak=None):
         if limits[name] is None:
             continue
         limit = units.parse(limits[name])
-        if name == "leak":
-            failure = _leak_failure(report, limit)
-            if failure is not None:
-                failures.append(failure)
-            continue
-        measured = _measured(report, name)
-        if measured > limit:
-            failures.append(Failure(name, measured, limit))
+        low, high, why, fix = figure_bounds(report, name)
+        if low > limit:  # over, even at its lowest
+            failures.append(Failure(name, low, limit, high, False, why, fix))
+        elif high is None or high > limit:  # only bounded, and the limit lies between the bounds
+            failures.append(Failure(name, low, limit, high, True, why, fix))
     return failures
 
 
@@ -192,6 +287,9 @@ def breakdown(report, modules=5, tensors=5, owners=5):
     device = _get(report, "device", "?")
     exact = _get(report, "exact", None)
     how = "exact counters" if exact else "approximate counters" if exact is not None else "counters"
+    if exact is False and str(_get(report, "mechanism", "") or "").startswith(_CUDA_MECHANISM):
+        upper = _get(report, "peak_upper")
+        how = "counters that bound the peak" + ("" if upper is None else f": at most {_fmt(upper)}")
     lines.append(f"memtorch breakdown (device {device}, {how})")
     lines.append(
         "  start {}, end {} (delta {}), peak {} ({} above start)".format(
@@ -274,7 +372,9 @@ def breakdown(report, modules=5, tensors=5, owners=5):
 
 
 def assert_budget(report, peak=None, delta=None, leak=None):
-    """Raise memtorch.BudgetExceeded if ``report`` goes over any given limit.
+    """Raise memtorch.BudgetExceeded if ``report`` goes over any given limit, or
+    memtorch.BudgetInconclusive (a BudgetExceeded) if a figure is only bounded and a
+    limit lies between its bounds: a budget never passes on a lower bound.
 
     ``peak`` is compared with ``report.peak_above_start``, ``delta`` with
     ``report.delta``, ``leak`` with ``report.leak.per_step``; each is an int of
@@ -289,5 +389,5 @@ def assert_budget(report, peak=None, delta=None, leak=None):
     if failures:
         head = "\n".join(failure_line(f, spelled=spelled[f[0]]) for f in failures)
         # over for sure wins: inconclusive only when no figure is known to be over
-        error = BudgetInconclusive if all(getattr(f, "inconclusive", False) for f in failures) else BudgetExceeded
+        error = BudgetInconclusive if all(f.inconclusive for f in failures) else BudgetExceeded
         raise error(f"{head}\n\n{breakdown(report)}", failures=failures, report=report)

@@ -17,13 +17,20 @@ Every function takes ``device``: None (the current device), an int, "cuda",
 memtorch.errors.DeviceUnavailable saying so.
 
 Nested peaks. torch keeps one peak per device and its only reset is global, so
-memtorch never resets it: track() blocks get their own peak from
-:func:`block_peak`, a pure function of counters read at entry, at exit and at
-sample points (hooks). It is exact when the device's peak rose during the block
+track() never resets it: blocks get their own peak from :func:`block_peak`, a
+pure function of counters read at entry, at exit and at sample points (phase
+and step boundaries). It is exact when the device's peak rose during the block
 or when the block started at the device's peak; otherwise it is the largest
 value seen at the sample points, a lower bound, flagged ``exact=False``, with
-the device's peak at entry as an upper bound.
+the device's peak at entry as an upper bound. A budget never passes on such a
+range (memtorch.budget: inconclusive). :func:`reset_peak` (memtorch's, not
+torch's) keeps the blocks open on the device exact: each folds the counters
+read just before the reset into its own peak (:func:`combine_peaks`). The
+pytest plugin calls it at the start of a budgeted CUDA test whose device peak
+is above what is allocated, so that every budgeted test starts at the peak.
 """
+
+import weakref
 
 from .errors import DeviceUnavailable
 
@@ -38,8 +45,17 @@ __all__ = [
     "outside_torch",
     "stats",
     "block_peak",
+    "combine_peaks",
     "BlockPeak",
+    "MECHANISM",
 ]
+
+# The start of a CUDA TrackReport's ``mechanism``: memtorch.budget reads a CUDA report's
+# inexact peak as a range (lower bound, peak_upper), never as a figure.
+MECHANISM = "torch.cuda counters"
+
+# The Scopes open now, process-wide (reset_peak folds into them; _debug_leftovers).
+_open_scopes = weakref.WeakSet()
 
 # Keys of torch.cuda.memory_stats() that memtorch reads.
 ALLOCATED = "allocated_bytes.all.current"
@@ -48,10 +64,18 @@ RESERVED = "reserved_bytes.all.current"
 RESERVED_PEAK = "reserved_bytes.all.peak"
 
 
-def _torch():
-    from ._torch import torch
+_torch_mod = None
 
-    return torch()
+
+def _torch():
+    """The torch module (imported on first use). Its ``cuda`` attribute is read at each call
+    (tests put a fake torch.cuda there)."""
+    global _torch_mod
+    if _torch_mod is None:
+        from ._torch import torch
+
+        _torch_mod = torch()
+    return _torch_mod
 
 
 def _available():
@@ -140,13 +164,28 @@ def reserved_peak(device=None):
 
 
 def reset_peak(device=None):
-    """torch.cuda.reset_peak_memory_stats(device).
+    """torch.cuda.reset_peak_memory_stats(device), keeping memtorch's open blocks exact.
 
-    This is torch's own reset: it is global to the device and affects every
-    reader of torch's peak. memtorch.track() never calls it, and blocks that are
-    open when it is called report their peak as a lower bound from then on.
+    torch's reset is global to the device: afterwards torch.cuda.max_memory_allocated()
+    and max_memory_reserved() (and every "peak" of memory_stats()) give the peak since
+    the reset, for every reader (your own code, other tools): the older peak is gone.
+    memtorch's track() blocks open on the device when it is called through this
+    function keep their figures: each folds the counters read just before the reset
+    into its peak. A reset made by calling torch directly inside a block leaves that
+    block's peak a lower bound with no upper bound (its budgets are inconclusive).
+    memtorch.track() never resets; the pytest plugin does, through this function, at
+    the start of a budgeted CUDA test (see memtorch.pytest_plugin).
     """
-    _reset_peak(_index(device))
+    index = _index(device)
+    scopes = [s for s in list(_open_scopes) if s.index == index and s._open]
+    before = _read(index) if scopes else None
+    # (an allocation made by another thread between this read and the reset is not seen
+    # by the open scopes' peaks before the reset; the reset is the user's, not a hook's)
+    _reset_peak(index)
+    if scopes:
+        after = _read(index)
+        for s in scopes:
+            s._fold(before, after)
 
 
 def _reset_peak(index):
@@ -231,6 +270,28 @@ def block_peak(start, start_peak, end, end_peak, seen_max=None):
     return BlockPeak(seen, False, start_peak, "below an older peak: sampled")
 
 
+def combine_peaks(first, then):
+    """The peak of a block made of two parts (a BlockPeak each), e.g. around a reset of torch's peak.
+
+    The block's peak is the larger of the parts' peaks: at least the larger lower
+    bound; at most the larger upper bound (unknown if either is). Exact when both
+    parts are, or when the larger lower bound reaches every upper bound.
+    """
+    low = max(first.peak, then.peak)
+    if first.exact and then.exact:
+        return BlockPeak(low, True, low, "exact across a memtorch.cuda.reset_peak()")
+    upper = None if first.upper is None or then.upper is None else max(first.upper, then.upper)
+    if upper is not None and low >= upper:
+        return BlockPeak(low, True, low, "exact across a memtorch.cuda.reset_peak()")
+    part = first if not first.exact else then
+    return BlockPeak(low, False, upper, f"{part.how}, across a memtorch.cuda.reset_peak()")
+
+
+def _debug_leftovers():
+    """The CUDA Scopes still open (tests' autouse check: a finished test leaves none)."""
+    return [f"open cuda.Scope on device {s.index}" for s in list(_open_scopes) if s._open]
+
+
 class _Reading:
     """One read of a device's counters: allocated, its peak, reserved, its peak."""
 
@@ -269,8 +330,10 @@ class Scope:
     ``reserved_peak`` and ``peak_upper``. Never resets torch's counters.
     """
 
-    def __init__(self, device=None, timeline=False):
-        self.index = _index(device)
+    def __init__(self, device=None, timeline=False, _index_checked=None):
+        # _index_checked: a device index the caller has already checked (track()'s scopes: one
+        # check per block, not one per phase and step)
+        self.index = _index(device) if _index_checked is None else _index_checked
         self._timeline = bool(timeline)
         self._times = []
         self._bytes = []
@@ -286,6 +349,9 @@ class Scope:
         self.how = ""
         self._end = None
         self._r0 = None
+        # the parts before each memtorch.cuda.reset_peak() in the block (BlockPeak), or None
+        self._carry = None
+        self._carry_reserved = None
 
     def __enter__(self):
         return self.open()
@@ -299,6 +365,7 @@ class Scope:
         r = _read(self.index) if reading is None else reading
         self._r0 = r
         self._open = True
+        _open_scopes.add(self)
         self.start = self.peak = self._seen = r.allocated
         self.reserved_start = self.reserved_peak = self._seen_reserved = r.reserved
         if self._timeline:
@@ -335,6 +402,31 @@ class Scope:
     def peak_above_start(self):
         return self.peak - self.start
 
+    def _parts(self, r):
+        """(allocated, reserved) BlockPeaks of the part since the last reset (or the open), to ``r``."""
+        r0 = self._r0
+        p = block_peak(r0.allocated, r0.peak, r.allocated, r.peak, self._seen)
+        rp = block_peak(r0.reserved, r0.reserved_peak, r.reserved, r.reserved_peak, self._seen_reserved)
+        return p, rp
+
+    def _so_far(self, reading=None):
+        """The open scope's (allocated, reserved) peaks up to ``reading``: BlockPeaks, exact or bounded."""
+        r = _read(self.index) if reading is None else reading
+        self.see(r)
+        p, rp = self._parts(r)
+        if self._carry is not None:
+            p, rp = combine_peaks(self._carry, p), combine_peaks(self._carry_reserved, rp)
+        return p, rp
+
+    def _fold(self, before, after):
+        """memtorch.cuda.reset_peak() ran: ``before`` read just before it, ``after`` just after."""
+        self.see(before)
+        p, rp = self._parts(before)
+        self._carry = p if self._carry is None else combine_peaks(self._carry, p)
+        self._carry_reserved = rp if self._carry_reserved is None else combine_peaks(self._carry_reserved, rp)
+        self._r0 = after  # the next part starts at the reset
+        self._seen, self._seen_reserved = after.allocated, after.reserved
+
     def close(self, reading=None):
         if not self._open:
             self._closed = True
@@ -343,10 +435,12 @@ class Scope:
         self.see(r)
         self._open = False
         self._closed = True
+        _open_scopes.discard(self)
         self._end = r.allocated
-        p = block_peak(self._r0.allocated, self._r0.peak, r.allocated, r.peak, self._seen)
+        p, rp = self._parts(r)
+        if self._carry is not None:
+            p, rp = combine_peaks(self._carry, p), combine_peaks(self._carry_reserved, rp)
         self.peak, self.exact, self.peak_upper, self.how = p.peak, p.exact, p.upper, p.how
-        rp = block_peak(self._r0.reserved, self._r0.reserved_peak, r.reserved, r.reserved_peak, self._seen_reserved)
         self.reserved_peak, self.reserved_exact = rp.peak, rp.exact
 
     def timeline(self):

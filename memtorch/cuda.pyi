@@ -15,6 +15,7 @@ ALLOCATED: str
 ALLOCATED_PEAK: str
 RESERVED: str
 RESERVED_PEAK: str
+MECHANISM: str
 
 def is_available() -> bool: ...
 def stats(device: _Device = ...) -> dict[str, Any]: ...
@@ -36,6 +37,8 @@ class BlockPeak:
 def block_peak(
     start: int, start_peak: int, end: int, end_peak: int, seen_max: Optional[int] = ...
 ) -> BlockPeak: ...
+
+def combine_peaks(first: BlockPeak, then: BlockPeak) -> BlockPeak: ...
 
 class Scope:
     index: int

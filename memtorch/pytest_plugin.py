@@ -51,6 +51,12 @@ def memory_budget(peak=None, delta=None, leak=None, device="auto", watch=()):
     (parameters, gradients, optimizer state, activations by module); in the body,
     memtorch_tracker.watch(model, optimizer) does the same.
     One positional argument is read as peak.
+    On CUDA the body's figures are exact whatever ran before it: torch keeps one peak
+    per device, so when that peak is above what is allocated as the body starts, the
+    plugin resets it (memtorch.cuda.reset_peak) first; torch.cuda.max_memory_allocated()
+    read after such a test gives the peak since its body began (memtorch.track() blocks
+    open around the test keep their figures). A figure that is still only bounded (the
+    body itself reset torch's peak) fails its budget as inconclusive; it never passes.
     """
     return {"peak": peak, "delta": delta, "leak": leak, "device": device, "watch": watch}
 
@@ -69,6 +75,26 @@ class _Budget:
         self.device = device
         self.watch = tuple(watch)
         self.tracker = None
+
+    def start_exact(self):
+        """Before the body: make this test's CUDA figures exact, whatever ran before it.
+
+        torch keeps one peak per device (and one for reserved), reset only globally: a
+        body that stays below an older peak would have only a range for its own peak.
+        When a peak is above its current value, reset torch's peaks through
+        memtorch.cuda.reset_peak, which folds the reset into memtorch's open blocks
+        (their figures stay exact); the body then starts at the peak. What the user's
+        own code reads from torch.cuda.max_memory_allocated() afterwards is the peak
+        since this body began. Nothing is reset when the body already starts at the peak.
+        """
+        if self.device == "cpu":
+            return
+        from . import cuda
+
+        index = cuda._index(self.device)
+        r = cuda._read(index)
+        if r.peak > r.allocated or r.reserved_peak > r.reserved:
+            cuda.reset_peak(index)
 
     def make_tracker(self):
         if self.tracker is None:
@@ -298,6 +324,7 @@ class _Session:
 
             @functools.wraps(original)
             def measured(*args, **kwargs):
+                budget.start_exact()
                 with budget.make_tracker() as tracker:
                     _watch(tracker, [item.funcargs.get(w) for w in budget.watch], budget.watch)
                     return original(*args, **kwargs)
@@ -307,6 +334,7 @@ class _Session:
             if wrap:
                 result = yield
             else:
+                budget.start_exact()
                 with budget.make_tracker() as tracker:
                     _watch(tracker, [item.funcargs.get(w) for w in budget.watch], budget.watch)
                     result = yield  # the test body; an exception in it propagates and closes the tracker
@@ -325,6 +353,8 @@ class _Session:
             "exact": bool(report.exact),
             "budget": dict(budget.limits),
         }
+        if getattr(report, "peak_upper", None) is not None and not report.exact:
+            figures["peak_upper"] = int(report.peak_upper) - int(report.start)  # above start, as "peak"
         reserved = getattr(report, "reserved_peak", None)
         if reserved is not None:
             figures["reserved_peak"] = int(reserved)
@@ -336,13 +366,17 @@ class _Session:
             figures["at_peak"] = {o.name: int(o.nbytes) for o in at_peak.owners[:5]}
         from .budget import check_budget, failure_line
 
-        lines, problem = [], None
+        lines, problem, failures = [], None, []
         try:
             failures = check_budget(report, **budget.limits)
-            lines += [failure_line(f, spelled=budget.spelled.get(f[0])) for f in failures]
         except MemtorchError as e:  # e.g. a leak budget on a test that marked no steps
             problem = str(e)
-        figures["over_budget"] = lines[:]
+        over = [failure_line(f, spelled=budget.spelled.get(f[0])) for f in failures if not f.inconclusive]
+        unsure = [failure_line(f, spelled=budget.spelled.get(f[0])) for f in failures if f.inconclusive]
+        lines += over + unsure
+        figures["over_budget"] = over
+        if unsure:  # only bounded, the limit between the bounds: a failure, never a pass
+            figures["inconclusive"] = unsure
         regression = self._regression(item.nodeid, figures)
         lines += [x for x in (regression, problem) if x]
         item.user_properties.append((_PROPERTY, json.dumps(figures, sort_keys=True)))
@@ -365,12 +399,21 @@ class _Session:
         if self.margin is None:
             return None
         lines = []
+        bounded = not figures["exact"] and figures["device"].startswith("cuda")  # the peak is a lower bound
         for name, before in figures["baselines"].items():
             now = figures[name]
-            if now <= before:
-                continue
             spelled, (kind, value) = self.margin
             allowed = before + value if kind == "B" else Fraction(before) * (100 + value) / 100
+            if now <= allowed and name == "peak" and bounded:
+                upper = figures.get("peak_upper")  # None: nothing bounds it from above
+                if upper is None or upper > allowed:  # a lower bound never passes
+                    top = "no upper bound" if upper is None else f"at most {units.format(upper)}"
+                    lines.append(
+                        f"peak at least {units.format(now)} ({top}) cannot be compared with baseline "
+                        f"{units.format(before)} (allowed +{spelled.strip()}, baseline from {self.compare}): "
+                        "inconclusive, the body reset torch's peak counter itself"
+                    )
+                continue
             if now <= allowed:
                 continue
             new_text, old_text = units.format(now), units.format(before)
@@ -403,6 +446,8 @@ class _Session:
             figures = _figures(report)
             if figures and figures.get("over_budget"):
                 return "failed", "M", ("OVER BUDGET", {"red": True})
+            if figures and figures.get("inconclusive"):
+                return "failed", "M", ("BUDGET INCONCLUSIVE", {"red": True})
             if figures and figures.get("regression"):
                 return "failed", "M", ("MEMORY REGRESSION", {"red": True})
         return None
@@ -421,11 +466,12 @@ class _Session:
 
     def pytest_terminal_summary(self, terminalreporter):
         tr = terminalreporter
-        bad = [(n, f) for n, f in self.results.items() if f.get("over_budget") or f.get("regression")]
+        keys = ("over_budget", "inconclusive", "regression")
+        bad = [(n, f) for n, f in self.results.items() if any(f.get(k) for k in keys)]
         if bad:
             tr.section("memtorch: tests over budget", sep="=", red=True, bold=True)
             for nodeid, f in bad:
-                for line in f.get("over_budget", []):
+                for line in f.get("over_budget", []) + f.get("inconclusive", []):
                     tr.line(f"{nodeid}: {line.splitlines()[0]}")
                 for line in (f.get("regression") or "").splitlines():
                     tr.line(f"{nodeid}: {line}")
@@ -496,7 +542,10 @@ def _table(results, compared):
                 row += [units.format(f["baseline"]), change]
             else:
                 row += ["-", f.get("baseline_note", "new")]
-        status = "over budget" if f.get("over_budget") else "regression" if f.get("regression") else "ok"
+        status = (
+            "over budget" if f.get("over_budget") else "inconclusive" if f.get("inconclusive")
+            else "regression" if f.get("regression") else "ok"
+        )  # fmt: skip
         rows.append(row + [status])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))

@@ -19,7 +19,9 @@ forward made with grad enabled to the next optimizer step, forward, t.step()
 or the end of the block (so it includes the loss); "optimizer" from the
 optimizer's step pre-hook to its post-hook.
 
-Per module (modules=True): ``activation_bytes`` is the bytes a module's forward
+Per module (modules=True, on the CPU; on CUDA the counters are read only at the
+block's, phases' and steps' boundaries, five reads a training step, and the
+module rows are absent, as a caveat says): ``activation_bytes`` is the bytes a module's forward
 leaves allocated when it returns (its output plus what autograd saved for
 backward, minus what it freed), summed over its calls and divided by the number
 of forwards of the model; ``peak_above_start`` the largest peak above the
@@ -1114,6 +1116,12 @@ def _on_meta(model):
     return t is not None and t.device.type == "meta"
 
 
+_CUDA_NO_MODULES = (
+    "Per-module figures are not measured on CUDA: reading torch's counters at every module's entry "
+    "and exit cost up to half of a GPU step. The block's and the phases' figures are read at their "
+    "boundaries; a CPU run of the same step gives exact per-module figures."
+)
+
 # A block's state at its start (Tracker._reset_state), the immutable part.
 _FRESH = dict(
     _phase=None,
@@ -1184,38 +1192,49 @@ class Tracker:
         self._largest = largest
 
     # -- counters ----------------------------------------------------------
-    def _open_scope(self, timeline=False):
+    # CUDA: every read of torch's counters is a torch.cuda.memory_stats call (~40 us with the
+    # Python around it on an H200), so a block reads them only where a figure needs them: at
+    # its open and close, at phase boundaries (one read shared by the phase that ends and the
+    # one that begins) and at t.step(); never at module boundaries (see _model_rows).
+    def _read_cuda(self):
+        """One read of the device's counters, given to every open CUDA scope as a sample."""
+        r = cuda._read(self._index)
+        for o in self._cuda_open:
+            o.see(r)
+        return r
+
+    def _open_scope(self, timeline=False, reading=None):
+        """Open a counter scope; CUDA: from ``reading`` (a _read_cuda() the caller shares) or a new read."""
         if self._kind == "cpu":
             s = cpu.Scope(timeline=timeline)
             s.__enter__()
             return s
-        r = cuda._read(self._index)
-        for o in self._cuda_open:  # the opening read is a sample for the enclosing scopes
-            o.see(r)
-        s = cuda.Scope(self._index, timeline=timeline)
+        r = self._read_cuda() if reading is None else reading  # a sample for the enclosing scopes too
+        s = cuda.Scope(timeline=timeline, _index_checked=self._index)  # checked by _parse_device
         s.open(r)
         self._cuda_open.append(s)
         return s
 
-    def _close_scope(self, s):
-        """Close ``s``; returns (start, end, peak, exact)."""
+    def _close_scope(self, s, reading=None):
+        """Close ``s`` (CUDA: at ``reading``, a shared _read_cuda(), or a new read);
+        returns (start, end, peak, exact)."""
         if self._kind == "cpu":
             s.close()  # its end is current at the close (the close reads it once, with the hooks' check)
             return s._start, s._end, s._peak, bool(s._exact)  # what close() read (s.exact: False unless exact)
-        r = cuda._read(self._index)
-        for o in self._cuda_open:
-            o.see(r)
+        r = self._read_cuda() if reading is None else reading
         s.close(r)
         if s in self._cuda_open:
             self._cuda_open.remove(s)
         return s.start, s._end, s.peak, s.exact
 
+    def _shared_read(self):
+        """CUDA: one _read_cuda() for several scopes closed and opened at one point; CPU: None."""
+        return self._read_cuda() if self._kind == "cuda" else None
+
     def _sample(self):
         """Feed one reading to every open CUDA scope (CPU scopes count every allocation)."""
         if self._kind == "cuda" and self._cuda_open:
-            r = cuda._read(self._index)
-            for o in self._cuda_open:
-                o.see(r)
+            self._read_cuda()
 
     def _current(self):
         if self._kind == "cpu":
@@ -1232,14 +1251,15 @@ class Tracker:
     # counter scope per phase, begun and ended by the Python hooks below.
     def _begin_phase(self, name, counted=True):
         """counted=False: the optimizer's update resumed after its step's closure (the same call)."""
-        self._end_phase()
+        r = self._shared_read()  # CUDA: the phase that ends and this one share one read
+        self._end_phase(r)
         if name not in self._phases:
             self._phases[name] = PhaseStats(name)
-        self._phase = (name, self._open_scope(), time.perf_counter(), counted)
+        self._phase = (name, self._open_scope(reading=r), time.perf_counter(), counted)
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "phase", name))
 
-    def _end_phase(self):
+    def _end_phase(self, reading=None):
         if self._marks is not None:
             self._marks.end_phase()
             return
@@ -1250,7 +1270,7 @@ class Tracker:
         name, s, t0, counted = ph
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "end", name))
-        start, end, peak, exact = self._close_scope(s)
+        start, end, peak, exact = self._close_scope(s, reading)
         p = self._phases[name]
         if counted:
             p._add(start, end, peak, exact, time.perf_counter() - t0)
@@ -1273,9 +1293,10 @@ class Tracker:
     def _root_post(self):
         self._root_depth -= 1
         if self._root_depth == 0:
-            self._end_phase()
             if _torch_mod.is_grad_enabled():  # loaded: the block is open
-                self._begin_phase("backward")
+                self._begin_phase("backward")  # ends "forward" (CUDA: at the same read)
+            else:
+                self._end_phase()
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
@@ -1492,7 +1513,10 @@ class Tracker:
     def _model_rows(self, model):
         """The model's root and its modules' rows (event-log mode: made when the report is first read)."""
         self._root_id = id(model)
-        if self._modules_on:
+        # CUDA: no per-module rows. A read of torch's counters at each module's entry and exit
+        # cost up to half of a GPU step (ResNet-18 on an H200: 160 reads, ~6.6 ms of 14 ms); the
+        # rows would be inexact anyway wherever the device's peak did not rise. The report says so.
+        if self._modules_on and self._kind == "cpu":
             plan = self._model_plan(model)
             if self._evmode:
                 self._mod_specs = plan.specs
@@ -1506,6 +1530,12 @@ class Tracker:
         m = self._marks
         if m is not None:  # in C: tags and marks of the model's modules, the phases, the batch's names
             m.set_model(self._ids, self._root_id)
+        if m is None and not self._ids:
+            # no per-module rows (CUDA): hooks on the root only, for the phases. A global module
+            # hook would send every module of the process through torch's slow call path.
+            self._handles.append(model.register_forward_pre_hook(self._pre))
+            self._handles.append(model.register_forward_hook(self._post, always_call=True))
+            return
         pre, post = (self._pre, self._post) if m is None else (m.pre, m.post)
         pre_id = self._add_module_hooks(pre, post)
         if m is not None:
@@ -1782,9 +1812,10 @@ class Tracker:
         while self._mod_stack:  # forwards interrupted by an exception
             i, s = self._mod_stack.pop()
             self._record_module(i, s)
-        self._end_phase()
+        r = self._shared_read()  # CUDA: one read closes the phase, the step and the block
+        self._end_phase(r)
         if self._step_scope is not None:  # the steps end at the last t.step()
-            self._close_scope(self._step_scope)
+            self._close_scope(self._step_scope, r)
             self._step_scope = None
         if self._evmode:
             _C.eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
@@ -1795,8 +1826,10 @@ class Tracker:
                 if calls:
                     p = self._phases[name] = PhaseStats(name)
                     p.calls, p.seconds = calls, seconds
-        start, end, peak_bytes, exact = self._close_scope(self._scope)
+        start, end, peak_bytes, exact = self._close_scope(self._scope, r)
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
+        if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
+            caveats.append(_CUDA_NO_MODULES)
         timeline = None
         extra_marks = []
         pending = None
@@ -1834,7 +1867,7 @@ class Tracker:
             extra["unseen_frees"] = self._scope.unseen_frees
             extra["unseen_bytes"] = self._scope.unseen_bytes
         else:
-            mechanism = f"torch.cuda counters ({self._scope.how})"
+            mechanism = f"{cuda.MECHANISM} ({self._scope.how})"
             device = f"cuda:{self._index}"
             extra["reserved_peak"] = self._scope.reserved_peak
             if not exact:
@@ -1869,16 +1902,19 @@ class Tracker:
     def _snapshot(self):
         """A report of the open block so far: start, current as end, peak so far, steps."""
         self._full_state()
-        self._sample()
         s = self._scope
         extra = _rank_info()
         if self._kind == "cpu":
             start, end, peak = s.start, s.current, s.peak
             exact, mechanism, device = bool(s.exact) and cpu.exact(), cpu.mechanism(), "cpu"
-        else:
-            start, end, peak = s.start, s.current, s.peak
-            exact, mechanism, device = False, f"torch.cuda counters ({s.how or 'sampled'})", f"cuda:{self._index}"
-            extra["reserved_peak"] = s.reserved_peak
+        else:  # one read: the peak so far by the block's rule (exact, or bounded with its upper bound)
+            r = self._read_cuda()
+            p, rp = s._so_far(r)
+            start, end, peak, exact = s.start, r.allocated, p.peak, p.exact
+            mechanism, device = f"{cuda.MECHANISM} ({p.how})", f"cuda:{self._index}"
+            extra["reserved_peak"] = rp.peak
+            if not exact:
+                extra["peak_upper"] = p.upper
         leak = None
         steps = len(self._boundaries) - 1
         if steps > 0:
@@ -1909,17 +1945,17 @@ class Tracker:
         if not self._open:
             raise MemtorchError("Tracker.step() called outside its block: call it inside `with memtorch.track() as t:`")
         self._full_state()
-        self._end_phase()
-        self._sample()
-        now = self._current()
+        r = self._shared_read()  # CUDA: one read for the phase, the step's end and the next step's start
+        self._end_phase(r)
+        now = self._current() if r is None else r.allocated
         # the step's peak: the block's peak so far for the first step, then a scope per step
         if self._step_scope is None:
-            step_peak = self._scope.peak
+            step_peak = self._scope.peak if r is None else self._scope._so_far(r)[0].peak
         else:
-            _, _, step_peak, _ = self._close_scope(self._step_scope)
+            _, _, step_peak, _ = self._close_scope(self._step_scope, r)
             self._step_scope = None
         self._step_series.append((max(step_peak, now), now))
-        self._step_scope = self._open_scope()
+        self._step_scope = self._open_scope(reading=r)
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based
         if self._timeline:
@@ -2078,7 +2114,8 @@ def track(model=None, optimizer=None, device="auto", timeline=False, modules=Tru
     Also a decorator: ``@memtorch.track()`` tracks each call, the report of the
     last call at ``f.tracker.report``. After the block, ``t.report`` is a
     TrackReport. model/optimizer add phases (forward, backward, optimizer) and,
-    with modules=True, per-module figures; device is "auto" (the device of the
+    with modules=True, per-module figures (on the CPU; on CUDA they are not measured:
+    a counter read per module boundary costs too much of a GPU step); device is "auto" (the device of the
     model's first parameter or buffer; the CPU without a model), "cpu", "cuda",
     "cuda:N" or a torch.device; timeline=True records (time,
     bytes); leaks=True judges per-step growth after ``warmup`` steps marked

@@ -185,10 +185,10 @@ def test_cuda_block_below_an_older_peak_is_flagged(fake):
     assert r.delta == 1024 + 512
     # the temporaries (8192) happened between samples: only what the hooks saw is claimed
     assert r.peak_above_start == 1024 + 512
-    assert "peak at most" in str(r) and "(at least)" in str(r)
-    rows = {m.name: m for m in r.modules}
-    assert rows["0"].activation_bytes == 1024 and rows["1"].activation_bytes == 512
-    assert not rows["0"].exact
+    assert "peak at most" in str(r)
+    # per-module figures are not read on CUDA (a counter read per module boundary): absent, and said
+    assert r.modules == [] and any("Per-module figures are not measured on CUDA" in c for c in r.caveats)
+    assert r.phases["forward"].delta == 1024 + 512 and not r.phases["forward"].exact
 
 
 def test_cuda_phases_and_modules_with_rising_peak(fake):
@@ -206,9 +206,7 @@ def test_cuda_phases_and_modules_with_rising_peak(fake):
     assert r.phases["forward"].peak_above_start == 1 << 20
     assert r.phases["backward"].delta == 2048
     assert r.phases["optimizer"].delta == 0
-    rows = {m.name: m for m in r.modules}
-    assert rows["0"].peak_above_start == 1 << 20 and rows["0"].exact
-    assert rows[""].activation_bytes == 4096 + 1024
+    assert r.modules == []  # not measured on CUDA (see test_cuda_block_below_an_older_peak_is_flagged)
     assert r.leak.steps == [4096 + 1024 + 2048]
     assert r.reserved_peak == 2 * 2**20
 
@@ -234,3 +232,166 @@ def test_track_auto_without_model_is_the_cpu_even_with_cuda(fake, monkeypatch):
     with memtorch.track(device="cuda") as t:
         pass
     assert t.report.device == "cuda:0"
+
+
+def test_first_step_peak_on_cuda_is_the_blocks_peak_so_far(fake):
+    # start 0; module 0 allocates a 1 MiB temporary, frees it, keeps 4096 B; module 1 keeps 1024 B;
+    # 2048 B after the forward: step 1's peak is the 1 MiB temporary (torch's peak rose to it), end 7168 B
+    model = nn.Sequential(Allocating(fake, keep=4096, temp=1 << 20), Allocating(fake, keep=1024, temp=0))
+    with memtorch.track(model, device="cuda") as t:
+        model(torch.ones(2))
+        fake.alloc(2048)
+        t.step()
+    assert t.report.step_series == [(1 << 20, 4096 + 1024 + 2048)]
+
+
+# --- memtorch.cuda.reset_peak keeps open blocks exact; a raw reset leaves them bounded ---------
+
+
+def _fake_reset(fake):
+    def reset(index):
+        assert index == 0
+        fake.peak, fake.reserved_peak = fake.allocated, fake.reserved
+
+    return reset
+
+
+def test_combine_peaks():
+    from memtorch.cuda import BlockPeak, combine_peaks
+
+    exact = combine_peaks(BlockPeak(100, True, 100, "a"), BlockPeak(80, True, 80, "b"))
+    assert (exact.peak, exact.exact, exact.upper) == (100, True, 100)
+    # a range [10, 100] then an exact 150: the block's peak is 150, exactly
+    p = combine_peaks(BlockPeak(10, False, 100, "sampled"), BlockPeak(150, True, 150, "rose"))
+    assert (p.peak, p.exact, p.upper) == (150, True, 150)
+    # a range [10, 100] then an exact 50: at least 50, at most 100
+    p = combine_peaks(BlockPeak(10, False, 100, "sampled"), BlockPeak(50, True, 50, "rose"))
+    assert (p.peak, p.exact, p.upper) == (50, False, 100) and "sampled" in p.how
+    p = combine_peaks(BlockPeak(10, False, None, "reset"), BlockPeak(500, True, 500, "rose"))
+    assert (p.peak, p.exact, p.upper) == (500, False, None)
+
+
+def test_memtorch_reset_peak_keeps_an_open_block_exact(fake, monkeypatch):
+    monkeypatch.setattr(mcuda, "_reset_peak", _fake_reset(fake))
+    MiB = 2**20
+    with memtorch.track(device="cuda") as outer:  # starts at 0, the device's peak
+        fake.alloc(48 * MiB)
+        fake.free(48 * MiB)  # the block's peak: 48 MiB, torch's too
+        memtorch.cuda.reset_peak()  # torch's peak is now 0: the outer block must not lose its 48 MiB
+        assert fake.peak == 0
+        with memtorch.track(device="cuda") as inner:  # starts at the (new) peak: exact
+            fake.alloc(16 * MiB)
+            fake.free(16 * MiB)
+    assert outer.report.exact and outer.report.peak_above_start == 48 * MiB
+    assert inner.report.exact and inner.report.peak_above_start == 16 * MiB
+    assert mcuda._debug_leftovers() == []
+
+
+def test_memtorch_reset_peak_inside_keeps_the_later_rise(fake, monkeypatch):
+    monkeypatch.setattr(mcuda, "_reset_peak", _fake_reset(fake))
+    MiB = 2**20
+    with memtorch.track(device="cuda") as t:
+        fake.alloc(8 * MiB)
+        fake.free(8 * MiB)
+        memtorch.cuda.reset_peak()
+        fake.alloc(20 * MiB)  # above the 8 MiB before the reset
+        fake.free(20 * MiB)
+    assert t.report.exact and t.report.peak_above_start == 20 * MiB
+    assert t.report.reserved_peak == 20 * MiB  # ten 2 MiB segments, kept by the fake's allocator
+
+
+def test_raw_torch_reset_in_block_has_no_upper_bound_and_its_budget_is_inconclusive(fake, monkeypatch):
+    MiB = 2**20
+    fake.alloc(64 * MiB)  # held from before the block: the device's peak is 64 MiB, at the start too
+    with memtorch.track(device="cuda") as t:
+        fake.free(64 * MiB)
+        _fake_reset(fake)(0)  # torch.cuda.reset_peak_memory_stats() called by the measured code
+        fake.alloc(16 * MiB)
+        fake.free(16 * MiB)
+    r = t.report
+    # torch's peak ends at 16 MiB, below the 64 MiB at the start: a reset, seen; the block's peak
+    # is at least its start (64 MiB: 0 above start) and nothing bounds it from above
+    assert not r.exact and r.peak_upper is None and r.peak_above_start == 0
+    with pytest.raises(memtorch.BudgetInconclusive, match="no upper bound.*reset inside the block"):
+        r.check(peak="32 MiB")
+    with pytest.raises(memtorch.BudgetInconclusive):
+        memtorch.assert_budget(r, peak="1 GiB")  # no upper bound: no limit passes
+
+
+# --- the cost of tracking on CUDA: counter reads per block and step, never per module ----------
+
+
+def _tracked_steps(monkeypatch, width, steps):
+    """Reads of torch.cuda's counters made by track(model, optimizer) over ``steps`` steps of a model
+    of ``width`` Linear+ReLU pairs, on a fake torch.cuda."""
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda(torch.cuda)
+    monkeypatch.setattr(torch, "cuda", fake)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(width) for m in (nn.Linear(4, 4), nn.ReLU())])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones(2, 4)
+        with memtorch.track(model, optimizer=opt, device="cuda") as t:
+            fake.calls.clear()  # what the block's steps read, from here
+            for _ in range(steps):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                t.step()
+            during = fake.reads()
+        r = t.report
+        assert set(r.phases) == {"forward", "backward", "optimizer"} and r.steps == steps
+        return during, fake.reads(), fake.calls
+    finally:
+        monkeypatch.setattr(torch, "cuda", fake._real)
+
+
+def test_tracked_step_reads_cuda_counters_per_step_not_per_module(monkeypatch):
+    # one read where a figure needs it: the forward begins; forward -> backward; backward ->
+    # optimizer; the optimizer ends; t.step() (one read shared by the step's end and the next
+    # step's start): 5 per step, whatever the model's size (the module hooks read nothing)
+    small1, _, _ = _tracked_steps(monkeypatch, width=2, steps=1)
+    small3, total3, calls = _tracked_steps(monkeypatch, width=2, steps=3)
+    big3, big_total3, _ = _tracked_steps(monkeypatch, width=20, steps=3)  # 41 modules
+    assert big3 == small3 and big_total3 == total3
+    assert small3 - small1 == 2 * 5  # per step
+    assert small1 == 5
+    assert total3 == small3 + 1  # and one read for the block's close
+    assert calls["reset_peak_memory_stats"] == 0  # track() never resets torch's peak
+
+
+def test_live_report_inside_a_cuda_block_has_the_peak_so_far(fake):
+    MiB = 2**20
+    with memtorch.track(device="cuda") as t:
+        fake.alloc(8 * MiB)
+        fake.free(8 * MiB)
+        r = t.report  # a snapshot: torch's peak rose by 8 MiB since the block began
+        assert r.live and r.exact and r.peak_above_start == 8 * MiB and r.delta == 0
+        with pytest.raises(memtorch.BudgetExceeded, match="^peak 8.0 MiB exceeds budget 4.0 MiB"):
+            r.check(peak="4 MiB")
+    fake.alloc(16 * MiB)
+    fake.free(16 * MiB)  # an older peak of 16 MiB above what follows
+    with memtorch.track(device="cuda") as t:
+        fake.alloc(2 * MiB)
+        r = t.report  # below the older peak: between 2 MiB and 16 MiB so far
+        assert not r.exact and r.peak_above_start == 2 * MiB and r.peak_upper - r.start == 16 * MiB
+        with pytest.raises(memtorch.BudgetInconclusive):
+            r.check(peak="4 MiB")
+        fake.free(2 * MiB)
+
+
+def test_cuda_block_hooks_only_the_models_root(fake):
+    # no per-module figures on CUDA: no global module hook either, which would send every module
+    # call of the process through torch's slow path; the root's two hooks give the phases
+    import torch.nn.modules.module as tmod
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with memtorch.track(model, device="cuda") as t:
+        assert not tmod._global_forward_pre_hooks and not tmod._global_forward_hooks
+        assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+        assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+        model(torch.ones(1, 2))
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model._forward_hooks_always_called
+    assert t.report.phases["forward"].calls == 1

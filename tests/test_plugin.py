@@ -658,3 +658,156 @@ def test_save_stores_every_figure_and_compare_compares_each(pytester, run, tmp_p
         assert "peak 23.4 KiB exceeds baseline 11.7 KiB by 11.7 KiB, +100.0%" in text
         assert "delta 23.4 KiB exceeds baseline 11.7 KiB" in text
         assert "leak 7.8 KiB exceeds baseline 3.9 KiB" in text
+
+
+FAKE_CUDA_CONFTEST = """
+import torch
+import fake_cuda
+
+fake_cuda.FAKE = torch.cuda = fake_cuda.FakeCuda(torch.cuda)  # one device; the tests drive its counters
+
+
+def pytest_unconfigure(config):
+    torch.cuda = fake_cuda.FAKE._real
+"""
+
+
+def test_cuda_budget_verdict_does_not_depend_on_an_earlier_higher_test(pytester, run, tmp_path, monkeypatch):
+    # A fake torch.cuda (tests/fake_cuda.py) whose counters the tests drive. torch keeps one peak per
+    # device: after test_a_high's 100 MiB, test_b_low's 64 MiB stays below that older peak, and
+    # counters read around its body alone only bound its peak (between 0 and 100 MiB). The plugin
+    # resets torch's peak at the start of a budgeted body, so 64 MiB is measured exactly and fails 32 MiB.
+    monkeypatch.setattr(torch, "cuda", torch.cuda)  # put back after the run, whatever happens in it
+    pytester.makepyfile(fake_cuda=(ROOT / "tests" / "fake_cuda.py").read_text())
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(
+        test_order="""
+        import pytest, torch
+
+        MiB = 2**20
+
+        def test_a_high():
+            torch.cuda.alloc(100 * MiB)
+            torch.cuda.free(100 * MiB)
+
+        @pytest.mark.memory_budget(peak="32 MiB", device="cuda")
+        def test_b_low():
+            torch.cuda.alloc(64 * MiB)
+            torch.cuda.free(64 * MiB)
+
+        @pytest.mark.memory_budget(peak="128 MiB", device="cuda")
+        def test_c_within():
+            torch.cuda.alloc(64 * MiB)
+            torch.cuda.free(64 * MiB)
+
+        @pytest.fixture
+        def held():
+            torch.cuda.alloc(64 * MiB)
+            yield
+            torch.cuda.allocated = 0
+
+        @pytest.mark.memory_budget(peak="32 MiB", device="cuda")
+        def test_d_resets_torchs_peak_itself(held):
+            torch.cuda.free(64 * MiB)
+            torch.cuda.reset_peak_memory_stats()  # the body's own reset: its peak is only bounded now
+            torch.cuda.alloc(16 * MiB)
+            torch.cuda.free(16 * MiB)
+        """
+    )
+    saved = tmp_path / "order.json"
+    result = run("-v", f"--memtorch-save={saved}")
+    result.assert_outcomes(passed=2, failed=2)
+    MiB = 2**20
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_a_high PASSED*",
+            "*::test_b_low OVER BUDGET*",
+            "*::test_c_within PASSED*",
+            "*::test_d_resets_torchs_peak_itself BUDGET INCONCLUSIVE*",
+        ]
+    )
+    low = f"peak {units.format(64 * MiB)} exceeds budget {units.format(32 * MiB)} by {units.format(32 * MiB)}"
+    assert low in result.outlines
+    # test_d: the body started with 64 MiB held and ended with torch's peak (16 MiB) below that:
+    # a reset inside it, so its peak is at least its start (0 B above it) with no upper bound
+    unsure = f"peak budget {units.format(32 * MiB)} inconclusive: the peak is at least 0 B, with no upper bound"
+    assert any(line.startswith(unsure) for line in result.outlines), result.outlines
+    data = json.loads(saved.read_text())
+    assert data["test_order.py::test_b_low"]["peak"] == 64 * MiB and data["test_order.py::test_b_low"]["exact"]
+    assert data["test_order.py::test_c_within"]["peak"] == 64 * MiB and data["test_order.py::test_c_within"]["exact"]
+    assert data["test_order.py::test_d_resets_torchs_peak_itself"]["exact"] is False
+
+
+def test_cuda_regression_check_never_passes_on_a_lower_bound(pytester, run, tmp_path, monkeypatch):
+    # --memtorch-fail-on-increase compares with a baseline; a peak only bounded from below (the
+    # body reset torch's peak itself: no upper bound) cannot be shown within the allowed growth
+    monkeypatch.setattr(torch, "cuda", torch.cuda)
+    pytester.makepyfile(fake_cuda=(ROOT / "tests" / "fake_cuda.py").read_text())
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(
+        test_base="""
+        import pytest, torch
+
+        MiB = 2**20
+
+        @pytest.fixture
+        def held():
+            torch.cuda.alloc(64 * MiB)
+            yield
+            torch.cuda.allocated = 0
+
+        def test_resets_itself(held, memtorch_tracker):
+            torch.cuda.free(64 * MiB)
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.alloc(16 * MiB)
+            torch.cuda.free(16 * MiB)
+        """
+    )
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps({"test_base.py::test_resets_itself": {"peak": 0, "device": "cuda:0"}}))
+    result = run(f"--memtorch-compare={baseline}", "--memtorch-fail-on-increase=5%")
+    result.assert_outcomes(failed=1)
+    expected = (
+        f"peak at least 0 B (no upper bound) cannot be compared with baseline 0 B (allowed +5%, "
+        f"baseline from {baseline}): inconclusive, the body reset torch's peak counter itself"
+    )
+    assert expected in result.outlines, result.outlines
+
+
+def test_cuda_budget_reset_keeps_an_enclosing_block_exact_and_says_what_the_user_sees(
+    pytester, run, monkeypatch
+):
+    # The plugin resets torch's peak at test_b_low's start (torch's peak, 100 MiB, is above what is
+    # allocated, 0): a memtorch block open around the tests keeps its exact 100 MiB (the reset is
+    # folded into it); the user's own torch.cuda.max_memory_allocated() gives the peak since that reset.
+    monkeypatch.setattr(torch, "cuda", torch.cuda)
+    pytester.makepyfile(fake_cuda=(ROOT / "tests" / "fake_cuda.py").read_text())
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(
+        test_user="""
+        import pytest, torch, memtorch
+
+        MiB = 2**20
+
+        @pytest.fixture(scope="module")
+        def outer():
+            with memtorch.track(device="cuda") as t:
+                yield t
+            assert t.report.exact and t.report.peak_above_start == 100 * MiB, t.report
+
+        def test_a_high(outer):
+            torch.cuda.alloc(100 * MiB)
+            torch.cuda.free(100 * MiB)
+
+        @pytest.mark.memory_budget(peak="64 MiB", device="cuda")
+        def test_b_low(outer):
+            torch.cuda.alloc(16 * MiB)
+            torch.cuda.free(16 * MiB)
+
+        def test_c_users_view(outer):
+            assert torch.cuda.max_memory_allocated() == 16 * MiB
+            assert torch.cuda.calls["reset_peak_memory_stats"] == 1
+        """
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=3)
