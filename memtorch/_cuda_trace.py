@@ -74,7 +74,7 @@ class Recording:
     closes (returns the snapshot, or None); never leaves the history in another state than
     it found it. ``marks`` and ``names`` are filled by the block's hooks."""
 
-    __slots__ = ("index", "own", "t0_ns", "t1_ns", "marks", "names", "why_not", "_open")
+    __slots__ = ("index", "own", "t0_ns", "t1_ns", "marks", "names", "why_not", "params", "state_n", "_open")
 
     def __init__(self, index):
         self.index = index
@@ -83,7 +83,40 @@ class Recording:
         self.marks = []  # (ns, kind, number)
         self.names = []  # (ns, {address: (name, kind, None, shape, dtype)})
         self.why_not = None
+        self.params = None  # the parameters walked: (name, weakref, name of its gradient)
+        self.state_n = 0  # entries of the optimizer's state when its names were last read
         self._open = False
+
+    @classmethod
+    def maybe_start(cls, index):
+        """A started Recording, or None where this torch has no allocator history to record
+        (at_peak is then None; the block itself is unchanged)."""
+        torch = _torch()
+        if not hasattr(torch._C, "_cuda_record_memory_history") or not hasattr(torch.cuda.memory, "_snapshot"):
+            return None  # a torch built without CUDA (tests fake the counters only)
+        try:
+            return cls(index).start()
+        except (RuntimeError, AttributeError, TypeError):  # no history here: no at_peak, same block
+            return None
+
+    def pending(self, start, peak, exact, mod_rows, caveats):
+        """Stop (reading the history) and return what computes the block's AtPeak when the
+        report is first read, or None when the history could not be read (said in caveats).
+        start, peak, exact: the block's counters; mod_rows: its ModuleStats rows."""
+        import functools
+
+        try:
+            snap = self.stop()
+        except Exception as e:  # a torch that cannot read its history: no at_peak, the block is kept
+            caveats.append(f"who held the bytes at the peak is not known: reading the allocator's history failed ({e})")
+            return None
+        if snap is None:
+            caveats.append(f"who held the bytes at the peak is not known: {self.why_not}")
+            return None
+        return functools.partial(
+            _at_peak, snap, self.index, start, peak, exact, self.marks, self.names, mod_rows,
+            self.t0_ns if not self.own else None, self.t1_ns, self.own, caveats,
+        )  # fmt: skip
 
     def start(self):
         """Turn the history on unless it is on already (then it is the user's: reused, left on)."""
@@ -98,7 +131,9 @@ class Recording:
                 self.own = False
             else:
                 # no stacks (context=None): the cheapest recording; the replay needs none
-                torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=MAX_ENTRIES)
+                torch.cuda.memory._record_memory_history(
+                    "all", context=None, stacks="python", max_entries=MAX_ENTRIES
+                )
                 _ours[0] += 1
                 self.own = True
         self._open = True
@@ -128,6 +163,35 @@ class Recording:
                     if _ours[0] == 0 and _history_on(torch):
                         torch.cuda.memory._record_memory_history(None)  # off: torch clears the history too
         return snap
+
+
+def _at_peak(snap, index, start, peak, exact, marks, names, mod_rows, t0_ns, t1_ns, own, caveats):
+    """The deferred part of a CUDA block's end: its AtPeak (memtorch.peak.attribute_cuda)."""
+    from . import peak as attribution
+
+    try:
+        cap = tuple(_torch().cuda.get_device_capability(index))
+    except Exception:  # no device left to ask (the report read later): the default workspace size
+        cap = None
+    rows = [(r.name, r.type) for r in mod_rows]
+    at = attribution.attribute_cuda(
+        snap, index, start, peak, exact, marks, names, rows, t0_ns, t1_ns, workspaces(cap), own,
+    )  # fmt: skip
+    at.notes += [c for c in caveats if c not in at.notes]
+    return at
+
+
+def input_names(args, tensor_type):
+    """{address: (name, "input", None, shape, dtype)} of the tensors among a forward's
+    arguments (the batch): "input", or "input j" when there are several arguments."""
+    out = {}
+    n = len(args) if isinstance(args, tuple) else 0
+    for j in range(min(n, 64)):
+        a = args[j]
+        if isinstance(a, tensor_type):
+            out.setdefault(a.untyped_storage().data_ptr(), ("input" if n == 1 else f"input {j}", "input", None,
+                                                            tuple(a.shape), str(a.dtype).replace("torch.", "")))
+    return out
 
 
 def cublas_workspace_bytes(capability=None, env=None):

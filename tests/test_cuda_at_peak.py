@@ -329,3 +329,100 @@ def test_user_history_window_leaves_out_events_before_the_block():
     # the workspaces were made before the block: not the block's own (no name from it)
     assert mpeak.WORKSPACE not in at and mpeak.WORKSPACE_LT not in at
     assert at.by_kind()["optimizer state"] == 2 * 100_700_160  # named by the walk after the first step
+
+
+# --- track() on a faked CUDA device with a faked allocator history ----------------
+
+
+class FakeHistory:
+    """torch's caching allocator for track(): counters and its history (alloc/free entries
+    with addresses and wall-clock times), recording on or off as torch would be."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+        self.on = False
+        self.trace = []
+        self.calls = []
+        self.next = 1 << 40
+
+    def alloc(self, n):
+        import time
+
+        a, self.next = self.next, self.next + (1 << 30)
+        b = r512(n)
+        self.allocated += b
+        self.peak = max(self.peak, self.allocated)
+        if self.on:
+            self.trace.append({"action": "segment_alloc", "addr": a, "size": b, "time_us": time.time_ns() // 1000})
+            self.trace.append({"action": "alloc", "addr": a, "size": n, "time_us": time.time_ns() // 1000})
+        return a, b
+
+    def free(self, ab):
+        import time
+
+        self.allocated -= ab[1]
+        if self.on:
+            self.trace.append({"action": "free_requested", "addr": ab[0], "size": ab[1], "time_us": time.time_ns() // 1000})
+            self.trace.append({"action": "free_completed", "addr": ab[0], "size": ab[1], "time_us": time.time_ns() // 1000})
+
+    def record(self, enabled, *a, **kw):
+        self.calls.append(enabled)
+        self.on = enabled is not None
+        if not self.on:
+            self.trace = []  # torch clears the history when recording stops
+
+    def snapshot(self, *a):
+        return {"segments": [], "device_traces": [list(self.trace)], "allocator_settings": {}}
+
+
+@pytest.fixture
+def fake_history(monkeypatch):
+    h = FakeHistory()
+    monkeypatch.setattr(mcuda, "_available", lambda: True)
+    monkeypatch.setattr(mcuda, "_device_count", lambda: 1)
+    monkeypatch.setattr(mcuda, "_current_device", lambda: 0)
+    monkeypatch.setattr(mcuda, "_counters", lambda i: (h.allocated, h.peak, h.allocated, h.allocated))
+    monkeypatch.setattr(torch._C, "_cuda_record_memory_history", lambda *a: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: h.on, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", h.record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", h.snapshot)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    return h
+
+
+class Keeps(nn.Module):
+    def __init__(self, h, n):
+        super().__init__()
+        self.h, self.n, self.kept = h, n, []
+
+    def forward(self, x):
+        self.kept.append(self.h.alloc(self.n))  # what the forward saves, on the fake device
+        return x
+
+
+def test_track_on_cuda_names_activations_and_restores_the_history(fake_history):
+    h = fake_history
+    model = nn.Sequential(Keeps(h, 3 * MiB), Keeps(h, 5 * MiB))
+    with memtorch.track(model, device="cuda") as t:
+        model(torch.ones(2))
+        tmp = h.alloc(7 * MiB)  # after the forward: the backward phase's
+    r = t.report
+    at = r.at_peak
+    assert at is not None and at.exact, at and at.notes
+    assert at.peak == at.total == r.peak == 15 * MiB
+    assert at["activations of 0 (Keeps)"] == 3 * MiB and at["activations of 1 (Keeps)"] == 5 * MiB
+    assert at["backward temporaries (not gradients)"] == 7 * MiB
+    # the history was off before the block: on for the block, then off (and cleared) again
+    assert h.calls == ["all", None] and not h.on and h.trace == []
+    h.free(tmp)
+
+
+def test_track_on_cuda_reuses_the_users_history_and_leaves_it_on(fake_history):
+    h = fake_history
+    h.record("all")
+    h.calls.clear()
+    model = nn.Sequential(Keeps(h, MiB + 512))
+    with memtorch.track(model, device="cuda") as t:
+        model(torch.ones(2))
+    assert t.report.at_peak["activations of 0 (Keeps)"] == MiB + 512
+    assert h.calls == [] and h.on and len(h.trace) == 2  # the user's history untouched
