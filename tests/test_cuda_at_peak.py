@@ -140,7 +140,8 @@ def _synth(case, modules=None):
         # the gradients: made by the backward (no Python stack: the autograd engine's thread)
         back = {a: n for a, n in _live_at(trace, t_start).items()}
         made = {e["addr"] for e in trace if e["action"] == "alloc" and not e["frames"] and e["time_us"] < t_start}
-        walks.append((t_start * 1000, _match({a: n for a, n in back.items() if a in made}, params, "gradient", ".grad")))
+        grads = _match({a: n for a, n in back.items() if a in made}, params, "gradient", ".grad")
+        walks.append((t_start * 1000, grads))
         if k == 0:  # the optimizer's state, made by its first step
             new = _live_at(trace, t_end, since_us=t_start)
             tensors = [(f"{n}.{key}", nb) for n, nb in params for key in state]
@@ -353,8 +354,9 @@ class FakeHistory:
         self.allocated += b
         self.peak = max(self.peak, self.allocated)
         if self.on:
-            self.trace.append({"action": "segment_alloc", "addr": a, "size": b, "time_us": time.time_ns() // 1000})
-            self.trace.append({"action": "alloc", "addr": a, "size": n, "time_us": time.time_ns() // 1000})
+            now = time.time_ns() // 1000
+            self.trace.append({"action": "segment_alloc", "addr": a, "size": b, "time_us": now})
+            self.trace.append({"action": "alloc", "addr": a, "size": n, "time_us": now})
         return a, b
 
     def free(self, ab):
@@ -362,8 +364,9 @@ class FakeHistory:
 
         self.allocated -= ab[1]
         if self.on:
-            self.trace.append({"action": "free_requested", "addr": ab[0], "size": ab[1], "time_us": time.time_ns() // 1000})
-            self.trace.append({"action": "free_completed", "addr": ab[0], "size": ab[1], "time_us": time.time_ns() // 1000})
+            now = time.time_ns() // 1000
+            for act in ("free_requested", "free_completed"):
+                self.trace.append({"action": act, "addr": ab[0], "size": ab[1], "time_us": now})
 
     def record(self, enabled, *a, **kw):
         self.calls.append(enabled)
