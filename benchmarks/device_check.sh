@@ -78,7 +78,7 @@ run_tests "tests/cuda (real device)" tests-cuda tests/cuda
 if [ "$DEVICE" != cpu ] && grep -q "needs a CUDA device" "$OUT/tests-cuda.log"; then
     row "tests/cuda skips" "SKIPPED although CUDA is available"; status=1
 fi
-run_tests "tests: cuda logic + track" tests-track tests/test_cuda_logic.py tests/test_track.py
+run_tests "tests: cuda logic + at_peak + track" tests-track tests/test_cuda_logic.py tests/test_cuda_at_peak.py tests/test_track.py
 
 # 4. The track benchmark on the device (its section of BENCHMARKS.md is rewritten here; copied to OUT).
 if timeout 540 "$PY" benchmarks/bench_track.py --device "$DEVICE" --rounds "$ROUNDS" --steps "$STEPS" >"$OUT/bench.log" 2>&1; then

@@ -182,6 +182,23 @@ OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
 OTHER_THREADS = "other threads (allocated by threads with no block open)"
 
 
+def owner_label(row, phase, rows):
+    """(name, kind) of an unnamed storage made in a block while module ``row`` (-1: none)
+    ran its forward, in ``phase`` (None, "forward", "backward", "optimizer"); rows: the
+    modules' (name, type) by row. The one vocabulary of the CPU and CUDA replays."""
+    if 0 <= row < len(rows):
+        mod = rows[row]
+        label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
+        return (label if phase in (None, "forward") else f"{label}, {phase}"), "activation"
+    if phase == "backward":
+        return "backward temporaries (not gradients)", "temporary"
+    if phase == "optimizer":
+        return "optimizer temporaries (not its state)", "temporary"
+    if phase == "forward":
+        return "forward, outside any module", "activation"
+    return OTHER_IN_BLOCK, "other"
+
+
 def where(file, line, function):
     """``train.py:42 in make_batch``: the file relative to the current directory when
     under it; "(no Python line)" when none was running or the table of functions was full."""
@@ -297,18 +314,10 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         elif not mine:
             add(OTHER_IN_BLOCK, "other", None, size)
             other_live.append((g, size, False))
-        elif 0 <= row < len(rows):
-            mod = rows[row]
-            label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
-            add(label if phase in (None, "forward") else f"{label}, {phase}", "activation", phase, size)
-        elif phase == "backward":
-            add("backward temporaries (not gradients)", "temporary", phase, size)
-        elif phase == "optimizer":
-            add("optimizer temporaries (not its state)", "temporary", phase, size)
-        elif phase == "forward":
-            add("forward, outside any module", "activation", phase, size)
-        else:
-            add(OTHER_IN_BLOCK, "other", None, size)
+            continue
+        label, kind = owner_label(row, phase, rows)
+        add(label, kind, phase if kind != "other" else None, size)
+        if kind == "other":
             other_live.append((g, size, True))
     if sites is not None and (OTHER_IN_BLOCK, "other") in owners:
         _attach_sites(owners[(OTHER_IN_BLOCK, "other")], other_live, sites)
@@ -333,3 +342,116 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     if at != peak:
         add("not replayed (the log missed the peak)", "other", None, int(peak) - at, group=True)
     return AtPeak(int(peak), list(owners.values()), storages, exact, notes)
+
+
+# --- CUDA: the caching allocator's own trace (memtorch._cuda_trace) -------------
+
+WORKSPACE = "cuBLAS workspace (kept by cuBLAS for the process)"
+WORKSPACE_LT = "cuBLASLt workspace (kept by cuBLAS for the process)"
+
+
+def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, rows, t0_ns=None, t1_ns=None,
+                   workspaces=None, own=True):
+    """Who held the bytes at a CUDA block's peak, from the allocator's history.
+
+    snapshot: torch.cuda.memory._snapshot()'s dict read when the block closed; device: its
+    index; start: the block's allocated bytes when it opened; peak: the block's peak from
+    the counters (absolute), a lower bound when not ``peak_exact``; marks: the hooks'
+    (time.time_ns(), kind, number) (memtorch._cuda_trace's ENTER, EXIT, PHASE, PHASE_END);
+    snapshots: [(time.time_ns(), {address: (name, kind, None, shape, dtype)})] names walks;
+    rows: the modules' (name, type) by row; t0_ns/t1_ns: the block's open and close (None:
+    the whole trace is the block's); workspaces: {bytes: name} of the libraries' workspaces
+    (an unnamed block of exactly that size, made by a module or the backward and never freed
+    in the block, is named so; None: none);
+    own: the history was the block's own (started empty), not the user's.
+    Returns an AtPeak with the CPU's vocabulary."""
+    from . import _cuda_trace as ct
+
+    t0_us = None if t0_ns is None else t0_ns // 1000
+    t1_us = None if t1_ns is None else t1_ns // 1000 + 1
+    r = ct.replay(snapshot, device, t0_us, t1_us)
+    notes = list(r.notes)
+    exact = not notes
+    trace = (snapshot.get("device_traces") or [[]])[device] if device < len(snapshot.get("device_traces") or []) else []
+    if own and len(trace) >= ct.MAX_ENTRIES:
+        exact = False
+        notes.append(
+            f"the allocator's history kept only its latest {ct.MAX_ENTRIES} entries: "
+            "bytes allocated before the oldest one kept are grouped as not identified"
+        )
+    changes = ct.tags_over_time(marks)
+    times = [c[0] for c in changes]
+    owners = {}
+    storages = []
+
+    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False):
+        o = owners.get((name, kind))
+        if o is None:
+            o = owners[(name, kind)] = Owner(name, kind, phase)
+        o.nbytes += nbytes
+        o.count += 1
+        if not group:
+            storages.append((name, kind, phase, nbytes, shape, dtype))
+
+    snaps = sorted(snapshots, key=lambda s: s[0])
+    in_block = ambiguous = 0
+    for a, size, t_alloc, t_free in r.live:
+        in_block += size
+        row, code, amb = ct.owner_at(changes, times, t_alloc)
+        phase = PHASE_NAMES.get(code)
+        named = ct.name_of(a, t_alloc, t_free, snaps)
+        if named is not None:
+            add(named[0], named[1], phase, size, named[3], named[4])
+            continue
+        if amb:
+            ambiguous += size
+        ws = workspaces.get(size) if workspaces else None
+        if ws is not None and a in r.kept and (row >= 0 or phase in ("forward", "backward")):
+            add(ws, "workspace", phase, size)
+            continue
+        label, kind = owner_label(row, phase, rows)
+        add(label, kind, phase if kind != "other" else None, size)
+    at = start + r.peak_delta
+    pre_named = pre_total = 0
+    for a, size, _, t_free in r.pre_live:
+        pre_total += size
+        named = ct.name_of(a, None, t_free, snaps)
+        if named is not None:
+            add(named[0], named[1], None, size, named[3], named[4])
+            pre_named += size
+    pre_rest = at - in_block - pre_named
+    if pre_total + in_block != at:
+        exact = False
+        notes.append(
+            "the replay of the allocator's history and the counters disagree by "
+            f"{units.format(abs(pre_total + in_block - at))} at the block's start"
+        )
+    if pre_rest:
+        add("other (allocated before the block, not identified)", "other", None, pre_rest, group=True)
+    if r.estimated:
+        exact = False
+        notes.append(
+            f"{units.format(r.estimated)} freed in the block were allocated before the history began: "
+            "their blocks' sizes are the requests rounded to 512 B"
+        )
+    if ambiguous:
+        notes.append(
+            f"{units.format(ambiguous)} were allocated within a microsecond of a module or phase boundary "
+            "(the history's clock): filed by the middle of their microsecond"
+        )
+    reported = int(peak)
+    if peak_exact:
+        if at != reported:
+            exact = False
+            notes.append(
+                f"the allocator's history reaches {units.format(at)} at its highest, the counters "
+                f"{units.format(reported)}: the difference is not replayed"
+            )
+            add("not replayed (the history missed the peak)", "other", None, reported - at, group=True)
+    elif at >= reported:
+        notes.append(
+            "the counters only bound this block's peak (it stayed below an older peak of the device): "
+            f"the allocator's history gives it, {units.format(at)}"
+        )
+        reported = at
+    return AtPeak(reported, list(owners.values()), storages, exact, notes)

@@ -60,6 +60,7 @@ import time
 import weakref
 
 from . import _C, cpu, cuda, units
+from . import _cuda_trace
 from . import leaks
 from . import peak as attribution
 from .leaks import LeakReport
@@ -1128,6 +1129,7 @@ _FRESH = dict(
     _mod_specs=(),  # event-log mode: (name, type name) of the rows, made at the replay
     _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
     _at_peak=None,
+    _ctrace=None,  # CUDA with a model or optimizer: the allocator's history (_cuda_trace.Recording)
     _root_id=None,
     _root_depth=0,
     _forwards=0,
@@ -1152,6 +1154,7 @@ class Tracker:
     _scope = None
     _raw = None  # its C scope's opening tuple and processes, until a Scope is made
     _marks = None
+    _ctrace = None
 
     def __init__(
         self, model=None, optimizer=None, device="auto", timeline=False, modules=True, leaks=True, warmup=1, largest=0
@@ -1253,6 +1256,8 @@ class Tracker:
         """counted=False: the optimizer's update resumed after its step's closure (the same call)."""
         r = self._shared_read()  # CUDA: the phase that ends and this one share one read
         self._end_phase(r)
+        if self._ctrace is not None:
+            self._ctrace.marks.append((time.time_ns(), _cuda_trace.PHASE, attribution.PHASE_CODES[name]))
         if name not in self._phases:
             self._phases[name] = PhaseStats(name)
         self._phase = (name, self._open_scope(reading=r), time.perf_counter(), counted)
@@ -1267,6 +1272,8 @@ class Tracker:
         if ph is None:
             return
         self._phase = None
+        if self._ctrace is not None:
+            self._ctrace.marks.append((time.time_ns(), _cuda_trace.PHASE_END, 0))
         name, s, t0, counted = ph
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "end", name))
@@ -1300,12 +1307,17 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
+        if self._ctrace is not None:  # the gradients, named while they live (zero_grad may free them)
+            self._ctrace.names.append((time.time_ns(), self._cuda_names(full=False, state=False)))
         if len(args) > 1 or kwargs:  # step(closure): see _closure_args
             return _closure_args(weakref.ref(self), args, kwargs)
         return None
 
     def _opt_post(self, optimizer, args, kwargs):
         self._end_phase()
+        ct = self._ctrace
+        if ct is not None and len(optimizer.state) != ct.state_n:  # new state (the first step's)
+            ct.names.append((time.time_ns(), self._cuda_names(full=False, grads=False)))
 
     def _pause_optimizer(self):
         """The closure of an optimizer step begins: the optimizer phase ends (_in_step)."""
@@ -1438,6 +1450,41 @@ class Tracker:
         _C.names_walk(names, m.params, None, 2 | shape)  # the gradients
         return names
 
+    def _cuda_names(self, full=True, grads=True, state=True):
+        """{address: (name, kind, None, shape, dtype)} for CUDA at_peak (no ModuleMarks there):
+        with full, the parameters and buffers and the optimizer's state; else the gradients
+        (grads) and the optimizer's state (state). One read of each; no reference kept."""
+        ct = self._ctrace
+        shape = 0 if self._largest else 16
+        opt = None if self._optimizer is None else self._optimizer()
+        st = None
+        if opt is not None and (state or full):
+            st = opt.state if isinstance(opt.state, dict) else dict(opt.state)
+            ct.state_n = len(st)
+        names = {}
+        if full or ct.params is None:
+            model = None if self._model is None else self._model()
+            plan = None if model is None else self._model_plan(model)
+            del model
+            params = [] if plan is None else list(plan.params)
+            if plan is not None:
+                _C.names_walk(names, plan.buffers, None, 1 | 8 | shape)
+            if opt is not None:
+                known = {id(r()) for _, r, _ in params}
+                for gi, group in enumerate(opt.param_groups):
+                    for pi, p in enumerate(group["params"]):
+                        if id(p) not in known:
+                            name = f"param_groups[{gi}][{pi}]"
+                            params.append((name, weakref.ref(p), name + ".grad"))
+            ct.params = params
+            _C.names_walk(names, params, st, 1 | 4 | shape)
+        elif state and st is not None:
+            _C.names_walk(names, ct.params, st, 4 | shape)
+        del opt
+        if grads:
+            _C.names_walk(names, ct.params, None, 2 | shape)
+        return names
+
     # -- modules -----------------------------------------------------------
     # Two global module hooks per block (torch.nn.modules.module's global forward hooks)
     # instead of two per module: registering and removing ~50 handles per block cost more
@@ -1448,14 +1495,20 @@ class Tracker:
         k = id(module)
         if k == self._root_id:
             self._root_pre()
+            if self._ctrace is not None:  # the batch, by name
+                self._ctrace.names.append((time.time_ns(), _cuda_trace.input_names(args, _torch_mod.Tensor)))
         i = self._ids.get(k)
         if i is not None:
+            if self._ctrace is not None:
+                self._ctrace.marks.append((time.time_ns(), _cuda_trace.ENTER, i))
             self._mod_stack.append((i, self._open_scope()))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
         i = self._ids.get(k)
         if i is not None:
+            if self._ctrace is not None:
+                self._ctrace.marks.append((time.time_ns(), _cuda_trace.EXIT, i))
             stack = self._mod_stack
             for j in range(len(stack) - 1, -1, -1):
                 if stack[j][0] == i:
@@ -1660,6 +1713,9 @@ class Tracker:
         try:
             if self._evmode:
                 self._tagbase = _next_token() << attribution.TAG_BITS
+            if self._kind == "cuda" and (self._model is not None or self._optimizer is not None or self._with_log):
+                # at_peak: the allocator's own history for the block (restored as found at the end)
+                self._ctrace = _cuda_trace.Recording.maybe_start(self._index)
             self._scope = self._open_scope(timeline=self._timeline or self._evmode)
             if self._evmode and not self._timeline:
                 # the log runs for this block's replay, read once at the end: the scope itself
@@ -1680,6 +1736,8 @@ class Tracker:
                 self._snapshots.append((_C.eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
             self._install_hooks()
+            if self._ctrace is not None:  # storages live at the start, by address
+                self._ctrace.names.append((time.time_ns(), self._cuda_names()))
         except BaseException:
             self._cleanup()
             raise
@@ -1766,6 +1824,9 @@ class Tracker:
         try:
             self._remove_hooks()
         finally:
+            ct, self._ctrace = self._ctrace, None
+            if ct is not None:
+                ct.stop(read=False)  # the allocator's history as the block found it
             scopes = [s for _, s in self._mod_stack]
             self._mod_stack.clear()
             if self._phase is not None:
@@ -1826,6 +1887,9 @@ class Tracker:
                 if calls:
                     p = self._phases[name] = PhaseStats(name)
                     p.calls, p.seconds = calls, seconds
+        ct = self._ctrace
+        if ct is not None:  # the gradients and optimizer state at the end, by address
+            ct.names.append((time.time_ns(), self._cuda_names(full=False)))
         start, end, peak_bytes, exact = self._close_scope(self._scope, r)
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
@@ -1874,6 +1938,9 @@ class Tracker:
                 extra["peak_upper"] = self._scope.peak_upper
         if pending is None and self._mod_rows:
             _average_modules(self._mod_rows, self._forwards)
+        if ct is not None:  # CUDA: the history read now, replayed when the report is first read
+            self._ctrace = None
+            pending = ct.pending(start, peak_bytes, exact, self._mod_rows, caveats)
         leak = None
         steps = len(self._boundaries) - 1
         if steps > 0:
