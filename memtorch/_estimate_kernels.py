@@ -437,6 +437,73 @@ def _cudnn_rnn_backward(state):
     return Around(run)
 
 
+def _conv_transposes(state, *tensors):
+    """Bytes of a cuDNN convolution's workspace: cuDNN's NHWC engines (the ones its heuristics chose
+    for most float convolutions in the measured H200 traces, cuDNN 9.19) transpose each NCHW operand
+    into the workspace, plus 16 B; a 1x1 filter needs no transposition (KCRS == KRSC), nor does a
+    channels-last tensor. Engines that work in place (some 1x1 and depthwise convolutions) or use
+    split-K scratch differ: not exact."""
+    import torch
+
+    total = 0
+    for t, is_filter in tensors:
+        if t is None or t.dim() < 3:
+            continue
+        if is_filter and all(d == 1 for d in t.shape[2:]):
+            continue
+        fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d if t.dim() == 5 else None
+        if fmt is not None and t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
+            continue
+        total += t.numel() * t.element_size()
+    return total + 16 if total else 0
+
+
+def _cudnn_conv(state, args):
+    import torch
+
+    x, w = args[0], args[1]
+    groups = args[8] if len(args) > 8 else 1
+    if not torch.backends.cudnn.enabled or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if groups > 1 and groups == x.shape[1]:  # depthwise: torch's own kernels, no workspace
+        return False
+    return x.dim() in (3, 4, 5)
+
+
+def _conv_forward(state):
+    def fix(args, kwargs, out):
+        if not _cudnn_conv(state, args):
+            return 0
+        state.count("cuDNN convolution")
+        return _conv_transposes(state, (args[0], False), (out, False), (args[1], True))
+
+    return fix
+
+
+def _conv_backward(state):
+    """convolution_backward as cuDNN runs it: grad_input and its workspace (dgrad: grad_output,
+    filter, grad_input transposed), then grad_weight and its workspace (wgrad: input, grad_output,
+    grad_weight), then the bias gradient."""
+    from ._estimate_run import Around
+
+    def run(ledger, func, args, kwargs):
+        out = func(*args, **kwargs)
+        grad_out, x, w = args[0], args[1], args[2]
+        conv_args = (x, w, None, args[4], args[5], args[6], args[7], args[8], args[9])
+        if not _cudnn_conv(state, conv_args):
+            return out
+        dx, dw, db = out
+        if dx is not None:
+            ledger.add_storage(dx.untyped_storage())
+            ledger.add_extra(_conv_transposes(state, (grad_out, False), (w, True), (dx, False)))
+        if dw is not None:
+            ledger.add_storage(dw.untyped_storage())
+            ledger.add_extra(_conv_transposes(state, (x, False), (grad_out, False), (dw, True)))
+        return out
+
+    return Around(run)
+
+
 def cuda_kernels(state):
     """The kernel table for estimate(device="cuda") (see _estimate_run._accounting_mode)."""
     import torch
@@ -454,6 +521,8 @@ def cuda_kernels(state):
         "after": after,
         aten._cudnn_rnn.default: _cudnn_rnn_forward(state),
         aten._cudnn_rnn_backward.default: _cudnn_rnn_backward(state),
+        aten.convolution.default: _conv_forward(state),
+        aten.convolution_backward.default: _conv_backward(state),
     }
 
 

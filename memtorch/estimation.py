@@ -622,7 +622,8 @@ def _unique_tensors(named):
 
 def _cudnn_flat_weights(model, params, dt):
     """{id(parameter): fake} for the recurrent layers' parameters, views of one flat buffer per layer
-    as nn.RNNBase.flatten_parameters() leaves them on CUDA (cuDNN then reads them in place)."""
+    as nn.RNNBase.flatten_parameters() leaves them on CUDA (cuDNN then reads them in place), after
+    the separate copies model.to("cuda") made first."""
     torch = _torch()
     out = {}
     for mod in model.modules():
@@ -633,7 +634,11 @@ def _cudnn_flat_weights(model, params, dt):
             continue
         dtype = dt(weights[0])
         total = sum(w.numel() for w in weights)
+        # model.to("cuda") moves each parameter, then flatten_parameters() copies them into one
+        # buffer and frees the moved ones: their blocks stay cached in the allocator's segments
+        moved = [fake_like(w, "cpu", dtype=dtype, requires_grad=False) for w in weights]
         buf = torch.empty(total, dtype=dtype)
+        del moved
         offset = 0
         for w in weights:
             f = buf[offset : offset + w.numel()].view(tuple(w.shape)).detach()  # a leaf sharing the buffer
