@@ -504,6 +504,21 @@ def _conv_backward(state):
     return Around(run)
 
 
+def _host_rng(slots):
+    """The fused attention kernels' RNG seed and offset: host tensors (or none), no device memory."""
+
+    def fix(args, kwargs, out):
+        import torch
+
+        for i in slots:
+            t = out[i] if i < len(out) else None
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                t.untyped_storage().resize_(0)
+        return 0
+
+    return fix
+
+
 def cuda_kernels(state):
     """The kernel table for estimate(device="cuda") (see _estimate_run._accounting_mode)."""
     import torch
@@ -521,6 +536,9 @@ def cuda_kernels(state):
         "after": after,
         aten._cudnn_rnn.default: _cudnn_rnn_forward(state),
         aten._cudnn_rnn_backward.default: _cudnn_rnn_backward(state),
+        aten._scaled_dot_product_efficient_attention.default: _host_rng((2, 3)),
+        aten._scaled_dot_product_cudnn_attention.default: _host_rng((6, 7)),
+        aten._scaled_dot_product_flash_attention.default: _host_rng((6, 7)),
         aten.convolution.default: _conv_forward(state),
         aten.convolution_backward.default: _conv_backward(state),
     }
@@ -628,13 +646,22 @@ def cuda_routing(state):
             hidden = c0.shape[2] if c0 is not None else h0.shape[2]
             proj = h0.shape[2] if c0 is not None and c0.shape[2] != h0.shape[2] else 0
             weights = list(weights)
+            if torch.is_autocast_enabled("cpu") and inp.is_floating_point():
+                # CUDA autocast casts _cudnn_rnn's input, hidden state and each weight to the low
+                # dtype (the dry run stands CPU autocast in for CUDA's)
+                low = torch.get_autocast_dtype("cpu")
+                inp, h0 = inp.to(low), h0.to(low)
+                c0 = c0.to(low) if c0 is not None else None
+                weights = [w.to(low) for w in weights]
             buf = _flat_buffer(weights)
+            if buf is None:
+                # try_get_weight_buf failed: _cudnn_rnn copies the weights into a flat buffer of its own
+                buf = torch.cat([w.detach().reshape(-1) for w in weights])
             nparams = (4 if has_bias else 2) + (1 if proj else 0)
             code = {"lstm": 2, "gru": 3, "rnn_tanh": 1, "rnn_relu": 0}[mode]
-            out = aten._cudnn_rnn.default(inp, weights, nparams, buf, h0, c0, code, hidden, proj, layers,
-                                          batch_first, dropout, train, bidir, [], None)  # fmt: skip
-            if buf is None:
-                state.unmodelled.add("a recurrent layer's weights are not one flat buffer: cuDNN copies them")
+            with torch.autocast("cpu", enabled=False):
+                out = aten._cudnn_rnn.default(inp, weights, nparams, buf, h0, c0, code, hidden, proj, layers,
+                                              batch_first, dropout, train, bidir, [], None)  # fmt: skip
             if mode == "lstm":
                 return out[0], out[1], out[2]
             return out[0], out[1]

@@ -536,6 +536,11 @@ def _swapped(model, fakes):
     finally:
         for table, k, v in reversed(saved):
             table[k] = v
+        for mod in model.modules():
+            # recurrent layers cache their weights in _flat_weights at each forward: point them back
+            # at the restored parameters, not at the fakes
+            if callable(getattr(mod, "_update_flat_weights", None)):
+                mod._update_flat_weights()
 
 
 def _own(ledger, trainable, masters, grad_of):
@@ -629,7 +634,9 @@ def _cudnn_flat_weights(model, params, dt):
     for mod in model.modules():
         if not isinstance(mod, torch.nn.RNNBase) or not torch.backends.cudnn.enabled:
             continue
-        weights = [w for w in getattr(mod, "_flat_weights", []) if w is not None]
+        # the parameters themselves (_flat_weights may still hold an earlier dry run's fakes)
+        weights = [mod._parameters.get(n) for n in getattr(mod, "_flat_weights_names", [])]
+        weights = [w for w in weights if w is not None]
         if not weights or len({w.dtype for w in weights}) != 1 or any(id(w) in out for w in weights):
             continue
         dtype = dt(weights[0])
