@@ -1145,10 +1145,13 @@ def _cuda_notes(state):
         "bias in the GEMM, and the caching allocator's 512 B blocks and segments; these workspaces stay "
         "allocated for the process, as in a fresh process's first steps",
         "device='cuda': not modelled: the CUDA context (typically 300-600 MiB per process, outside "
-        "torch.cuda.memory_allocated()), NCCL's buffers, cuDNN convolution workspaces (chosen by cuDNN's "
-        "heuristics at run time, freed inside the kernel), CUDA autocast's own cast lists (precision='*-mixed' "
-        "runs the CPU's), and a torch.compile'd graph's fusion",
+        "torch.cuda.memory_allocated()), NCCL's buffers, CUDA reductions' staging buffers, CUDA autocast's own "
+        "cast lists (precision='*-mixed' runs the CPU's), and a torch.compile'd graph's fusion",
     ]
+    if state.routed.get("cuDNN convolution"):
+        notes.append("device='cuda': cuDNN convolution workspaces are modelled as the transposed copies of the "
+                     "operands its NHWC engines make (freed inside the kernel); cuDNN's heuristics may pick engines "
+                     "with other workspaces, so reserved_peak is the least certain figure for convolutions")
     if any(k.startswith("cuDNN RNN") for k in state.routed):
         notes.append("device='cuda': cuDNN RNN reserve and workspace sizes follow a layout inferred from one "
                      "measured LSTM (see memtorch._estimate_cuda.rnn_sizes): not exact for other shapes or modes")
