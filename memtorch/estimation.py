@@ -691,7 +691,10 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     buffers = _unique_tensors(model.named_buffers(remove_duplicate=False))
     specs = [_input_spec(x, i) for i, x in enumerate(inputs)]
     grads_keys, state_keys = set(), set()
-    rng_bytes = torch.get_rng_state().untyped_storage().nbytes() if checkpoint_spec is not None else 0
+    # checkpoint keeps the RNG states: host tensors, on the CPU's counters but not on a GPU's
+    rng_bytes = 0
+    if checkpoint_spec is not None and device != "cuda":
+        rng_bytes = torch.get_rng_state().untyped_storage().nbytes()
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode())
         kernels = cuda_kernels(cuda_state) if cuda_state is not None else kernels_for("cpu")
