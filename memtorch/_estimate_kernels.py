@@ -597,6 +597,11 @@ def cuda_routing(state):
         return out if out is not None else VF.dropout(input, p, train)
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu") and query.dtype == torch.float32:
+            # CUDA autocast runs scaled_dot_product_attention in the low dtype (its lower_precision_fp
+            # list); this mode sees the call before the dispatcher's autocast does
+            low = torch.get_autocast_dtype("cpu")
+            query, key, value = query.to(low), key.to(low), value.to(low)
         kind = sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, gpu, enable_gqa)
         state.count(f"attention: {kind}")
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

@@ -156,3 +156,21 @@ def test_keep_output_holds_the_output_through_backward():
     assert kept.phases["backward"].peak_above_start - freed.phases["backward"].peak_above_start == 64 * 1000 * 4
     with pytest.raises(MemtorchError, match="keep_output"):
         memtorch.estimate(model, (64, 16), keep_output="yes")
+
+
+def test_sdpa_under_autocast_runs_in_the_low_dtype():
+    # CUDA autocast casts scaled_dot_product_attention's inputs to bf16: cuDNN attention on 9.0,
+    # even for float32 tensors the model hands it
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            q = (x * self.w).unflatten(-1, (4, 16)).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    est = memtorch.estimate(Attn(), (4, 32, 64), optimizer="sgd", device="cuda", gpu="h100", precision="bf16-mixed")
+    assert any("attention: cudnn x2" in n for n in est.notes)
+    fp32 = memtorch.estimate(Attn(), (4, 32, 64), optimizer="sgd", device="cuda", gpu="h100")
+    assert any("attention: efficient x2" in n for n in fp32.notes)
