@@ -20,7 +20,13 @@ Scale: a 7-billion-parameter Llama-style decoder built on the meta device
 from its configuration, estimated in a subprocess; its wall time and the
 subprocess's peak resident set size (ru_maxrss).
 
-    python benchmarks/bench_estimate.py [--no-write] [--skip-scale]
+CUDA (section "estimate-cuda"): estimate(device="cuda", gpu="h200",
+keep_output=False) of the five training steps measured on an NVIDIA H200
+(tests/data/h200: cases.py builds them, cases.json holds the true
+torch.cuda.max_memory_allocated / max_memory_reserved of the measured loop),
+no GPU needed; about 10 s.
+
+    python benchmarks/bench_estimate.py [--no-write] [--skip-scale] [--cuda-only]
 """
 
 import argparse
@@ -127,12 +133,64 @@ def pct(fig, measured):
     return units.format(fig), f"{100 * (fig - measured) / measured:+.1f}%"
 
 
+def cuda_section(write):
+    """estimate(device="cuda") against the true figures of the shipped H200 traces."""
+    import importlib.util
+
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "h200")
+    spec = importlib.util.spec_from_file_location("h200_cases", os.path.join(data, "cases.py"))
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    with open(os.path.join(data, "cases.json")) as f:
+        shipped = json.load(f)
+    lines = [
+        "`memtorch.estimate(model, x, device=\"cuda\", gpu=\"h200\", keep_output=False)` (run on this machine, "
+        "no GPU) against the true figures of the same two training steps on a real GPU: "
+        f"{shipped['measured_on']} (`tests/data/h200`). True peak: `torch.cuda.max_memory_allocated()` over the "
+        "two steps, counted from before the model and inputs were moved (parameters and inputs included); true "
+        "reserved: `max_memory_reserved()`. Error = (estimate - true) / true.",
+        "",
+        f"Machine running the estimate: {machine()}",
+        "",
+        "| case | true peak | estimate | error | true reserved | estimated reserved | error | estimate time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    worst = worst_r = 0.0
+    for c in shipped["cases"]:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, inputs, loss_fn, opt, precision, _ck = cases.build(c["case"])
+        t0 = time.perf_counter()
+        est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
+                                device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+        sec = time.perf_counter() - t0
+        err = 100 * (est.peak - c["true_peak"]) / c["true_peak"]
+        err_r = 100 * (est.reserved_peak - c["true_reserved"]) / c["true_reserved"]
+        worst, worst_r = max(worst, abs(err)), max(worst_r, abs(err_r))
+        lines.append(
+            f"| {c['case']} | {c['true_peak']:,} B | {est.peak:,} B | {err:+.2f}% | {c['true_reserved']:,} B | "
+            f"{est.reserved_peak:,} B | {err_r:+.2f}% | {sec:.1f} s |"
+        )
+        print(lines[-1])
+        del model, est
+        gc.collect()
+    lines += ["", f"Largest error: peak {worst:.2f}% (target 3%), reserved {worst_r:.2f}% (target 10%).",
+              "", "Rewrite with `python benchmarks/bench_estimate.py --cuda-only`."]  # fmt: skip
+    if write:
+        write_section("estimate-cuda", "## estimate on CUDA (H200 traces)\n\n" + "\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--cuda-only", action="store_true", help="only the CUDA section (the H200 traces)")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
+    cuda_section(not args.no_write)
+    if args.cuda_only:
+        return
     cpu.start()
     torch.set_num_threads(1)
     rows = [run_case(n) for n in C.CASES if args.only in n]

@@ -1,4 +1,19 @@
-"""The CUDA caching allocator's rules, replayed over estimate()'s allocation events.
+"""The target GPU's rules for estimate(device="cuda"): which GPU, the kernels torch picks there, the
+libraries' workspaces, and the CUDA caching allocator's rounding, replayed over the dry run's events.
+
+The GPU (GPU, resolve_gpu): a name ("h100", "a100", "l4", ...) or a compute capability; by default
+the machine's GPU if it has one, else an H100-class device (compute capability 9.0).
+
+Libraries (torch's own sources, named where each rule is used):
+- cuBLAS (aten/src/ATen/cuda/CublasHandlePool.cpp): each thread's cuBLAS handle gets a workspace
+  through the caching allocator at its first GEMM, kept for the process: CUBLAS_WORKSPACE_CONFIG,
+  by default 4096 KiB x 8 = 32 MiB on compute capability 9.0, 4096 KiB x 2 + 16 KiB x 8 elsewhere;
+  cuBLASLt (addmm with a bias vector) a second one of CUBLASLT_WORKSPACE_SIZE (1024 KiB). The
+  forward runs on the Python thread, the backward on the autograd engine's device thread: one each.
+- SDPA (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): sdpa_backend() follows
+  select_sdp_backend's checks (dtype, head dim, mask, causal shapes, compute capability) and its
+  priority order (cuDNN attention first on 9.0 and 10.0 with cuDNN >= 9.9).
+- cuDNN RNN: rnn_sizes() (reserve and workspace, see there).
 
 The rules (PyTorch's c10/cuda/CUDACachingAllocator.cpp, default settings):
 - every request is rounded up to a multiple of 512 bytes (512 at least); a
@@ -14,12 +29,14 @@ The rules (PyTorch's c10/cuda/CUDACachingAllocator.cpp, default settings):
   (reserved) until empty_cache(), which a training step does not call.
 
 memory_allocated() counts the blocks handed out, memory_reserved() the
-segments. The CUDA context and the cuBLAS/cuDNN workspaces are not modelled.
+segments.
 """
 
 import bisect
+import os
+import re
 
-__all__ = ["round_size", "segment_size", "CachingAllocator", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
+__all__ = ["GPU", "GPUS", "resolve_gpu", "sdpa_backend", "rnn_sizes", "round_size", "segment_size", "CachingAllocator", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
            "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]  # fmt: skip
 
 MIN_BLOCK = 512
@@ -28,6 +45,209 @@ SMALL_BUFFER = 2 << 20
 LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
+
+
+# name -> (full name, compute capability, cuDNN version assumed); the cuDNN of torch's CUDA wheels
+GPUS = {
+    "h100": ("NVIDIA H100", (9, 0)),
+    "h200": ("NVIDIA H200", (9, 0)),
+    "gh200": ("NVIDIA GH200", (9, 0)),
+    "b200": ("NVIDIA B200", (10, 0)),
+    "a100": ("NVIDIA A100", (8, 0)),
+    "a10": ("NVIDIA A10", (8, 6)),
+    "a10g": ("NVIDIA A10G", (8, 6)),
+    "rtx4090": ("NVIDIA GeForce RTX 4090", (8, 9)),
+    "l4": ("NVIDIA L4", (8, 9)),
+    "l40s": ("NVIDIA L40S", (8, 9)),
+    "v100": ("NVIDIA V100", (7, 0)),
+    "t4": ("NVIDIA T4", (7, 5)),
+}
+DEFAULT_GPU = "h100"
+CUDNN_VERSION = 91900  # cuDNN of torch 2.11+ CUDA wheels (measured: 9.19 on the H200)
+
+
+class GPU:
+    """The device modelled: name, compute capability (major, minor), cuDNN version, and the
+    workspace sizes torch's handles get there."""
+
+    def __init__(self, name, capability, cudnn=CUDNN_VERSION, source="given"):
+        self.name = name
+        self.capability = (int(capability[0]), int(capability[1]))
+        self.cudnn = int(cudnn)
+        self.source = source  # "given", "this machine", "default"
+
+    @property
+    def cublas_workspace(self):
+        """Bytes of a cuBLAS handle's workspace (CublasHandlePool.cpp parseChosenWorkspaceSize)."""
+        val = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if val:
+            found = re.findall(r":([0-9]+):([0-9]+)", val)
+            if found:
+                return sum(int(a) * 1024 * int(b) for a, b in found)
+        return 4096 * 8 * 1024 if self.capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+    @property
+    def cublaslt_workspace(self):
+        """Bytes of a cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE KiB, 1024 by default), at most the
+        cuBLAS one (getCUDABlasLtWorkspaceSize)."""
+        try:
+            kib = int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024"))
+        except ValueError:
+            kib = 1024
+        return min(kib * 1024, self.cublas_workspace)
+
+    def describe(self):
+        major, minor = self.capability
+        return f"{self.name} (compute capability {major}.{minor}, {self.source})"
+
+    def __repr__(self):
+        return f"GPU({self.name!r}, {self.capability})"
+
+
+def resolve_gpu(gpu=None):
+    """A GPU from a name ("h100"), a compute capability ("9.0", (9, 0), 9.0) or None (this machine's
+    GPU when torch sees one, else an H100-class device). Raises ValueError for anything else."""
+    if isinstance(gpu, GPU):
+        return gpu
+    if gpu is None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability()
+                cudnn = torch.backends.cudnn.version() or CUDNN_VERSION
+                return GPU(torch.cuda.get_device_name(), (major, minor), cudnn, "this machine")
+        except Exception:  # noqa: BLE001 - a broken CUDA setup: model the default device
+            pass
+        name, cap = GPUS[DEFAULT_GPU]
+        return GPU(name, cap, source="default: no GPU here")
+    if isinstance(gpu, str):
+        key = gpu.strip().lower().replace("nvidia", "").replace(" ", "").replace("-", "")
+        if key in GPUS:
+            name, cap = GPUS[key]
+            return GPU(name, cap)
+        m = re.fullmatch(r"(?:sm_?)?(\d+)\.(\d)", key) or re.fullmatch(r"sm_?(\d)(\d)", key)
+        if m:
+            return GPU(f"compute capability {m.group(1)}.{m.group(2)}", (int(m.group(1)), int(m.group(2))))
+    elif isinstance(gpu, (tuple, list)) and len(gpu) == 2 and all(isinstance(v, int) for v in gpu):
+        return GPU(f"compute capability {gpu[0]}.{gpu[1]}", tuple(gpu))
+    elif isinstance(gpu, float) and not isinstance(gpu, bool):
+        major, minor = str(gpu).split(".")
+        return GPU(f"compute capability {major}.{minor[:1]}", (int(major), int(minor[:1])))
+    raise ValueError(
+        f"unknown gpu {gpu!r}: a name ({', '.join(sorted(GPUS))}), a compute capability such as "
+        "'9.0' or (9, 0), or None for this machine's GPU"
+    )
+
+
+# ---------------------------------------------------------------------------
+# SDPA: the backend torch's select_sdp_backend picks on this GPU (sdp_utils.cpp)
+
+
+def _sdpa_flash_ok(q, k, v, has_mask, dropout, is_causal, gpu, needs_grad):
+    if has_mask or q.dtype not in _half() or gpu.capability < (8, 0) or gpu.capability > (12, 1):
+        return False
+    d = q.shape[-1]
+    if not (d == k.shape[-1] == v.shape[-1] and d <= 256):
+        return False
+    sm86_89 = (8, 6) <= gpu.capability <= (8, 9) or (12, 0) <= gpu.capability <= (12, 1)
+    if needs_grad and sm86_89 and ((192 < d <= 224) or (d > 224 and dropout > 0)):
+        return False
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        return False
+    return k.shape[1] != 0 and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] % k.shape[1] == 0
+
+
+def _sdpa_efficient_ok(q, k, v, gpu, enable_gqa):
+    if gpu.capability < (5, 0) or gpu.capability > (12, 1):
+        return False
+    allowed = _half() + (_float(),) if gpu.capability >= (8, 0) else (_fp16(), _float())
+    if q.dtype not in allowed:
+        return False
+    # minimum_gemm_alignment: 128 bits with tensor cores (half types from 7.0), else 4 elements
+    align = 8 if q.dtype in _half() and gpu.capability >= (7, 0) else 4
+    d, dv = q.shape[-1], v.shape[-1]
+    if not (d == k.shape[-1] and d % align == 0 and d > 0 and dv % align == 0 and dv > 0):
+        return False
+    return q.shape[1] == k.shape[1] == v.shape[1]  # no grouped-query attention
+
+
+def _sdpa_cudnn_ok(q, k, v, dropout, gpu):
+    if q.dtype not in _half() or not ((8, 0) <= gpu.capability <= (12, 1)) or gpu.cudnn < 90000:
+        return False
+    if dropout > 0 and 91100 < gpu.cudnn < 91400:
+        return False
+    limit = 256 if gpu.cudnn >= 91000 and gpu.capability == (9, 0) else 128
+    d, dv, s_q, s_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    if d > limit or dv > limit or d % 8 or dv % 8 or s_k == 1 or (s_q == 1 and dropout > 0):
+        return False
+    return q.shape[0] == k.shape[0] == v.shape[0]
+
+
+def _half():
+    import torch
+
+    return (torch.float16, torch.bfloat16)
+
+
+def _fp16():
+    import torch
+
+    return torch.float16
+
+
+def _float():
+    import torch
+
+    return torch.float32
+
+
+def sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, gpu, enable_gqa=False):
+    """'cudnn', 'flash', 'efficient' or 'math': the kernel torch's select_sdp_backend runs for these
+    (dense) arguments on ``gpu``, with every backend enabled (torch's default)."""
+    if not (q.dim() == k.dim() == v.dim() == 4) or 0 in (q.shape[-2], k.shape[-2]):
+        return "math"
+    needs_grad = any(t.requires_grad for t in (q, k, v))
+    if any(t.stride(-1) != 1 and t.shape[-1] != 1 for t in (q, k, v)):
+        return "math"
+    order = ["flash", "efficient", "math", "cudnn"]
+    if gpu.cudnn >= 90900 and gpu.capability in ((9, 0), (10, 0)) and os.environ.get(
+        "TORCH_CUDNN_SDPA_PREFERRED", "1"
+    ).lower() not in ("0", "false", "off", "no"):
+        order = ["cudnn", "flash", "efficient", "math"]
+    for b in order:
+        if b == "cudnn" and _sdpa_cudnn_ok(q, k, v, dropout_p, gpu):
+            return b
+        if b == "flash" and _sdpa_flash_ok(q, k, v, attn_mask is not None, dropout_p, is_causal, gpu, needs_grad):
+            return b
+        if b == "efficient" and not enable_gqa and _sdpa_efficient_ok(q, k, v, gpu, enable_gqa):
+            return b
+        if b == "math":
+            return b
+    return "math"
+
+
+# ---------------------------------------------------------------------------
+# cuDNN RNN
+
+
+def rnn_sizes(mode, seq, batch, input_size, hidden, layers, directions, elem):
+    """(reserve bytes, workspace bytes) cuDNN 9 gives a training RNN (cudnnGetRNNTempSpaceSizes).
+
+    cuDNN does not document these sizes. The layout below is read off the one measured case
+    (H200, cuDNN 9.19, LSTM 512 -> 1024, 2 layers, 128 steps, batch 32, float32: reserve
+    184,549,632 B, workspace 170,394,112 B, tests/data/h200): the reserve keeps, per step and
+    batch row, every layer's gate activations and cell state (LSTM: 4H + H) plus the hidden
+    output of every layer but the last (that one is the output itself), and 256 B; the workspace
+    holds the gates of every layer for seq + 2 steps, and 512 B. For GRU (3 gates) and plain RNNs
+    (1) the gate count is swapped in; those are not measured.
+    """
+    gates = {"LSTM": 4, "GRU": 3}.get(mode, 1)
+    cell = 1 if mode == "LSTM" else 0
+    per_row = layers * directions * (gates + cell) * hidden + (layers - 1) * directions * hidden
+    reserve = seq * batch * per_row * elem + 256
+    workspace = layers * directions * (gates + cell) * hidden * (seq + 2) * batch * elem + 512
+    return reserve, workspace
 
 
 def round_size(n):

@@ -301,3 +301,424 @@ def probe_extra(func, args, kwargs, out):
     probe_stats["probed"] += 1
     _probe_cache[key] = extra
     return extra
+
+
+# ---------------------------------------------------------------------------
+# The CUDA step (estimate(device="cuda")): the kernels torch runs on the target GPU
+#
+# The dry run's fake tensors say "cpu" (a CPU-only torch cannot make CUDA tensors that autograd
+# accepts), so the device-dependent choices made inside composite operators would be the CPU's.
+# CudaRouting (a TorchFunctionMode, above autograd) takes the CUDA branch of those choices itself:
+# SDPA's backend (sdp_utils.cpp), the fused dropout kernel (Dropout.cpp: native_dropout on CUDA,
+# a float noise tensor on the CPU) and cuDNN's recurrent layers (RNN.cpp: _cudnn_rnn). Below
+# autograd, cuda_kernels() adds what the CUDA kernels allocate beside their outputs: cuBLAS and
+# cuBLASLt workspaces, cuDNN RNN reserve and workspace, and the cuDNN RNN backward (no fake kernel).
+
+
+class CudaState:
+    """Per dry run: the GPU modelled, the cuBLAS/cuBLASLt handles that already hold a workspace
+    (per thread: the Python thread runs forward and optimizer, the autograd engine's device thread
+    runs backward), and what was routed (for the report)."""
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+        self.blas = {}  # thread -> ledger key of its cuBLAS workspace
+        self.blas_lt = {}
+        self.routed = {}  # what -> count
+        self.unmodelled = set()
+
+    def count(self, what):
+        self.routed[what] = self.routed.get(what, 0) + 1
+
+
+def _thread():
+    import torch
+
+    return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
+
+
+def _lt_ok(args, kwargs, out):
+    """addmm_out_cuda_impl's isInputCompliesAddmmCudaLt (Blas.cpp): a bias vector, beta 1, 2-D
+    contiguous result, float types, every matrix dimension above 1."""
+    import torch
+
+    self_, m1, m2 = args[0], args[1], args[2]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    if beta != 1 or not isinstance(out, torch.Tensor) or out.dim() != 2 or not out.is_contiguous():
+        return False
+    if m1.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return False
+    if not self_.is_contiguous() or self_.dim() == 0 or self_.squeeze().dim() != 1 or self_.shape[-1] != m2.shape[1]:
+        return False
+    return min(m1.shape[0], m1.shape[1], m2.shape[0], m2.shape[1]) > 1
+
+
+def _blas_after(state, lt=False):
+    def after(ledger, args, kwargs, out):
+        thread = _thread()
+        if thread not in state.blas:
+            state.blas[thread] = ledger.add_extra(state.gpu.cublas_workspace, "workspace", transient=False)
+        if lt and thread not in state.blas_lt and _lt_ok(args, kwargs, out):
+            state.blas_lt[thread] = ledger.add_extra(state.gpu.cublaslt_workspace, "workspace", transient=False)
+
+    return after
+
+
+_RNN_MODES = {0: "RNN_RELU", 1: "RNN_TANH", 2: "LSTM", 3: "GRU"}
+
+
+def _cudnn_rnn_forward(state):
+    from ._estimate_cuda import rnn_sizes
+
+    def fix(args, kwargs, out):
+        (inp, weight, stride0, weight_buf, hx, cx, mode, hidden, proj, layers, batch_first, dropout, train,
+         bidir, batch_sizes) = args[:15]  # fmt: skip
+        if not train:
+            return 0
+        seq = len(batch_sizes) if batch_sizes else inp.shape[1 if batch_first else 0]
+        batch = batch_sizes[0] if batch_sizes else inp.shape[0 if batch_first else 1]
+        reserve, workspace = rnn_sizes(_RNN_MODES.get(mode, "LSTM"), seq, batch, inp.shape[-1], hidden, layers,
+                                       2 if bidir else 1, inp.element_size())  # fmt: skip
+        r = out[3]
+        if r.untyped_storage().nbytes() < reserve:
+            r.untyped_storage().resize_(reserve)
+        state.count("cuDNN RNN")
+        return workspace
+
+    return fix
+
+
+def _cudnn_rnn_backward(state):
+    """_cudnn_rnn_backward as RNN.cpp runs it: zeros for undefined output gradients, a contiguous
+    copy of the output gradient, then backward_input (dx, dhx, dcx, workspace) and
+    backward_weight (a flat dw like the weight buffer, workspace)."""
+    from ._estimate_cuda import rnn_sizes
+    from ._estimate_run import Around
+
+    def run(ledger, func, args, kwargs):
+        import torch
+
+        (inp, weight, stride0, weight_buf, hx, cx, output, grad_output, grad_hy, grad_cy, mode, hidden, proj,
+         layers, batch_first, dropout, train, bidir, batch_sizes, dropout_state, reserve, mask) = args  # fmt: skip
+        seq = len(batch_sizes) if batch_sizes else inp.shape[1 if batch_first else 0]
+        batch = batch_sizes[0] if batch_sizes else inp.shape[0 if batch_first else 1]
+        _r, workspace = rnn_sizes(_RNN_MODES.get(mode, "LSTM"), seq, batch, inp.shape[-1], hidden, layers,
+                                  2 if bidir else 1, inp.element_size())  # fmt: skip
+        held = []
+        if grad_hy is None:
+            held.append(ledger.add_extra(hx.numel() * hx.element_size(), "temporary", transient=False))
+        if grad_cy is None and cx is not None:
+            held.append(ledger.add_extra(cx.numel() * cx.element_size(), "temporary", transient=False))
+        dy = None
+        if grad_output is not None and not grad_output.is_contiguous():
+            dy = ledger.add_extra(grad_output.numel() * grad_output.element_size(), "temporary", transient=False)
+        dx = torch.empty(tuple(inp.shape), dtype=inp.dtype)
+        dhx = torch.empty(tuple(hx.shape), dtype=hx.dtype)
+        dcx = torch.empty(tuple(cx.shape), dtype=cx.dtype) if cx is not None else None
+        for t in (dx, dhx, dcx):
+            if t is not None:
+                ledger.add_storage(t.untyped_storage())
+        ledger.add_extra(workspace)
+        if dy is not None:
+            ledger.free_key(dy)
+        dws = []
+        if mask[3]:
+            flat = torch.empty(weight_buf.numel(), dtype=weight_buf.dtype)
+            ledger.add_storage(flat.untyped_storage())
+            offset = 0
+            for w in weight:
+                dws.append(flat[offset: offset + w.numel()].view(tuple(w.shape)))
+                offset += w.numel()
+            ledger.add_extra(workspace)
+        for k in held:
+            ledger.free_key(k)
+        return dx, dhx, dcx, dws
+
+    return Around(run)
+
+
+def _conv_transposes(state, *tensors):
+    """Bytes of a cuDNN convolution's workspace: cuDNN's NHWC engines (the ones its heuristics chose
+    for most float convolutions in the measured H200 traces, cuDNN 9.19) transpose each NCHW operand
+    into the workspace, plus 16 B; a 1x1 filter needs no transposition (KCRS == KRSC), nor does a
+    channels-last tensor. Engines that work in place (some 1x1 and depthwise convolutions) or use
+    split-K scratch differ: not exact."""
+    import torch
+
+    total = 0
+    for t, is_filter in tensors:
+        if t is None or t.dim() < 3:
+            continue
+        if is_filter and all(d == 1 for d in t.shape[2:]):
+            continue
+        fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d if t.dim() == 5 else None
+        if fmt is not None and t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
+            continue
+        total += t.numel() * t.element_size()
+    return total + 16 if total else 0
+
+
+def _cudnn_conv(state, args):
+    import torch
+
+    x, w = args[0], args[1]
+    groups = args[8] if len(args) > 8 else 1
+    if not torch.backends.cudnn.enabled or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if groups > 1 and groups == x.shape[1]:  # depthwise: torch's own kernels, no workspace
+        return False
+    return x.dim() in (3, 4, 5)
+
+
+def _conv_forward(state):
+    def fix(args, kwargs, out):
+        if not _cudnn_conv(state, args):
+            return 0
+        state.count("cuDNN convolution")
+        return _conv_transposes(state, (args[0], False), (out, False), (args[1], True))
+
+    return fix
+
+
+def _conv_backward(state):
+    """convolution_backward as cuDNN runs it: grad_input and its workspace (dgrad: grad_output,
+    filter, grad_input transposed), then grad_weight and its workspace (wgrad: input, grad_output,
+    grad_weight), then the bias gradient."""
+    from ._estimate_run import Around
+
+    def run(ledger, func, args, kwargs):
+        out = func(*args, **kwargs)
+        grad_out, x, w = args[0], args[1], args[2]
+        conv_args = (x, w, None, args[4], args[5], args[6], args[7], args[8], args[9])
+        if not _cudnn_conv(state, conv_args):
+            return out
+        dx, dw, db = out
+        if dx is not None:
+            ledger.add_storage(dx.untyped_storage())
+            ledger.add_extra(_conv_transposes(state, (grad_out, False), (w, True), (dx, False)))
+        if dw is not None:
+            ledger.add_storage(dw.untyped_storage())
+            ledger.add_extra(_conv_transposes(state, (x, False), (grad_out, False), (dw, True)))
+        return out
+
+    return Around(run)
+
+
+def _host_rng(slots):
+    """The fused attention kernels' RNG seed and offset: host tensors (or none), no device memory."""
+
+    def fix(args, kwargs, out):
+        import torch
+
+        for i in slots:
+            t = out[i] if i < len(out) else None
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                t.untyped_storage().resize_(0)
+        return 0
+
+    return fix
+
+
+def cuda_kernels(state):
+    """The kernel table for estimate(device="cuda") (see _estimate_run._accounting_mode)."""
+    import torch
+
+    aten = torch.ops.aten
+    after = {}
+    for op in (aten.mm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default, aten.mv.default,
+               aten.addmv.default, aten.dot.default, aten.vdot.default, aten.mm.out, aten.bmm.out):  # fmt: skip
+        after[op] = _blas_after(state)
+    for op in (aten.addmm.default, aten._addmm_activation.default, aten.addmm.out):
+        after[op] = _blas_after(state, lt=True)
+    return {
+        "probe": False,  # the CPU kernels' scratch space is not the GPU's
+        "scalars": False,  # Python numbers passed to CUDA kernels stay on the host
+        "after": after,
+        aten._cudnn_rnn.default: _cudnn_rnn_forward(state),
+        aten._cudnn_rnn_backward.default: _cudnn_rnn_backward(state),
+        aten._scaled_dot_product_efficient_attention.default: _host_rng((2, 3)),
+        aten._scaled_dot_product_cudnn_attention.default: _host_rng((6, 7)),
+        aten._scaled_dot_product_flash_attention.default: _host_rng((6, 7)),
+        aten.convolution.default: _conv_forward(state),
+        aten.convolution_backward.default: _conv_backward(state),
+    }
+
+
+def _python_clone(func, cache={}):  # noqa: B006 - a cache of clones, one per torch function
+    """A copy of a Python torch function (torch.nn.functional's) whose own __torch_function__ check is
+    off, so that a mode stays in force for the calls inside it (torch pops the mode while its
+    __torch_function__ runs). Only its globals differ: the names it calls resolve to the same
+    objects."""
+    import types
+
+    clone = cache.get(func)
+    if clone is None:
+        g = dict(func.__globals__)
+        for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+            if name in g:
+                g[name] = _never
+        clone = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
+        clone.__kwdefaults__ = func.__kwdefaults__
+        cache[func] = clone
+    return clone
+
+
+def _never(*args, **kwargs):
+    return False
+
+
+def cuda_routing(state):
+    """The TorchFunctionMode that takes CUDA's branch of device-dependent composite operators."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from ._estimate_cuda import sdpa_backend
+
+    aten = torch.ops.aten
+    VF = torch._C._VariableFunctions
+    gpu = state.gpu
+
+    def native_dropout(x, p, train):
+        if train and 0 < p < 1 and x.numel() > 0:
+            state.count("dropout (fused, bool mask)")
+            return aten.native_dropout.default(x, p, True)[0]
+        return None
+
+    def dropout_fn(input, p=0.5, training=True, inplace=False):
+        if not inplace and isinstance(input, torch.Tensor):
+            out = native_dropout(input, p, training)
+            if out is not None:
+                return out
+        return F.dropout(input, p, training, inplace)
+
+    def vf_dropout(input, p, train):
+        out = native_dropout(input, p, train)
+        return out if out is not None else VF.dropout(input, p, train)
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu") and query.dtype == torch.float32:
+            # CUDA autocast runs scaled_dot_product_attention in the low dtype (its lower_precision_fp
+            # list); this mode sees the call before the dispatcher's autocast does
+            low = torch.get_autocast_dtype("cpu")
+            query, key, value = query.to(low), key.to(low), value.to(low)
+        kind = sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, gpu, enable_gqa)
+        state.count(f"attention: {kind}")
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        mask = attn_mask
+        if mask is not None and mask.dtype == torch.bool:
+            # convert_boolean_attn_mask: 0 where attending, -inf elsewhere, in the query's dtype
+            mask = torch.where(mask, 0.0, float("-inf")).to(query.dtype)
+        if kind == "efficient":
+            if mask is not None and mask.shape[-1] % 16:
+                # preprocess_mask: the bias's last dimension padded to a multiple of 16
+                pad = 16 - mask.shape[-1] % 16
+                mask = F.pad(mask, (0, pad))[..., : mask.shape[-1]]
+            if mask is not None:
+                mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            return aten._scaled_dot_product_efficient_attention.default(
+                query, key, value, mask, grad, dropout_p, is_causal, scale=scale)[0]
+        if kind == "cudnn":
+            return aten._scaled_dot_product_cudnn_attention.default(
+                query, key, value, mask, grad, dropout_p, is_causal, False, scale=scale)[0]
+        if kind == "flash":
+            d = query.shape[-1]
+            if d % 8:  # pad_last_dim<8>: copies of q, k, v padded with zeros
+                pad = 8 - d % 8
+                query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
+            out = aten._scaled_dot_product_flash_attention.default(
+                query, key, value, dropout_p, is_causal, False, scale=scale if scale is not None else d ** -0.5)[0]
+            return out[..., :d] if d % 8 else out
+        # math: the composite, whose dropout is the fused kernel on CUDA
+        return _python_clone_math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def _python_clone_math(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):
+        state.unmodelled.add("the math attention fallback keeps its dropout mask as the CPU's composite does")
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    def rnn(mode):
+        def run(*args, **kwargs):
+            # _VF.lstm(input, hx, flat_weights, bias, num_layers, dropout, train, bidirectional, batch_first)
+            # (the packed form, with batch_sizes second, is not routed)
+            if len(args) != 9 or not isinstance(args[1], (list, tuple, torch.Tensor)) or (
+                    isinstance(args[1], torch.Tensor) and args[1].dim() == 1):
+                state.unmodelled.add("packed sequences through recurrent layers run the CPU's kernel")
+                return getattr(VF, mode)(*args, **kwargs)
+            inp, hx, weights, has_bias, layers, dropout, train, bidir, batch_first = args
+            hx_list = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+            h0 = hx_list[0]
+            c0 = hx_list[1] if len(hx_list) > 1 else None
+            hidden = c0.shape[2] if c0 is not None else h0.shape[2]
+            proj = h0.shape[2] if c0 is not None and c0.shape[2] != h0.shape[2] else 0
+            weights = list(weights)
+            if torch.is_autocast_enabled("cpu") and inp.is_floating_point():
+                # CUDA autocast casts _cudnn_rnn's input, hidden state and each weight to the low
+                # dtype (the dry run stands CPU autocast in for CUDA's)
+                low = torch.get_autocast_dtype("cpu")
+                inp, h0 = inp.to(low), h0.to(low)
+                c0 = c0.to(low) if c0 is not None else None
+                weights = [w.to(low) for w in weights]
+            buf = _flat_buffer(weights)
+            if buf is None:
+                # try_get_weight_buf failed: _cudnn_rnn copies the weights into a flat buffer of its own
+                buf = torch.cat([w.detach().reshape(-1) for w in weights])
+            nparams = (4 if has_bias else 2) + (1 if proj else 0)
+            code = {"lstm": 2, "gru": 3, "rnn_tanh": 1, "rnn_relu": 0}[mode]
+            with torch.autocast("cpu", enabled=False):
+                out = aten._cudnn_rnn.default(inp, weights, nparams, buf, h0, c0, code, hidden, proj, layers,
+                                              batch_first, dropout, train, bidir, [], None)  # fmt: skip
+            if mode == "lstm":
+                return out[0], out[1], out[2]
+            return out[0], out[1]
+
+        return run
+
+    handlers = {
+        torch._C._nn.scaled_dot_product_attention: sdpa,
+        F.dropout: dropout_fn,
+        VF.dropout: vf_dropout,
+        VF.lstm: rnn("lstm"),
+        VF.gru: rnn("gru"),
+        VF.rnn_tanh: rnn("rnn_tanh"),
+        VF.rnn_relu: rnn("rnn_relu"),
+    }
+    # nn.MultiheadAttention (need_weights=False, as nn.TransformerEncoderLayer calls it) reaches SDPA
+    # from inside multi_head_attention_forward, where torch has popped this mode
+    nested = {F.multi_head_attention_forward}
+    if not torch.backends.cudnn.enabled:
+        for f in (VF.lstm, VF.gru, VF.rnn_tanh, VF.rnn_relu):
+            handlers.pop(f)
+
+    class CudaRouting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            h = handlers.get(func)
+            if h is not None:
+                return h(*args, **kwargs)  # torch has popped this mode: the fallbacks run as given
+            if func in nested:
+                # torch's Python functions that call SDPA or dropout from inside them
+                with self:
+                    return _python_clone(func)(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return CudaRouting()
+
+
+def _flat_buffer(weights):
+    """The weight buffer cuDNN reads when the weights are consecutive views of one storage (as
+    nn.LSTM.flatten_parameters() leaves them on CUDA), else None (try_get_weight_buf)."""
+    import torch
+
+    if not weights:
+        return None
+    st = weights[0].untyped_storage()
+    expected = weights[0].storage_offset()
+    for w in weights:
+        if w.untyped_storage() is not st and w.untyped_storage()._cdata != st._cdata:
+            return None
+        if w.storage_offset() != expected or not w.is_contiguous():
+            return None
+        expected += w.numel()
+    base = torch.empty(0, dtype=weights[0].dtype)
+    base.set_(st, weights[0].storage_offset(), (expected - weights[0].storage_offset(),), (1,))
+    return base

@@ -138,6 +138,8 @@ def _accounting_mode(ledger, kernels, allow_item):
     from ._estimate_kernels import probe_extra, scalar_extra
 
     probe = kernels.get("probe", True)
+    after = kernels.get("after", {})
+    scalars = kernels.get("scalars", True)  # Python numbers wrapped into CPU tensors (the CPU's memory)
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -154,16 +156,23 @@ def _accounting_mode(ledger, kernels, allow_item):
                     return 1.0 if args[0].dtype.is_floating_point else 1
                 raise _DataDependent("calls .item() (or converts a tensor to a Python number or bool)")
             fix = kernels.get(func)
-            out = func(*args, **kwargs)
-            if fix is not None:
-                extra = fix(args, kwargs, out)
+            if isinstance(fix, Around):
+                # a kernel modelled whole (the target device's own, no fake kernel): it counts its
+                # scratch in order and returns fake outputs, counted below
+                out = fix(ledger, func, args, kwargs)
+                extra = 0
             else:
-                extra = probe_extra(func, args, kwargs, out) if probe else None
-                if extra is None:
-                    extra = scalar_extra(func, args, out)
+                out = func(*args, **kwargs)
+                if fix is not None:
+                    extra = fix(args, kwargs, out)
+                else:
+                    extra = probe_extra(func, args, kwargs, out) if probe else None
+                    if extra is None and scalars:
+                        extra = scalar_extra(func, args, out)
             owners = _owners(ledger, args, kwargs, out) if ledger.attribute else None
             for i, t in enumerate(tree_leaves(out)):
-                if isinstance(t, torch.Tensor):
+                # meta outputs (SDPA's RNG seed and offset) own memory nowhere
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     key = ledger.add_storage(t.untyped_storage())
                     if owners is not None and key not in ledger.owner:
                         o = owners(i)
@@ -174,6 +183,9 @@ def _accounting_mode(ledger, kernels, allow_item):
                 ledger.add_extra(extra)
                 if owners is not None and owners(None) is not None:
                     ledger.owner[ledger._next - 1] = owners(None)
+            post = after.get(func)
+            if post is not None:
+                post(ledger, args, kwargs, out)  # allocations the kernel keeps after its outputs (workspaces)
             if ledger.trace is not None:
                 ledger.trace.append((str(func), extra, ledger.current))
             return out
@@ -212,6 +224,16 @@ def _owners(ledger, args, kwargs, out):
         per = [merge(of(a[i]) for a in lists) for i in range(len(out))]
         return lambda i: whole if i is None or i >= len(per) else per[i]
     return lambda i: whole
+
+
+class Around:
+    """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, ledger, func, args, kwargs):
+        return self.fn(ledger, func, args, kwargs)
 
 
 class _DataDependent(MemtorchError):

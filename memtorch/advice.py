@@ -236,6 +236,7 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
         model, *inputs, optimizer=(lambda ps: _copy_optimizer(optimizer, ps)) if optimizer is not None else "sgd",
         loss_fn=lambda out, *a: loss_fn(out), precision=precision, device=device if device == "cuda" else "cpu",
         checkpointing=list(checkpoint) or None,
+        keep_output=False,  # advise's measured runs delete the output before backward (_step_peak)
     )  # fmt: skip
     return {
         "peak": est.peak - est.breakdown.get("input", 0),  # apart from the inputs, as measured runs count

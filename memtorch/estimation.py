@@ -52,7 +52,7 @@ from .errors import MemtorchError
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
-CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input")
+CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
 PHASES = ("forward", "backward", "optimizer")
 
 OPTIMIZERS = (
@@ -536,6 +536,11 @@ def _swapped(model, fakes):
     finally:
         for table, k, v in reversed(saved):
             table[k] = v
+        for mod in model.modules():
+            # recurrent layers cache their weights in _flat_weights at each forward: point them back
+            # at the restored parameters, not at the fakes
+            if callable(getattr(mod, "_update_flat_weights", None)):
+                mod._update_flat_weights()
 
 
 def _own(ledger, trainable, masters, grad_of):
@@ -620,8 +625,44 @@ def _unique_tensors(named):
     return list(by_id.values())
 
 
-def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2, units=None):
+def _cudnn_flat_weights(model, params, dt):
+    """{id(parameter): fake} for the recurrent layers' parameters, views of one flat buffer per layer
+    as nn.RNNBase.flatten_parameters() leaves them on CUDA (cuDNN then reads them in place), after
+    the separate copies model.to("cuda") made first."""
+    torch = _torch()
+    out = {}
+    for mod in model.modules():
+        if not isinstance(mod, torch.nn.RNNBase) or not torch.backends.cudnn.enabled:
+            continue
+        # the parameters themselves (_flat_weights may still hold an earlier dry run's fakes)
+        weights = [mod._parameters.get(n) for n in getattr(mod, "_flat_weights_names", [])]
+        weights = [w for w in weights if w is not None]
+        if not weights or len({w.dtype for w in weights}) != 1 or any(id(w) in out for w in weights):
+            continue
+        dtype = dt(weights[0])
+        total = sum(w.numel() for w in weights)
+        # model.to("cuda") moves each parameter, then flatten_parameters() copies them into one
+        # buffer and frees the moved ones: their blocks stay cached in the allocator's segments
+        moved = [fake_like(w, "cpu", dtype=dtype, requires_grad=False) for w in weights]
+        buf = torch.empty(total, dtype=dtype)
+        del moved
+        offset = 0
+        for w in weights:
+            f = buf[offset : offset + w.numel()].view(tuple(w.shape)).detach()  # a leaf sharing the buffer
+            if w.requires_grad:
+                f.requires_grad_(True)
+            out[id(w)] = f
+            offset += w.numel()
+    return out
+
+
+def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2, units=None,
+             gpu=None, keep_output=True):
     """Run the steps on fake tensors; returns (ledger, hooks, facts).
+
+    device "cuda": the step the GPU ``gpu`` (an _estimate_cuda.GPU) runs: its kernels' choices and
+    workspaces (_estimate_kernels.cuda_kernels / cuda_routing), cuDNN's flat RNN weights.
+    keep_output: the model's output stays alive until the step ends (else it is freed before backward).
 
     units: [(name, module)] FSDP would wrap (innermost first, the root last): their forward, the
     start of their backward and its end are recorded as ledger positions (facts["unit_events"]).
@@ -640,20 +681,33 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     from ._estimate_kernels import kernels_for
 
     facts = {}
+    cuda_state = None
+    if device == "cuda":
+        from ._estimate_kernels import CudaState, cuda_kernels
+
+        cuda_state = CudaState(gpu)
+        facts["cuda_state"] = cuda_state
     params = _unique_tensors(model.named_parameters(remove_duplicate=False))
     buffers = _unique_tensors(model.named_buffers(remove_duplicate=False))
     specs = [_input_spec(x, i) for i, x in enumerate(inputs)]
     grads_keys, state_keys = set(), set()
-    rng_bytes = torch.get_rng_state().untyped_storage().nbytes() if checkpoint_spec is not None else 0
+    # checkpoint keeps the RNG states: host tensors, on the CPU's counters but not on a GPU's
+    rng_bytes = 0
+    if checkpoint_spec is not None and device != "cuda":
+        rng_bytes = torch.get_rng_state().untyped_storage().nbytes()
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode())
-        stack.enter_context(_accounting_mode(ledger, kernels_for("cpu"), allow_item))
+        kernels = cuda_kernels(cuda_state) if cuda_state is not None else kernels_for("cpu")
+        stack.enter_context(_accounting_mode(ledger, kernels, allow_item))
         ledger.phase = "setup"
 
         def dt(t):
             return low if cast_params and t.is_floating_point() else t.dtype
 
-        fparams = [(names, fake_like(p, "cpu", dtype=dt(p), requires_grad=p.requires_grad)) for names, p in params]
+        flat = _cudnn_flat_weights(model, params, dt) if cuda_state is not None else {}
+        fparams = [(names, flat.get(id(p)) if id(p) in flat else
+                    fake_like(p, "cpu", dtype=dt(p), requires_grad=p.requires_grad)) for names, p in params]  # fmt: skip
+        del flat
         fbufs = [(names, fake_like(b, "cpu", dtype=dt(b), requires_grad=False)) for names, b in buffers]
         ledger.mark([ledger.key_of(t) for _, t in fparams], "parameter")
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
@@ -728,6 +782,10 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
 
         stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call))
         stack.enter_context(_swapped(model, fakes))
+        if cuda_state is not None:
+            from ._estimate_kernels import cuda_routing
+
+            stack.enter_context(cuda_routing(cuda_state))
         hooks.install()
         stack.callback(hooks.remove)
         loss_fn = loss_fn or default_loss
@@ -741,7 +799,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             with hooks.phase("backward"):
                 with torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext():
                     loss = loss_fn(out, *finputs)
-                del out
+                if not keep_output:
+                    del out
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise MemtorchError("loss_fn must return a one-element tensor (the loss)")
                 loss.backward()
@@ -766,6 +825,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             ledger.attribute = False
             # zero_grad outside the phase, as track() sees a step (its hooks wrap step() only)
             opt.zero_grad(set_to_none=True)
+            out = None  # a loop's step ends: the output it kept goes
             allow_item[0] = False
             index = {id(t): i for i, t in enumerate(opt_params)}
             for p_, st in opt.state.items():
@@ -787,6 +847,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark(grads_keys, "gradient")
         ledger.mark(state_keys, "optimizer_state")
         facts["end_live"] = set(ledger.live.values())
+        if cuda_state is not None:  # the cuBLAS workspaces stay with their handles
+            facts["end_live"] |= set(cuda_state.blas.values()) | set(cuda_state.blas_lt.values())
         facts["last_state"] = facts["state_keys"] & facts["end_live"]
         facts["end_current"] = ledger.current
         del opt, fparams, fbufs, finputs, fakes, trainable, masters, opt_params
@@ -855,6 +917,8 @@ def estimate(
     world_size=1,
     sharding=None,
     fsdp_units=None,
+    gpu=None,
+    keep_output=True,
 ):
     """Estimate the memory of one training step of ``model`` on ``inputs`` without running it for real.
 
@@ -878,8 +942,14 @@ def estimate(
     True). fsdp_units (zero2/zero3): the modules fully_shard is called on
     before the root: None for each block of every nn.ModuleList (without one,
     each child of the model holding parameters), or a list of module names
-    and/or module types, or a predicate (name, module) -> bool. Returns an
-    Estimate.
+    and/or module types, or a predicate (name, module) -> bool. gpu
+    (device="cuda"): the GPU whose step is modelled: a name ("h100", "h200",
+    "a100", "l4", ... see memtorch._estimate_cuda.GPUS) or a compute
+    capability ("9.0", (9, 0)); default: this machine's GPU, else an
+    H100-class device. keep_output: the model's output stays alive through
+    backward and the optimizer step, as in a loop ``out = model(x); loss =
+    loss_fn(out, x); loss.backward(); opt.step()``; False frees it before
+    backward (a loop that deletes it). Returns an Estimate.
     """
     import time
 
@@ -891,6 +961,18 @@ def estimate(
     if not inputs:
         raise MemtorchError("estimate() needs example inputs: estimate(model, x) with a tensor or a shape")
     device = str(device).split(":")[0]
+    if not isinstance(keep_output, bool):
+        raise MemtorchError(f"keep_output must be True or False, got {keep_output!r}")
+    target = None
+    if device == "cuda":
+        from ._estimate_cuda import resolve_gpu
+
+        try:
+            target = resolve_gpu(gpu)
+        except ValueError as e:
+            raise MemtorchError(str(e)) from None
+    elif gpu is not None:
+        raise MemtorchError(f"gpu={gpu!r} applies to device='cuda', not to device={device!r}")
     if world_size > 1 and sharding is None:
         sharding = "ddp"
     fsdp_mods = None
@@ -908,7 +990,8 @@ def estimate(
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
         ledger, hooks, facts = _dry_run(
-            model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods
+            model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods, gpu=target,
+            keep_output=keep_output,
         )
     except _DataDependent as e:
         raise MemtorchError(
@@ -929,7 +1012,7 @@ def estimate(
     notes += sorted(_estimate_kernels.notes)
     from . import cpu
 
-    if not cpu.exact():
+    if device != "cuda" and not cpu.exact():
         notes.append(
             "this process has no exact CPU counters (memtorch.cpu.mechanism() is not libc10-got): the scratch "
             "space CPU kernels allocate inside themselves was not measured and is not in the estimate"
@@ -964,11 +1047,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
         reserved_peak = max(reserved_curve, default=0)
         reserved_steady = reserved_curve[-1] if reserved_curve else 0
-        notes.append(
-            "device='cuda': the CUDA context (typically 300-600 MiB per process) and cuBLAS/cuDNN workspaces "
-            "are outside these figures, as they are outside torch.cuda.memory_allocated(); the kernels "
-            "modelled are the CPU's"
-        )
+        notes += _cuda_notes(facts.get("cuda_state"))
         curve = alloc_curve
     else:
         curve = _curve(ledger)
@@ -1053,6 +1132,34 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         notes=notes, seconds=seconds,
         _param_numels=facts["param_numels"], _param_groups=facts["param_groups"], _step_scratch_at_peak=step_scratch,
     )  # fmt: skip
+
+
+def _cuda_notes(state):
+    """What estimate(device="cuda") modelled and what it did not, for the report."""
+    if state is None:
+        return []
+    gpu = state.gpu
+    routed = ", ".join(f"{k} x{v}" for k, v in sorted(state.routed.items()))
+    notes = [
+        f"device='cuda': modelled the step on {gpu.describe()}, torch 2.11+ rules: the kernels torch picks "
+        "there (SDPA backend, fused dropout, cuDNN RNN" + (f"; here: {routed}" if routed else "") + "), "
+        f"a cuBLAS workspace of {gpu.cublas_workspace:,} B per thread that multiplies matrices (the Python "
+        f"thread and the autograd engine's), a {gpu.cublaslt_workspace:,} B cuBLASLt one per thread that adds a "
+        "bias in the GEMM, and the caching allocator's 512 B blocks and segments; these workspaces stay "
+        "allocated for the process, as in a fresh process's first steps",
+        "device='cuda': not modelled: the CUDA context (typically 300-600 MiB per process, outside "
+        "torch.cuda.memory_allocated()), NCCL's buffers, CUDA reductions' staging buffers, CUDA autocast's own "
+        "cast lists (precision='*-mixed' runs the CPU's), and a torch.compile'd graph's fusion",
+    ]
+    if state.routed.get("cuDNN convolution"):
+        notes.append("device='cuda': cuDNN convolution workspaces are modelled as the transposed copies of the "
+                     "operands its NHWC engines make (freed inside the kernel); cuDNN's heuristics may pick engines "
+                     "with other workspaces, so reserved_peak is the least certain figure for convolutions")
+    if any(k.startswith("cuDNN RNN") for k in state.routed):
+        notes.append("device='cuda': cuDNN RNN reserve and workspace sizes follow a layout inferred from one "
+                     "measured LSTM (see memtorch._estimate_cuda.rnn_sizes): not exact for other shapes or modes")
+    notes += sorted("device='cuda': " + u for u in state.unmodelled)
+    return notes
 
 
 def _cuda_block(n):

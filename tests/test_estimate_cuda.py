@@ -1,0 +1,176 @@
+"""estimate(device="cuda") against a real GPU: the five training steps measured on an NVIDIA H200
+(tests/data/h200: true figures from torch.cuda's own counters and the caching allocator's trace),
+and the GPU rules it follows (torch's SDPA selection, cuBLAS workspaces), checked by hand. No GPU needed.
+"""
+
+import gzip
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import memtorch
+from memtorch._estimate_cuda import GPU, resolve_gpu, rnn_sizes, sdpa_backend
+from memtorch.errors import MemtorchError
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "h200")
+MiB = 1 << 20
+
+
+def _cases():
+    spec = importlib.util.spec_from_file_location("h200_cases", os.path.join(DATA, "cases.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _json(name):
+    with open(os.path.join(DATA, name)) as f:
+        return json.load(f)
+
+
+TRUTH = {c["case"]: c for c in _json("cases.json")["cases"]}
+FACTS = _json("facts.json")
+# cuDNN convolution workspaces depend on the engine cuDNN's heuristics pick per shape: the peak holds,
+# the segments the allocator reserves for them do not (the estimate's workspaces fit cached blocks
+# that the real, slightly larger ones do not)
+RESERVED_OFF = {"resnet18-fp32": "cuDNN's convolution workspaces per engine are not modelled to the byte"}
+
+
+@pytest.mark.parametrize("case", list(TRUTH))
+def test_shipped_h200_case(case):
+    if case == "gpt2-fp32":
+        pytest.importorskip("transformers")
+    cases = _cases()
+    torch.manual_seed(0)
+    model, inputs, loss_fn, opt, precision, ck = cases.build(case)
+    # the measured loop deletes the output before backward (cases.measured_loop)
+    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
+                            device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+    true_peak, true_reserved = TRUTH[case]["true_peak"], TRUTH[case]["true_reserved"]
+    peak_err = est.peak / true_peak - 1
+    res_err = est.reserved_peak / true_reserved - 1
+    print(f"{case}: peak {est.peak:,} vs {true_peak:,} ({peak_err:+.2%}); "
+          f"reserved {est.reserved_peak:,} vs {true_reserved:,} ({res_err:+.2%})")  # fmt: skip
+    assert abs(peak_err) <= 0.03, (case, peak_err)
+    if case in RESERVED_OFF:
+        assert abs(res_err) > 0.10, "reserved now within 10%: drop the case from RESERVED_OFF"
+        pytest.xfail(RESERVED_OFF[case])
+    assert abs(res_err) <= 0.10, (case, res_err)
+    assert "NVIDIA H200 (compute capability 9.0" in str(est)
+
+
+def test_cublas_workspace_per_thread_from_facts():
+    # facts.json: a fresh process's first fp32 matmul leaves 32 MiB allocated on compute capability 9.0
+    assert resolve_gpu("h200").cublas_workspace == FACTS["after_first_fp32_matmul"] == 32 * MiB
+    # elsewhere :4096:2:16:8 (CublasHandlePool.cpp): 2 x 4096 KiB + 8 x 16 KiB
+    assert resolve_gpu("a100").cublas_workspace == 2 * 4096 * 1024 + 8 * 16 * 1024
+    model = nn.Linear(64, 32, bias=False)  # mm forward (Python thread), mm backward (autograd thread)
+    est = memtorch.estimate(model, (8, 64), optimizer="sgd", device="cuda", gpu="h100")
+    params = 32 * 64 * 4  # 8,192 B: a multiple of 512
+    grads = params
+    x = 8 * 64 * 4  # 2,048 B: a multiple of 512
+    assert est.breakdown["workspace"] == 2 * 32 * MiB
+    # between steps: parameters, the input, both workspaces (the output the step kept is gone)
+    assert est.steady == params + x + 2 * 32 * MiB
+    assert est.peak >= params + grads + x + 2 * 32 * MiB
+
+
+def test_cublaslt_workspace_for_a_bias_gemm():
+    with_bias = memtorch.estimate(nn.Linear(64, 32), (8, 64), optimizer="sgd", device="cuda", gpu="h100")
+    # addmm with a bias vector runs cuBLASLt on the forward thread: a second, 1 MiB workspace
+    assert with_bias.breakdown["workspace"] == 2 * 32 * MiB + 1 * MiB
+
+
+def test_sdpa_backend_rules():
+    h100, a100, v100 = resolve_gpu("h100"), resolve_gpu("a100"), resolve_gpu("v100")
+
+    def qkv(dtype, d=64, heads=8, lq=128, lk=128):
+        q = torch.empty(2, heads, lq, d, dtype=dtype, device="meta", requires_grad=True)
+        k = torch.empty(2, heads, lk, d, dtype=dtype, device="meta")
+        return q, k, k
+
+    # facts.json (H200): fp32 -> memory-efficient, bf16 -> cuDNN attention
+    assert "aten::_scaled_dot_product_efficient_attention" in FACTS["sdpa_ops_float32"]
+    assert sdpa_backend(*qkv(torch.float32), None, 0.1, False, h100) == "efficient"
+    assert "aten::_scaled_dot_product_cudnn_attention" in FACTS["sdpa_ops_bfloat16"]
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.1, True, h100) == "cudnn"
+    # sm80: cuDNN is not first in torch's order, flash is
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, True, a100) == "flash"
+    # flash takes no mask: efficient does
+    mask = torch.empty(128, 128, device="meta")
+    assert sdpa_backend(*qkv(torch.float16), mask, 0.0, False, a100) == "efficient"
+    # fp32 with a head dim not a multiple of 4: math
+    assert sdpa_backend(*qkv(torch.float32, d=30), None, 0.0, False, h100) == "math"
+    # head dim 512 bf16 on sm90: beyond cuDNN (256) and flash (256), efficient takes it
+    assert sdpa_backend(*qkv(torch.bfloat16, d=512), None, 0.0, False, h100) == "efficient"
+    # sm70 has no bf16 efficient kernel and no flash: math
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, False, v100) == "math"
+
+
+def test_attention_saves_logsumexp_not_probabilities():
+    # the encoder layer's attention on CUDA (fp32: memory-efficient) saves a logsumexp of
+    # B x H x ceil(L/32)*32 floats, the CPU's math path B x H x L x L probabilities and a float mask
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    cuda = memtorch.estimate(model, (8, 256, 64), optimizer="sgd", device="cuda", gpu="h100")
+    assert any("attention: efficient x2" in n for n in cuda.notes)
+    cpu_est = memtorch.estimate(model, (8, 256, 64), optimizer="sgd", device="cpu")
+    probs = 8 * 4 * 256 * 256 * 4  # 8 MiB per layer on the CPU path, kept for backward
+    assert cpu_est.breakdown["activation"] - cuda.breakdown["activation"] > probs
+
+
+def test_lstm_reserve_and_workspace_from_the_trace():
+    # the real trace's _VF.lstm forward: output, h_n, c_n, then a transient workspace and the reserve
+    with gzip.open(os.path.join(DATA, "lstm-fp32.events.json.gz")) as f:
+        rows = json.load(f)["events"]
+    fwd = [r[1] for r in rows if r[0] == "alloc" and "rnn.py:1169" in r[4]]
+    output, h_n, c_n, workspace, reserve = fwd[:5]
+    assert (output, h_n, c_n) == (128 * 32 * 1024 * 4, 2 * 32 * 1024 * 4, 2 * 32 * 1024 * 4)
+    assert rnn_sizes("LSTM", 128, 32, 512, 1024, 2, 1, 4) == (reserve, workspace)
+
+
+def test_gpu_argument():
+    assert resolve_gpu("9.0").capability == (9, 0)
+    assert resolve_gpu((8, 9)).capability == (8, 9)
+    assert resolve_gpu("L4").name == "NVIDIA L4"
+    if not torch.cuda.is_available():
+        assert resolve_gpu(None).name == "NVIDIA H100" and "default" in resolve_gpu(None).source
+    with pytest.raises(MemtorchError, match="unknown gpu"):
+        memtorch.estimate(nn.Linear(4, 4), (2, 4), device="cuda", gpu="potato")
+    with pytest.raises(MemtorchError, match="applies to device='cuda'"):
+        memtorch.estimate(nn.Linear(4, 4), (2, 4), gpu="h100")
+    est = memtorch.estimate(nn.Linear(4, 4), (2, 4), device="cuda", gpu=GPU("test", (8, 0)))
+    assert "compute capability 8.0" in str(est) and "not modelled" in str(est)
+
+
+def test_keep_output_holds_the_output_through_backward():
+    # the output's own bytes, 64 x 1000 float32 = 256,000 B: alive in backward by default
+    model = nn.Sequential(nn.Linear(16, 1000))
+    kept = memtorch.estimate(model, (64, 16), optimizer="sgd")
+    freed = memtorch.estimate(model, (64, 16), optimizer="sgd", keep_output=False)
+    assert kept.phases["backward"].peak_above_start - freed.phases["backward"].peak_above_start == 64 * 1000 * 4
+    with pytest.raises(MemtorchError, match="keep_output"):
+        memtorch.estimate(model, (64, 16), keep_output="yes")
+
+
+def test_sdpa_under_autocast_runs_in_the_low_dtype():
+    # CUDA autocast casts scaled_dot_product_attention's inputs to bf16: cuDNN attention on 9.0,
+    # even for float32 tensors the model hands it
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            q = (x * self.w).unflatten(-1, (4, 16)).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    est = memtorch.estimate(Attn(), (4, 32, 64), optimizer="sgd", device="cuda", gpu="h100", precision="bf16-mixed")
+    assert any("attention: cudnn x2" in n for n in est.notes)
+    fp32 = memtorch.estimate(Attn(), (4, 32, 64), optimizer="sgd", device="cuda", gpu="h100")
+    assert any("attention: efficient x2" in n for n in fp32.notes)
