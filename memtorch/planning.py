@@ -95,16 +95,16 @@ peak; peak_outside_step, the highest of the forward and backward peaks
 Option = namedtuple(
     "Option",
     "world_size sharding precision checkpointing micro_batch accumulation peak margin fits reserved peak_upper "
-    "rank_peaks",
-    defaults=(None, None, None),
+    "rank_peaks rank_peaks_upper",
+    defaults=(None, None, None, None),
 )
 Option.__doc__ = """One combination, in bytes: per-rank peak and margin (device memory - reserve - the figure judged).
 
 peak: the highest rank's peak, memtorch.estimate(..., world_size, sharding)'s
 own figure; reserved (device="cuda"): the caching allocator's segments on the
 highest rank, estimate()'s reserved_peak; peak_upper (device="cpu"): the peak
-with gloo's scratch freed late (estimate()'s peak_upper); rank_peaks: every
-rank's peak. The figure judged against the device is reserved on CUDA (what
+with gloo's scratch freed late (estimate()'s peak_upper); rank_peaks,
+rank_peaks_upper: every rank's peak and (CPU) peak_upper. The figure judged against the device is reserved on CUDA (what
 the device must hold), peak_upper on the CPU, else peak; margin < 0 is how far
 over. accumulation: micro-batches per optimizer step on each rank
 (global_batch / (world_size * micro_batch)), or None without a global batch.
@@ -593,7 +593,7 @@ def plan(
                         if n == 1:
                             if s != "ddp":
                                 continue  # one rank: nothing to shard, trained unwrapped
-                            peak, reserved, upper, ranks = peak1, reserved1, peak1, (peak1,)
+                            peak, reserved, upper, ranks, uppers = peak1, reserved1, peak1, (peak1,), (peak1,)
                         else:
                             if s == "zero1-even" and not pad and facts["trainable_numel"] % n:
                                 raise MemtorchError(
@@ -607,11 +607,12 @@ def plan(
                             reserved = max(r["reserved_peak"] for r in rows) if dev == "cuda" else None
                             upper = max(r["peak_upper"] for r in rows)
                             ranks = tuple(r["peak"] for r in rows)
+                            uppers = tuple(r["peak_upper"] for r in rows)
                         judged = reserved if reserved is not None else upper
                         margin = memory - keep - judged
                         options.append(Option(n, s, prec, ckpt, mb, accumulation, int(peak), int(margin),
                                               margin >= 0, reserved, None if dev == "cuda" else int(upper),
-                                              ranks))  # fmt: skip
+                                              ranks, None if dev == "cuda" else uppers))  # fmt: skip
     precs = list(dict.fromkeys(precisions))
     options.sort(key=lambda o: _order_key(o, precs))
     if skipped:
