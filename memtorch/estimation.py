@@ -894,7 +894,7 @@ def estimate(
     entry per rank; peak is the highest rank's, peak_rank that rank) for
     ddp (DistributedDataParallel), zero1 (torch's ZeroRedundancyOptimizer
     under DDP: whole parameters per rank, so ranks differ), zero1-even
-    (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements),
+    (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements, each parameter group padded as DeepSpeed pads it),
     zero2 / zero3 (FSDP2 fully_shard with reshard_after_forward False /
     True). fsdp_units (zero2/zero3): the modules fully_shard is called on
     before the root: None for each block of every nn.ModuleList (without one,
@@ -1134,9 +1134,10 @@ _RANK_NOTES = {
     "zero1": "per-rank figures for zero1 on {n} ranks: torch's ZeroRedundancyOptimizer under DDP: whole "
     "parameters assigned to ranks greedily by size, each rank keeping optimizer state and computing the "
     "step only for its own (so ranks differ), plus DDP's gradient buckets",
-    "zero1-even": "per-rank figures for zero1-even on {n} ranks: DeepSpeed's ZeRO stage 1, 1/{n} of every "
-    "optimizer-state tensor and optimizer-step temporary per rank; DeepSpeed's own communication buffers "
-    "are not modelled",
+    "zero1-even": "per-rank figures for zero1-even on {n} ranks: DeepSpeed's ZeRO stage 1, each parameter group "
+    "padded to a multiple of 2 x {n} elements and split into {n} equal partitions, each rank keeping the "
+    "optimizer state and step temporaries of its partition; DeepSpeed's own communication buffers are not "
+    "modelled",
     "zero2": "per-rank figures for zero2 on {n} ranks: FSDP2 fully_shard(reshard_after_forward=False) on each "
     "unit then the root: parameters, gradients and optimizer state sharded (padded to whole rows), each unit's "
     "parameters gathered from its forward to the end of its backward, all-gather and reduce-scatter buffers "

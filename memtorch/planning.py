@@ -5,11 +5,15 @@
                         # checkpointing, micro-batch, per-rank peak, margin
     p.best              # the cheapest combination that fits (an Option), or None
 
-How. For each (precision, checkpointing, micro-batch) memtorch.estimate() dry-runs
-one training step on one process (fake tensors, no real memory); every world
-size and sharding after that is arithmetic on that one-process breakdown
-(``per_rank``), so thousands of world sizes cost no more than one. The
-arithmetic, with P, G, O the bytes of parameters, gradients and optimizer state
+How plan() works. For each (precision, checkpointing, micro-batch)
+memtorch.estimate() dry-runs one training step on one process (fake tensors, no
+real memory); every world size and sharding after that is a replay of that dry
+run per rank by estimate()'s own code (estimation._rank_results), so each row
+is what estimate(..., world_size=N, sharding=...) reports, at the cost of one
+replay of the recorded allocations (no new dry run) per world size and sharding.
+
+The arithmetic of per_rank() / plan_from() (on a Breakdown, without a dry run;
+an approximation kept for those who have only the figures), with P, G, O the bytes of parameters, gradients and optimizer state
 of one process, G_peak and O_peak the gradient and optimizer-state bytes alive
 at its peak, U the parameter bytes of the largest block, and shard(x) = x / n
 rounded up to a whole element:
@@ -45,12 +49,8 @@ rounded up to a whole element:
 These are the ZeRO paper's model-state formulas (Rajbhandari et al. 2020,
 section 5) applied to the measured breakdown; ``zero_model_states`` gives the
 paper's own figures (16-bit parameters and gradients, K = 12 bytes of fp32
-master weights and Adam state per parameter). This arithmetic is what makes
-thousands of world sizes cheap, and it is an approximation: the figures of
-memtorch.estimate(model, x, world_size=N, sharding=...) replay the step per
-rank with each wrapper's own buffers (FSDP2's all-gather and reduce-scatter
-buffers, the step's scratch on each shard) and are the ones to trust for one
-world size; the plan's zero2/zero3 rows do not model FSDP2's buffers.
+master weights and Adam state per parameter). This arithmetic is an
+approximation (no FSDP2 buffers); plan() does not use it.
 
 (Named planning.py, not plan.py, so that importing the submodule never
 shadows memtorch.plan the function.)
