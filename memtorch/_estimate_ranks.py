@@ -20,10 +20,17 @@ zero1: torch.distributed.optim.ZeroRedundancyOptimizer under DDP. Whole
     a tie), the running totals carried across groups. A rank's optimizer keeps
     state, and computes its step's temporaries, only for its own parameters;
     the broadcast of the updated parameters is in place. DDP's buckets as above.
-zero1-even: DeepSpeed's ZeRO stage 1: the flattened elements split evenly, each
-    rank holding 1/N of every optimizer-state tensor and step temporary
-    (the world size must divide the elements); communication buffers are not
-    modelled.
+zero1-even: DeepSpeed's ZeRO stage 1 (deepspeed/runtime/zero/stage_1_and_2.py,
+    DeepSpeedZeroOptimizer.__init__): each parameter group's trainable
+    parameters are flattened into one buffer padded with zeros to a multiple of
+    nccl_start_alignment_factor (2) * N elements (flatten_dense_tensors_aligned),
+    which get_data_parallel_partitions cuts into N equal partitions; each rank's
+    fp32 master weights and optimizer state are its partition, padding included
+    (2 * ceil(E / 2N) elements of a group of E elements, on every rank). Here each
+    elementwise optimizer-state tensor and step temporary of a parameter of E_p
+    elements is scaled to its part of the rank's partition (E_p / E of it, the
+    rounding left to the group's last parameter, so that a group's parts add up
+    to the partition exactly); communication buffers are not modelled.
 zero2, zero3: FSDP2, fully_shard on each unit then on the root
     (torch/distributed/fsdp/_fully_shard), reshard_after_forward False (zero2) or
     True (zero3). Each parameter is split into N chunks along dim 0, each rank
@@ -45,7 +52,17 @@ zero2, zero3: FSDP2, fully_shard on each unit then on the root
     all-gather and the reduce-scatter each take a scratch tensor from PyTorch's
     allocator as large as the gathered output / the reduce-scatter input while
     they run (measured with memtorch's counters around one collective on 2 and 4
-    gloo ranks); on CUDA (NCCL) none is modelled.
+    gloo ranks); on CUDA (NCCL) none is modelled. gloo hands the work to a worker
+    thread (ProcessGroupGloo::runLoop), which drops its reference to a finished
+    work, and so the scratch, only when it runs again: the scratch can outlive the
+    collective, at the latest until the worker takes the next collective. So on
+    the CPU each rank has two figures: ``peak`` with every scratch freed when its
+    collective returns, ``peak_upper`` with each one freed only once the next
+    collective's scratch is allocated (the highest the late frees can reach).
+
+device="cuda": each rank's sequence of allocations goes through the caching
+allocator's model (_estimate_cuda.CachingAllocator), which gives that rank's
+allocated and reserved curves; a rank's ``reserved_peak`` is its own.
 """
 
 import heapq
@@ -182,10 +199,12 @@ def _chunk_rows(d0, n, rank):
 # The replay
 
 
-def _replay(ledger, size_of, inserts, spans):
+def _replay(ledger, size_of, inserts, spans, cuda=False):
     """Curve of a rank: ledger events with sizes from size_of(key), inserts {pos: [(pseudo key, +1/-1)]}.
 
-    Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)]).
+    Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)], reserved peak);
+    cuda: the curve is the caching allocator's allocated bytes (its blocks), and the reserved peak its
+    segments' (None otherwise).
     """
     cur = 0
     best, best_at = 0, -1
@@ -202,11 +221,28 @@ def _replay(ledger, size_of, inserts, spans):
     for p in sorted(extra):
         seq.extend(inserts[p])
     curve = []
-    for key, sign in seq:
-        cur += sign * size_of(key)
-        curve.append(cur)
-        if cur > best:
-            best, best_at = cur, len(curve) - 1
+    reserved = None
+    if cuda:
+        from ._estimate_cuda import CachingAllocator
+
+        alloc = CachingAllocator()
+        reserved = 0
+        for key, sign in seq:
+            if sign > 0:
+                alloc.malloc(key, size_of(key))
+            else:
+                alloc.free(key)
+            cur = alloc.allocated
+            curve.append(cur)
+            if cur > best:
+                best, best_at = cur, len(curve) - 1
+        reserved = alloc.reserved  # segments are kept: the last figure is the highest
+    else:
+        for key, sign in seq:
+            cur += sign * size_of(key)
+            curve.append(cur)
+            if cur > best:
+                best, best_at = cur, len(curve) - 1
     live = set()
     for key, sign in seq[: best_at + 1]:
         if sign > 0:
@@ -222,11 +258,34 @@ def _replay(ledger, size_of, inserts, spans):
         start = curve[s2 - 1] if s2 > 0 else 0
         end = curve[e2 - 1] if e2 > 0 else 0
         phases.append((name, start, end, max(max(curve[s2:e2], default=start), start)))
-    return best, live, (curve[-1] if curve else 0), phases
+    return best, live, (curve[-1] if curve else 0), phases, reserved
 
 
-def per_rank(ledger, hooks, facts, n, sharding, rnd=None):
-    """[{rank figures}] for every rank, by replaying the ledger. rnd(bytes): the allocator's rounding (CUDA)."""
+def even_partition(groups, numels, n):
+    """DeepSpeed ZeRO stage 1/2's partition: [elements of one rank's partition] per parameter group, and
+    {parameter index: its part of that partition} (elements).
+
+    Each group's E elements are padded to a multiple of 2 * n (nccl_start_alignment_factor 2 times the
+    world size, flatten_dense_tensors_aligned) and cut into n equal partitions of 2 * ceil(E / 2n); a
+    parameter's part is its share E_p / E of it, rounded down, the rest going to the group's last parameter.
+    """
+    sizes, parts = [], {}
+    for group in groups:
+        e = sum(numels[i] for i in group)
+        align = 2 * n
+        size = (e + align - 1) // align * align // n
+        sizes.append(size)
+        given = 0
+        for j, i in enumerate(group):
+            share = size - given if j == len(group) - 1 else (numels[i] * size // e if e else 0)
+            parts[i] = share
+            given += share
+    return sizes, parts
+
+
+def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
+    """[{rank figures}] for every rank, by replaying the ledger. rnd(bytes): the allocator's rounding (CUDA);
+    cuda: each rank's sequence replayed through the caching allocator's model (allocated and reserved)."""
     rnd = rnd or (lambda b: b)
     info = ledger.info
     owner = ledger.owner
@@ -237,14 +296,6 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None):
         return rnd(info[k][0])
 
     G = sum(size0(k) for k in facts["last_grads"])
-    if sharding in EVEN:
-        numel = sum(numels)
-        if numel % n:
-            raise MemtorchError(
-                f"world_size {n} does not divide the {numel} trainable parameter elements that {sharding} splits "
-                "evenly across ranks (DeepSpeed pads the last shard; pick a world size that divides it, or "
-                "sharding='zero1', torch's ZeroRedundancyOptimizer, which gives each rank whole parameters)"
-            )
 
     def in_step(k):
         # allocated by the optimizer step (state, temporaries) or kept as optimizer state
@@ -276,7 +327,7 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None):
                         o = owner.get(k)
                         if o is not None and o >= 0 and o not in mine and in_step(k):
                             over[k] = 0
-                cache[mine] = (over, _replay(ledger, sized(over), inserts, hooks.spans))
+                cache[mine] = (over, _replay(ledger, sized(over), inserts, hooks.spans, cuda))
             over, rep = cache[mine]
             fig = _figures(r, rep, sized(over), info, pseudo, facts, G, rnd(G), 0)
             if parts is not None:
@@ -284,15 +335,16 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None):
             results.append(fig)
         return results
     if sharding in EVEN:
+        _sizes, part = even_partition(facts["param_groups"], numels, n)
         over = {}
         for k in info:
             o = owner.get(k)
             if o is not None and o >= 0 and in_step(k):
-                over[k] = rnd(_scaled(info[k][0], numels[o], numels[o] / n, ledger.elements.get(k)))
-        rep = _replay(ledger, sized(over), {}, hooks.spans)
+                over[k] = rnd(_scaled(info[k][0], numels[o], part.get(o, 0), ledger.elements.get(k)))
+        rep = _replay(ledger, sized(over), {}, hooks.spans, cuda)
         fig = _figures(0, rep, sized(over), info, pseudo, facts, G, 0, 0)
         return [dict(fig, rank=r) for r in range(n)]
-    return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G)
+    return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G, cuda)
 
 
 def _scaled(nbytes, numel, part, elements):
@@ -304,8 +356,8 @@ def _scaled(nbytes, numel, part, elements):
     return nbytes
 
 
-def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
-    peak, live, end, phases = rep
+def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered, upper=None):
+    peak, live, end, phases, reserved = rep
     breakdown = {}
     for k in live:
         cat = pseudo[k][1] if isinstance(k, tuple) else info[k][3]
@@ -316,6 +368,9 @@ def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
     return {
         "rank": rank,
         "peak": int(peak),
+        # gloo (CPU FSDP): the peak if each collective's scratch is freed only when the next one begins
+        "peak_upper": int(peak if upper is None else max(peak, upper)),
+        "reserved_peak": None if reserved is None else int(reserved),
         "steady": int(steady),
         "parameter": sum(size_of(k) for k in facts["param_keys"]),
         "gradient": int(grads),
@@ -328,7 +383,7 @@ def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered):
     }
 
 
-def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G):
+def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G, cuda=False):
     gloo = facts.get("device", "cpu") == "cpu"
     info = ledger.info
     owner = ledger.owner
@@ -392,10 +447,13 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
         for k in grad_keys:  # autograd's unsharded gradient: replaced by a pseudo key freed when reduced
             over[k] = 0
         inserts = {}
+        late = {}  # the same with each gloo scratch freed only once the next collective's is allocated
         counter = [0]
+        last_scratch = [None]
 
-        def at(pos, *items, inserts=inserts):
+        def at(pos, *items, inserts=inserts, late=late):
             inserts.setdefault(pos, []).extend(items)
+            late.setdefault(pos, []).extend(items)
 
         def new(name, nbytes, cat, counter=counter):
             counter[0] += 1
@@ -408,7 +466,12 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
             # gathered output / the reduce-scatter input, freed when the collective returns
             if gloo:
                 key = new("gloo scratch", nbytes, "communication")
-                at(pos, (key, 1), (key, -1))
+                inserts.setdefault(pos, []).extend([(key, 1), (key, -1)])
+                later = late.setdefault(pos, [])
+                later.append((key, 1))
+                if last_scratch[0] is not None:
+                    later.append((last_scratch[0], -1))
+                last_scratch[0] = key
 
         unsharded = [None] * len(units)
         prefetched = {}
@@ -491,10 +554,13 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
                 if st["rs"] is not None:
                     at(pos, (st["rs"], -1))
                     st["rs"] = None
+        if last_scratch[0] is not None:
+            late.setdefault(len(ledger.events) + 1, []).append((last_scratch[0], -1))
         size_of = sized(over)
-        rep = _replay(ledger, size_of, inserts, spans)
+        rep = _replay(ledger, size_of, inserts, spans, cuda)
+        upper = _replay(ledger, size_of, late, spans)[0] if gloo else None
         gathered = sum(size_of(k) for k in rep[1] if isinstance(k, tuple) and k[0] == "unsharded parameters")
-        fig = _figures(r, rep, size_of, info, pseudo, facts, sum(rs_out_u), 0, gathered)
+        fig = _figures(r, rep, size_of, info, pseudo, facts, sum(rs_out_u), 0, gathered, upper)
         cache[rows] = fig
         results.append(fig)
     return results

@@ -43,6 +43,7 @@ splits the peak by category (the words of track()'s and inspect()'s reports).
 """
 
 import contextlib
+import contextvars
 import functools
 import html
 
@@ -65,6 +66,11 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "mix
 SHARDINGS = (None, "ddp", "zero1", "zero1-even", "zero2", "zero3")
 DEVICES = ("cpu", "cuda")
 
+# memtorch.plan() sets a list here: each estimate() made meanwhile appends its dry run (ledger, hooks, facts)
+# and its one-process (peak, reserved peak), so that plan() replays every world size and sharding with the
+# very code estimate() reports from (_rank_results)
+_KEEP_RUNS = contextvars.ContextVar("memtorch_keep_runs", default=None)
+
 
 
 # ---------------------------------------------------------------------------
@@ -84,7 +90,10 @@ class Estimate:
     phases), peak_rank (the first rank with the highest peak; peak, steady,
     breakdown and phases are that rank's), fsdp_units (zero2/zero3: [{name,
     gathered_bytes}], each unit's padded unsharded parameters),
-    reserved_peak (device="cuda": the caching allocator's segments at the peak),
+    reserved_peak (device="cuda": the caching allocator's segments at the peak;
+    per rank, the highest rank's), peak_upper (per rank on the CPU: the peak
+    when gloo frees each collective's scratch late, see _estimate_ranks; else
+    None or the peak),
     seconds (time the estimate took). start is 0, end = delta = steady and
     peak_above_start = peak, so that a budget check reads it as it reads a
     track() report of a step that builds its model inside the block.
@@ -110,6 +119,7 @@ class Estimate:
         self.per_rank = kw.get("per_rank")
         self.peak_rank = kw.get("peak_rank")
         self.fsdp_units = kw.get("fsdp_units")
+        self.peak_upper = kw.get("peak_upper")
         self._param_numels = kw.get("_param_numels")
         self._param_groups = kw.get("_param_groups")
         self._step_scratch_at_peak = kw.get("_step_scratch_at_peak", 0)
@@ -144,6 +154,7 @@ class Estimate:
             "peak_above_start": self.peak_above_start,
             "steady": self.steady,
             "reserved_peak": self.reserved_peak,
+            "peak_upper": self.peak_upper,
             "breakdown": dict(self.breakdown),
             "model_states": dict(self.model_states),
             "phases": {
@@ -178,8 +189,12 @@ class Estimate:
             ("peak", f(self.peak), "the step's high-water mark, parameters and inputs included"),
             ("steady", f(self.steady), "held between steps"),
         ]
+        if self.peak_upper is not None and self.peak_upper > self.peak:
+            rows.append(("peak, scratch freed late", f(self.peak_upper),
+                         "gloo freeing each collective's scratch only at the next collective"))  # fmt: skip
         if self.reserved_peak is not None:
-            rows.append(("reserved peak", f(self.reserved_peak), "held by the CUDA caching allocator"))
+            who = "per rank, " if self.per_rank else ""
+            rows.append(("reserved peak", f(self.reserved_peak), f"{who}held by the CUDA caching allocator"))
         return rows
 
     def _category_rows(self):
@@ -207,12 +222,18 @@ class Estimate:
             for m in mods
         ]  # fmt: skip
 
-    _RANK_FIGURES = (("peak", "peak"), ("parameter", "parameters"), ("gradient", "gradients"),
+    _RANK_FIGURES = (("peak", "peak"), ("peak_upper", "scratch freed late"), ("reserved_peak", "reserved"),
+                     ("parameter", "parameters"), ("gradient", "gradients"),
                      ("optimizer_state", "optimizer state"), ("communication_buckets", "DDP buckets"),
                      ("gathered_parameters", "gathered at the peak"))  # fmt: skip
 
     def _rank_figures(self):
-        return [(k, t) for k, t in self._RANK_FIGURES if k == "peak" or any(r.get(k) for r in self.per_rank)]
+        def shown(k):
+            if k == "peak_upper":
+                return any(r.get(k, r["peak"]) != r["peak"] for r in self.per_rank)
+            return k == "peak" or any(r.get(k) for r in self.per_rank)
+
+        return [(k, t) for k, t in self._RANK_FIGURES if shown(k)]
 
     def _rank_header(self):
         return ["rank"] + [t for _, t in self._rank_figures()]
@@ -937,7 +958,7 @@ def estimate(
     entry per rank; peak is the highest rank's, peak_rank that rank) for
     ddp (DistributedDataParallel), zero1 (torch's ZeroRedundancyOptimizer
     under DDP: whole parameters per rank, so ranks differ), zero1-even
-    (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements),
+    (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements, each parameter group padded as DeepSpeed pads it),
     zero2 / zero3 (FSDP2 fully_shard with reshard_after_forward False /
     True). fsdp_units (zero2/zero3): the modules fully_shard is called on
     before the root: None for each block of every nn.ModuleList (without one,
@@ -1089,15 +1110,14 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         row.activation_bytes = row.activation_total // forwards
     # for memtorch.planning's zero1 arithmetic: the parameters' sizes and the step's scratch at the peak
     step_scratch = sum(size(k) for k in live if info[k][3] == "temporary" and info[k][1] == "optimizer")
+    one_process = (peak, reserved_peak)  # the step on one process, before any per-rank figures
     per_rank = peak_rank = fsdp_units = None
+    peak_upper = None
     if world_size > 1:
         from . import _estimate_ranks
 
         facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
-        facts["device"] = device
-        per_rank = _estimate_ranks.per_rank(
-            ledger, hooks, facts, world_size, sharding, None if sizes is None else _cuda_block
-        )
+        per_rank = _rank_results(ledger, hooks, facts, device, world_size, sharding)
         top = max(per_rank, key=lambda d: d["peak"])  # the first rank holding the most
         peak_rank = top["rank"]
         notes.append(_RANK_NOTES[sharding].format(n=world_size))
@@ -1115,21 +1135,34 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
             if checkpointing is not None:
                 notes.append("with checkpointing, FSDP gathering a unit again for its recomputation is not modelled")
         if device == "cuda":
-            notes.append("per rank on cuda: each block rounded as the caching allocator does; reserved figures "
-                         "are one process's")  # fmt: skip
+            notes.append("per rank on cuda: each rank's allocations replayed through the caching allocator's "
+                         "model; allocated and reserved figures are that rank's")  # fmt: skip
         if sharding in ("zero2", "zero3"):
             fsdp_units = _estimate_ranks.unit_sizes(facts, world_size)
+            if device == "cpu" and any(r["peak_upper"] > r["peak"] for r in per_rank):
+                notes.append(
+                    "gloo frees a collective's scratch when its worker thread next runs, which can be after the "
+                    "collective returns: peak_upper (per rank and here) is the peak with each scratch freed only "
+                    "once the next collective's is allocated; a measured peak lies between peak and peak_upper"
+                )
         peak, steady = top["peak"], top["steady"]
+        peak_upper = max(r["peak_upper"] for r in per_rank)
+        if device == "cuda":
+            # the highest rank's segments; the model keeps segments (no empty_cache), so they stay
+            reserved_peak = reserved_steady = max(r["reserved_peak"] for r in per_rank)
         breakdown = {c: top["breakdown"].get(c, 0) for c in CATEGORIES + ("communication",)}
         phases = {}
         for name, start, end, high in top["spans"]:
             phases.setdefault(name, PhaseStats(name))._add(start, end, high, True, 0.0)
+    kept = _KEEP_RUNS.get()
+    if kept is not None:
+        kept.append((ledger, hooks, facts, one_process))
     return Estimate(
         device=device, precision=precision, optimizer=facts["optimizer_name"], world_size=world_size,
         sharding=sharding, peak=peak, steady=steady, breakdown={k: v for k, v in breakdown.items()},
         model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
         reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, fsdp_units=fsdp_units,
-        notes=notes, seconds=seconds,
+        peak_upper=peak_upper, notes=notes, seconds=seconds,
         _param_numels=facts["param_numels"], _param_groups=facts["param_groups"], _step_scratch_at_peak=step_scratch,
     )  # fmt: skip
 
@@ -1160,6 +1193,18 @@ def _cuda_notes(state):
                      "measured LSTM (see memtorch._estimate_cuda.rnn_sizes): not exact for other shapes or modes")
     notes += sorted("device='cuda': " + u for u in state.unmodelled)
     return notes
+
+
+def _rank_results(ledger, hooks, facts, device, world_size, sharding):
+    """Every rank's figures (memtorch._estimate_ranks.per_rank) from one classified dry run: what estimate()
+    reports for world_size > 1, and what plan() reads for each world size and sharding."""
+    from . import _estimate_ranks
+
+    if "last_grads" not in facts:
+        facts["last_grads"] = _grads_of_last_step(ledger)
+    facts["device"] = device
+    cuda = device == "cuda"
+    return _estimate_ranks.per_rank(ledger, hooks, facts, world_size, sharding, _cuda_block if cuda else None, cuda)
 
 
 def _cuda_block(n):
@@ -1196,9 +1241,10 @@ _RANK_NOTES = {
     "zero1": "per-rank figures for zero1 on {n} ranks: torch's ZeroRedundancyOptimizer under DDP: whole "
     "parameters assigned to ranks greedily by size, each rank keeping optimizer state and computing the "
     "step only for its own (so ranks differ), plus DDP's gradient buckets",
-    "zero1-even": "per-rank figures for zero1-even on {n} ranks: DeepSpeed's ZeRO stage 1, 1/{n} of every "
-    "optimizer-state tensor and optimizer-step temporary per rank; DeepSpeed's own communication buffers "
-    "are not modelled",
+    "zero1-even": "per-rank figures for zero1-even on {n} ranks: DeepSpeed's ZeRO stage 1, each parameter group "
+    "padded to a multiple of 2 x {n} elements and split into {n} equal partitions, each rank keeping the "
+    "optimizer state and step temporaries of its partition; DeepSpeed's own communication buffers are not "
+    "modelled",
     "zero2": "per-rank figures for zero2 on {n} ranks: FSDP2 fully_shard(reshard_after_forward=False) on each "
     "unit then the root: parameters, gradients and optimizer state sharded (padded to whole rows), each unit's "
     "parameters gathered from its forward to the end of its backward, all-gather and reduce-scatter buffers "

@@ -5,11 +5,15 @@
                         # checkpointing, micro-batch, per-rank peak, margin
     p.best              # the cheapest combination that fits (an Option), or None
 
-How. For each (precision, checkpointing, micro-batch) memtorch.estimate() dry-runs
-one training step on one process (fake tensors, no real memory); every world
-size and sharding after that is arithmetic on that one-process breakdown
-(``per_rank``), so thousands of world sizes cost no more than one. The
-arithmetic, with P, G, O the bytes of parameters, gradients and optimizer state
+How plan() works. For each (precision, checkpointing, micro-batch)
+memtorch.estimate() dry-runs one training step on one process (fake tensors, no
+real memory); every world size and sharding after that is a replay of that dry
+run per rank by estimate()'s own code (estimation._rank_results), so each row
+is what estimate(..., world_size=N, sharding=...) reports, at the cost of one
+replay of the recorded allocations (no new dry run) per world size and sharding.
+
+The arithmetic of per_rank() / plan_from() (on a Breakdown, without a dry run;
+an approximation kept for those who have only the figures), with P, G, O the bytes of parameters, gradients and optimizer state
 of one process, G_peak and O_peak the gradient and optimizer-state bytes alive
 at its peak, U the parameter bytes of the largest block, and shard(x) = x / n
 rounded up to a whole element:
@@ -45,12 +49,8 @@ rounded up to a whole element:
 These are the ZeRO paper's model-state formulas (Rajbhandari et al. 2020,
 section 5) applied to the measured breakdown; ``zero_model_states`` gives the
 paper's own figures (16-bit parameters and gradients, K = 12 bytes of fp32
-master weights and Adam state per parameter). This arithmetic is what makes
-thousands of world sizes cheap, and it is an approximation: the figures of
-memtorch.estimate(model, x, world_size=N, sharding=...) replay the step per
-rank with each wrapper's own buffers (FSDP2's all-gather and reduce-scatter
-buffers, the step's scratch on each shard) and are the ones to trust for one
-world size; the plan's zero2/zero3 rows do not model FSDP2's buffers.
+master weights and Adam state per parameter). This arithmetic is an
+approximation (no FSDP2 buffers); plan() does not use it.
 
 (Named planning.py, not plan.py, so that importing the submodule never
 shadows memtorch.plan the function.)
@@ -93,12 +93,21 @@ peak; peak_outside_step, the highest of the forward and backward peaks
 """
 
 Option = namedtuple(
-    "Option", "world_size sharding precision checkpointing micro_batch accumulation peak margin fits"
+    "Option",
+    "world_size sharding precision checkpointing micro_batch accumulation peak margin fits reserved peak_upper "
+    "rank_peaks rank_peaks_upper",
+    defaults=(None, None, None, None),
 )
-Option.__doc__ = """One combination: per-rank peak and margin (device memory - reserve - peak) in bytes.
+Option.__doc__ = """One combination, in bytes: per-rank peak and margin (device memory - reserve - the figure judged).
 
-accumulation: micro-batches per optimizer step on each rank (global_batch /
-(world_size * micro_batch)), or None without a global batch.
+peak: the highest rank's peak, memtorch.estimate(..., world_size, sharding)'s
+own figure; reserved (device="cuda"): the caching allocator's segments on the
+highest rank, estimate()'s reserved_peak; peak_upper (device="cpu"): the peak
+with gloo's scratch freed late (estimate()'s peak_upper); rank_peaks,
+rank_peaks_upper: every rank's peak and (CPU) peak_upper. The figure judged against the device is reserved on CUDA (what
+the device must hold), peak_upper on the CPU, else peak; margin < 0 is how far
+over. accumulation: micro-batches per optimizer step on each rank
+(global_batch / (world_size * micro_batch)), or None without a global batch.
 """
 
 
@@ -260,7 +269,7 @@ class Plan:
         self.seconds = seconds
         self.dry_runs = dry_runs
 
-    def __str__(self, limit=20):
+    def __str__(self, limit=40):
         from .tracking import _table
 
         f = units.format
@@ -270,24 +279,31 @@ class Plan:
             + (f" ({f(self.reserve)} kept free)" if self.reserve else "")
             + f"; {self.dry_runs} dry run(s), {self.seconds:.1f} s"
         )
-        rows = [
-            (
-                str(o.world_size),
-                o.sharding,
-                o.precision,
-                o.checkpointing or "-",
-                str(o.micro_batch),
-                "-" if o.accumulation is None else str(o.accumulation),
-                f(o.peak),
-                units.format_delta(o.margin),
-                "yes" if o.fits else "no",
-            )  # fmt: skip
-            for o in (self.fits or sorted(self.options, key=lambda o: o.peak))[:limit]
-        ]
-        header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation",
-                  "peak per rank", "margin", "fits"]  # fmt: skip
-        shown = "cheapest that fit" if self.fits else "none fits; the closest tried, smallest peak first"
-        out = [head, f"{shown} (first {len(rows)}):"] + _table(header, rows)
+        cuda = any(o.reserved is not None for o in self.options)
+        upper = any(o.peak_upper is not None and o.peak_upper != o.peak for o in self.options)
+        over = sorted((o for o in self.options if not o.fits), key=lambda o: -o.margin)
+        shown = (self.fits + over)[:limit]
+        rows = []
+        for o in shown:
+            row = [str(o.world_size), o.sharding, o.precision, o.checkpointing or "-", str(o.micro_batch),
+                   "-" if o.accumulation is None else str(o.accumulation), f(o.peak)]  # fmt: skip
+            if upper:
+                row.append(f(o.peak_upper if o.peak_upper is not None else o.peak))
+            if cuda:
+                row.append("-" if o.reserved is None else f(o.reserved))
+            row.append(units.format_delta(o.margin))
+            row.append("yes" if o.fits else f"no, over by {f(-o.margin)}")
+            rows.append(tuple(row))
+        header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation", "peak per rank"]
+        header += ["peak, scratch late"] if upper else []
+        header += ["reserved per rank"] if cuda else []
+        header += ["margin", "fits"]
+        judged = "reserved" if cuda else "peak, scratch late" if upper else "peak per rank"
+        out = [head, f"the {len(self.fits)} that fit, cheapest first, then the {len(over)} that do not, closest "
+               f"first (fit judged on {judged!r}; first {len(rows)} shown):"]  # fmt: skip
+        out += _table(header, rows)
+        if len(self.options) > len(rows):
+            out.append(f"... {len(self.options) - len(rows)} more (Plan.options has them all)")
         out += ["note: " + n for n in self.notes]
         return "\n".join(out)
 
@@ -399,24 +415,43 @@ def plan_from(
 # From a model: one dry run per (precision, checkpointing, micro-batch)
 
 
-def _largest_block(model):
-    """Parameter bytes of the largest block FSDP would gather at once: each child holding parameters
-    (the items of a ModuleList), or the whole model when it has no such children."""
+def _largest_block(model, fsdp_units=None):
+    """Parameter bytes of the largest unit FSDP gathers at once: the units estimate() wraps
+    (_estimate_ranks.resolve_units: each block of every nn.ModuleList at any depth, e.g. a Hugging Face
+    model's model.layers.N, else each child holding parameters), the root holding what they leave."""
     import torch
 
-    blocks = []
-    for child in model.children():
-        items = list(child.children()) if isinstance(child, torch.nn.ModuleList) else [child]
-        blocks += items
-    best = 0
-    for blk in blocks:
-        seen = {}
-        for p in blk.parameters():
-            seen[id(p)] = p.numel() * p.element_size()
-        best = max(best, sum(seen.values()))
-    if best == 0:
-        best = sum({id(p): p.numel() * p.element_size() for p in model.parameters()}.values())
+    from ._estimate_ranks import resolve_units
+
+    taken, best = set(), 0
+    for _name, mod in resolve_units(model, fsdp_units, torch):  # innermost first, the root last
+        own = 0
+        for p in mod.parameters():
+            if id(p) not in taken:
+                taken.add(id(p))
+                own += p.numel() * p.element_size()
+        best = max(best, own)
     return best
+
+
+def _spec(x, i):
+    """An input as estimate() reads it (a tensor, a shape, a (shape, dtype) pair), else x unchanged."""
+    from .estimation import _input_spec
+
+    try:
+        return _input_spec(x, i)
+    except MemtorchError:
+        return x  # estimate() names what is wrong with it
+
+
+def _batch_of(x):
+    import torch
+
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        return x.shape[0]
+    if isinstance(x, dict):
+        return next((b for b in map(_batch_of, x.values()) if b is not None), None)
+    return None
 
 
 def _with_batch(x, mb):
@@ -424,6 +459,8 @@ def _with_batch(x, mb):
 
     if isinstance(x, torch.Tensor) and x.dim() > 0:
         return torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+    if isinstance(x, dict):
+        return type(x)((k, _with_batch(v, mb)) for k, v in x.items())
     return x
 
 
@@ -464,22 +501,33 @@ def plan(
     device="cuda",
     reserve="1 GiB",
     pad=True,
+    fsdp_units=None,
 ):
     """Which (world size, sharding, precision, checkpointing, micro-batch) fit in ``device_memory``, cheapest first.
 
-    inputs: one micro-batch of example inputs (tensors; dimension 0 is the
-    batch). micro_batches: batch sizes to try (default: the inputs' own).
-    global_batch: samples per optimizer step over all ranks (sets the gradient
-    accumulation; world sizes and micro-batches must divide it). device: what
-    estimate() models ("cuda": the caching allocator's rounding). reserve:
+    inputs: one micro-batch of example inputs, as estimate() takes them
+    (tensors, shapes such as (8, 128), (shape, dtype) pairs such as ((1, 2048),
+    torch.long)); dimension 0 is the batch. micro_batches: batch sizes to try
+    (default: the inputs' own). global_batch: samples per optimizer step over
+    all ranks (sets the gradient accumulation; world sizes and micro-batches
+    must divide it). device: what estimate() models ("cuda": the caching
+    allocator, and a combination fits when its reserved figure does). reserve:
     memory kept free per device for what no estimate sees (the CUDA context,
-    typically 300-600 MiB, and library workspaces). Returns a Plan.
+    typically 300-600 MiB, and library workspaces). fsdp_units: as estimate()'s
+    (zero2/zero3). pad=False refuses zero1-even on a world size that does not
+    divide the trainable elements (DeepSpeed pads them; so does the default).
+    Returns a Plan.
+
+    Every figure is estimate()'s: one dry run per (precision, checkpointing,
+    micro-batch), then each world size and sharding replayed per rank by the
+    code memtorch.estimate(model, x, world_size=N, sharding=...) reports from,
+    so each row's peak equals that call's.
     """
     import time
 
     import torch
 
-    from .estimation import estimate
+    from .estimation import _KEEP_RUNS, _rank_results, estimate
 
     t0 = time.perf_counter()
 
@@ -487,18 +535,28 @@ def plan(
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     if not inputs:
         raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
-    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    specs = [_spec(x, i) for i, x in enumerate(inputs)]
+    batch = next((b for b in map(_batch_of, specs) if b is not None), None)
     if micro_batches is None:
         if batch is None:
             raise MemtorchError(
-                "plan() could not read a batch size from the inputs: pass micro_batches=[...]"
+                "plan() could not read a batch size from the inputs (no input with a dimension 0): pass "
+                "micro_batches=[...]"
             )
         micro_batches = [batch]
     for mb in micro_batches:
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise MemtorchError(f"plan() micro_batches must be positive ints, got {mb!r}")
+    shardings = list(shardings)
     for s in shardings:
         _check_sharding(s)
+    memory = units.parse(device_memory)
+    keep = units.parse(reserve)
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):  # fmt: skip
+        raise MemtorchError(f"global_batch must be a positive int, got {global_batch!r}")
+    worlds = _world_sizes(world_sizes, max_world_size, global_batch)
+    dev = str(device).split(":")[0]
     notes = []
     checkpointing = list(checkpointing)
     if "blocks" in checkpointing:
@@ -508,21 +566,67 @@ def plan(
             notes.append("checkpointing='blocks' left out: the model has no nn.ModuleList of blocks")
             if not checkpointing:
                 checkpointing = [None]
-    breakdowns = {}
+    fsdp = [s for s in shardings if s in ("zero2", "zero3")] if any(n > 1 for n in worlds) else []
+    options, skipped, runs = [], 0, 0
     for prec in precisions:
         for ckpt in checkpointing:
             for mb in micro_batches:
-                xs = [_with_batch(x, mb) for x in inputs]
-                est = estimate(
-                    model, *xs, optimizer=optimizer, precision=prec, device=device, checkpointing=ckpt
-                )
-                breakdowns[(prec, ckpt, mb)] = breakdown_of(est, model)
-    notes = notes + [
-        "per-rank figures: one dry run per (precision, checkpointing, micro-batch), then the sharding "
-        "arithmetic of memtorch.plan (ZeRO paper's model states; DDP's gradient buckets; FSDP's gathered blocks)"
-    ]
-    return plan_from(
-        breakdowns, device_memory=device_memory, world_sizes=world_sizes, max_world_size=max_world_size,
-        shardings=shardings, global_batch=global_batch, reserve=reserve, pad=pad, notes=notes,
-        seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+                kw = {"optimizer": optimizer, "precision": prec, "device": device, "checkpointing": ckpt}
+                if fsdp:  # the dry run records where FSDP's hooks run (one zero2/zero3 figure comes with it)
+                    kw.update(world_size=2, sharding=fsdp[0], fsdp_units=fsdp_units)
+                kept = []
+                token = _KEEP_RUNS.set(kept)
+                try:
+                    estimate(model, *[_with_batch(x, mb) for x in specs], **kw)
+                finally:
+                    _KEEP_RUNS.reset(token)
+                runs += 1
+                ledger, hooks, facts, (peak1, reserved1) = kept[-1]
+                for n in worlds:
+                    accumulation = None
+                    if global_batch is not None:
+                        if global_batch % (n * mb):
+                            skipped += 1
+                            continue
+                        accumulation = global_batch // (n * mb)
+                    for s in shardings:
+                        if n == 1:
+                            if s != "ddp":
+                                continue  # one rank: nothing to shard, trained unwrapped
+                            peak, reserved, upper, ranks, uppers = peak1, reserved1, peak1, (peak1,), (peak1,)
+                        else:
+                            if s == "zero1-even" and not pad and facts["trainable_numel"] % n:
+                                raise MemtorchError(
+                                    f"world_size {n} does not divide the {facts['trainable_numel']} trainable "
+                                    "parameter elements that zero1-even splits (pad=False); DeepSpeed pads "
+                                    "them, as pad=True models"
+                                )
+                            rows = _rank_results(ledger, hooks, facts, dev, n, s)
+                            top = max(rows, key=lambda d: d["peak"])  # as estimate(): the first highest
+                            peak = top["peak"]
+                            reserved = max(r["reserved_peak"] for r in rows) if dev == "cuda" else None
+                            upper = max(r["peak_upper"] for r in rows)
+                            ranks = tuple(r["peak"] for r in rows)
+                            uppers = tuple(r["peak_upper"] for r in rows)
+                        judged = reserved if reserved is not None else upper
+                        margin = memory - keep - judged
+                        options.append(Option(n, s, prec, ckpt, mb, accumulation, int(peak), int(margin),
+                                              margin >= 0, reserved, None if dev == "cuda" else int(upper),
+                                              ranks, None if dev == "cuda" else uppers))  # fmt: skip
+    precs = list(dict.fromkeys(precisions))
+    options.sort(key=lambda o: _order_key(o, precs))
+    if skipped:
+        notes.append(
+            f"{skipped} (world size, micro-batch) pair(s) skipped: world_size * micro_batch does not divide "
+            f"global_batch {global_batch}"
+        )
+    notes.append(
+        "per-rank figures: one dry run per (precision, checkpointing, micro-batch), each world size and sharding "
+        "replayed per rank as memtorch.estimate(..., world_size=N, sharding=...) does: every row's figures are "
+        "that call's"
+    )
+    if dev == "cuda":
+        notes.append("device='cuda': a combination fits when its reserved figure (the caching allocator's segments "
+                     "on the highest rank) plus the reserve fits; the CUDA context and NCCL's buffers are outside "
+                     "the figures (the reserve is for them)")  # fmt: skip
+    return Plan(options, memory, keep, notes, time.perf_counter() - t0, runs)

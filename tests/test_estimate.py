@@ -265,7 +265,6 @@ def test_error_inside_checkpointed_block_restores():
         ({"device": "tpu"}, "unknown device 'tpu'"),
         ({"world_size": 0}, "world_size must be a positive int"),
         ({"world_size": 2.0}, "world_size must be a positive int"),
-        ({"world_size": 3, "sharding": "zero1-even"}, "world_size 3 does not divide the 2632 trainable"),
         ({"world_size": 2, "sharding": "zero"}, "unknown sharding 'zero': expected one of ddp, zero1, zero1-even"),
         ({"world_size": 2, "sharding": "zero3", "fsdp_units": 3}, "fsdp_units must be None, a list"),
         ({"world_size": 2, "sharding": "zero3", "fsdp_units": []}, "fsdp_units must be None, a list"),

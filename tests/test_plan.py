@@ -219,7 +219,9 @@ def test_plan_with_estimate():
     one = [o for o in p.options if o.world_size == 1][0]
     assert one.peak == est.peak  # one rank: the dry run itself
     z1 = [o for o in p.options if o.world_size == 2 and o.sharding == "zero1"][0]
-    assert z1.peak == per_rank(b, 2, "zero1")["peak"]
+    z1_est = memtorch.estimate(model, x, optimizer="adamw", device="cpu", world_size=2, sharding="zero1")
+    assert z1.peak == z1_est.peak  # plan's figure is estimate()'s for the same configuration
+    assert z1.rank_peaks == tuple(r["peak"] for r in z1_est.per_rank)
     assert p.best == one and p.dry_runs == 1
 
 
@@ -248,3 +250,131 @@ def test_plan_of_a_model_without_blocks_leaves_checkpointing_out():
     p = memtorch.plan(model, torch.randn(8, 64), device_memory="1 GiB", max_world_size=4)
     assert "checkpointing='blocks' left out" in str(p)
     assert all(not o.checkpointing for o in p.options)
+
+
+# ---------------------------------------------------------------------------
+# One engine: plan()'s figures are estimate()'s, on Hugging Face models built on meta
+
+
+def _tiny_llama(layers=2):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def _tiny_gpt2(layers=2):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=64)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(cfg)
+
+
+def test_largest_fsdp_unit_is_a_decoder_layer_at_any_depth():
+    # LlamaForCausalLM's blocks are model.model.layers.N, two levels down. By hand (hidden 64, intermediate
+    # 128, 4 heads of 16, 2 key/value heads): q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x128, down
+    # 128x64, two RMSNorm weights of 64: 36,992 fp32 elements. The root keeps the embedding and the output
+    # layer (2 x 256 x 64) and the final norm (64): 32,832 elements, fewer.
+    pytest.importorskip("transformers")
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert layer == 36992
+    assert mplan._largest_block(_tiny_llama()) == 4 * layer
+    # GPT2LMHeadModel: transformer.h.N; a block: ln_1, c_attn 64x192 + 192, c_proj 64x64 + 64, ln_2,
+    # c_fc 64x256 + 256, c_proj 256x64 + 64; the layer norms 2 x (64 + 64)
+    block = 2 * 128 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
+    assert mplan._largest_block(_tiny_gpt2()) == 4 * block
+
+
+def test_plan_takes_the_input_specs_estimate_takes():
+    import torch
+
+    import memtorch
+
+    pytest.importorskip("transformers")
+    model = _tiny_llama(layers=1)
+    p = memtorch.plan(model, ((1, 16), torch.long), world_sizes=[1], shardings=["ddp"], precisions=["fp32"],
+                      checkpointing=[None], device="cpu", reserve=0, device_memory="1 GiB")  # fmt: skip
+    est = memtorch.estimate(model, ((1, 16), torch.long))
+    assert [(o.micro_batch, o.peak) for o in p.options] == [(1, est.peak)]
+
+
+def _same_as_estimate(model, p, spec, device):
+    import memtorch
+
+    for o in p.options:
+        sharding = o.sharding if o.world_size > 1 else None
+        est = memtorch.estimate(model, spec(o.micro_batch), precision=o.precision, device=device,
+                                checkpointing=o.checkpointing, world_size=o.world_size, sharding=sharding)  # fmt: skip
+        assert (o.peak, o.reserved) == (est.peak, est.reserved_peak), o
+        if est.per_rank:
+            assert o.rank_peaks == tuple(r["peak"] for r in est.per_rank), o
+
+
+def test_plan_figure_is_estimates_for_each_configuration():
+    import torch
+
+    import memtorch
+
+    pytest.importorskip("transformers")
+    model = _tiny_llama(layers=1)
+    p = memtorch.plan(model, ((2, 8), torch.long), world_sizes=[3], shardings=["zero1-even", "zero3"],
+                      precisions=["fp32"], checkpointing=[None], device="cpu", reserve=0)  # fmt: skip
+    assert len(p.options) == 2
+    _same_as_estimate(model, p, lambda mb: ((mb, 8), torch.long), "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_tiny_llama, _tiny_gpt2])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_plan_figures_are_estimates_over_a_grid(make, device):
+    import torch
+
+    import memtorch
+
+    pytest.importorskip("transformers")
+    model = make()
+    p = memtorch.plan(model, ((2, 16), torch.long), world_sizes=[1, 3, 8], precisions=["fp32", "bf16-mixed"],
+                      micro_batches=[1, 2], device=device, reserve=0)  # fmt: skip
+    # 2 precisions x 2 checkpointings x 2 micro-batches: 1 rank (ddp) + 2 world sizes x 5 shardings
+    assert len(p.options) == 8 * (1 + 2 * 5)
+    _same_as_estimate(model, p, lambda mb: ((mb, 16), torch.long), device)
+
+
+def test_the_table_lists_what_does_not_fit_with_how_far_over():
+    import torch
+
+    import memtorch
+    from memtorch import units
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    p = memtorch.plan(model, torch.randn(16, 64), world_sizes=[1, 2], shardings=["ddp", "zero3"],
+                      precisions=["fp32"], checkpointing=[None], device="cpu", reserve=0,
+                      device_memory=240 * 1024)  # fmt: skip
+    fits = [o for o in p.options if o.fits]
+    over = [o for o in p.options if not o.fits]
+    assert fits and over  # the 1- and 2-rank ddp rows hold the whole model: over 240 KiB
+    text = str(p)
+    for o in over:
+        judged = o.peak_upper  # the CPU figure judged (gloo's scratch freed late)
+        assert o.margin == 240 * 1024 - judged < 0
+        assert f"no, over by {units.format(judged - 240 * 1024)}" in text
+    assert text.index("no, over by") > text.index(" yes")  # those that fit first
+
+
+def test_on_cuda_a_combination_fits_by_its_reserved_figure():
+    import torch
+
+    import memtorch
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    kw = dict(world_sizes=[2], shardings=["zero3"], precisions=["fp32"], checkpointing=[None], device="cuda",
+              reserve=0)  # fmt: skip
+    o = memtorch.plan(model, torch.randn(16, 256), **kw).options[0]
+    assert o.peak < o.reserved  # segments hold more than the blocks handed out
+    between = memtorch.plan(model, torch.randn(16, 256), device_memory=(o.peak + o.reserved) // 2, **kw)
+    assert not between.options[0].fits and between.options[0].margin == (o.peak + o.reserved) // 2 - o.reserved
