@@ -1130,6 +1130,7 @@ _FRESH = dict(
     _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
     _at_peak=None,
     _ctrace=None,  # CUDA with a model or optimizer: the allocator's history (_cuda_trace.Recording)
+    _cuda_specs=(),  # CUDA at_peak: the modules' (name, type), for its owners' names
     _root_id=None,
     _root_depth=0,
     _forwards=0,
@@ -1155,6 +1156,7 @@ class Tracker:
     _raw = None  # its C scope's opening tuple and processes, until a Scope is made
     _marks = None
     _ctrace = None
+    _cuda_specs = ()
 
     def __init__(
         self, model=None, optimizer=None, device="auto", timeline=False, modules=True, leaks=True, warmup=1, largest=0
@@ -1501,7 +1503,8 @@ class Tracker:
         if i is not None:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.ENTER, i))
-            self._mod_stack.append((i, self._open_scope()))
+            if self._kind != "cuda":  # CUDA: no counter read per module (see _model_rows)
+                self._mod_stack.append((i, self._open_scope()))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
@@ -1509,7 +1512,7 @@ class Tracker:
         if i is not None:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.EXIT, i))
-            stack = self._mod_stack
+            stack = self._mod_stack  # empty on CUDA
             for j in range(len(stack) - 1, -1, -1):
                 if stack[j][0] == i:
                     _, s = stack.pop(j)
@@ -1569,12 +1572,16 @@ class Tracker:
         # CUDA: no per-module rows. A read of torch's counters at each module's entry and exit
         # cost up to half of a GPU step (ResNet-18 on an H200: 160 reads, ~6.6 ms of 14 ms); the
         # rows would be inexact anyway wherever the device's peak did not rise. The report says so.
-        if self._modules_on and self._kind == "cpu":
+        # With the allocator's history on (CUDA at_peak) the modules are still marked, by time
+        # only: the attribution needs their entries and exits, not a counter read.
+        if self._modules_on and (self._kind == "cpu" or self._ctrace is not None):
             plan = self._model_plan(model)
             if self._evmode:
                 self._mod_specs = plan.specs
-            else:
+            elif self._kind == "cpu":
                 self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
+            else:
+                self._cuda_specs = plan.specs
             self._ids = plan.ids
 
     def _hook_model(self, model):
@@ -1940,7 +1947,9 @@ class Tracker:
             _average_modules(self._mod_rows, self._forwards)
         if ct is not None:  # CUDA: the history read now, replayed when the report is first read
             self._ctrace = None
-            pending = ct.pending(start, peak_bytes, exact, self._mod_rows, caveats)
+            pending = ct.pending(
+                start, peak_bytes, exact, [ModuleStats(n, t) for n, t in self._cuda_specs], caveats
+            )
         leak = None
         steps = len(self._boundaries) - 1
         if steps > 0:
