@@ -331,7 +331,7 @@ def test_plan_figure_is_estimates_for_each_configuration():
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [_tiny_llama, _tiny_gpt2])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.xfail(
-    raises=memtorch.MemtorchError, strict=True,
+    raises=MemtorchError, strict=True,
     reason="known defect: estimate(device='cuda', precision='bf16-mixed', checkpointing=...) fails: the "
            "checkpoint's recomputation saves a different number of tensors than the CUDA-routed forward"))])
 def test_plan_figures_are_estimates_over_a_grid(make, device):
