@@ -15,7 +15,7 @@ and only when even that is too long are the last rows summed into one.
 
 import html
 
-from . import units
+from . import units, words
 
 __all__ = [
     "options",
@@ -98,7 +98,7 @@ def _short(name):
     """The last component of a dotted name, with the numbered components before it:
     'encoder.layers.0.attn' -> 'attn', 'encoder.layers.0' -> 'layers.0', '0.1' -> '0.1'."""
     if not name:
-        return "(model)"
+        return words.ROOT
     parts = name.split(".")
     i = len(parts) - 1
     while i > 0 and parts[i].isdigit():
@@ -177,7 +177,7 @@ def _visible(nodes, depth, collapse, how):
     def folded_count(i):
         return _subtree_size(nodes, i) - 1
 
-    def emit(members, last=None):
+    def emit(members, last=None, npos=1):
         n = nodes[members[0]]
         k = len(members)
         open_ = depth is None or n.depth < depth
@@ -187,8 +187,8 @@ def _visible(nodes, depth, collapse, how):
             rows.append(_Row(n.name, _short(n.name), n.type, n.depth, n.values, folded, n.note))
         else:
             label = _short(n.name)
-            if last is not None:  # a run of siblings: first-last
-                label += "-" + last.rsplit(".", 1)[-1]
+            if last is not None:  # a run of siblings: 'layers.0-11', or 'a, b' for named ones
+                label = words.sibling_run(label, last, npos)
             values = _combine([nodes[m].values for m in members], how)
             rows.append(
                 _Row(
@@ -207,7 +207,7 @@ def _visible(nodes, depth, collapse, how):
             for positions in _units(nodes, members[0], collapse):
                 sub = [nodes[m].children[p] for m in members for p in positions]
                 last = nodes[nodes[members[0]].children[positions[-1]]].name if len(positions) > 1 else None
-                emit(sub, last)
+                emit(sub, last, len(positions))
 
     emit([0])
     return rows
@@ -328,7 +328,7 @@ def _tree_html(rows, header, cells, css_class, summary):
         parts.append(f'<th style="{_NUM_STYLE};{_CELL}">{_e(h)}</th>')
     parts.append("</tr></thead><tbody>")
     for r in rows:
-        title = r.name if r.name else "(model): the whole model"
+        title = r.name if r.name else f"{words.ROOT}: the whole model"
         if r.folded:
             title += f" ({r.folded} module(s) inside, not listed)"
         pad = 8 + 16 * r.depth
@@ -347,7 +347,7 @@ def _tree_html(rows, header, cells, css_class, summary):
 # ---------------------------------------------------------------------------
 # ModelMemory
 
-_MM_HEADER = ["params", "parameters", "buffers", "gradients", "optimizer state", "total"]
+_MM_HEADER = list(words.MODEL_MEMORY_HEADER)
 _MM_AGG = ["sum"] * 6
 
 
@@ -384,7 +384,7 @@ def _mm_nodes(mm):
     entries = []
     for i, (path, tname, p, alias) in enumerate(table):
         if alias >= 0:
-            orig = table[alias][0] or "(model)"
+            orig = words.root_or(table[alias][0])
             entries.append((path, tname, p, None, f"the same module as {orig}, counted there"))
         else:
             entries.append((path, tname, p, vals[i], None))
@@ -396,10 +396,14 @@ def _rule_lines(mm):
     from .report import MODULE_RULE
 
     rule = MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
-    lines = [f"(each row: the module with everything inside it; {rule}: a tied weight counts under its first holder)"]
     shared = [m for m in mm.modules if m.shared]
+    lines = []
+    if shared or any(m.alias_of is not None for m in mm.modules):  # the rule matters only then
+        lines.append(
+            f"(each row: the module with everything inside it; {rule}: a tied weight counts under its first holder)"
+        )
     for m in shared[:5]:
-        lines.append(f"(also held by {m.name or '(model)'}, counted under an earlier module: {_fmt(m.shared)})")
+        lines.append(f"(also held by {words.root_or(m.name)}, counted under an earlier module: {_fmt(m.shared)})")
     if len(shared) > 5:
         lines.append(f"(... {len(shared) - 5} more module(s) hold storages counted elsewhere)")
     if mm.outside_modules:
@@ -515,7 +519,7 @@ def _totals_html(lines):
 # ---------------------------------------------------------------------------
 # TrackReport, LeakReport, Tracker
 
-_TR_HEADER = ["calls", "left alive (activations)", "peak inside"]
+_TR_HEADER = list(words.MODULE_TREE_HEADER)
 _TR_AGG = ["sum", "sum", "max"]
 
 
@@ -533,7 +537,7 @@ def _tr_nodes(report):
         entries.append((m.name, m.type, parent, [m.calls, m.activation_bytes, m.peak_above_start], None))
     nodes = _build(entries)
     if any(n.parent < 0 for n in nodes[1:]):  # not one tree (no root row): hang everything under a root
-        entries = [("", "(model)", -1, None, None)] + [
+        entries = [("", words.ROOT, -1, None, None)] + [
             (a, b, p + 1 if p >= 0 else 0, v, n) for a, b, p, v, n in entries
         ]
         nodes = _build(entries)
@@ -557,12 +561,12 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
     """The report with its per-module figures as a folded tree (see the module docstring)."""
     depth, max_rows = _limits(depth, max_rows)
     out = [report._title()]
-    out += _text_table(["", "bytes", ""], [list(r) for r in report._summary_rows()], {1})
+    out += _text_table(list(words.SUMMARY_HEADER), [list(r) for r in report._summary_rows()], {1})
     phases = report._phase_rows()
     if phases:
         out.append("")
         out += _text_table(
-            ["phase", "calls", "delta", "peak above start", "time"], [list(p) for p in phases], {1, 2, 3, 4}
+            list(words.PHASE_HEADER), [list(p) for p in phases], {1, 2, 3, 4}
         )
     nodes = [n for n in _tr_nodes(report)]
     if nodes and any(m.calls for m in report.modules):
@@ -590,12 +594,12 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
     """HTML of a TrackReport: summary, phases, the per-module tree, leaks, largest tensors."""
     depth, max_rows = _limits(depth, max_rows)
     parts = [f'<div class="memtorch memtorch-trackreport"><p><b>{_e(report._title())}</b></p>']
-    parts.append(_html_table(["", "bytes", ""], [list(r) for r in report._summary_rows()], right={1}))
+    parts.append(_html_table(list(words.SUMMARY_HEADER), [list(r) for r in report._summary_rows()], right={1}))
     phases = report._phase_rows()
     if phases:
         parts.append(
             _html_table(
-                ["phase", "calls", "delta", "peak above start", "time"],
+                list(words.PHASE_HEADER),
                 [list(p) for p in phases],
                 right={1, 2, 3, 4},
             )
@@ -638,8 +642,13 @@ def at_peak_html(at_peak, limit=15):
         n = sum(o.nbytes for o in rest)
         body.append([f"... {len(rest)} more owner(s)", "", "", _fmt(n), f"{n:,} B"])
     how = "" if at_peak.exact else ", not exact"
-    caption = f"at the peak ({_fmt(at_peak.peak)}{how}), held by"
-    out = _html_table(["owner", "kind", "allocated in", "bytes", ""], body, right={3, 4}, caption=caption)
+    by_kind = {}
+    for o in owners:
+        by_kind[words.key(o.kind)] = by_kind.get(words.key(o.kind), 0) + o.nbytes
+    kinds = [[words.label(k), _fmt(b), f"{b:,} B"] for k, b in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    out = _html_table(["kind", "bytes", ""], kinds, right={1, 2}, caption=f"at the peak ({_fmt(at_peak.peak)}{how}), by kind")
+    caption = "held by"
+    out += _html_table(["owner", "kind", "allocated in", "bytes", ""], body, right={3, 4}, caption=caption)
     return out + "".join(f"<p>note: {_e(n)}</p>" for n in at_peak.notes)
 
 
@@ -790,13 +799,13 @@ def advice_html(adv):
 
 def _estimate_sections(est):
     """[(heading, header, rows, right-aligned columns)] of an Estimate, module tree apart."""
-    out = [("", ["", "bytes", ""], [list(r) for r in est._summary_rows()], {1})]
+    out = [("", list(words.SUMMARY_HEADER), [list(r) for r in est._summary_rows()], {1})]
     cats = [list(r) for r in est._category_rows()]
     if cats:
         out.append(("at the peak", ["category", "bytes", "share"], cats, {1, 2}))
     phases = [list(r) for r in est._phase_rows()]
     if phases:
-        out.append(("", ["phase", "calls", "delta", "peak above start"], phases, {1, 2, 3}))
+        out.append(("", list(words.PHASE_HEADER[:4]), phases, {1, 2, 3}))
     ranks = [list(r) for r in getattr(est, "_rank_rows", list)()]
     if ranks:
         out.append(

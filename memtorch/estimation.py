@@ -47,14 +47,14 @@ import contextvars
 import functools
 import html
 
-from . import units
+from . import units, words
 from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
-CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
-PHASES = ("forward", "backward", "optimizer")
+CATEGORIES = words.ESTIMATE_CATEGORIES
+PHASES = words.PHASES
 
 OPTIMIZERS = (
     "sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adagrad", "rmsprop",
@@ -200,7 +200,7 @@ class Estimate:
     def _category_rows(self):
         total = max(1, self.peak)
         return [
-            (c, units.format(b), f"{100 * b / total:.1f}%")
+            (words.label(c), units.format(b), f"{100 * b / total:.1f}%")
             for c, b in self.breakdown.items()
             if b
         ]
@@ -217,7 +217,7 @@ class Estimate:
         if len(mods) > limit:
             mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
         return [
-            (m.name or "(model)", m.type, str(m.calls), units.format(m.activation_bytes),
+            (words.root_or(m.name), m.type, str(m.calls), units.format(m.activation_bytes),
              units.format(m.peak_above_start))
             for m in mods
         ]  # fmt: skip

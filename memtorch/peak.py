@@ -16,7 +16,7 @@ The groups add up to the peak: bytes counted live before the block opened and
 never named are one group ("allocated before the block, not identified").
 """
 
-from . import _C, units
+from . import _C, units, words
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
 
@@ -102,6 +102,26 @@ class StorageAtPeak:
         return f"StorageAtPeak({self.describe()})"
 
 
+class _Kinds(dict):
+    """by_kind()'s dict: keys spelled as by_category's (``optimizer_state``); a lookup with the
+    printed spelling (``optimizer state``), the keys' first spelling, is answered too."""
+
+    def __missing__(self, name):
+        k = words.key(name) if isinstance(name, str) else name
+        if k != name and k in self:
+            return self[k]
+        raise KeyError(name)
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __contains__(self, name):
+        return dict.__contains__(self, name) or (isinstance(name, str) and dict.__contains__(self, words.key(name)))
+
+
 class AtPeak:
     """The live bytes at a block's peak, grouped by owner (largest first).
 
@@ -130,10 +150,13 @@ class AtPeak:
         return sum(o.nbytes for o in self.owners)
 
     def by_kind(self):
+        """{kind: bytes} at the peak, largest first, keyed as by_category is (``optimizer_state``);
+        the printed spelling (``optimizer state``) is read too."""
         out = {}
         for o in self.owners:
-            out[o.kind] = out.get(o.kind, 0) + o.nbytes
-        return out
+            k = words.key(o.kind)
+            out[k] = out.get(k, 0) + o.nbytes
+        return _Kinds(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def __getitem__(self, name):
         for o in self.owners:
@@ -147,14 +170,21 @@ class AtPeak:
     def top(self, n=5):
         return self.owners[:n]
 
+    def kind_lines(self):
+        """The summary that answers first: bytes per kind (parameter, gradient, ...), largest first."""
+        kinds = [(k, b) for k, b in self.by_kind().items() if b]
+        w = max((len(units.format(b)) for _, b in kinds), default=0)
+        return [f"  {units.format(b).rjust(w)}  {words.label(k)}" for k, b in kinds]
+
     def lines(self, limit=None):
+        """Text: per kind first, then per owner (the first ``limit``, the rest summed), then the notes."""
         owners = self.owners if limit is None else self.owners[:limit]
         how = "" if self.exact else " (not exact)"
-        head = f"at the peak ({units.format(self.peak)}{how}), held by:"
+        head = f"at the peak ({units.format(self.peak)}{how}), by kind:"
         shown = [o for o in owners if o.nbytes]
         w = max((len(units.format(o.nbytes)) for o in shown), default=0)
         # sizes right-aligned in one column, then the owner
-        out = [head]
+        out = [head] + self.kind_lines() + ["held by:"]
         for o in shown:
             out.append("  " + o.describe().rjust(len(o.describe()) - len(units.format(o.nbytes)) + w))
             out += ["      " + line for line in o.site_lines()]

@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 
-from . import _C, cpu, cuda, units
+from . import _C, cpu, cuda, units, words
 from . import _cuda_trace
 from . import leaks
 from . import peak as attribution
@@ -68,7 +68,7 @@ from .errors import DeviceUnavailable, MemtorchError
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = words.PHASES
 
 _HERE = __file__.rsplit("/", 1)[0].rsplit("\\", 1)[0]  # memtorch's own folder: frames to skip
 _lock = threading.Lock()
@@ -162,7 +162,7 @@ class ModuleStats:
 
     def __repr__(self):
         return (
-            f"ModuleStats({self.name or '(model)'!r}, {self.type}, calls={self.calls}, "
+            f"ModuleStats({words.root_or(self.name)!r}, {self.type}, calls={self.calls}, "
             f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start})"
         )
 
@@ -327,7 +327,9 @@ class TrackReport:
              "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why}
             for m in self.modules
         ]  # fmt: skip
-        d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
+        # "step_series", as the attribute is named; "steps_series", the key's first spelling, kept for readers of it
+        d["step_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
+        d["steps_series"] = d["step_series"]
         d["leak"] = None if self.leak is None else self.leak.to_dict()
         d["at_peak"] = None if self.at_peak is None else self.at_peak.to_dict()
         d["largest"] = [t.to_dict() for t in self.largest]
@@ -496,7 +498,7 @@ def _why_lines(items):
     for it in items:
         why = getattr(it, "why", None)
         if not it.exact and why:
-            whys.setdefault(why, []).append(getattr(it, "name", "") or "(model)")
+            whys.setdefault(why, []).append(words.root_or(getattr(it, "name", "")))
     out = []
     for why, names in whys.items():
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
