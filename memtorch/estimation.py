@@ -212,16 +212,6 @@ class Estimate:
             if p.calls
         ]
 
-    def _module_rows(self, limit=30):
-        mods = [m for m in self.modules if m.calls]
-        if len(mods) > limit:
-            mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
-        return [
-            (words.root_or(m.name), m.type, str(m.calls), units.format(m.activation_bytes),
-             units.format(m.peak_above_start))
-            for m in mods
-        ]  # fmt: skip
-
     _RANK_FIGURES = (("peak", "peak"), ("peak_upper", "scratch freed late"), ("reserved_peak", "reserved"),
                      ("parameter", "parameters"), ("gradient", "gradients"),
                      ("optimizer_state", "optimizer state"), ("communication_buckets", "DDP buckets"),
@@ -260,31 +250,9 @@ class Estimate:
             out.append((f"... {len(rows) - limit} more rows",) + ("",) * len(figs))
         return out
 
-    def _sections(self):
-        from .tracking import _table
-
-        out = [("", _table(["", "bytes", ""], self._summary_rows()))]
-        out.append(("at the peak", _table(["category", "bytes", "share"], self._category_rows())))
-        if self._phase_rows():
-            out.append(("", _table(["phase", "calls", "delta", "peak above start"], self._phase_rows())))
-        if self._rank_rows():
-            out.append((f"per rank ({self.sharding or 'replicated'}, {self.world_size} ranks)",
-                        _table(self._rank_header(), self._rank_rows())))  # fmt: skip
-        if self._module_rows():
-            out.append(("", _table(["module", "type", "calls", "left alive (activations)", "peak inside"],
-                                   self._module_rows())))  # fmt: skip
-        return out
-
     def __str__(self):
-        lines = [self._title()]
-        for head, table in self._sections():
-            lines.append("")
-            if head:
-                lines.append(head + ":")
-            lines += table
-        for note in self.notes:
-            lines.append("note: " + note)
-        return "\n".join(lines)
+        """The same text as to_text(): big models fold, never cut (memtorch.display)."""
+        return self.to_text()
 
     def _repr_html_(self):
         from . import display

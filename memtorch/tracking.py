@@ -364,7 +364,7 @@ class TrackReport:
         rows = [
             ("start", f(self.start), unknown.strip()),
             ("end", f(self.end), units.format_delta(self.delta) + unknown),
-            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above start{unknown}"),
+            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above block start{unknown}"),
         ]
         if not self.exact and self.peak_upper is not None:
             rows.append(("peak at most", f(self.peak_upper), "counters cannot be more precise (sampled)"))
@@ -393,22 +393,6 @@ class TrackReport:
             if p.calls
         ]
 
-    def _module_rows(self, limit=30):
-        mods = self.modules
-        if len(mods) > limit:
-            mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
-        return [
-            (
-                m.name or "(model)",
-                m.type,
-                str(m.calls),
-                units.format(m.activation_bytes),
-                units.format(m.peak_above_start) + ("" if m.exact else " (at least)"),
-            )
-            for m in mods
-            if m.calls
-        ]
-
     def _title(self):
         how = "exact" if self.exact else "not exact"
         return (
@@ -418,35 +402,8 @@ class TrackReport:
         )
 
     def __str__(self):
-        out = [self._title()]
-        out += _table(["", "bytes", ""], self._summary_rows())
-        phases = self._phase_rows()
-        if phases:
-            out.append("")
-            out += _table(["phase", "calls", "delta", "peak above start", "time"], phases)
-            out += _why_lines(self.phases.values())
-        mods = self._module_rows()
-        if mods:
-            out.append("")
-            out += _table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods)
-            out += _why_lines(self.modules)
-        if self.leak is not None:
-            out.append("")
-            out.append(str(self.leak))
-        noted = set()
-        if self.at_peak is not None:
-            out.append("")
-            out += self.at_peak.lines(limit=15)
-            noted = set(self.at_peak.notes)  # the block's caveats are among them: said once
-        if self.largest:
-            out.append("")
-            out.append(f"largest live tensors {self._largest_when()}:")
-            out += ["  " + t.describe() for t in self.largest]
-        out += ["note: " + c for c in self.caveats if c not in noted]
-        return "\n".join(out)
-
-    def _largest_when(self):
-        return "at the peak" if self.at_peak is not None else "at the end"
+        """The same text as to_text(): big models fold, never cut (memtorch.display)."""
+        return self.to_text()
 
     def _repr_html_(self):
         from . import display
@@ -490,32 +447,6 @@ def _rank_info():
     from .distributed import rank_info
 
     return rank_info()
-
-
-def _why_lines(items):
-    """One line per distinct reason why rows of a table are not exact (said under the table)."""
-    whys = {}
-    for it in items:
-        why = getattr(it, "why", None)
-        if not it.exact and why:
-            whys.setdefault(why, []).append(words.root_or(getattr(it, "name", "")))
-    out = []
-    for why, names in whys.items():
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        out.append(f"not exact ({shown}): {why}")
-    return out
-
-
-def _table(header, rows):
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-
-
-def _html_table(header, rows):
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def module_figures(times, nbytes, starts, ends, known_from=None):

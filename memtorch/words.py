@@ -24,6 +24,7 @@ __all__ = [
     "MODULE_TREE_HEADER",
     "MODEL_MEMORY_HEADER",
     "PEAK_ABOVE_START",
+    "PEAK_ABOVE_BLOCK_START",
     "PEAK_ABOVE_PHASE_START",
 ]
 
@@ -46,9 +47,11 @@ AT_PEAK_KINDS = (
     "parameter", "gradient", "optimizer state", "buffer", "input", "activation", "temporary", "other",
 )  # fmt: skip
 
-# Column titles. "peak above start" is above the block's start; a phase table's peak is
-# above each occurrence's own start, and its title says so.
+# Column titles. Every "peak" title says what it is above: "peak above block start" (peak - the
+# block's start: TrackReport.peak_above_start), "peak above phase start" (a phase table: above
+# each occurrence's own start). PEAK_ABOVE_START, the attribute's words, is kept for readers of it.
 PEAK_ABOVE_START = "peak above start"
+PEAK_ABOVE_BLOCK_START = "peak above block start"
 PEAK_ABOVE_PHASE_START = "peak above phase start"
 SUMMARY_HEADER = ("figure", "bytes", "detail")
 PHASE_HEADER = ("phase", "calls", "delta", PEAK_ABOVE_PHASE_START, "time")

@@ -298,13 +298,18 @@ class _AtPeak:
 def test_at_peak_table():
     owners = [_Owner(f"layer{i}.weight", "parameter", None, 1000 - i) for i in range(20)]
     page = display.at_peak_html(_AtPeak(owners), limit=15)
-    _kinds, t = parse(page).tables  # per kind first, then per owner
+    _kinds, mods, t = parse(page).tables  # per kind first, then per module, then per owner
+    assert mods["head"] == ["module", "bytes", ""]  # these owners name no module: all outside one
+    total = sum(1000 - i for i in range(20))
+    assert [[c["text"] for c in r["cells"]] for r in mods["rows"]] == [
+        ["outside any module (inputs, temporaries, other)", units.format(total), f"{total:,} B"]
+    ]
     assert t["head"] == ["owner", "kind", "allocated in", "bytes", ""]
     assert len(t["rows"]) == 16
     assert t["rows"][0]["cells"][4]["text"] == "1,000 B"
     rest = sum(1000 - i for i in range(15, 20))
     assert (
-        t["rows"][-1]["cells"][0]["text"] == "... 5 more owner(s)"
+        t["rows"][-1]["cells"][0]["text"] == "... and 5 more owner(s)"
         and t["rows"][-1]["cells"][4]["text"] == f"{rest:,} B"
     )
     assert "note: a note" in page
