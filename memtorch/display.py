@@ -261,7 +261,7 @@ def _fold_note(rows, total, depth):
         parts.append("'x N': N identical modules in one row, figures summed")
     if any(r.folded for r in rows):
         parts.append("[+N]: N modules inside the row, not listed (its figures include them)")
-    parts.append("every module: .to_text() or .to_html()")
+    parts.append("every module: .to_text(max_rows=None) or .to_html(max_rows=None)")
     return "; ".join(parts) + "."
 
 
@@ -471,7 +471,9 @@ def _limits(depth, max_rows):
     )
 
 
-_DEFAULT = object()
+# the default of depth and max_rows everywhere: read options (a report's to_text() passes it
+# on as ``...``; None means no limit)
+_DEFAULT = ...
 
 
 def model_memory_text(mm, depth=_DEFAULT, max_rows=_DEFAULT):

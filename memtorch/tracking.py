@@ -410,13 +410,15 @@ class TrackReport:
 
         return display.track_report_html(self)
 
-    def to_text(self, depth=None, max_rows=None):
-        """The report, its module tree folded to depth / max_rows (memtorch.display)."""
+    def to_text(self, depth=..., max_rows=...):
+        """The report as print() shows it (memtorch.display.track_report_text): its module tree folded to
+        display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
         from . import display
 
         return display.track_report_text(self, depth, max_rows)
 
-    def to_html(self, depth=None, max_rows=None):
+    def to_html(self, depth=..., max_rows=...):
+        """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
         from . import display
 
         return display.track_report_html(self, depth, max_rows)
