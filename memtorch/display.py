@@ -35,7 +35,9 @@ __all__ = [
     "at_peak_html",
     "leak_report_text",
     "multi_rank_text",
+    "multi_rank_html",
     "plan_text",
+    "plan_html",
     "why_lines",
 ]
 
@@ -979,14 +981,27 @@ def estimate_html(est, depth=_DEFAULT, max_rows=_DEFAULT):
 def multi_rank_text(report):
     """One row per rank (its peaks above the block's and each phase's start), then the summary."""
     header, rows = report._rows()
-    title = f"memtorch.track over {report.world_size} rank(s) on {report.device}"
     right = {0} | set(range(2, len(header)))
-    return "\n".join([title] + _text_table(header, rows, right) + [""] + report.summary_lines())
+    return "\n".join([_multi_rank_title(report)] + _text_table(header, rows, right) + [""] + report.summary_lines())
 
 
-def plan_text(plan, limit=40):
-    """The combinations that fit, cheapest first, then those that do not, closest first: the first
-    ``limit`` rows, then a line saying how many more and where they are."""
+def multi_rank_html(report):
+    """The same content as multi_rank_text, as HTML."""
+    header, rows = report._rows()
+    right = {0} | set(range(2, len(header)))
+    lines = "<br>".join(_e(line) for line in report.summary_lines())
+    return (
+        f'<div class="memtorch memtorch-ranks"><p><b>{_e(_multi_rank_title(report))}</b></p>'
+        f"{_html_table(header, rows, right=right)}<p>{lines}</p></div>"
+    )
+
+
+def _multi_rank_title(report):
+    return f"memtorch.track over {report.world_size} rank(s) on {report.device}"
+
+
+def _plan_parts(plan, limit):
+    """(title, what the table lists, header, rows, right-aligned columns, trailing lines) of a Plan."""
     f = _fmt
     head = (
         f"memtorch.plan: {len(plan.fits)} of {len(plan.options)} combination(s) fit in "
@@ -1014,10 +1029,26 @@ def plan_text(plan, limit=40):
     header += ["reserved per rank"] if cuda else []
     header += ["margin", "fits"]
     judged = "reserved" if cuda else "peak, scratch late" if upper else "peak per rank"
-    out = [head, f"the {len(plan.fits)} that fit, cheapest first, then the {len(over)} that do not, closest "
-           f"first (fit judged on {judged!r}; first {len(rows)} shown):"]  # fmt: skip
-    out += _text_table(header, rows, {0, 4, 5} | set(range(6, len(header) - 1)))
+    what = (f"the {len(plan.fits)} that fit, cheapest first, then the {len(over)} that do not, closest "
+            f"first (fit judged on {judged!r}; first {len(rows)} shown):")  # fmt: skip
+    tail = []
     if len(plan.options) > len(rows):
-        out.append(f"... {len(plan.options) - len(rows)} more (Plan.options has them all)")
-    out += ["note: " + n for n in plan.notes]
-    return "\n".join(out)
+        tail.append(f"... {len(plan.options) - len(rows)} more (Plan.options has them all)")
+    tail += ["note: " + n for n in plan.notes]
+    return head, what, header, rows, {0, 4, 5} | set(range(6, len(header) - 1)), tail
+
+
+def plan_text(plan, limit=40):
+    """The combinations that fit, cheapest first, then those that do not, closest first: the first
+    ``limit`` rows, then a line saying how many more and where they are."""
+    head, what, header, rows, right, tail = _plan_parts(plan, limit)
+    return "\n".join([head, what] + _text_table(header, rows, right) + tail)
+
+
+def plan_html(plan, limit=40):
+    """The same content as plan_text, as HTML."""
+    head, what, header, rows, right, tail = _plan_parts(plan, limit)
+    return (
+        f'<div class="memtorch memtorch-plan"><p><b>{_e(head)}</b></p><p>{_e(what)}</p>'
+        f"{_html_table(header, rows, right=right)}" + "".join(f"<p>{_e(t)}</p>" for t in tail) + "</div>"
+    )

@@ -333,6 +333,14 @@ class MultiRankReport:
 
         return display.multi_rank_text(self)
 
+    def to_html(self):
+        from . import display
+
+        return display.multi_rank_html(self)
+
+    def _repr_html_(self):
+        return self.to_html()
+
     def __str__(self):
         return self.to_text()
 

@@ -276,6 +276,14 @@ class Plan:
 
         return display.plan_text(self, limit)
 
+    def to_html(self, limit=40):
+        from . import display
+
+        return display.plan_html(self, limit)
+
+    def _repr_html_(self):
+        return self.to_html()
+
     def __str__(self, limit=40):
         return self.to_text(limit)
 

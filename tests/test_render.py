@@ -1,6 +1,8 @@
 """print(report) and report.to_text() show the same content, rendered by memtorch.display alone
 (issue 25, item 2); at_peak answers per kind, then per module, then per tensor (item 4)."""
 
+import html
+
 import pytest
 import torch
 from torch import nn
@@ -89,6 +91,12 @@ def test_leak_multi_rank_plan_and_at_peak_render_through_display():
                   optimizer_state_at_peak=2000, numel=250, largest_block=400, param_numels=(150, 100))  # fmt: skip
     p = plan_from({("fp32", None, 8): b}, device_memory=4000, world_sizes=[1, 2])
     assert str(p) == p.to_text() == display.plan_text(p)
+    # the notebook shows the same rows
+    for report in (m, p):
+        page = report._repr_html_()
+        for line in report.to_text().splitlines():
+            if line and not line.startswith("-"):
+                assert all(html.escape(cell.strip()) in page for cell in line.split("  ") if cell.strip()), line
 
     model = nn.Linear(4, 4)
     with memtorch.track(model) as t:
