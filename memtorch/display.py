@@ -115,19 +115,28 @@ def _build(entries):
             nodes[parent].children.append(len(nodes))
             n.depth = nodes[parent].depth + 1
         nodes.append(n)
-    # bottom-up signatures: identical type, figures and insides
+    # bottom-up signatures: identical type, figures and insides, each interned as a
+    # small int (a nest of tuples as deep as the model would hash and compare recursively)
+    interned = {}
     for n in reversed(nodes):
-        n.sig = (
+        key = (
             n.type,
             tuple(n.values) if n.values else None,
             n.note,
             tuple(nodes[c].sig for c in n.children),
         )
+        n.sig = interned.setdefault(key, len(interned))
     return nodes
 
 
-def _subtree_size(nodes, i):
-    return 1 + sum(_subtree_size(nodes, c) for c in nodes[i].children)
+def _subtree_sizes(nodes):
+    """sizes[i]: node i and every node below it (children come after their parent)."""
+    sizes = [1] * len(nodes)
+    for i in range(len(nodes) - 1, 0, -1):
+        p = nodes[i].parent
+        if 0 <= p < i:
+            sizes[p] += sizes[i]
+    return sizes
 
 
 def _combine(values_list, how):
@@ -167,22 +176,23 @@ def _names(nodes, members, limit=4):
     return ", ".join(names)
 
 
-def _visible(nodes, depth, collapse, how):
+def _visible(nodes, depth, collapse, how, stop=None):
     """Rows shown with levels below ``depth`` folded (None: every level); with ``collapse``,
-    runs of identical siblings become one row whose insides are shown once, summed."""
+    runs of identical siblings become one row whose insides are shown once, summed.
+    ``stop``: give up once more than ``stop`` rows are made (only their count is wanted)."""
     rows = []
     if not nodes:
         return rows
 
-    def folded_count(i):
-        return _subtree_size(nodes, i) - 1
+    sizes = _subtree_sizes(nodes)
 
     def emit(members, last=None):
+        """The row of ``members``; returns the runs of children to show below it."""
         n = nodes[members[0]]
         k = len(members)
         open_ = depth is None or n.depth < depth
         shown_kids = open_ and bool(n.children)
-        folded = 0 if shown_kids else sum(folded_count(m) for m in members)
+        folded = 0 if shown_kids else sum(sizes[m] - 1 for m in members)
         if k == 1:
             rows.append(_Row(n.name, _short(n.name), n.type, n.depth, n.values, folded, n.note))
         else:
@@ -203,13 +213,19 @@ def _visible(nodes, depth, collapse, how):
                     n=k,
                 )
             )
+        kids = []
         if shown_kids:
             for positions in _units(nodes, members[0], collapse):
                 sub = [nodes[m].children[p] for m in members for p in positions]
                 last = nodes[nodes[members[0]].children[positions[-1]]].name if len(positions) > 1 else None
-                emit(sub, last)
+                kids.append((sub, last))
+        return kids
 
-    emit([0])
+    # pre-order with a stack of its own: a model may nest deeper than Python's recursion limit
+    stack = [([0], None)]
+    while stack and (stop is None or len(rows) <= stop):
+        members, last = stack.pop()
+        stack.extend(reversed(emit(members, last)))
     return rows
 
 
@@ -223,17 +239,27 @@ def _layout(nodes, aggregate, depth, max_rows):
     if max_rows is None:
         rows = _visible(nodes, depth, False, aggregate)
         return rows, _fold_note(rows, total, depth)
+    # the tables tried below stop at max_rows + 1 rows: only whether they fit is wanted
     collapse = False
-    rows = _visible(nodes, depth, False, aggregate)
+    shown = depth  # the depth of the table shown
+    rows = _visible(nodes, depth, False, aggregate, max_rows)
     if len(rows) > max_rows:
         collapse = True
-        rows = _visible(nodes, depth, True, aggregate)
+        rows = _visible(nodes, depth, True, aggregate, max_rows)
     if depth is None and len(rows) > max_rows:
-        for d in range(maxdepth, 0, -1):
-            rows = _visible(nodes, d, collapse, aggregate)
-            if len(rows) <= max_rows:
-                break
+        # the deepest level that fits: rows only grow with the depth, so a bisection
+        # (a chain of modules may be thousands of levels deep)
+        lo, hi = 0, maxdepth  # 0: no level fits yet
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(_visible(nodes, mid, collapse, aggregate, max_rows)) <= max_rows:
+                lo = mid
+            else:
+                hi = mid - 1
+        shown = max(lo, 1)
+        rows = _visible(nodes, shown, collapse, aggregate, max_rows)
     if len(rows) > max_rows:  # even one level is too long: sum the rest into one row
+        rows = _visible(nodes, shown, collapse, aggregate)
         keep, rest = rows[: max_rows - 1], rows[max_rows - 1 :]
         top = min(r.depth for r in rest)
         # only the shallowest rows of the rest: deeper ones are inside them

@@ -873,17 +873,42 @@ def _opt_hook_dicts(opt):
     return None
 
 
-def _add_hook(handles, hooks, hook, always=None):
+def _add_hook(handles, hooks, hook, always=None, front=False):
     """hooks[id] = hook (and always[id] = True), as torch's register_* functions do, with
-    an id from RemovableHandle's counter; (hooks, id, always) goes to ``handles``, for
-    Tracker._remove_hooks."""
+    an id from RemovableHandle's counter (front: first among the hooks already there, as
+    prepend=True); (hooks, id, always) goes to ``handles``, for Tracker._remove_hooks."""
     h = _direct[0][3]
     i = h.next_id
     h.next_id = i + 1
     hooks[i] = hook
+    if front and len(hooks) > 1 and hasattr(hooks, "move_to_end"):  # torch's are OrderedDicts
+        hooks.move_to_end(i, last=False)
     if always is not None:
         always[i] = True
     handles.append((hooks, i, always))
+
+
+def _skip_traced(hook):
+    """``hook`` behind a Python function that returns at once while dynamo traces
+    (torch.compiler.is_compiling(), which dynamo reads as True): a C hook, or a Python
+    one that opens counter scopes, would break the graph (dynamo cannot trace it) and
+    the eager code would stay cached after the block. Inside a compiled graph no hook
+    of memtorch runs; its modules are one opaque region (see _compiled_rows)."""
+    compiling = _torch_mod.compiler.is_compiling
+
+    def hook_unless_traced(*args):
+        if compiling():
+            return None
+        return hook(*args)
+
+    return hook_unless_traced
+
+
+def _module_hook_dicts(mod):
+    """The module's own forward pre-hook, hook and always-called dicts, or None."""
+    d = mod.__dict__
+    dicts = (d.get("_forward_pre_hooks"), d.get("_forward_hooks"), d.get("_forward_hooks_always_called"))
+    return dicts if all(isinstance(x, dict) for x in dicts) else None
 
 
 def _describe_tensor(t):
@@ -1048,7 +1073,7 @@ class _Plan:
     __slots__ = ("mods", "ids", "specs", "params", "buffers", "fp", "names", "__weakref__")
 
     def __init__(self, model):
-        named = list(model.named_modules())
+        named = _named_modules(model)
         self.mods = [weakref.ref(m) for _, m in named]
         self.ids = {id(m): i for i, (_, m) in enumerate(named)}
         self.specs = [(name, type(m).__name__) for name, m in named]
@@ -1079,6 +1104,25 @@ class _Plan:
             if t is not None:
                 return t
         return None
+
+
+def _named_modules(model):
+    """model.named_modules()'s list (pre-order, each module once, at its first name) with a
+    stack of its own: torch's recursive generator fails on a model nested deeper than
+    Python's recursion limit."""
+    out, seen = [], set()
+    stack = [("", model)]
+    while stack:
+        prefix, mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out.append((prefix, mod))
+        kids = mod._modules
+        if kids:
+            pre = prefix + "." if prefix else ""
+            stack.extend((pre + k, m) for k, m in reversed(list(kids.items())) if m is not None)
+    return out
 
 
 _plans = {}  # id(model) -> _Plan; the entry goes when the model does (see _drop_plan)
@@ -1343,8 +1387,9 @@ class Tracker:
         optim_mod = sys.modules["torch.optim.optimizer"]
         self._adopting = True
         self._foreign = weakref.WeakSet()
-        self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._any_opt_pre))
-        self._handles.append(optim_mod.register_optimizer_step_post_hook(self._any_opt_post))
+        # behind _skip_traced: a compiled opt.step() traces them
+        self._handles.append(optim_mod.register_optimizer_step_pre_hook(_skip_traced(self._any_opt_pre)))
+        self._handles.append(optim_mod.register_optimizer_step_post_hook(_skip_traced(self._any_opt_post)))
 
     def _adopted(self, opt):
         """True when ``opt`` is the block's optimizer, made so if it is the first to step the
@@ -1537,10 +1582,13 @@ class Tracker:
         opt_direct = None if opt is None or direct is None else _opt_hook_dicts(opt)
         if direct is not None and (opt is None or opt_direct is not None):
             # event-log mode: all of the block's hooks in C, put in and taken out in one call each
-            # (the model's modules were given to the marks when they were made: __enter__)
+            # (the model's modules were given to the marks when they were made: __enter__), on
+            # each module of the model (its own hook dicts), behind _skip_traced's wrappers
+            m = self._marks
             self._marks.install(
-                *(direct[:3] if model is not None else (None, None, None)),
-                *(opt_direct if opt is not None else (None, None)), direct[3],
+                None if model is None else self._hooked_modules(model),
+                *(opt_direct if opt is not None else (None, None)),
+                tuple(_skip_traced(h) for h in (m.pre, m.post, m.opt_pre, m.opt_post)), direct[3],
             )  # fmt: skip
             self._handles.append(self._marks)
             if model is not None:
@@ -1565,6 +1613,12 @@ class Tracker:
         if plan is None or plan.mods[0]() is not model:
             plan = self._plan = _plan_of(model)
         return plan
+
+    def _hooked_modules(self, model):
+        """Weakrefs of the modules that get the block's forward hooks: each module of the model
+        with per-module rows, else the root only (its forward makes the phases)."""
+        mods = self._model_plan(model).mods
+        return mods if self._ids else mods[:1]
 
     def _model_rows(self, model):
         """The model's root and its modules' rows (event-log mode: made when the report is first read)."""
@@ -1593,8 +1647,8 @@ class Tracker:
         if m is None and not self._ids:
             # no per-module rows (CUDA): hooks on the root only, for the phases. A global module
             # hook would send every module of the process through torch's slow call path.
-            self._handles.append(model.register_forward_pre_hook(self._pre))
-            self._handles.append(model.register_forward_hook(self._post, always_call=True))
+            self._handles.append(model.register_forward_pre_hook(_skip_traced(self._pre)))
+            self._handles.append(model.register_forward_hook(_skip_traced(self._post), always_call=True))
             return
         pre, post = (self._pre, self._post) if m is None else (m.pre, m.post)
         pre_id = self._add_module_hooks(pre, post)
@@ -1602,23 +1656,39 @@ class Tracker:
             self._root_kwargs(pre_id)
 
     def _add_module_hooks(self, pre, post):
-        """The two global module hooks; returns the pre-hook's id."""
+        """pre and post (always called) on each module of the model, in its own hook dicts
+        (torch's global ones make torch warn on every call of a compiled module), first
+        among the module's hooks as global ones would run; behind _skip_traced. Returns the
+        id of the root's pre-hook (None: no model)."""
+        model = None if self._model is None else self._model()
+        if model is None:
+            return None
+        mods = [r() for r in self._hooked_modules(model)]
+        del model
+        pre, post = _skip_traced(pre), _skip_traced(post)
         direct = _hook_dicts()
-        if direct is not None:
-            _add_hook(self._handles, direct[0], pre)
-            pre_id = self._handles[-1][1]
-            _add_hook(self._handles, direct[1], post, direct[2])  # always called, as always_call=True
-        else:
-            torch_module = sys.modules["torch.nn.modules.module"]
-            handle = torch_module.register_module_forward_pre_hook(pre)
-            self._handles.append(handle)
-            pre_id = handle.id
-            self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
+        pre_id = None
+        for mod in mods:
+            dicts = None if mod is None or direct is None else _module_hook_dicts(mod)
+            if dicts is not None:
+                _add_hook(self._handles, dicts[0], pre, front=True)
+                i = self._handles[-1][1]
+                _add_hook(self._handles, dicts[1], post, dicts[2], front=True)  # as always_call=True
+            elif mod is not None:
+                handle = mod.register_forward_pre_hook(pre, prepend=True)
+                self._handles.append(handle)
+                i = handle.id
+                self._handles.append(mod.register_forward_hook(post, prepend=True, always_call=True))
+            else:
+                continue
+            if pre_id is None:  # the plan's first module is the root
+                pre_id = i
         return pre_id
 
     def _hook_optimizer(self, opt):
         m = self._marks  # event-log mode: the phase and the gradients' and new state's names in C
         pre, post = (self._opt_pre, self._opt_post) if m is None else (m.opt_pre, m.opt_post)
+        pre, post = _skip_traced(pre), _skip_traced(post)  # a compiled opt.step() traces them
         direct = _opt_hook_dicts(opt)
         if direct is not None:
             _add_hook(self._handles, direct[0], pre)

@@ -6,11 +6,15 @@
 #include <string.h>
 
 /*
- * A block in event-log mode registers two global module hooks; every module
- * call in the process goes through them (torch.nn.modules.module's
- * register_module_forward_pre_hook / _hook). For the modules of the watched
- * model they push or pop the module's owner tag and log an enter or exit
- * mark. Its root's forward begins the forward phase (and names the batch: the
+ * A block in event-log mode puts a forward pre-hook and a forward hook (always
+ * called) on each module of the watched model (install(): into each module's
+ * own hook dicts, not torch's global ones, which make torch warn on every call
+ * of a torch.compile'd module and send every other module of the process down
+ * its slow path). They push or pop the module's owner tag and log an enter or
+ * exit mark. What goes into the dicts are the Python wrappers tracking.py
+ * makes around pre/post/opt_pre/opt_post: they return at once while dynamo
+ * traces (torch.compiler.is_compiling()), which a C function cannot tell
+ * dynamo, so that a compiled graph has no break and no trace of memtorch. Its root's forward begins the forward phase (and names the batch: the
  * tensors given to it), its end the backward phase when autograd is on; the
  * optimizer's step pre- and post-hooks begin and end the optimizer phase and
  * name the gradients (which zero_grad() may free before the block ends) and
@@ -30,11 +34,6 @@
 #define MT_MARKS_SNAPS 256 /* snapshots kept: the first 16 and the latest (a block's peak is often in its first step) */
 
 static const char *const mt_phase_names[4] = {NULL, "forward", "backward", "optimizer"};
-
-/* install()'s hooks: the module pre-hook, the module hook and its always-called
- * entry, the optimizer's step pre- and post-hook. */
-#define MT_MARKS_HOOKS 5
-static const char *const mt_hook_methods[MT_MARKS_HOOKS] = {"pre", "post", NULL, "opt_pre", "opt_post"};
 
 typedef struct {
     uintptr_t key; /* module address; 0: empty */
@@ -75,9 +74,8 @@ typedef struct {
     PyObject *timeline;    /* list of (ns, "phase"|"end", name), or None */
     PyObject *last_inputs; /* list of the addresses of the last forward's tensor arguments (0: none) */
     PyObject *closure_hook; /* closure_hook(args, kwargs) for a step given arguments (a closure), or None */
-    /* install(): the hook dicts this object's hooks were put in (owned, NULL: none) and their ids */
-    PyObject *hook_dicts[MT_MARKS_HOOKS];
-    PyObject *hook_ids[MT_MARKS_HOOKS];
+    PyObject *installed;    /* install(): list of (hook dict, id) it put in; NULL: none */
+    PyObject *pre_id;       /* install(): the id of the modules' pre-hooks; NULL: none installed */
 } mt_marks;
 
 static inline size_t
@@ -124,10 +122,8 @@ marks_traverse(mt_marks *m, visitproc visit, void *arg)
     Py_VISIT(m->timeline);
     Py_VISIT(m->last_inputs);
     Py_VISIT(m->closure_hook);
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        Py_VISIT(m->hook_dicts[j]);
-        Py_VISIT(m->hook_ids[j]);
-    }
+    Py_VISIT(m->installed);
+    Py_VISIT(m->pre_id);
     return 0;
 }
 
@@ -140,10 +136,8 @@ marks_clear(mt_marks *m)
     Py_CLEAR(m->timeline);
     Py_CLEAR(m->last_inputs);
     Py_CLEAR(m->closure_hook);
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        Py_CLEAR(m->hook_dicts[j]);
-        Py_CLEAR(m->hook_ids[j]);
-    }
+    Py_CLEAR(m->installed);
+    Py_CLEAR(m->pre_id);
     return 0;
 }
 
@@ -665,26 +659,27 @@ error:
     return py_result;
 }
 
-/* Take out every hook install() put in (a missing entry is skipped). 0, or -1 with
- * an exception set (after trying every entry). */
+/* Take out every hook install() put in (a missing entry is skipped), the last
+ * first. 0, or -1 with an exception set (after trying every entry). */
 static int
 mt_marks_uninstall(mt_marks *m)
 {
-    PyObject *first = NULL; /* the first error (new reference), raised again at the end */
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        PyObject *py_d = m->hook_dicts[j], *py_id = m->hook_ids[j]; /* owned, taken over below */
-        m->hook_dicts[j] = NULL;
-        m->hook_ids[j] = NULL;
-        if (py_d == NULL) {
-            Py_XDECREF(py_id);
-            continue;
-        }
+    PyObject *first = NULL;            /* the first error (new reference), raised again at the end */
+    PyObject *py_list = m->installed;  /* owned, taken over */
+    m->installed = NULL;
+    Py_CLEAR(m->pre_id);
+    if (py_list == NULL) {
+        return 0;
+    }
+    for (Py_ssize_t j = PyList_GET_SIZE(py_list) - 1; j >= 0; j--) {
+        PyObject *py_pair = PyList_GET_ITEM(py_list, j); /* borrowed: a (dict, id) tuple */
+        PyObject *py_d = PyTuple_GET_ITEM(py_pair, 0), *py_id = PyTuple_GET_ITEM(py_pair, 1); /* borrowed */
         /* the abstract API: torch's hook dicts are OrderedDicts, whose order a PyDict_DelItem would break */
         int has = PySequence_Contains(py_d, py_id);
         if (has > 0 && PyObject_DelItem(py_d, py_id) < 0) {
             has = -1;
         }
-        if (has < 0) { /* keep the first error; the later entries are still taken out */
+        if (has < 0) { /* keep the first error; the other entries are still taken out */
             PyObject *exc = PyErr_GetRaisedException(); /* new reference */
             if (first == NULL) {
                 first = exc;
@@ -693,9 +688,8 @@ mt_marks_uninstall(mt_marks *m)
                 Py_XDECREF(exc);
             }
         }
-        Py_DECREF(py_d);
-        Py_DECREF(py_id);
     }
+    Py_DECREF(py_list);
     if (first != NULL) {
         PyErr_SetRaisedException(first); /* steals first */
         return -1;
@@ -703,93 +697,168 @@ mt_marks_uninstall(mt_marks *m)
     return 0;
 }
 
+/* py_d[py_id] = py_value, recorded in m->installed for uninstall; with front,
+ * moved to the front of py_d (an OrderedDict holding other hooks: ours run
+ * first, as torch's global hooks run before a module's own). All borrowed. 0,
+ * or -1 with an exception set. */
+static int
+mt_marks_put(mt_marks *m, PyObject *py_d, PyObject *py_id, PyObject *py_value, int front)
+{
+    PyObject *py_pair = NULL, *py_r = NULL;
+    int rc = -1;
+    Py_ssize_t before = PyObject_Length(py_d);
+    if (before < 0 || PyObject_SetItem(py_d, py_id, py_value) < 0) {
+        goto error;
+    }
+    py_pair = PyTuple_Pack(2, py_d, py_id); /* new reference */
+    if (py_pair == NULL || PyList_Append(m->installed, py_pair) < 0) {
+        goto error;
+    }
+    if (front && before > 0 && !PyDict_CheckExact(py_d)) {
+        py_r = PyObject_CallMethod(py_d, "move_to_end", "OO", py_id, Py_False); /* new reference */
+        if (py_r == NULL) {
+            goto error;
+        }
+    }
+    rc = 0;
+error:
+    Py_XDECREF(py_pair);
+    Py_XDECREF(py_r);
+    return rc;
+}
+
+/* The module's own hook dicts (borrowed from its __dict__, held by py_dict, a new
+ * reference the caller releases): _forward_pre_hooks, _forward_hooks and
+ * _forward_hooks_always_called. 0, 1 when the module has no such dicts, or -1
+ * with an exception set. */
+static int
+mt_marks_module_dicts(PyObject *py_mod, PyObject **py_dict, PyObject *out[3])
+{
+    static const char *const keys[3] = {"_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"};
+    *py_dict = PyObject_GenericGetDict(py_mod, NULL); /* new reference: the instance __dict__ */
+    if (*py_dict == NULL) {
+        return -1;
+    }
+    for (size_t j = 0; j < 3; j++) {
+        out[j] = PyDict_GetItemString(*py_dict, keys[j]); /* borrowed */
+        if (out[j] == NULL || !PyDict_Check(out[j])) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *py_id = NULL, *py_next = NULL, *py_hook = NULL;
+    PyObject *py_seq = NULL, *py_mod = NULL, *py_dict = NULL, *py_ids[4] = {NULL, NULL, NULL, NULL};
+    PyObject *py_next = NULL;
     /* refused before anything goes in (the error path below takes out what this call put in) */
-    if (nargs != MT_MARKS_HOOKS + 1) {
-        PyErr_Format(PyExc_TypeError, "ModuleMarks.install() takes %d arguments (%zd given)", MT_MARKS_HOOKS + 1,
-                     nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.install() takes 5 arguments (%zd given)", nargs);
         return NULL;
     }
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        if (m->hook_dicts[j] != NULL) {
-            PyErr_SetString(PyExc_RuntimeError, "ModuleMarks.install(): the hooks are installed already");
-            return NULL;
-        }
-        if (args[j] != Py_None && !PyDict_Check(args[j])) {
-            PyErr_SetString(PyExc_TypeError, "ModuleMarks.install() expects hook dicts (or None) and a handle class");
-            return NULL;
-        }
+    if (m->installed != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ModuleMarks.install(): the hooks are installed already");
+        return NULL;
     }
-    if ((args[1] == Py_None) != (args[2] == Py_None)) {
+    PyObject *py_mods = args[0], *py_opt_pre = args[1], *py_opt_post = args[2]; /* borrowed */
+    PyObject *py_hooks = args[3], *handle = args[4];                              /* borrowed */
+    if ((py_opt_pre != Py_None && !PyDict_Check(py_opt_pre)) || (py_opt_post != Py_None && !PyDict_Check(py_opt_post)) ||
+        (py_opt_pre == Py_None) != (py_opt_post == Py_None) || !PyTuple_Check(py_hooks) ||
+        PyTuple_GET_SIZE(py_hooks) != 4) {
         PyErr_SetString(PyExc_TypeError,
-                        "ModuleMarks.install(): the module hook dict comes with its always-called dict");
+                        "ModuleMarks.install(modules, opt_pre_hooks, opt_post_hooks, (pre, post, opt_pre, opt_post), "
+                        "handle_class): the optimizer's hook dicts (or None, None) and a tuple of 4 hooks");
         return NULL;
     }
-    PyObject *handle = args[MT_MARKS_HOOKS]; /* borrowed: torch.utils.hooks.RemovableHandle */
+    if (py_mods != Py_None) {
+        py_seq = PySequence_Fast(py_mods, "ModuleMarks.install() expects a list of modules (or weakrefs)");
+        if (py_seq == NULL) { /* new reference */
+            return NULL;
+        }
+    }
     PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
     const mt_strs *s = module == NULL ? NULL : mt_names_strs(module); /* borrowed from the state */
     if (s == NULL) {
-        return NULL;
+        goto error;
     }
-    /* the ids: from the handles' own counter, as RemovableHandle() takes one, read and moved on once */
-    long long first = 0, n = 0;
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        n += args[j] != Py_None && mt_hook_methods[j] != NULL;
+    /* the ids: from the handles' own counter, as RemovableHandle() takes one, read and moved on once.
+     * One id per kind of hook: each module's dicts are its own, so the same id serves every module. */
+    PyObject *py_first = PyObject_GetAttr(handle, s->next_id); /* new reference */
+    if (py_first == NULL) {
+        goto error;
     }
-    if (n > 0) {
-        py_id = PyObject_GetAttr(handle, s->next_id); /* new reference */
-        if (py_id == NULL) {
-            return NULL;
+    long long first = PyLong_CheckExact(py_first) ? PyLong_AsLongLong(py_first) : -1;
+    Py_DECREF(py_first);
+    if (first < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
         }
-        first = PyLong_CheckExact(py_id) ? PyLong_AsLongLong(py_id) : -1;
-        Py_CLEAR(py_id);
-        if (first < 0) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError,
-                                "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
-            }
-            return NULL;
-        }
-        py_next = PyLong_FromLongLong(first + n); /* new reference */
-        if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
+        goto error;
+    }
+    py_next = PyLong_FromLongLong(first + 4); /* new reference */
+    if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
+        goto error;
+    }
+    for (int j = 0; j < 4; j++) {
+        py_ids[j] = PyLong_FromLongLong(first + j); /* new reference */
+        if (py_ids[j] == NULL) {
             goto error;
         }
-        Py_CLEAR(py_next);
     }
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        PyObject *py_d = args[j]; /* borrowed */
-        if (py_d == Py_None) {
-            continue;
-        }
-        if (mt_hook_methods[j] == NULL) { /* always-called: the module hook's id, set to True */
-            py_id = Py_NewRef(m->hook_ids[1]);
-            if (PyObject_SetItem(py_d, py_id, Py_True) < 0) {
+    m->installed = PyList_New(0); /* new reference */
+    if (m->installed == NULL) {
+        goto error;
+    }
+    PyObject *pre = PyTuple_GET_ITEM(py_hooks, 0), *post = PyTuple_GET_ITEM(py_hooks, 1); /* borrowed */
+    Py_ssize_t n = py_seq == NULL ? 0 : PySequence_Fast_GET_SIZE(py_seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        py_mod = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
+        if (PyWeakref_CheckRef(py_mod)) { /* what track()'s plan keeps: the module, if alive */
+            PyObject *py_obj;
+            if (PyWeakref_GetRef(py_mod, &py_obj) < 0) { /* py_obj: new reference or NULL */
                 goto error;
             }
+            Py_SETREF(py_mod, py_obj);
         }
-        else {
-            py_id = PyLong_FromLongLong(first++); /* new reference */
-            if (py_id == NULL) {
+        if (py_mod != NULL && py_mod != Py_None) {
+            PyObject *dicts[3]; /* borrowed from py_dict */
+            int r = mt_marks_module_dicts(py_mod, &py_dict, dicts);
+            if (r < 0) {
                 goto error;
             }
-            py_hook = PyObject_GetAttrString((PyObject *)m, mt_hook_methods[j]); /* new reference: bound */
-            if (py_hook == NULL || PyObject_SetItem(py_d, py_id, py_hook) < 0) {
+            if (r == 0 && (mt_marks_put(m, dicts[0], py_ids[0], pre, 1) < 0 ||
+                           mt_marks_put(m, dicts[1], py_ids[1], post, 1) < 0 ||
+                           mt_marks_put(m, dicts[2], py_ids[1], Py_True, 0) < 0)) {
                 goto error;
             }
-            Py_CLEAR(py_hook);
+            Py_CLEAR(py_dict);
         }
-        m->hook_dicts[j] = Py_NewRef(py_d);
-        m->hook_ids[j] = py_id; /* takes py_id's reference */
-        py_id = NULL;
+        Py_CLEAR(py_mod);
+    }
+    if (py_opt_pre != Py_None &&
+        (mt_marks_put(m, py_opt_pre, py_ids[2], PyTuple_GET_ITEM(py_hooks, 2), 0) < 0 ||
+         mt_marks_put(m, py_opt_post, py_ids[3], PyTuple_GET_ITEM(py_hooks, 3), 0) < 0)) {
+        goto error;
+    }
+    if (py_seq != NULL) {
+        m->pre_id = Py_NewRef(py_ids[0]);
+    }
+    Py_XDECREF(py_seq);
+    Py_DECREF(py_next);
+    for (int j = 0; j < 4; j++) {
+        Py_DECREF(py_ids[j]);
     }
     Py_RETURN_NONE;
 error:
-    Py_XDECREF(py_id);
+    Py_XDECREF(py_seq);
+    Py_XDECREF(py_mod);
+    Py_XDECREF(py_dict);
     Py_XDECREF(py_next);
-    Py_XDECREF(py_hook);
+    for (int j = 0; j < 4; j++) {
+        Py_XDECREF(py_ids[j]);
+    }
     { /* what this call put in before the error comes out again */
         PyObject *exc = PyErr_GetRaisedException(); /* new reference */
         if (mt_marks_uninstall(m) < 0) {
@@ -988,7 +1057,7 @@ marks_set_closure_hook(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 static PyObject *
 marks_get_pre_id(mt_marks *m, void *Py_UNUSED(closure))
 {
-    return Py_NewRef(m->hook_ids[0] != NULL ? m->hook_ids[0] : Py_None);
+    return Py_NewRef(m->pre_id != NULL ? m->pre_id : Py_None);
 }
 
 static PyMethodDef marks_methods[] = {
@@ -1008,8 +1077,9 @@ static PyMethodDef marks_methods[] = {
      "begin_phase(code): end the running phase, begin phase code (1 forward, 2 backward, 3 optimizer)."},
     {"end_phase", (PyCFunction)marks_end_phase, METH_NOARGS, "end_phase(): end the running phase, if any."},
     {"install", (PyCFunction)(void (*)(void))marks_install, METH_FASTCALL,
-     "install(pre_hooks, hooks, always_called, opt_pre_hooks, opt_post_hooks, handle_class): put pre, post, "
-     "opt_pre and opt_post into torch's hook dicts (None: not that one) under ids from handle_class.next_id."},
+     "install(modules, opt_pre_hooks, opt_post_hooks, hooks, handle_class): put hooks' pre and post (wrappers of "
+     "this object's) into each module's forward hook dicts (modules: list of modules or weakrefs, or None) and "
+     "opt_pre, opt_post into the optimizer's step hook dicts (or None, None), under ids from handle_class.next_id."},
     {"uninstall", (PyCFunction)marks_uninstall, METH_NOARGS,
      "uninstall(): take out what install() put in (safe to call again)."},
     {"set_model", (PyCFunction)(void (*)(void))marks_set_model, METH_FASTCALL,
