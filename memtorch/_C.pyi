@@ -114,6 +114,9 @@ class ModuleMarks:  # track()'s module and optimizer hooks in event-log mode (ma
     params: list[tuple[str, Any]] | None
     last_inputs: list[int]
     closure_hook: Callable[[Any, Any], Any] | None
+    in_backward: Callable[[], int] | None  # autograd's graph task id (-1: none): a call inside is a recomputation
+    @property
+    def recompute_totals(self) -> list[tuple[int, int, int]]: ...
     @property
     def pre_id(self) -> int | None: ...
     def __init__(

@@ -543,12 +543,27 @@ def _totals_html(lines):
 
 _TR_HEADER = ["calls", "left alive (activations)", "peak inside"]
 _TR_AGG = ["sum", "sum", "max"]
+# with recomputations (torch.utils.checkpoint): their calls and what they left alive, apart
+_TR_AGAIN = ["recomputed", "left alive by recomputing"]
+
+
+def _tr_again(report):
+    """Whether the report's modules were recomputed (a column pair of their own)."""
+    return any(getattr(m, "recomputed", 0) for m in report.modules)
+
+
+def _tr_columns(report):
+    """(header, how each column aggregates) of the module tree."""
+    if _tr_again(report):
+        return _TR_HEADER + _TR_AGAIN, _TR_AGG + ["sum", "sum"]
+    return _TR_HEADER, _TR_AGG
 
 
 def _tr_nodes(report):
     mods = [m for m in report.modules]
     if not mods:
         return []
+    again = _tr_again(report)
     index = {m.name: i for i, m in enumerate(mods)}
     entries = []
     for m in mods:
@@ -556,7 +571,10 @@ def _tr_nodes(report):
             parent = -1
         else:
             parent = index.get(m.name.rsplit(".", 1)[0] if "." in m.name else "", -1)
-        entries.append((m.name, m.type, parent, [m.calls, m.activation_bytes, m.peak_above_start], None))
+        values = [m.calls, m.activation_bytes, m.peak_above_start]
+        if again:
+            values += [m.recomputed, m.recomputed_bytes]
+        entries.append((m.name, m.type, parent, values, None))
     nodes = _build(entries)
     if any(n.parent < 0 for n in nodes[1:]):  # not one tree (no root row): hang everything under a root
         entries = [("", "(model)", -1, None, None)] + [
@@ -568,13 +586,15 @@ def _tr_nodes(report):
 
 def _tr_cells_for(report):
     exact = {m.name: getattr(m, "exact", True) for m in report.modules}
+    width = len(_tr_columns(report)[0])
 
     def cells(r):
         v = r.values
         if v is None:
-            return ["", "", ""]
+            return [""] * width
         peak = _fmt(v[2]) + ("" if exact.get(r.name, True) else " (at least)")
-        return [str(v[0]), _fmt(v[1]), peak]
+        again = [str(v[3]), _fmt(v[4])] if len(v) > 3 else []
+        return [str(v[0]), _fmt(v[1]), peak] + again
 
     return cells
 
@@ -592,9 +612,10 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
         )
     nodes = [n for n in _tr_nodes(report)]
     if nodes and any(m.calls for m in report.modules):
-        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        header, agg = _tr_columns(report)
+        rows, note = _layout(nodes, agg, depth, max_rows)
         out.append("")
-        out += _tree_text(rows, _TR_HEADER, _tr_cells_for(report))
+        out += _tree_text(rows, header, _tr_cells_for(report))
         if note:
             out.append(note)
     if report.leak is not None:
@@ -628,11 +649,10 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
         )
     nodes = _tr_nodes(report)
     if nodes and any(m.calls for m in report.modules):
-        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        header, agg = _tr_columns(report)
+        rows, note = _layout(nodes, agg, depth, max_rows)
         parts.append(
-            _tree_html(
-                rows, _TR_HEADER, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})"
-            )
+            _tree_html(rows, header, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})")
         )
         text = (
             "Per module: what its forward left allocated (per forward of the model) and its peak above entry."

@@ -146,10 +146,10 @@ class ModuleStats:
 
     __slots__ = (
         "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
-        "why",
+        "why", "recomputed", "recomputed_bytes", "recomputed_total", "note",
     )  # fmt: skip
 
-    def __init__(self, name, type_name):
+    def __init__(self, name, type_name, note=None):
         self.name = name
         self.type = type_name
         self.calls = 0
@@ -159,11 +159,19 @@ class ModuleStats:
         self.peak_above_start = 0
         self.exact = True
         self.why = None  # why not exact (a sentence), None when exact or not known
+        # recomputations: its forwards run again by autograd during backward (torch.utils.checkpoint),
+        # not counted in calls; the bytes they left allocated (what backward then uses), summed and
+        # per forward of the model as activation_bytes is
+        self.recomputed = 0
+        self.recomputed_total = 0
+        self.recomputed_bytes = 0
+        self.note = note  # what the row cannot show (a compiled region: its insides), or None
 
     def __repr__(self):
+        again = f", recomputed={self.recomputed}" if self.recomputed else ""
         return (
             f"ModuleStats({self.name or '(model)'!r}, {self.type}, calls={self.calls}, "
-            f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start})"
+            f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start}{again})"
         )
 
 
@@ -324,7 +332,8 @@ class TrackReport:
         }  # fmt: skip
         d["modules"] = [
             {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
-             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why}
+             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why,
+             "recomputed": int(m.recomputed), "recomputed_bytes": int(m.recomputed_bytes), "note": m.note}
             for m in self.modules
         ]  # fmt: skip
         d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
@@ -393,6 +402,7 @@ class TrackReport:
 
     def _module_rows(self, limit=30):
         mods = self.modules
+        again = any(m.recomputed for m in mods)  # two columns of their own (checkpointing)
         if len(mods) > limit:
             mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
         return [
@@ -403,8 +413,9 @@ class TrackReport:
                 units.format(m.activation_bytes),
                 units.format(m.peak_above_start) + ("" if m.exact else " (at least)"),
             )
+            + ((str(m.recomputed), units.format(m.recomputed_bytes)) if again else ())
             for m in mods
-            if m.calls
+            if m.calls or m.recomputed
         ]
 
     def _title(self):
@@ -426,7 +437,10 @@ class TrackReport:
         mods = self._module_rows()
         if mods:
             out.append("")
-            out += _table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods)
+            header = ["module", "type", "calls", "left alive (activations)", "peak inside"]
+            if len(mods[0]) > len(header):
+                header += ["recomputed", "left alive by recomputing"]
+            out += _table(header, mods)
             out += _why_lines(self.modules)
         if self.leak is not None:
             out.append("")
@@ -702,7 +716,9 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
                 p.exact = False
     if not n_events:
         return
-    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, replayed[7].tolist()):
+    mods = replayed[7].tolist()
+    n = len(mod_rows)
+    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, mods[:n]):
         if not calls:
             continue
         row.calls += calls
@@ -712,6 +728,13 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
             row.peak_above_start = max(row.peak_above_start, above)
         if unmatched:
             row.exact = False
+    # rows n + r: row r's recomputations (marks.c: forwards run inside autograd's backward)
+    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, mods[n:]):
+        if calls:
+            row.recomputed += calls
+            row.recomputed_total += act
+            if unmatched:
+                row.exact = False
 
 
 _WRAPPED = (
@@ -725,7 +748,14 @@ def _apply_totals(totals, rows, phases, dropped):
     """After the event log wrapped: each module's calls and the bytes they left allocated as the
     marks' hooks counted them (exact however long the block), and each phase's delta; the peaks
     inside are those of the calls the log still held, flagged as lower bounds with the reason."""
-    mods, deltas = totals
+    mods, deltas, again = totals
+    for row, (calls, act, unmatched) in zip(rows, again):
+        if calls:
+            row.recomputed = calls
+            row.recomputed_total = act
+            if unmatched:
+                row.exact = False
+                row.why = f"{unmatched:,} of its {calls:,} recomputations began out of the hooks' sight"
     for row, (calls, act, unmatched) in zip(rows, mods):
         if not calls:
             continue
@@ -751,6 +781,12 @@ def _apply_totals(totals, rows, phases, dropped):
                                         calls=p.calls, unit="occurrences")
 
 
+def _splits_recomputation(n):
+    """Whether the marks of a block with n module rows mark recomputations as rows n..2n-1
+    (as marks.c: row + 1 must fit the tag's 22 bits)."""
+    return 2 * n <= (1 << 22) - 1
+
+
 def _average_modules(rows, forwards):
     forwards = max(1, forwards)
     if rows and 0 < rows[0]._measured < rows[0].calls:
@@ -758,6 +794,7 @@ def _average_modules(rows, forwards):
         forwards = rows[0]._measured
     for row in rows:
         row.activation_bytes = row.activation_total // forwards
+        row.recomputed_bytes = row.recomputed_total // forwards
 
 
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
@@ -768,14 +805,18 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     import numpy as np
 
     ev = np.frombuffer(ev, dtype=_log_dtype())
-    rows.extend(ModuleStats(name, type_name) for name, type_name in specs)
+    rows.extend(ModuleStats(*spec) for spec in specs)
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
-    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
+    # rows len(rows) + r: row r's recomputations (as marks.c marks them when they fit the tag)
+    nrows = 2 * len(rows) if _splits_recomputation(len(rows)) else len(rows)
+    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, nrows, queries)
     _apply_replay(replayed, len(ev), rows, phases)
     if totals is not None:
         _apply_totals(totals, rows, phases, dropped)
     _average_modules(rows, forwards)
     names = [(r.name, r.type) for r in rows]
+    if nrows > len(rows):
+        names += [(r.name, r.type, "recomputed") for r in rows]
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
     at_peak = attribution.attribute(
         replayed, queries, kept, dropped, peak_bytes, snapshots,
@@ -886,6 +927,19 @@ def _add_hook(handles, hooks, hook, always=None, front=False):
     if always is not None:
         always[i] = True
     handles.append((hooks, i, always))
+
+
+def _in_backward_fn():
+    """torch._C._current_graph_task_id (-1 outside autograd's backward), or None on a torch
+    without it (then recomputations count as forwards)."""
+    f = getattr(_torch_mod._C, "_current_graph_task_id", None)
+    return f if callable(f) else None
+
+
+def _in_backward():
+    """True inside autograd's backward (a forward run there is a recomputation)."""
+    f = _in_backward_fn()
+    return f is not None and f() != -1
 
 
 def _skip_traced(hook):
@@ -1533,42 +1587,51 @@ class Tracker:
         return names
 
     # -- modules -----------------------------------------------------------
-    # Two global module hooks per block (torch.nn.modules.module's global forward hooks)
-    # instead of two per module: registering and removing ~50 handles per block cost more
-    # than the block's own counting. They filter the model's modules by id. They go
-    # straight into torch's hook dicts when torch keeps them where 2.x does (_add_hook).
+    # A forward pre-hook and an always-called forward hook on each module of the model, in the
+    # module's own hook dicts (_add_module_hooks; ModuleMarks.install in event-log mode): torch's
+    # global hooks would make torch warn on every call of a torch.compile'd module. They go
+    # straight into the dicts when torch keeps them where 2.x does (_add_hook), behind
+    # _skip_traced. A module's forward run inside autograd's backward is a recomputation
+    # (torch.utils.checkpoint): counted apart from its forwards, and no forward of the model.
 
     def _pre(self, module, args):  # the counter-scope hooks; event-log mode has _C.ModuleMarks.pre
         k = id(module)
-        if k == self._root_id:
+        i = self._ids.get(k)
+        again = (i is not None or k == self._root_id) and _in_backward()
+        if k == self._root_id and not again:
             self._root_pre()
             if self._ctrace is not None:  # the batch, by name
                 self._ctrace.names.append((time.time_ns(), _cuda_trace.input_names(args, _torch_mod.Tensor)))
-        i = self._ids.get(k)
         if i is not None:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.ENTER, i))
             if self._kind != "cuda":  # CUDA: no counter read per module (see _model_rows)
-                self._mod_stack.append((i, self._open_scope()))
+                self._mod_stack.append((i, self._open_scope(), again))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
         i = self._ids.get(k)
+        again = (i is not None or k == self._root_id) and _in_backward()
         if i is not None:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.EXIT, i))
             stack = self._mod_stack  # empty on CUDA
             for j in range(len(stack) - 1, -1, -1):
-                if stack[j][0] == i:
-                    _, s = stack.pop(j)
-                    self._record_module(i, s)
+                if stack[j][0] == i and stack[j][2] == again:
+                    _, s, _ = stack.pop(j)
+                    self._record_module(i, s, again)
                     break
-        if k == self._root_id:
+        if k == self._root_id and not again:
             self._root_post()
 
-    def _record_module(self, i, s):
+    def _record_module(self, i, s, again=False):
         start, end, peak, exact = self._close_scope(s)
         row = self._mod_rows[i]
+        if again:  # a recomputation: apart from the forwards
+            row.recomputed += 1
+            row.recomputed_total += end - start
+            row.exact = row.exact and exact
+            return
         row.calls += 1
         row._measured += 1
         row.activation_total += end - start
@@ -1633,7 +1696,7 @@ class Tracker:
             if self._evmode:
                 self._mod_specs = plan.specs
             elif self._kind == "cpu":
-                self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
+                self._mod_rows = [ModuleStats(*spec) for spec in plan.specs]
             else:
                 self._cuda_specs = plan.specs
             self._ids = plan.ids
@@ -1809,6 +1872,8 @@ class Tracker:
                 )  # fmt: skip
                 # step(closure): the closure wrapped by _closure_args (called only for a step given arguments)
                 self._marks.closure_hook = functools.partial(_closure_args, weakref.ref(self))
+                # a module's forward run inside autograd's backward is a recomputation (checkpointing)
+                self._marks.in_backward = _in_backward_fn()
                 _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots.append((_C.eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
@@ -1904,7 +1969,7 @@ class Tracker:
             ct, self._ctrace = self._ctrace, None
             if ct is not None:
                 ct.stop(read=False)  # the allocator's history as the block found it
-            scopes = [s for _, s in self._mod_stack]
+            scopes = [s for _, s, _ in self._mod_stack]
             self._mod_stack.clear()
             if self._phase is not None:
                 scopes.append(self._phase[1])
@@ -1948,8 +2013,8 @@ class Tracker:
             return self._finish_counters()
         self._remove_hooks()
         while self._mod_stack:  # forwards interrupted by an exception
-            i, s = self._mod_stack.pop()
-            self._record_module(i, s)
+            i, s, again = self._mod_stack.pop()
+            self._record_module(i, s, again)
         r = self._shared_read()  # CUDA: one read closes the phase, the step and the block
         self._end_phase(r)
         if self._step_scope is not None:  # the steps end at the last t.step()
@@ -1982,7 +2047,7 @@ class Tracker:
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
             # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
-            totals = (m.module_totals, m.phase_deltas) if dropped else None
+            totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
@@ -2018,7 +2083,7 @@ class Tracker:
         if ct is not None:  # CUDA: the history read now, replayed when the report is first read
             self._ctrace = None
             pending = ct.pending(
-                start, peak_bytes, exact, [ModuleStats(n, t) for n, t in self._cuda_specs], caveats
+                start, peak_bytes, exact, [ModuleStats(*spec) for spec in self._cuda_specs], caveats
             )
         leak = None
         steps = len(self._boundaries) - 1

@@ -53,7 +53,9 @@ typedef struct {
      * lose old marks): the row and the counted bytes when its forward began, and per
      * row the calls, the bytes they left allocated (end - start, summed) and the ends
      * whose start was not on the stack (deeper than MT_MARKS_DEPTH, or hooks added
-     * mid-forward). rows_n rows; PyMem arrays owned here. */
+     * mid-forward). rows_n rows; PyMem arrays owned here, of 2 * rows_n entries: row
+     * rows_n + r holds row r's recomputations (a forward autograd runs during backward:
+     * torch.utils.checkpoint), which the event log marks as row rows_n + r too. */
     int64_t starts[MT_MARKS_DEPTH];
     int64_t srows[MT_MARKS_DEPTH];
     int64_t *row_calls, *row_act, *row_unmatched;
@@ -76,6 +78,7 @@ typedef struct {
     PyObject *closure_hook; /* closure_hook(args, kwargs) for a step given arguments (a closure), or None */
     PyObject *installed;    /* install(): list of (hook dict, id) it put in; NULL: none */
     PyObject *pre_id;       /* install(): the id of the modules' pre-hooks; NULL: none installed */
+    PyObject *in_backward;  /* torch._C._current_graph_task_id (-1: not in a backward), or None */
 } mt_marks;
 
 static inline size_t
@@ -124,6 +127,7 @@ marks_traverse(mt_marks *m, visitproc visit, void *arg)
     Py_VISIT(m->closure_hook);
     Py_VISIT(m->installed);
     Py_VISIT(m->pre_id);
+    Py_VISIT(m->in_backward);
     return 0;
 }
 
@@ -138,6 +142,7 @@ marks_clear(mt_marks *m)
     Py_CLEAR(m->closure_hook);
     Py_CLEAR(m->installed);
     Py_CLEAR(m->pre_id);
+    Py_CLEAR(m->in_backward);
     return 0;
 }
 
@@ -183,18 +188,22 @@ mt_marks_set_ids(mt_marks *m, PyObject *py_ids)
         slots[j].row = row;
         nrows = row + 1 > nrows ? (Py_ssize_t)row + 1 : nrows;
     }
-    /* the per-row totals, the old rows' kept (a model given to an open block starts at 0) */
-    calls = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
-    act = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
-    unmatched = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
+    /* the per-row totals (forwards, then recomputations), the old rows' kept (a model given
+     * to an open block starts at 0) */
+    size_t alloc = (size_t)(nrows ? 2 * nrows : 1);
+    calls = PyMem_Calloc(alloc, sizeof(int64_t));
+    act = PyMem_Calloc(alloc, sizeof(int64_t));
+    unmatched = PyMem_Calloc(alloc, sizeof(int64_t));
     if (calls == NULL || act == NULL || unmatched == NULL) {
         PyErr_NoMemory();
         goto error;
     }
     for (Py_ssize_t r = 0; r < nrows && r < m->rows_n; r++) {
-        calls[r] = m->row_calls[r];
-        act[r] = m->row_act[r];
-        unmatched[r] = m->row_unmatched[r];
+        for (Py_ssize_t half = 0; half < 2; half++) {
+            calls[r + half * nrows] = m->row_calls[r + half * m->rows_n];
+            act[r + half * nrows] = m->row_act[r + half * m->rows_n];
+            unmatched[r + half * nrows] = m->row_unmatched[r + half * m->rows_n];
+        }
     }
     PyMem_Free(m->slots);
     PyMem_Free(m->row_calls);
@@ -349,6 +358,7 @@ marks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->timeline = Py_NewRef(py_timeline);
     m->params = Py_NewRef(Py_None);
     m->closure_hook = Py_NewRef(Py_None);
+    m->in_backward = Py_NewRef(Py_None);
     m->last_inputs = PyList_New(0); /* new reference */
     if (m->last_inputs == NULL || mt_marks_set_ids(m, py_ids) < 0) {
         goto error;
@@ -494,6 +504,27 @@ mt_marks_root_post(mt_marks *m)
     return on ? mt_marks_begin_phase(m, 2) : 0;
 }
 
+/* 1 when a module's forward runs inside autograd's backward (a recomputation:
+ * torch.utils.checkpoint), 0 when not (or when rows_n + row would not fit the
+ * tag: then it counts as a forward), -1 with an exception set. */
+static int
+mt_marks_recomputing(mt_marks *m)
+{
+    if (m->in_backward == NULL || m->in_backward == Py_None || 2 * m->rows_n > (1LL << 22) - 1) {
+        return 0;
+    }
+    PyObject *py_id = PyObject_CallNoArgs(m->in_backward); /* new reference */
+    if (py_id == NULL) {
+        return -1;
+    }
+    long long id = PyLong_AsLongLong(py_id);
+    Py_DECREF(py_id);
+    if (id == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return id != -1;
+}
+
 /* pre(module, args[, kwargs]): the forward pre-hook (with kwargs: the root's, see mt_marks_root_pre). */
 static PyObject *
 marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
@@ -503,11 +534,17 @@ marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     uintptr_t key = (uintptr_t)args[0];
-    if (key == m->root && mt_marks_root_pre(m, args[1], nargs == 3 ? args[2] : NULL) < 0) {
+    int64_t row = mt_marks_row(m, key);
+    int again = row >= 0 || key == m->root ? mt_marks_recomputing(m) : 0;
+    if (again < 0) {
         goto error;
     }
-    int64_t row = mt_marks_row(m, key);
+    /* a recomputation is no forward of the model: no phase, no batch named */
+    if (key == m->root && !again && mt_marks_root_pre(m, args[1], nargs == 3 ? args[2] : NULL) < 0) {
+        goto error;
+    }
     if (row >= 0) {
+        row += again ? m->rows_n : 0;
         uint32_t tag = m->tagbase | ((uint32_t)(row + 1) << 2) | m->phase_code;
         if (m->depth < MT_MARKS_DEPTH) {
             m->tags[m->depth] = tag;
@@ -532,13 +569,18 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     }
     uintptr_t key = (uintptr_t)args[0];
     int64_t row = mt_marks_row(m, key);
+    int again = row >= 0 || key == m->root ? mt_marks_recomputing(m) : 0;
+    if (again < 0) {
+        goto error;
+    }
     if (row >= 0) {
+        row += again ? m->rows_n : 0;
         int matched = 0;
         if (m->depth > 0) {
             m->depth--;
             matched = m->depth < MT_MARKS_DEPTH && m->srows[m->depth] == row;
         }
-        if (row < m->rows_n) {
+        if (row < 2 * m->rows_n) {
             m->row_calls[row]++;
             if (matched) {
                 m->row_act[row] += mt_counters_current() - m->starts[m->depth];
@@ -549,7 +591,7 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         }
         mt_eventlog_mark(MT_EV_EXIT, (uint64_t)row, mt_marks_top(m));
     }
-    if (key == m->root && mt_marks_root_post(m) < 0) {
+    if (key == m->root && !again && mt_marks_root_post(m) < 0) {
         goto error;
     }
     Py_RETURN_NONE;
@@ -966,16 +1008,18 @@ marks_get_phases(mt_marks *m, void *Py_UNUSED(closure))
                          (double)m->phase_ns[2] / 1e9, m->phase_calls[3], (double)m->phase_ns[3] / 1e9);
 }
 
+/* [(calls, act, unmatched)] of the rows' forwards (half 0) or recomputations (half 1) */
 static PyObject *
-marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
+mt_marks_totals(mt_marks *m, Py_ssize_t half)
 {
     PyObject *py_list = PyList_New(m->rows_n); /* new reference */
     if (py_list == NULL) {
         return NULL;
     }
     for (Py_ssize_t r = 0; r < m->rows_n; r++) {
-        PyObject *py_t = Py_BuildValue("(LLL)", (long long)m->row_calls[r], (long long)m->row_act[r],
-                                       (long long)m->row_unmatched[r]); /* new reference */
+        Py_ssize_t j = r + half * m->rows_n;
+        PyObject *py_t = Py_BuildValue("(LLL)", (long long)m->row_calls[j], (long long)m->row_act[j],
+                                       (long long)m->row_unmatched[j]); /* new reference */
         if (py_t == NULL) {
             Py_DECREF(py_list);
             return NULL;
@@ -983,6 +1027,18 @@ marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
         PyList_SET_ITEM(py_list, r, py_t); /* steals py_t */
     }
     return py_list;
+}
+
+static PyObject *
+marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return mt_marks_totals(m, 0);
+}
+
+static PyObject *
+marks_get_recompute_totals(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return mt_marks_totals(m, 1);
 }
 
 static PyObject *
@@ -1055,6 +1111,23 @@ marks_set_closure_hook(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 }
 
 static PyObject *
+marks_get_in_backward(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(m->in_backward != NULL ? m->in_backward : Py_None);
+}
+
+static int
+marks_set_in_backward(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL || (value != Py_None && !PyCallable_Check(value))) {
+        PyErr_SetString(PyExc_TypeError, "in_backward is a callable returning autograd's graph task id, or None");
+        return -1;
+    }
+    Py_XSETREF(m->in_backward, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
 marks_get_pre_id(mt_marks *m, void *Py_UNUSED(closure))
 {
     return Py_NewRef(m->pre_id != NULL ? m->pre_id : Py_None);
@@ -1098,6 +1171,9 @@ static PyGetSetDef marks_getset[] = {
     {"module_totals", (getter)marks_get_module_totals, NULL,
      "[(calls, bytes left allocated summed, calls without their start)] per row, counted in the hooks "
      "(exact however long the block: the event log's ring may lose old marks)", NULL},
+    {"recompute_totals", (getter)marks_get_recompute_totals, NULL,
+     "module_totals of the rows' recomputations (forwards run during autograd's backward, see in_backward); "
+     "the event log marks them as row len(module_totals) + row", NULL},
     {"phase_deltas", (getter)marks_get_phase_deltas, NULL,
      "(forward, backward, optimizer): counted bytes at each phase's end - at its start, summed", NULL},
     {"state_n", (getter)marks_get_state_n, (setter)marks_set_state_n,
@@ -1107,6 +1183,9 @@ static PyGetSetDef marks_getset[] = {
     {"closure_hook", (getter)marks_get_closure_hook, (setter)marks_set_closure_hook,
      "closure_hook(args, kwargs): called by opt_pre for a step given arguments; its answer is the "
      "pre-hook's (None, or (args, kwargs) with the closure wrapped); None: not called", NULL},
+    {"in_backward", (getter)marks_get_in_backward, (setter)marks_set_in_backward,
+     "in_backward(): autograd's graph task id (-1: none), read at each module call; a call inside a backward "
+     "is a recomputation (torch.utils.checkpoint), marked as its own row; None: every call is a forward", NULL},
     {"pre_id", (getter)marks_get_pre_id, NULL, "the id install() gave the module pre-hook (None: not installed)", NULL},
     {"last_inputs", (getter)marks_get_last_inputs, NULL,
      "the addresses of the last root forward's tensor arguments (0: no storage)", NULL},
