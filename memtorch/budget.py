@@ -25,6 +25,7 @@ upper bound).
 """
 
 import re
+from fractions import Fraction
 
 from . import units
 from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
@@ -72,12 +73,14 @@ def format_pair(measured, limit):
     same text (3,999,999 B and 4,000,000 B are both "3.8 MiB") more decimals are
     used, and as a last resort the exact bytes.
     """
-    measured, limit = int(measured), int(limit)
     for precision in (1, 2, 3):
         a, b = units.format(measured, precision=precision), units.format(limit, precision=precision)
         if a != b or measured == limit:
             return a, b
-    return f"{measured} B", f"{limit} B"
+    a, b = units.format(measured, unit="B"), units.format(limit, unit="B")  # never floors a fraction
+    if a == b:  # two fractions of a byte that 3 decimals do not tell apart
+        a, b = f"{Fraction(measured)} B", f"{Fraction(limit)} B"
+    return a, b
 
 
 _DECIMAL_UNIT = re.compile(r"(?i)[0-9.\s][kmgt]b\s*$")

@@ -70,9 +70,7 @@ def format_rate(rate, signed=True):
     sign = "-" if rate < 0 else ("+" if signed else "")
     a = abs(rate)
     if a < 1024:
-        exact = (a * 1000).denominator == 1
-        text = f"{float(a):.3f}".rstrip("0").rstrip(".")
-        return f"{sign}{'' if exact else '≈'}{text} B"
+        return sign + units.format(a)  # up to 3 decimals, '≈' when they do not hold it
     return f"{sign}≈{units.format(round(a))}"
 
 

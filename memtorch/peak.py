@@ -313,7 +313,8 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         row = ((tag >> 2) & mask) - 1
         if not mine and tag == 0:  # a thread with no block open: never this block's phases or modules
             add(OTHER_THREADS, "other", None, size)
-        elif not mine:
+            continue
+        if not mine:
             add(OTHER_IN_BLOCK, "other", None, size)
             other_live.append((g, size, False))
             continue

@@ -32,6 +32,26 @@ _PLUGIN_NAME = "memtorch-session"
 _COMPARED = ("peak", "delta", "leak", "reserved_peak")  # figures saved and compared, bytes
 
 
+def _exact_json(nbytes):
+    """A byte figure as JSON keeps it exactly: an int when whole, else the fraction as text ('1999/500')."""
+    q = Fraction(nbytes)
+    return int(q) if q.denominator == 1 else str(q)
+
+
+def _read_exact(value):
+    """A figure saved by _exact_json (or an older int) as a Fraction; None when it is neither."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return Fraction(value)
+    if isinstance(value, str):
+        try:
+            return Fraction(value)
+        except ValueError:
+            return None
+    return None
+
+
 def memory_budget(peak=None, delta=None, leak=None, device="auto", watch=()):
     """Run the test body inside memtorch.track() and fail it when a limit is exceeded.
 
@@ -360,7 +380,7 @@ class _Session:
             figures["reserved_peak"] = int(reserved)
         leak = getattr(report, "leak", None)
         if leak is not None and getattr(leak, "per_step", None) is not None:
-            figures["leak"] = int(leak.per_step)
+            figures["leak"] = _exact_json(leak.per_step)
         at_peak = getattr(report, "at_peak", None)
         if at_peak is not None:
             figures["at_peak"] = {o.name: int(o.nbytes) for o in at_peak.owners[:5]}
@@ -395,13 +415,15 @@ class _Session:
             figures["baseline_note"] = f"baseline measured on {old['device']}, not compared"
             return None
         figures["baseline"] = int(old["peak"])
-        figures["baselines"] = {k: int(old[k]) for k in _COMPARED if isinstance(old.get(k), int) and k in figures}
+        figures["baselines"] = {
+            k: _exact_json(_read_exact(old[k])) for k in _COMPARED if _read_exact(old.get(k)) is not None and k in figures
+        }
         if self.margin is None:
             return None
         lines = []
         bounded = not figures["exact"] and figures["device"].startswith("cuda")  # the peak is a lower bound
         for name, before in figures["baselines"].items():
-            now = figures[name]
+            now, before = _read_exact(figures[name]), _read_exact(before)
             spelled, (kind, value) = self.margin
             allowed = before + value if kind == "B" else Fraction(before) * (100 + value) / 100
             if now <= allowed and name == "peak" and bounded:
@@ -505,7 +527,7 @@ def _watch(tracker, values, names):
 
 
 def _percent(now, before):
-    return f"{(now - before) * 100 / before:+.1f}%"
+    return f"{float((now - before) * 100 / before):+.1f}%"
 
 
 def _figures(report):

@@ -828,12 +828,17 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     if other[1]:
         # the counters are process-wide and the owner tag was this thread's: what other threads
         # allocated is in these figures, and at_peak may file it under this block's phases/modules
-        why = (
-            f"other threads allocated {units.format(other[0])} ({other[1]:,} allocation(s)) while the block "
-            "was open: they are counted in these figures and may be filed under this block's phases and modules"
-        )
+        what = f"other threads allocated {units.format(other[0])} ({other[1]:,} allocation(s)) while the block was open"
+        why = f"{what}: they are counted in these figures and may be filed under this block's phases and modules"
         at_peak.exact = False
-        at_peak.notes.insert(0, why)
+        # one note for one fact: this one replaces the report's caveat about the same bytes
+        at_peak.notes = [n for n in at_peak.notes if "were allocated by other threads" not in n]
+        at_peak.notes.insert(
+            0,
+            f"{what}: the CPU counters are process-wide, so they are in the peak; at the peak their storages "
+            f"are under '{attribution.OTHER_THREADS}' (or '{attribution.OTHER_IN_BLOCK}' when that thread "
+            "tracked a block of its own), never under this block's modules or phases",
+        )
         for item in list(rows) + list((phases or {}).values()):
             if item.calls:
                 item.exact = False

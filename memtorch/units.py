@@ -10,6 +10,7 @@ import math
 import numbers
 import operator
 import re
+from fractions import Fraction
 
 from .errors import UnitError
 
@@ -100,9 +101,15 @@ def format(nbytes, unit=None, binary=True, precision=1):
 
     ``unit`` forces one unit ("MiB", "MB", "B"...); otherwise the largest unit
     that keeps the number >= 1 is chosen among the binary (default) or decimal
-    ones. Negative counts keep their sign.
+    ones. Negative counts keep their sign. A count that is not whole (a per-step
+    rate such as ``Fraction(3998, 1000)``) is never floored: under 1 KiB it
+    shows up to 3 decimals, with '≈' when they do not hold it exactly.
     """
-    nbytes = int(nbytes)
+    if not isinstance(nbytes, int):
+        q = Fraction(nbytes)  # floats, Fractions, NumPy integers; NaN and inf raise
+        if q.denominator != 1:
+            return _format_fraction(q, unit, binary, precision)
+        nbytes = int(q)
     if unit is not None:
         if unit not in UNITS:
             raise UnitError(f"unknown unit {unit!r}: expected one of {', '.join(UNITS)}")
@@ -117,6 +124,21 @@ def format(nbytes, unit=None, binary=True, precision=1):
     if factor == 1:
         return f"{nbytes} B"
     return f"{nbytes / factor:.{precision}f} {unit}"
+
+
+def _format_fraction(q, unit, binary, precision):
+    """format() of a count that is not a whole number of bytes."""
+    if unit is None:
+        choices = ("TiB", "GiB", "MiB", "KiB") if binary else ("TB", "GB", "MB", "kB")
+        unit = next((name for name in choices if abs(q) >= UNITS[name]), "B")
+    elif unit not in UNITS:
+        raise UnitError(f"unknown unit {unit!r}: expected one of {', '.join(UNITS)}")
+    if unit != "B":
+        return f"{float(q / UNITS[unit]):.{precision}f} {unit}"
+    sign = "-" if q < 0 else ""
+    exact = (abs(q) * 1000).denominator == 1
+    text = f"{float(abs(q)):.3f}".rstrip("0").rstrip(".")
+    return f"{sign}{'' if exact else '≈'}{text} B"
 
 
 def format_delta(nbytes, **kwargs):

@@ -660,6 +660,51 @@ def test_save_stores_every_figure_and_compare_compares_each(pytester, run, tmp_p
         assert "leak 7.8 KiB exceeds baseline 3.9 KiB" in text
 
 
+@pytest.mark.slow  # two pytest runs, each importing torch
+def test_a_leak_of_a_fraction_of_a_byte_is_saved_and_compared_exactly(pytester, run, tmp_path, monkeypatch):
+    import memtorch
+
+    if not memtorch.cpu.exact():
+        pytest.skip("needs memtorch's exact CPU counters")
+    # Three steps each keep 1,000 float32 (4,000 B); the last also keeps EXTRA int8 bytes. After the
+    # warm-up step the rate is (4,000 + 4,000 + EXTRA) / 2 B: 4,000 B with EXTRA=0, 8,001/2 B with EXTRA=1.
+    pytester.makepyfile(
+        test_f="""
+        import os
+        import pytest
+        import torch
+
+        EXTRA = int(os.environ.get("EXTRA_BYTES", "0"))
+        KEPT = []
+
+        @pytest.mark.memory_budget(leak="1 MiB", device="cpu")
+        def test_f(memtorch_tracker):
+            for i in range(3):
+                KEPT.append(torch.ones(1000))
+                if i == 2 and EXTRA:
+                    KEPT.append(torch.ones(EXTRA, dtype=torch.int8))
+                memtorch_tracker.step()
+        """
+    )
+    import json
+
+    saved = tmp_path / "f.json"
+    run(f"--memtorch-save={saved}", subprocess=True).assert_outcomes(passed=1)
+    assert json.loads(saved.read_text())["test_f.py::test_f"]["leak"] == 4000
+    # half a byte a step more than the baseline, nothing allowed: a regression (floored, it read 4,000 = 4,000)
+    monkeypatch.setenv("EXTRA_BYTES", "1")
+    result = run(f"--memtorch-compare={saved}", "--memtorch-fail-on-increase=0 B", subprocess=True)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*leak 3.907 KiB exceeds baseline 3.906 KiB by 0.5 B*"])  # 4,000.5 vs 4,000 B
+    # a fractional baseline is saved as the exact fraction and read back
+    resaved = tmp_path / "g.json"
+    run(f"--memtorch-save={resaved}", subprocess=True).assert_outcomes(passed=1)
+    assert json.loads(resaved.read_text())["test_f.py::test_f"]["leak"] == "8001/2"
+    run(f"--memtorch-compare={resaved}", "--memtorch-fail-on-increase=0 B", subprocess=True).assert_outcomes(
+        passed=1
+    )
+
+
 FAKE_CUDA_CONFTEST = """
 import torch
 import fake_cuda

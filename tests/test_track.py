@@ -1054,3 +1054,70 @@ def test_hooks_are_added_to_torchs_dicts_and_removed_without_touching_the_users(
     _at_peak_block(model, own, x)
     assert own.registered == 1 and _at_peak_block(model, own, x)[2] == direct[2] and own.registered == 2
     no_hooks(model, own)
+
+
+def _scenario_checkpoint(model, opt, x):
+    from torch.utils.checkpoint import checkpoint
+
+    checkpoint(model, x, use_reentrant=False).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _scenario_nested(model, opt, x):
+    with memtorch.track(model):
+        model(x).sum().backward()
+    opt.step()
+
+
+def _scenario_thread_allocating(model, opt, x):
+    go, done = threading.Event(), threading.Event()
+    held = []
+
+    def other():
+        held.append(torch.empty(64, 1024))  # 256 KiB by a thread with no block open
+        go.set()
+        done.wait(10)
+
+    th = threading.Thread(target=other)
+    th.start()
+    go.wait(10)
+    model(x).sum().backward()
+    opt.step()
+    done.set()
+    th.join()
+
+
+def _scenario_thread_tracking(model, opt, x):
+    go, done = threading.Event(), threading.Event()
+
+    def other():
+        with memtorch.track():  # a second thread tracks a block of its own at the same time
+            y = torch.empty(64, 1024)
+            go.set()
+            done.wait(10)
+            del y
+
+    th = threading.Thread(target=other)
+    th.start()
+    go.wait(10)
+    model(x).sum().backward()
+    opt.step()
+    done.set()
+    th.join()
+
+
+@exact_only
+@pytest.mark.parametrize(
+    "scenario", [_scenario_checkpoint, _scenario_nested, _scenario_thread_allocating, _scenario_thread_tracking]
+)
+def test_at_peak_owners_add_up_to_the_peak_in_every_setup(scenario):
+    # Each storage live at the peak is filed under one owner, whatever ran beside the block:
+    # the owners' bytes add up to the peak, to the byte (a storage once fell under two owners).
+    model, opt, x = _adam_mlp_counted()
+    with memtorch.track(model, opt) as t:
+        scenario(model, opt, x)
+    ap = t.report.at_peak
+    assert ap.peak == t.report.peak
+    assert sum(o.nbytes for o in ap.owners) == ap.peak
+    assert ap.total == ap.peak

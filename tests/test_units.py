@@ -1,5 +1,7 @@
 """memtorch.units: parsing and formatting sizes, binary vs decimal."""
 
+from fractions import Fraction
+
 import pytest
 
 from memtorch import units
@@ -105,3 +107,14 @@ def test_integer_like_numbers_are_accepted():
     assert units.parse(np.int64(64)) == 64
     assert units.parse(np.uint32(7)) == 7
     assert units.parse(np.float64(2.0)) == 2
+
+
+def test_format_never_floors_a_fraction_of_a_byte():
+    # a leak of 3,998 B over 1,000 steps is 3.998 B a step, not "3 B"
+    assert units.format(Fraction(3998, 1000)) == "3.998 B"
+    assert units.format(Fraction(4, 3)) == "≈1.333 B"
+    assert units.format_delta(Fraction(-1, 2)) == "-0.5 B"
+    assert units.format(Fraction(3 * 1024 * 1024 + 1, 2)) == "1.5 MiB"
+    assert units.format(Fraction(8, 2)) == "4 B" and units.format(2048.0) == "2.0 KiB"
+    with pytest.raises(UnitError):
+        units.format(Fraction(1, 2), unit="XB")
