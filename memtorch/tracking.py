@@ -261,6 +261,10 @@ class TrackReport:
         # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran;
         # computed from the block's event log when first read (with the per-module figures)
         self._pending = kw.get("pending")
+        # [(row name, note)]: the rows of modules inside a torch.compile'd region (_compiled_notes)
+        self._row_notes = kw.get("row_notes") or []
+        if self._pending is None:
+            _apply_notes(self._modules, self._row_notes)
         self._at_peak = kw.get("at_peak")
         self._largest_n = len(self.largest) if self._pending is None else kw.get("largest_n", 0)
         # sentences saying what the counters could not see during the block
@@ -281,6 +285,7 @@ class TrackReport:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._at_peak = pending()
+            _apply_notes(self._modules, self._row_notes)
             if self.baseline is not None:  # the storages before the restart are not in the replay
                 self._at_peak.exact = False
             if self._largest_n:
@@ -976,6 +981,74 @@ def _describe_tensor(t):
 
 # ---------------------------------------------------------------------------
 # Tracker
+
+
+def _apply_notes(rows, notes):
+    """Each row named in ``notes`` ([(name, note)]) gets its note (ModuleStats.note)."""
+    if notes:
+        by_name = dict(notes)
+        for row in rows:
+            row.note = by_name.get(row.name, row.note)
+
+
+def _is_compiled_wrapper(module):
+    """Whether ``module`` is what torch.compile(module) returns (an OptimizedModule); read
+    without importing torch._dynamo (a process that never compiled has not imported it)."""
+    ev = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(ev, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def _compiled_notes(named, root_calls):
+    """(caveats, [(row name, note)]) for the modules of a block's model that ran as one
+    torch.compile'd graph: ``named`` [(name, module)] in pre-order, ``root_calls`` the forwards
+    of the root that the hooks saw. memtorch's hooks are skipped while dynamo traces
+    (_skip_traced): inside a compiled graph no module's hook runs, so the modules inside one
+    have no figures of their own; their bytes are in the row of the first module outside it
+    whose hooks ran, or the block's phases. A region is torch.compile(module) (its own hooks
+    run outside the graph: its row holds the region's bytes) or module.compile() (its hooks
+    run inside: its bytes are in its parent's row)."""
+    regions, notes = [], []
+    for name, mod in named:
+        if mod is None or any(r == "" or name == r or name.startswith(r + ".") for r, _ in regions):
+            continue
+        if _is_compiled_wrapper(mod):
+            regions.append((name, "torch.compile"))
+        elif getattr(mod, "_compiled_call_impl", None) is not None:
+            regions.append((name, "compile()"))
+    caveats = []
+    for r, how in regions:
+        inside = [n for n, _ in named if n != r and (r == "" or n.startswith(r + "."))]
+        label = r or "(model)"
+        call = "torch.compile" if how == "torch.compile" else f"{r or 'model'}.compile()"
+        if how == "torch.compile":
+            notes.append((r, f"a torch.compile'd module: its {len(inside):,} module(s) inside run as a compiled "
+                             "graph and cannot be split; their bytes are in this row"))
+            holder = f"{label}'s row"
+        else:
+            parent = r.rsplit(".", 1)[0] if "." in r else ""
+            # the root's own hooks are in its graph too: no forward or backward phase either
+            holder = ("the block's totals, with no phases: the model's own hooks are in the graph too" if r == ""
+                      else f"{parent or '(model)'}'s row")  # fmt: skip
+            notes.append((r, f"compiled by {call}: it and its {len(inside):,} module(s) inside run as a "
+                             f"compiled graph and cannot be split; their bytes are in {holder}"))
+        notes += [(n, f"inside the compiled region {label}: cannot be split") for n in inside]
+        caveats.append(
+            f"{label} is compiled ({call}): "
+            f"memtorch's hooks do not run inside a compiled graph, so the {len(inside):,} module(s) inside it "
+            f"have no figures of their own; the figures are the compiled program's; their bytes are in {holder}"
+        )  # fmt: skip
+    if not regions and named and root_calls == 0:
+        utils = sys.modules.get("torch._dynamo.utils")
+        stats = getattr(utils, "counters", {}).get("stats", {}) if utils is not None else {}
+        if stats.get("unique_graphs", 0):
+            caveats.append(
+                "the model's forward was not seen in this block and torch.compile has compiled graphs in this "
+                "process: if the model ran through its compiled wrapper (compiled = torch.compile(model)), its "
+                "hooks ran inside the graph and were compiled away; track the wrapper (memtorch.track(compiled, "
+                "...)) for its phases and module rows"
+            )  # fmt: skip
+    return caveats, notes
 
 
 def _make_report(scope, kw):
@@ -2041,6 +2114,15 @@ class Tracker:
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
             caveats.append(_CUDA_NO_MODULES)
+        row_notes = []
+        model = None if self._model is None else self._model()
+        if model is not None:  # torch.compile'd regions: modules without figures of their own
+            plan = self._model_plan(model)
+            named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
+            more, row_notes = _compiled_notes(named, self._forwards)
+            caveats += more
+            del named, plan
+        del model
         timeline = None
         extra_marks = []
         pending = None
@@ -2110,7 +2192,7 @@ class Tracker:
             modules=self._mod_rows if pending is not None else list(self._mod_rows),  # filled at the replay
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
             step_series=self._step_series, largest_n=self._largest,
-            caveats=caveats, marks=extra_marks, **extra,
+            caveats=caveats, marks=extra_marks, row_notes=row_notes, **extra,
         )  # fmt: skip
         # the TrackReport itself is made when t.report is first read (most loops never read it)
         return functools.partial(_make_report, self._scope, kw)
