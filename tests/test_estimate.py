@@ -858,3 +858,18 @@ def test_grouped_mm_output_as_each_device_allocates_it():
             out = _grouped_mm(cuda)(None, torch.ops.aten._grouped_mm.default, (a, b), {"offs": offs})
             assert (tuple(out.shape), out.stride(), out.dtype) == ((10, 5), stride, torch.float32)
             assert out.untyped_storage().nbytes() == nbytes
+
+
+@pytest.mark.slow
+def test_swin_with_its_learned_attention_bias_estimates_for_cuda():
+    """Swin adds a learned relative-position bias to attention (a mask that needs a gradient): torch
+    gives that to memory-efficient attention, not cuDNN's (which has no gradient for its bias); the
+    dry run routed it to cuDNN and failed. 2 stages of 1 block: 2 attentions per step, 2 steps."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                  window_size=4, num_labels=10)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.SwinForImageClassification(cfg)
+    est = memtorch.estimate(model, ((2, 3, 64, 64), torch.float32), device="cuda", precision="bf16-mixed")
+    (modelled,) = [n for n in est.notes if "the kernels torch picks there" in n]
+    assert "attention: efficient x4" in modelled and "cudnn" not in modelled
