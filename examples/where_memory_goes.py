@@ -17,7 +17,7 @@ model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 x = torch.randn(64, 256)
 
-# 1. One step: the largest owners at the peak (parameters, gradients, Adam's state by name)
+# 1. One step: who held the bytes at the peak, per kind, then per module, then per tensor (Adam's state by name)
 with memtorch.track(model, opt, largest=3) as t:
     model(x).sum().backward()
     opt.step()

@@ -68,6 +68,7 @@ allocated and reserved curves; a rank's ``reserved_peak`` is its own.
 import heapq
 import math
 
+from . import words
 from .errors import MemtorchError
 
 EVEN = ("zero1-even",)  # the shardings that split elements evenly and need a dividing world size
@@ -172,7 +173,7 @@ def unit_sizes(facts, n):
     for name, ps in zip(facts["unit_names"], facts["units"]):
         if ps:
             full = sum(_padded(facts, i, n) * _esize(facts, i) for i in ps)
-            out.append({"name": name or "(root)", "gathered_bytes": int(full)})
+            out.append({"name": words.root_or(name), "gathered_bytes": int(full)})
     return out
 
 

@@ -27,7 +27,7 @@ upper bound).
 import re
 from fractions import Fraction
 
-from . import units
+from . import units, words
 from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
 from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
@@ -289,7 +289,10 @@ def breakdown(report, modules=5, tensors=5, owners=5):
     lines = []
     device = _get(report, "device", "?")
     exact = _get(report, "exact", None)
-    how = "exact counters" if exact else "approximate counters" if exact is not None else "counters"
+    how = "exact counters" if exact else "counters that are not exact" if exact is not None else "counters"
+    mechanism = str(_get(report, "mechanism", "") or "")
+    if mechanism.startswith("estimate"):  # an Estimate: a dry run, no counter was read
+        how = mechanism
     if exact is False and str(_get(report, "mechanism", "") or "").startswith(_CUDA_MECHANISM):
         upper = _get(report, "peak_upper")
         how = "counters that bound the peak" + ("" if upper is None else f": at most {_fmt(upper)}")
@@ -324,7 +327,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         rows.sort(key=held, reverse=True)
         lines.append(f"  modules that hold the most (top {min(modules, len(rows))} of {len(rows)}):")
         for row in rows[:modules]:
-            label = f"{_get(row, 'name', '?') or '(root)'} ({_get(row, 'type', '?')})"
+            label = f"{words.root_or(_get(row, 'name', '?'))} ({_get(row, 'type', '?')})"
             lines.append(
                 f"    {label}: activations {_fmt(_get(row, 'activation_bytes'))}, "
                 f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its start"

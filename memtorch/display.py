@@ -15,7 +15,7 @@ and only when even that is too long are the last rows summed into one.
 
 import html
 
-from . import units
+from . import units, words
 
 __all__ = [
     "options",
@@ -31,6 +31,14 @@ __all__ = [
     "advice_html",
     "estimate_html",
     "estimate_text",
+    "at_peak_lines",
+    "at_peak_html",
+    "leak_report_text",
+    "multi_rank_text",
+    "multi_rank_html",
+    "plan_text",
+    "plan_html",
+    "why_lines",
 ]
 
 # Defaults of every module table: max_rows (None: no limit), depth (None: as deep
@@ -98,7 +106,7 @@ def _short(name):
     """The last component of a dotted name, with the numbered components before it:
     'encoder.layers.0.attn' -> 'attn', 'encoder.layers.0' -> 'layers.0', '0.1' -> '0.1'."""
     if not name:
-        return "(model)"
+        return words.ROOT
     parts = name.split(".")
     i = len(parts) - 1
     while i > 0 and parts[i].isdigit():
@@ -186,8 +194,9 @@ def _visible(nodes, depth, collapse, how, stop=None):
 
     sizes = _subtree_sizes(nodes)
 
-    def emit(members, last=None):
-        """The row of ``members``; returns the runs of children to show below it."""
+    def emit(members, last=None, npos=1):
+        """The row of ``members`` (a run of ``npos`` siblings' positions, ``last`` the last one's
+        name); returns the runs of children to show below it."""
         n = nodes[members[0]]
         k = len(members)
         open_ = depth is None or n.depth < depth
@@ -197,8 +206,8 @@ def _visible(nodes, depth, collapse, how, stop=None):
             rows.append(_Row(n.name, _short(n.name), n.type, n.depth, n.values, folded, n.note))
         else:
             label = _short(n.name)
-            if last is not None:  # a run of siblings: first-last
-                label += "-" + last.rsplit(".", 1)[-1]
+            if last is not None:  # a run of siblings: 'layers.0-11', or 'a, b' for named ones
+                label = words.sibling_run(label, last, npos)
             values = _combine([nodes[m].values for m in members], how)
             rows.append(
                 _Row(
@@ -218,14 +227,14 @@ def _visible(nodes, depth, collapse, how, stop=None):
             for positions in _units(nodes, members[0], collapse):
                 sub = [nodes[m].children[p] for m in members for p in positions]
                 last = nodes[nodes[members[0]].children[positions[-1]]].name if len(positions) > 1 else None
-                kids.append((sub, last))
+                kids.append((sub, last, len(positions)))
         return kids
 
     # pre-order with a stack of its own: a model may nest deeper than Python's recursion limit
-    stack = [([0], None)]
+    stack = [([0], None, 1)]
     while stack and (stop is None or len(rows) <= stop):
-        members, last = stack.pop()
-        stack.extend(reversed(emit(members, last)))
+        members, last, npos = stack.pop()
+        stack.extend(reversed(emit(members, last, npos)))
     return rows
 
 
@@ -281,7 +290,7 @@ def _fold_note(rows, total, depth):
         parts.append("'x N': N identical modules in one row, figures summed")
     if any(r.folded for r in rows):
         parts.append("[+N]: N modules inside the row, not listed (its figures include them)")
-    parts.append("every module: .to_text() or .to_html()")
+    parts.append("every module: .to_text(max_rows=None) or .to_html(max_rows=None)")
     return "; ".join(parts) + "."
 
 
@@ -354,7 +363,7 @@ def _tree_html(rows, header, cells, css_class, summary):
         parts.append(f'<th style="{_NUM_STYLE};{_CELL}">{_e(h)}</th>')
     parts.append("</tr></thead><tbody>")
     for r in rows:
-        title = r.name if r.name else "(model): the whole model"
+        title = r.name if r.name else f"{words.ROOT}: the whole model"
         if r.folded:
             title += f" ({r.folded} module(s) inside, not listed)"
         pad = 8 + 16 * r.depth
@@ -373,7 +382,7 @@ def _tree_html(rows, header, cells, css_class, summary):
 # ---------------------------------------------------------------------------
 # ModelMemory
 
-_MM_HEADER = ["params", "parameters", "buffers", "gradients", "optimizer state", "total"]
+_MM_HEADER = list(words.MODEL_MEMORY_HEADER)
 _MM_AGG = ["sum"] * 6
 
 
@@ -410,7 +419,7 @@ def _mm_nodes(mm):
     entries = []
     for i, (path, tname, p, alias) in enumerate(table):
         if alias >= 0:
-            orig = table[alias][0] or "(model)"
+            orig = words.root_or(table[alias][0])
             entries.append((path, tname, p, None, f"the same module as {orig}, counted there"))
         else:
             entries.append((path, tname, p, vals[i], None))
@@ -422,10 +431,14 @@ def _rule_lines(mm):
     from .report import MODULE_RULE
 
     rule = MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
-    lines = [f"(each row: the module with everything inside it; {rule}: a tied weight counts under its first holder)"]
     shared = [m for m in mm.modules if m.shared]
+    lines = []
+    if shared or any(m.alias_of is not None for m in mm.modules):  # the rule matters only then
+        lines.append(
+            f"(each row: the module with everything inside it; {rule}: a tied weight counts under its first holder)"
+        )
     for m in shared[:5]:
-        lines.append(f"(also held by {m.name or '(model)'}, counted under an earlier module: {_fmt(m.shared)})")
+        lines.append(f"(also held by {words.root_or(m.name)}, counted under an earlier module: {_fmt(m.shared)})")
     if len(shared) > 5:
         lines.append(f"(... {len(shared) - 5} more module(s) hold storages counted elsewhere)")
     if mm.outside_modules:
@@ -487,7 +500,9 @@ def _limits(depth, max_rows):
     )
 
 
-_DEFAULT = object()
+# the default of depth and max_rows everywhere: read options (a report's to_text() passes it
+# on as ``...``; None means no limit)
+_DEFAULT = ...
 
 
 def model_memory_text(mm, depth=_DEFAULT, max_rows=_DEFAULT):
@@ -541,7 +556,7 @@ def _totals_html(lines):
 # ---------------------------------------------------------------------------
 # TrackReport, LeakReport, Tracker
 
-_TR_HEADER = ["calls", "left alive (activations)", "peak inside"]
+_TR_HEADER = list(words.MODULE_TREE_HEADER)
 _TR_AGG = ["sum", "sum", "max"]
 # with recomputations (torch.utils.checkpoint): their calls and what they left alive, apart
 _TR_AGAIN = ["recomputed", "left alive by recomputing"]
@@ -577,7 +592,7 @@ def _tr_nodes(report):
         entries.append((m.name, m.type, parent, values, None))
     nodes = _build(entries)
     if any(n.parent < 0 for n in nodes[1:]):  # not one tree (no root row): hang everything under a root
-        entries = [("", "(model)", -1, None, None)] + [
+        entries = [("", words.ROOT, -1, None, None)] + [
             (a, b, p + 1 if p >= 0 else 0, v, n) for a, b, p, v, n in entries
         ]
         nodes = _build(entries)
@@ -603,14 +618,13 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
     """The report with its per-module figures as a folded tree (see the module docstring)."""
     depth, max_rows = _limits(depth, max_rows)
     out = [report._title()]
-    out += _text_table(["", "bytes", ""], [list(r) for r in report._summary_rows()], {1})
+    out += _text_table(list(words.SUMMARY_HEADER), [list(r) for r in report._summary_rows()], {1})
     phases = report._phase_rows()
     if phases:
         out.append("")
-        out += _text_table(
-            ["phase", "calls", "delta", "peak above start", "time"], [list(p) for p in phases], {1, 2, 3, 4}
-        )
-    nodes = [n for n in _tr_nodes(report)]
+        out += _text_table(list(words.PHASE_HEADER), [list(p) for p in phases], {1, 2, 3, 4})
+        out += why_lines(report.phases.values())
+    nodes = _tr_nodes(report)
     if nodes and any(m.calls for m in report.modules):
         header, agg = _tr_columns(report)
         rows, note = _layout(nodes, agg, depth, max_rows)
@@ -618,35 +632,52 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
         out += _tree_text(rows, header, _tr_cells_for(report))
         if note:
             out.append(note)
+        out += why_lines(report.modules)
     if report.leak is not None:
         out.append("")
-        out.append(str(report.leak))
+        out.append(leak_report_text(report.leak))
     at_peak = getattr(report, "at_peak", None)
     if at_peak is not None:
         out.append("")
-        out += at_peak.lines(limit=15)
+        out += at_peak_lines(at_peak, limit=15)
     if report.largest:
         out.append("")
         out.append(f"largest live tensors {_largest_when(report)}:")
         out += ["  " + t.describe() for t in report.largest]
-    out += ["note: " + c for c in getattr(report, "caveats", [])]
+    out += ["note: " + c for c in _caveats(report)]
     return "\n".join(out)
+
+
+def _caveats(report):
+    """The block's caveats not already said among at_peak's notes (each sentence said once)."""
+    at_peak = getattr(report, "at_peak", None)
+    noted = set() if at_peak is None else set(at_peak.notes)
+    return [c for c in getattr(report, "caveats", []) if c not in noted]
+
+
+def why_lines(items):
+    """One line per distinct reason why rows of a table are not exact (said under the table)."""
+    whys = {}
+    for it in items:
+        why = getattr(it, "why", None)
+        if not it.exact and why:
+            whys.setdefault(why, []).append(words.root_or(getattr(it, "name", "")))
+    out = []
+    for why, names in whys.items():
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        out.append(f"not exact ({shown}): {why}")
+    return out
 
 
 def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
     """HTML of a TrackReport: summary, phases, the per-module tree, leaks, largest tensors."""
     depth, max_rows = _limits(depth, max_rows)
     parts = [f'<div class="memtorch memtorch-trackreport"><p><b>{_e(report._title())}</b></p>']
-    parts.append(_html_table(["", "bytes", ""], [list(r) for r in report._summary_rows()], right={1}))
+    parts.append(_html_table(list(words.SUMMARY_HEADER), [list(r) for r in report._summary_rows()], right={1}))
     phases = report._phase_rows()
     if phases:
-        parts.append(
-            _html_table(
-                ["phase", "calls", "delta", "peak above start", "time"],
-                [list(p) for p in phases],
-                right={1, 2, 3, 4},
-            )
-        )
+        parts.append(_html_table(list(words.PHASE_HEADER), [list(p) for p in phases], right={1, 2, 3, 4}))
+        parts += [f"<p>{_e(w)}</p>" for w in why_lines(report.phases.values())]
     nodes = _tr_nodes(report)
     if nodes and any(m.calls for m in report.modules):
         header, agg = _tr_columns(report)
@@ -658,6 +689,7 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
             "Per module: what its forward left allocated (per forward of the model) and its peak above entry."
         )
         parts.append(f'<p style="font-size:smaller">{_e(text)}{(" " + _e(note)) if note else ""}</p>')
+        parts += [f"<p>{_e(w)}</p>" for w in why_lines(report.modules)]
     if report.leak is not None:
         parts.append(leak_report_html(report.leak, wrap=False))
     at_peak = getattr(report, "at_peak", None)
@@ -666,7 +698,7 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
     if report.largest:
         items = "".join(f"<li>{_e(t.describe())}</li>" for t in report.largest)
         parts.append(f"<p>largest live tensors {_e(_largest_when(report))}:</p><ul>{items}</ul>")
-    parts += [f"<p>note: {_e(c)}</p>" for c in getattr(report, "caveats", [])]
+    parts += [f"<p>note: {_e(c)}</p>" for c in _caveats(report)]
     parts.append("</div>")
     return "".join(parts)
 
@@ -675,18 +707,111 @@ def _largest_when(report):
     return "at the peak" if getattr(report, "at_peak", None) is not None else "at the end"
 
 
-def at_peak_html(at_peak, limit=15):
-    """Who held the bytes at the peak (track's at_peak): owner, kind, phase, bytes; the rest summed."""
+_OUTSIDE_MODULES = "outside any module (inputs, temporaries, other)"
+_BY_MODULE = "by module (its parameters, buffers, their gradients and optimizer state, its activations)"
+_BY_TENSOR = "by tensor (unnamed storages grouped by who allocated them)"
+
+
+def _capped(rows, limit, what):
+    """The first ``limit`` rows (bytes first in each), the rest summed in one: '... and N more what'."""
+    if limit is None or len(rows) <= limit:
+        return rows
+    rest = rows[limit:]
+    return rows[:limit] + [(sum(r[0] for r in rest), f"... and {len(rest)} more {what}") + ("",) * (len(rows[0]) - 2)]
+
+
+def _at_peak_groups(at_peak):
+    """([(bytes, kind)], [(bytes, module)]) of at_peak's owners, largest first; each adds up to the peak."""
+    kinds, mods, outside = {}, {}, 0
+    for o in at_peak.owners:
+        k = words.key(o.kind)
+        kinds[k] = kinds.get(k, 0) + o.nbytes
+        m = getattr(o, "module", None)
+        if m is None:
+            outside += o.nbytes
+        else:
+            mods[m] = mods.get(m, 0) + o.nbytes
+    by_kind = sorted(((b, words.label(k)) for k, b in kinds.items() if b), key=lambda r: (-r[0], r[1]))
+    by_mod = [(b, words.root_or(m)) for m, b in mods.items() if b] + ([(outside, _OUTSIDE_MODULES)] if outside else [])
+    return by_kind, sorted(by_mod, key=lambda r: (-r[0], r[1]))
+
+
+def _sized(rows, extra=None):
+    """'  1.0 KiB  text' lines, sizes right-aligned; extra(i): lines under row i."""
+    w = max((len(_fmt(r[0])) for r in rows), default=0)
+    out = []
+    for i, r in enumerate(rows):
+        out.append(f"  {_fmt(r[0]).rjust(w)}  {r[1]}")
+        out += ["      " + line for line in (extra(i) if extra else ())]
+    return out
+
+
+def at_peak_kind_lines(at_peak):
+    """Bytes per kind at the peak (parameter, gradient, ...), largest first, sizes right-aligned."""
+    return _sized(_at_peak_groups(at_peak)[0])
+
+
+def at_peak_lines(at_peak, limit=None):
+    """Who held the bytes at a block's peak, the summary that answers first: per kind, then per
+    module, then per tensor (the first ``limit`` rows of the last two, the rest summed: '... and N
+    more'), then the notes. Each list adds up to the peak."""
+    how = "" if at_peak.exact else " (not exact)"
+    kinds, mods = _at_peak_groups(at_peak)
     owners = [o for o in at_peak.owners if o.nbytes]
-    shown, rest = owners[:limit], owners[limit:]
-    body = [[o.name, o.kind, o.phase or "", _fmt(o.nbytes), f"{o.nbytes:,} B"] for o in shown]
-    if rest:
-        n = sum(o.nbytes for o in rest)
-        body.append([f"... {len(rest)} more owner(s)", "", "", _fmt(n), f"{n:,} B"])
+    tensors = _capped([(o.nbytes, o.describe()[len(_fmt(o.nbytes)) + 2 :]) for o in owners], limit, "owner(s)")
+    out = [f"at the peak ({_fmt(at_peak.peak)}{how}), by kind:"] + _sized(kinds)
+    out += [_BY_MODULE + ":"] + _sized(_capped(mods, limit, "module(s)"))
+    out += [_BY_TENSOR + ":"] + _sized(tensors, lambda i: owners[i].site_lines() if i < len(owners) and (
+        limit is None or i < limit) else ())  # fmt: skip
+    out += ["  note: " + n for n in at_peak.notes]
+    return out
+
+
+def at_peak_html(at_peak, limit=15):
+    """The same content as at_peak_lines, as three tables: per kind, per module, per tensor."""
     how = "" if at_peak.exact else ", not exact"
-    caption = f"at the peak ({_fmt(at_peak.peak)}{how}), held by"
-    out = _html_table(["owner", "kind", "allocated in", "bytes", ""], body, right={3, 4}, caption=caption)
+    kinds, mods = _at_peak_groups(at_peak)
+    owners = [o for o in at_peak.owners if o.nbytes]
+    body = _capped([(o.nbytes, o.name, o.kind, o.phase or "") for o in owners], limit, "owner(s)")
+    out = _html_table(["kind", "bytes", ""], [[k, _fmt(b), f"{b:,} B"] for b, k in kinds], right={1, 2},
+                      caption=f"at the peak ({_fmt(at_peak.peak)}{how}), by kind")  # fmt: skip
+    mods = _capped(mods, limit, "module(s)")
+    out += _html_table(["module", "bytes", ""], [[m, _fmt(b), f"{b:,} B"] for b, m in mods], right={1, 2},
+                       caption=_BY_MODULE)  # fmt: skip
+    out += _html_table(["owner", "kind", "allocated in", "bytes", ""],
+                       [[n, k, ph, _fmt(b), f"{b:,} B"] for b, n, k, ph in body], right={3, 4},
+                       caption=_BY_TENSOR)  # fmt: skip
     return out + "".join(f"<p>note: {_e(n)}</p>" for n in at_peak.notes)
+
+
+def leak_report_text(leak):
+    """The verdict with its evidence, then what is not exact, the tensors kept and the notes."""
+    from fractions import Fraction
+
+    from .leaks import format_rate
+
+    if leak.per_step is None:
+        return f"leak: not judged ({len(leak.steps)} step(s), warm-up {leak.warmup})"
+    ev = leak.evidence
+    grew = ev["steps_that_grew"]
+    shown = ", ".join(str(s) for s in grew[:8]) + (", ..." if len(grew) > 8 else "")
+    head = (
+        f"leak: {format_rate(leak.per_step)} per step after {leak.warmup} warm-up step(s)"
+        f"{' (LEAKING)' if leak.leaking else ''}{'' if leak.exact else ' (NOT EXACT)'}: net "
+        f"{units.format_delta(ev['net_growth'])} over "
+        f"{ev['judged_steps']} judged step(s), grew in {len(grew)}" + (f" (step {shown})" if grew else "")
+        + f", slope {format_rate(Fraction(ev['slope_per_step']).limit_denominator(1000))} per step"
+    )
+    lines = [head]
+    if not leak.exact:
+        lines.append(
+            "  not exact: " + (leak.why or "the block's counters are not exact")
+            + " A leak budget on this figure is inconclusive (it fails, never passes)."
+        )
+    for g in leak.groups:
+        lines.append("  kept: " + g.describe(leak.steps_after))
+    lines += ["  note: " + n for n in leak.notes]
+    return "\n".join(lines)
 
 
 def leak_report_html(leak, wrap=True):
@@ -836,13 +961,13 @@ def advice_html(adv):
 
 def _estimate_sections(est):
     """[(heading, header, rows, right-aligned columns)] of an Estimate, module tree apart."""
-    out = [("", ["", "bytes", ""], [list(r) for r in est._summary_rows()], {1})]
+    out = [("", list(words.SUMMARY_HEADER), [list(r) for r in est._summary_rows()], {1})]
     cats = [list(r) for r in est._category_rows()]
     if cats:
         out.append(("at the peak", ["category", "bytes", "share"], cats, {1, 2}))
     phases = [list(r) for r in est._phase_rows()]
     if phases:
-        out.append(("", ["phase", "calls", "delta", "peak above start"], phases, {1, 2, 3}))
+        out.append(("", list(words.PHASE_HEADER[:4]), phases, {1, 2, 3}))
     ranks = [list(r) for r in getattr(est, "_rank_rows", list)()]
     if ranks:
         out.append(
@@ -894,3 +1019,83 @@ def estimate_html(est, depth=_DEFAULT, max_rows=_DEFAULT):
     parts += [f"<p>note: {_e(n)}</p>" for n in getattr(est, "notes", [])]
     parts.append("</div>")
     return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# MultiRankReport (memtorch.distributed) and Plan (memtorch.plan)
+
+
+def multi_rank_text(report):
+    """One row per rank (its peaks above the block's and each phase's start), then the summary."""
+    header, rows = report._rows()
+    right = {0} | set(range(2, len(header)))
+    return "\n".join([_multi_rank_title(report)] + _text_table(header, rows, right) + [""] + report.summary_lines())
+
+
+def multi_rank_html(report):
+    """The same content as multi_rank_text, as HTML."""
+    header, rows = report._rows()
+    right = {0} | set(range(2, len(header)))
+    lines = "<br>".join(_e(line) for line in report.summary_lines())
+    return (
+        f'<div class="memtorch memtorch-ranks"><p><b>{_e(_multi_rank_title(report))}</b></p>'
+        f"{_html_table(header, rows, right=right)}<p>{lines}</p></div>"
+    )
+
+
+def _multi_rank_title(report):
+    return f"memtorch.track over {report.world_size} rank(s) on {report.device}"
+
+
+def _plan_parts(plan, limit):
+    """(title, what the table lists, header, rows, right-aligned columns, trailing lines) of a Plan."""
+    f = _fmt
+    head = (
+        f"memtorch.plan: {len(plan.fits)} of {len(plan.options)} combination(s) fit in "
+        f"{f(plan.device_memory)} per device"
+        + (f" ({f(plan.reserve)} kept free)" if plan.reserve else "")
+        + f"; {plan.dry_runs} dry run(s), {plan.seconds:.1f} s"
+    )
+    cuda = any(o.reserved is not None for o in plan.options)
+    upper = any(o.peak_upper is not None and o.peak_upper != o.peak for o in plan.options)
+    over = sorted((o for o in plan.options if not o.fits), key=lambda o: -o.margin)
+    shown = (plan.fits + over)[:limit]
+    rows = []
+    for o in shown:
+        row = [str(o.world_size), o.sharding, o.precision, o.checkpointing or "-", str(o.micro_batch),
+               "-" if o.accumulation is None else str(o.accumulation), f(o.peak)]  # fmt: skip
+        if upper:
+            row.append(f(o.peak_upper if o.peak_upper is not None else o.peak))
+        if cuda:
+            row.append("-" if o.reserved is None else f(o.reserved))
+        row.append(units.format_delta(o.margin))
+        row.append("yes" if o.fits else f"no, over by {f(-o.margin)}")
+        rows.append(row)
+    header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation", "peak per rank"]
+    header += ["peak, scratch late"] if upper else []
+    header += ["reserved per rank"] if cuda else []
+    header += ["margin", "fits"]
+    judged = "reserved" if cuda else "peak, scratch late" if upper else "peak per rank"
+    what = (f"the {len(plan.fits)} that fit, cheapest first, then the {len(over)} that do not, closest "
+            f"first (fit judged on {judged!r}; first {len(rows)} shown):")  # fmt: skip
+    tail = []
+    if len(plan.options) > len(rows):
+        tail.append(f"... {len(plan.options) - len(rows)} more (Plan.options has them all)")
+    tail += ["note: " + n for n in plan.notes]
+    return head, what, header, rows, {0, 4, 5} | set(range(6, len(header) - 1)), tail
+
+
+def plan_text(plan, limit=40):
+    """The combinations that fit, cheapest first, then those that do not, closest first: the first
+    ``limit`` rows, then a line saying how many more and where they are."""
+    head, what, header, rows, right, tail = _plan_parts(plan, limit)
+    return "\n".join([head, what] + _text_table(header, rows, right) + tail)
+
+
+def plan_html(plan, limit=40):
+    """The same content as plan_text, as HTML."""
+    head, what, header, rows, right, tail = _plan_parts(plan, limit)
+    return (
+        f'<div class="memtorch memtorch-plan"><p><b>{_e(head)}</b></p><p>{_e(what)}</p>'
+        f"{_html_table(header, rows, right=right)}" + "".join(f"<p>{_e(t)}</p>" for t in tail) + "</div>"
+    )

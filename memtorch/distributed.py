@@ -36,7 +36,7 @@ import json
 import math
 import time
 
-from . import units
+from . import units, words
 from .errors import MemtorchError
 
 __all__ = ["MultiRankReport", "RankReport", "gather", "rank_info"]
@@ -301,8 +301,9 @@ class MultiRankReport:
             if not r.exact:
                 row[2] += " (not exact)"
             rows.append(row)
-        header = ["rank", "device", "peak above start", "peak", "delta", "leak/step"]
-        header += [f"{n} peak" for n in names]
+        # every peak column says what it is above: the block's start, each phase's start (words.py)
+        header = ["rank", "device", words.PEAK_ABOVE_BLOCK_START, "peak", "delta", "leak/step"]
+        header += [f"{n} {words.PEAK_ABOVE_PHASE_START}" for n in names]
         return header, rows
 
     def summary_lines(self):
@@ -326,12 +327,22 @@ class MultiRankReport:
             lines.append("some ranks' figures are not exact (see their rows)")
         return lines
 
-    def __str__(self):
-        from .tracking import _table
+    def to_text(self):
+        """One row per rank, then the summary (memtorch.display.multi_rank_text)."""
+        from . import display
 
-        header, rows = self._rows()
-        title = f"memtorch.track over {self.world_size} rank(s) on {self.device}"
-        return "\n".join([title] + _table(header, rows) + [""] + self.summary_lines())
+        return display.multi_rank_text(self)
+
+    def to_html(self):
+        from . import display
+
+        return display.multi_rank_html(self)
+
+    def _repr_html_(self):
+        return self.to_html()
+
+    def __str__(self):
+        return self.to_text()
 
     def to_dict(self):
         """JSON-safe: the per-rank figures and the summary."""

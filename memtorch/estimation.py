@@ -48,14 +48,14 @@ import contextvars
 import functools
 import html
 
-from . import units
+from . import units, words
 from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
-CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace")
-PHASES = ("forward", "backward", "optimizer")
+CATEGORIES = words.ESTIMATE_CATEGORIES
+PHASES = words.PHASES
 
 OPTIMIZERS = (
     "sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adagrad", "rmsprop",
@@ -201,7 +201,7 @@ class Estimate:
     def _category_rows(self):
         total = max(1, self.peak)
         return [
-            (c, units.format(b), f"{100 * b / total:.1f}%")
+            (words.label(c), units.format(b), f"{100 * b / total:.1f}%")
             for c, b in self.breakdown.items()
             if b
         ]
@@ -212,16 +212,6 @@ class Estimate:
             for p in self.phases.values()
             if p.calls
         ]
-
-    def _module_rows(self, limit=30):
-        mods = [m for m in self.modules if m.calls]
-        if len(mods) > limit:
-            mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
-        return [
-            (m.name or "(model)", m.type, str(m.calls), units.format(m.activation_bytes),
-             units.format(m.peak_above_start))
-            for m in mods
-        ]  # fmt: skip
 
     _RANK_FIGURES = (("peak", "peak"), ("peak_upper", "scratch freed late"), ("reserved_peak", "reserved"),
                      ("parameter", "parameters"), ("gradient", "gradients"),
@@ -261,44 +251,24 @@ class Estimate:
             out.append((f"... {len(rows) - limit} more rows",) + ("",) * len(figs))
         return out
 
-    def _sections(self):
-        from .tracking import _table
-
-        out = [("", _table(["", "bytes", ""], self._summary_rows()))]
-        out.append(("at the peak", _table(["category", "bytes", "share"], self._category_rows())))
-        if self._phase_rows():
-            out.append(("", _table(["phase", "calls", "delta", "peak above start"], self._phase_rows())))
-        if self._rank_rows():
-            out.append((f"per rank ({self.sharding or 'replicated'}, {self.world_size} ranks)",
-                        _table(self._rank_header(), self._rank_rows())))  # fmt: skip
-        if self._module_rows():
-            out.append(("", _table(["module", "type", "calls", "left alive (activations)", "peak inside"],
-                                   self._module_rows())))  # fmt: skip
-        return out
-
     def __str__(self):
-        lines = [self._title()]
-        for head, table in self._sections():
-            lines.append("")
-            if head:
-                lines.append(head + ":")
-            lines += table
-        for note in self.notes:
-            lines.append("note: " + note)
-        return "\n".join(lines)
+        """The same text as to_text(): big models fold, never cut (memtorch.display)."""
+        return self.to_text()
 
     def _repr_html_(self):
         from . import display
 
         return display.estimate_html(self)
 
-    def to_text(self, depth=None, max_rows=None):
-        """The estimate with its module tree folded to depth / max_rows (memtorch.display)."""
+    def to_text(self, depth=..., max_rows=...):
+        """The estimate as print() shows it (memtorch.display.estimate_text): its module tree folded to
+        display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
         from . import display
 
         return display.estimate_text(self, depth, max_rows)
 
-    def to_html(self, depth=None, max_rows=None):
+    def to_html(self, depth=..., max_rows=...):
+        """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
         from . import display
 
         return display.estimate_html(self, depth, max_rows)

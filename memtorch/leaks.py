@@ -155,38 +155,26 @@ class LeakReport:
         )
 
     def _repr_html_(self):
-        from . import display
-
-        return display.leak_report_html(self)
+        return self.to_html()
 
     def plot(self, **kw):
         from . import plot
 
         return plot.leak_report(self, **kw)
 
+    def to_text(self):
+        """The verdict, its evidence, the tensors kept (memtorch.display.leak_report_text)."""
+        from . import display
+
+        return display.leak_report_text(self)
+
+    def to_html(self):
+        from . import display
+
+        return display.leak_report_html(self)
+
     def __str__(self):
-        if self.per_step is None:
-            return f"leak: not judged ({len(self.steps)} step(s), warm-up {self.warmup})"
-        ev = self.evidence
-        grew = ev["steps_that_grew"]
-        shown = ", ".join(str(s) for s in grew[:8]) + (", ..." if len(grew) > 8 else "")
-        head = (
-            f"leak: {format_rate(self.per_step)} per step after {self.warmup} warm-up step(s)"
-            f"{' (LEAKING)' if self.leaking else ''}{'' if self.exact else ' (NOT EXACT)'}: net "
-            f"{units.format_delta(ev['net_growth'])} over "
-            f"{ev['judged_steps']} judged step(s), grew in {len(grew)}" + (f" (step {shown})" if grew else "")
-            + f", slope {format_rate(Fraction(ev['slope_per_step']).limit_denominator(1000))} per step"
-        )
-        lines = [head]
-        if not self.exact:
-            lines.append(
-                "  not exact: " + (self.why or "the block's counters are not exact")
-                + " A leak budget on this figure is inconclusive (it fails, never passes)."
-            )
-        for g in self.groups:
-            lines.append("  kept: " + g.describe(self.steps_after))
-        lines += ["  note: " + n for n in self.notes]
-        return "\n".join(lines)
+        return self.to_text()
 
     def to_dict(self):
         return {

@@ -16,7 +16,7 @@ The groups add up to the peak: bytes counted live before the block opened and
 never named are one group ("allocated before the block, not identified").
 """
 
-from . import _C, units
+from . import _C, units, words
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
 
@@ -39,11 +39,14 @@ class Owner:
     bytes, count) (an operator that is not a call, ``x * 2``, is named at the next call of
     its function); ``sites_note``: what has no line and why, or None."""
 
-    __slots__ = ("name", "kind", "phase", "nbytes", "count", "sites", "sites_note")
+    __slots__ = ("name", "kind", "phase", "nbytes", "count", "sites", "sites_note", "module")
 
-    def __init__(self, name, kind, phase=None, nbytes=0, count=0):
+    def __init__(self, name, kind, phase=None, nbytes=0, count=0, module=None):
         self.name, self.kind, self.phase, self.nbytes, self.count = name, kind, phase, nbytes, count
         self.sites = self.sites_note = None
+        # the dotted name of the module whose parameter, buffer, gradient, optimizer state or
+        # activations these are ("" the root); None: no module's (inputs, temporaries, other)
+        self.module = module
 
     def describe(self):
         n = f", {self.count} storages" if self.count > 1 else ""
@@ -61,7 +64,8 @@ class Owner:
         return out
 
     def to_dict(self):
-        d = {"name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes, "count": self.count}
+        d = {"name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes, "count": self.count,
+             "module": self.module}  # fmt: skip
         if self.sites is not None:
             d["sites"] = [
                 {"file": f, "line": ln, "function": fn, "bytes": b, "count": c} for f, ln, fn, b, c in self.sites
@@ -102,6 +106,26 @@ class StorageAtPeak:
         return f"StorageAtPeak({self.describe()})"
 
 
+class _Kinds(dict):
+    """by_kind()'s dict: keys spelled as by_category's (``optimizer_state``); a lookup with the
+    printed spelling (``optimizer state``), the keys' first spelling, is answered too."""
+
+    def __missing__(self, name):
+        k = words.key(name) if isinstance(name, str) else name
+        if k != name and k in self:
+            return self[k]
+        raise KeyError(name)
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __contains__(self, name):
+        return dict.__contains__(self, name) or (isinstance(name, str) and dict.__contains__(self, words.key(name)))
+
+
 class AtPeak:
     """The live bytes at a block's peak, grouped by owner (largest first).
 
@@ -130,10 +154,13 @@ class AtPeak:
         return sum(o.nbytes for o in self.owners)
 
     def by_kind(self):
+        """{kind: bytes} at the peak, largest first, keyed as by_category is (``optimizer_state``);
+        the printed spelling (``optimizer state``) is read too."""
         out = {}
         for o in self.owners:
-            out[o.kind] = out.get(o.kind, 0) + o.nbytes
-        return out
+            k = words.key(o.kind)
+            out[k] = out.get(k, 0) + o.nbytes
+        return _Kinds(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def __getitem__(self, name):
         for o in self.owners:
@@ -147,25 +174,42 @@ class AtPeak:
     def top(self, n=5):
         return self.owners[:n]
 
+    def by_module(self):
+        """{module's dotted name: bytes} at the peak, largest first: each module's own parameters,
+        buffers, their gradients and optimizer state, and its activations ("" is the root's own);
+        bytes of no module (inputs, temporaries, other) are not in it."""
+        out = {}
+        for o in self.owners:
+            if o.module is not None:
+                out[o.module] = out.get(o.module, 0) + o.nbytes
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def kind_lines(self):
+        """The summary that answers first: bytes per kind (parameter, gradient, ...), largest first."""
+        from . import display
+
+        return display.at_peak_kind_lines(self)
+
     def lines(self, limit=None):
-        owners = self.owners if limit is None else self.owners[:limit]
-        how = "" if self.exact else " (not exact)"
-        head = f"at the peak ({units.format(self.peak)}{how}), held by:"
-        shown = [o for o in owners if o.nbytes]
-        w = max((len(units.format(o.nbytes)) for o in shown), default=0)
-        # sizes right-aligned in one column, then the owner
-        out = [head]
-        for o in shown:
-            out.append("  " + o.describe().rjust(len(o.describe()) - len(units.format(o.nbytes)) + w))
-            out += ["      " + line for line in o.site_lines()]
-        rest = [o for o in self.owners[len(owners):] if o.nbytes]
-        if rest:
-            out.append(f"  ... and {len(rest)} more owner(s), {units.format(sum(o.nbytes for o in rest))}")
-        out += ["  note: " + n for n in self.notes]
-        return out
+        """Text (memtorch.display.at_peak_lines): per kind, then per module, then per tensor (the first
+        ``limit`` of each, the rest summed in one line), then the notes."""
+        from . import display
+
+        return display.at_peak_lines(self, limit)
+
+    def to_text(self, limit=30):
+        return "\n".join(self.lines(limit))
+
+    def to_html(self, limit=30):
+        from . import display
+
+        return display.at_peak_html(self, limit)
+
+    def _repr_html_(self):
+        return self.to_html()
 
     def __str__(self):
-        return "\n".join(self.lines(limit=30))
+        return self.to_text()
 
     def to_dict(self):
         return {
@@ -176,6 +220,24 @@ class AtPeak:
 
     def __repr__(self):
         return f"AtPeak(peak={self.peak}, owners={len(self.owners)}, exact={self.exact})"
+
+
+_MODULE_KINDS = ("parameter", "buffer", "gradient", "optimizer state")
+
+
+def module_of(name, kind, modules):
+    """The dotted name of the module a named storage belongs to: the longest name in ``modules``
+    (a set of the model's module names) that prefixes ``name`` ('layers.0.weight.exp_avg' ->
+    'layers.0'); "" (the root) for the root's own; None for a kind that is no module's, or a
+    parameter the model does not hold (named 'param_groups[g][i]' after the optimizer)."""
+    if kind not in _MODULE_KINDS or name.startswith("param_groups["):
+        return None
+    n = name
+    while "." in n:
+        n = n.rsplit(".", 1)[0]
+        if n in modules:
+            return n
+    return "" if "" in modules else None
 
 
 OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
@@ -288,10 +350,13 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
     owners = {}
     storages = []
 
-    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False):
+    modules = {r[0] for r in rows}
+
+    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False, row=-1):
         o = owners.get((name, kind))
         if o is None:
-            o = owners[(name, kind)] = Owner(name, kind, phase)
+            module = rows[row][0] if kind == "activation" and 0 <= row < len(rows) else module_of(name, kind, modules)
+            o = owners[(name, kind)] = Owner(name, kind, phase, module=module)
         o.nbytes += nbytes
         o.count += 1
         if not group:
@@ -319,7 +384,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
             other_live.append((g, size, False))
             continue
         label, kind = owner_label(row, phase, rows)
-        add(label, kind, phase if kind != "other" else None, size)
+        add(label, kind, phase if kind != "other" else None, size, row=row)
         if kind == "other":
             other_live.append((g, size, True))
     if sites is not None and (OTHER_IN_BLOCK, "other") in owners:
@@ -387,10 +452,13 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
     owners = {}
     storages = []
 
-    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False):
+    modules = {r[0] for r in rows}
+
+    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False, row=-1):
         o = owners.get((name, kind))
         if o is None:
-            o = owners[(name, kind)] = Owner(name, kind, phase)
+            module = rows[row][0] if kind == "activation" and 0 <= row < len(rows) else module_of(name, kind, modules)
+            o = owners[(name, kind)] = Owner(name, kind, phase, module=module)
         o.nbytes += nbytes
         o.count += 1
         if not group:
@@ -413,7 +481,7 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
             add(ws, "workspace", phase, size)
             continue
         label, kind = owner_label(row, phase, rows)
-        add(label, kind, phase if kind != "other" else None, size)
+        add(label, kind, phase if kind != "other" else None, size, row=row)
     at = start + r.peak_delta
     pre_named = pre_total = 0
     for a, size, _, t_free in r.pre_live:

@@ -269,43 +269,23 @@ class Plan:
         self.seconds = seconds
         self.dry_runs = dry_runs
 
-    def __str__(self, limit=40):
-        from .tracking import _table
+    def to_text(self, limit=40):
+        """The combinations that fit, cheapest first, then those that do not, closest first; the first
+        ``limit`` rows, then a line saying how many more (memtorch.display.plan_text)."""
+        from . import display
 
-        f = units.format
-        head = (
-            f"memtorch.plan: {len(self.fits)} of {len(self.options)} combination(s) fit in "
-            f"{f(self.device_memory)} per device"
-            + (f" ({f(self.reserve)} kept free)" if self.reserve else "")
-            + f"; {self.dry_runs} dry run(s), {self.seconds:.1f} s"
-        )
-        cuda = any(o.reserved is not None for o in self.options)
-        upper = any(o.peak_upper is not None and o.peak_upper != o.peak for o in self.options)
-        over = sorted((o for o in self.options if not o.fits), key=lambda o: -o.margin)
-        shown = (self.fits + over)[:limit]
-        rows = []
-        for o in shown:
-            row = [str(o.world_size), o.sharding, o.precision, o.checkpointing or "-", str(o.micro_batch),
-                   "-" if o.accumulation is None else str(o.accumulation), f(o.peak)]  # fmt: skip
-            if upper:
-                row.append(f(o.peak_upper if o.peak_upper is not None else o.peak))
-            if cuda:
-                row.append("-" if o.reserved is None else f(o.reserved))
-            row.append(units.format_delta(o.margin))
-            row.append("yes" if o.fits else f"no, over by {f(-o.margin)}")
-            rows.append(tuple(row))
-        header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation", "peak per rank"]
-        header += ["peak, scratch late"] if upper else []
-        header += ["reserved per rank"] if cuda else []
-        header += ["margin", "fits"]
-        judged = "reserved" if cuda else "peak, scratch late" if upper else "peak per rank"
-        out = [head, f"the {len(self.fits)} that fit, cheapest first, then the {len(over)} that do not, closest "
-               f"first (fit judged on {judged!r}; first {len(rows)} shown):"]  # fmt: skip
-        out += _table(header, rows)
-        if len(self.options) > len(rows):
-            out.append(f"... {len(self.options) - len(rows)} more (Plan.options has them all)")
-        out += ["note: " + n for n in self.notes]
-        return "\n".join(out)
+        return display.plan_text(self, limit)
+
+    def to_html(self, limit=40):
+        from . import display
+
+        return display.plan_html(self, limit)
+
+    def _repr_html_(self):
+        return self.to_html()
+
+    def __str__(self, limit=40):
+        return self.to_text(limit)
 
     def to_dict(self):
         return {

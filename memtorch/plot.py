@@ -14,7 +14,7 @@ state and nothing shown twice in a notebook); save it with fig.savefig(...).
 Axes carry binary units (KiB = 1024 B); the unit is chosen from the largest figure.
 """
 
-from . import units
+from . import units, words
 from .errors import MemtorchError
 
 __all__ = [
@@ -196,7 +196,7 @@ def modules(report, top=15, ax=None, title=None):
     leaves = set(_leaf_modules(m.name for m in mods))
     rows = sorted((m for m in mods if m.name in leaves), key=lambda m: -m.activation_bytes)
     shown, rest = rows[:top], rows[top:]
-    labels = [f"{m.name or '(model)'} ({m.type})" for m in shown]
+    labels = [f"{words.root_or(m.name)} ({m.type})" for m in shown]
     vals = [m.activation_bytes for m in shown]
     if rest:
         labels.append(f"{len(rest)} other module(s)")
@@ -220,7 +220,7 @@ def _mm_modules(mm, top, ax, title):
     _require("modules", **{"no module holds any tensor": bool(rows)})
     rows.sort(key=lambda m: -m.own)
     shown, rest = rows[:top], rows[top:]
-    labels = [f"{m.name or '(model)'} ({m.type})" for m in shown]
+    labels = [f"{words.root_or(m.name)} ({m.type})" for m in shown]
     data = [[m.parameters, m.buffers, m.gradients, m.optimizer_state] for m in shown]
     if rest:
         labels.append(f"{len(rest)} other module(s)")
@@ -238,7 +238,7 @@ def _mm_modules(mm, top, ax, title):
     for j, c in enumerate(cats):
         vals = [d[j] / factor for d in data]
         if any(vals):
-            ax.barh(y, vals, left=left, color=CATEGORY_COLORS[c], label=c.replace("_", " "))
+            ax.barh(y, vals, left=left, color=CATEGORY_COLORS[c], label=words.label(c))
             left = [a + b for a, b in zip(left, vals)]
     for yi, v in zip(y, totals):
         ax.annotate(" " + units.format(v), xy=(v / factor, yi), va="center", fontsize=8)
@@ -272,13 +272,12 @@ def categories(reports, ax=None, title=None):
     dict {label: report} for bars side by side (before and after a change, an
     estimate beside what inspect() counts).
     """
-    from .report import CATEGORIES
 
     if not isinstance(reports, dict):
         reports = {getattr(reports, "root_type", "") or type(reports).__name__: reports}
     figures = {label: _by_category(r) for label, r in reports.items()}
     fig, ax = _fig_ax(ax, figsize=(2.2 + 1.3 * len(figures), 4))
-    order = list(CATEGORIES) + [c for d in figures.values() for c in d if c not in CATEGORIES]
+    order = list(words.INSPECT_CATEGORIES + words.ESTIMATE_CATEGORIES) + [c for d in figures.values() for c in d]
     cats = [c for c in dict.fromkeys(order) if any(d.get(c, 0) for d in figures.values())]
     totals = [sum(d.values()) for d in figures.values()]
     name, factor = _unit(max(totals) if totals else 0)
@@ -291,7 +290,7 @@ def categories(reports, ax=None, title=None):
             vals,
             bottom=bottom,
             color=CATEGORY_COLORS.get(c, "#888888"),
-            label=c.replace("_", " "),
+            label=words.label(c),
             width=0.6,
         )
         for i, v in enumerate(vals):

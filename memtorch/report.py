@@ -15,12 +15,12 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import units
+from . import units, words
 
 __all__ = ["ModelMemory", "ModuleRow", "CATEGORIES", "MODULE_RULE"]
 
-# Index = the category code in a row (src/rows.h MT_CAT_*).
-CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "tensor", "array", "attribute")
+# Index = the category code in a row (src/rows.h MT_CAT_*); the words are memtorch.words'.
+CATEGORIES = words.INSPECT_CATEGORIES
 
 # nbytes of a row whose numel * element size does not fit in int64 (src/rows.h).
 _NBYTES_OVERFLOW = -1

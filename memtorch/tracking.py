@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 
-from . import _C, cpu, cuda, units
+from . import _C, cpu, cuda, units, words
 from . import _cuda_trace
 from . import leaks
 from . import peak as attribution
@@ -68,7 +68,7 @@ from .errors import DeviceUnavailable, MemtorchError
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = words.PHASES
 
 _HERE = __file__.rsplit("/", 1)[0].rsplit("\\", 1)[0]  # memtorch's own folder: frames to skip
 _lock = threading.Lock()
@@ -170,7 +170,7 @@ class ModuleStats:
     def __repr__(self):
         again = f", recomputed={self.recomputed}" if self.recomputed else ""
         return (
-            f"ModuleStats({self.name or '(model)'!r}, {self.type}, calls={self.calls}, "
+            f"ModuleStats({words.root_or(self.name)!r}, {self.type}, calls={self.calls}, "
             f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start}{again})"
         )
 
@@ -341,7 +341,9 @@ class TrackReport:
              "recomputed": int(m.recomputed), "recomputed_bytes": int(m.recomputed_bytes), "note": m.note}
             for m in self.modules
         ]  # fmt: skip
-        d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
+        # "step_series", as the attribute is named; "steps_series", the key's first spelling, kept for readers of it
+        d["step_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
+        d["steps_series"] = d["step_series"]
         d["leak"] = None if self.leak is None else self.leak.to_dict()
         d["at_peak"] = None if self.at_peak is None else self.at_peak.to_dict()
         d["largest"] = [t.to_dict() for t in self.largest]
@@ -376,7 +378,7 @@ class TrackReport:
         rows = [
             ("start", f(self.start), unknown.strip()),
             ("end", f(self.end), units.format_delta(self.delta) + unknown),
-            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above start{unknown}"),
+            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above block start{unknown}"),
         ]
         if not self.exact and self.peak_upper is not None:
             rows.append(("peak at most", f(self.peak_upper), "counters cannot be more precise (sampled)"))
@@ -405,24 +407,6 @@ class TrackReport:
             if p.calls
         ]
 
-    def _module_rows(self, limit=30):
-        mods = self.modules
-        again = any(m.recomputed for m in mods)  # two columns of their own (checkpointing)
-        if len(mods) > limit:
-            mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
-        return [
-            (
-                m.name or "(model)",
-                m.type,
-                str(m.calls),
-                units.format(m.activation_bytes),
-                units.format(m.peak_above_start) + ("" if m.exact else " (at least)"),
-            )
-            + ((str(m.recomputed), units.format(m.recomputed_bytes)) if again else ())
-            for m in mods
-            if m.calls or m.recomputed
-        ]
-
     def _title(self):
         how = "exact" if self.exact else "not exact"
         return (
@@ -432,51 +416,23 @@ class TrackReport:
         )
 
     def __str__(self):
-        out = [self._title()]
-        out += _table(["", "bytes", ""], self._summary_rows())
-        phases = self._phase_rows()
-        if phases:
-            out.append("")
-            out += _table(["phase", "calls", "delta", "peak above start", "time"], phases)
-            out += _why_lines(self.phases.values())
-        mods = self._module_rows()
-        if mods:
-            out.append("")
-            header = ["module", "type", "calls", "left alive (activations)", "peak inside"]
-            if len(mods[0]) > len(header):
-                header += ["recomputed", "left alive by recomputing"]
-            out += _table(header, mods)
-            out += _why_lines(self.modules)
-        if self.leak is not None:
-            out.append("")
-            out.append(str(self.leak))
-        noted = set()
-        if self.at_peak is not None:
-            out.append("")
-            out += self.at_peak.lines(limit=15)
-            noted = set(self.at_peak.notes)  # the block's caveats are among them: said once
-        if self.largest:
-            out.append("")
-            out.append(f"largest live tensors {self._largest_when()}:")
-            out += ["  " + t.describe() for t in self.largest]
-        out += ["note: " + c for c in self.caveats if c not in noted]
-        return "\n".join(out)
-
-    def _largest_when(self):
-        return "at the peak" if self.at_peak is not None else "at the end"
+        """The same text as to_text(): big models fold, never cut (memtorch.display)."""
+        return self.to_text()
 
     def _repr_html_(self):
         from . import display
 
         return display.track_report_html(self)
 
-    def to_text(self, depth=None, max_rows=None):
-        """The report, its module tree folded to depth / max_rows (memtorch.display)."""
+    def to_text(self, depth=..., max_rows=...):
+        """The report as print() shows it (memtorch.display.track_report_text): its module tree folded to
+        display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
         from . import display
 
         return display.track_report_text(self, depth, max_rows)
 
-    def to_html(self, depth=None, max_rows=None):
+    def to_html(self, depth=..., max_rows=...):
+        """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
         from . import display
 
         return display.track_report_html(self, depth, max_rows)
@@ -507,32 +463,6 @@ def _rank_info():
     from .distributed import rank_info
 
     return rank_info()
-
-
-def _why_lines(items):
-    """One line per distinct reason why rows of a table are not exact (said under the table)."""
-    whys = {}
-    for it in items:
-        why = getattr(it, "why", None)
-        if not it.exact and why:
-            whys.setdefault(why, []).append(getattr(it, "name", "") or "(model)")
-    out = []
-    for why, names in whys.items():
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        out.append(f"not exact ({shown}): {why}")
-    return out
-
-
-def _table(header, rows):
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-
-
-def _html_table(header, rows):
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def module_figures(times, nbytes, starts, ends, known_from=None):

@@ -92,7 +92,7 @@ L1, L2, L3 = 32 * 64 + 64, 64 * 64 + 64, 64 * 10 + 10
 def test_nested_tree_rows_names_depths_and_counts():
     mm = memtorch.inspect(nested())
     t = module_table(mm._repr_html_())
-    assert t["head"][:3] == ["module", "type", "params"]
+    assert t["head"][:3] == ["module", "type", "param count"]
     rows = t["rows"]
     names = [r["cells"][0]["attrs"]["title"].split(" ")[0] for r in rows]
     assert names == ["(model):", "0", "0.0", "0.1", "0.2", "0.2.0", "0.2.1", "1", "1.0"]
@@ -168,7 +168,7 @@ def test_identical_blocks_collapse_and_keep_their_insides():
     # the inside of one layer, summed over the 12
     i = labels.index("linear1")
     assert types[i] == "Linear x 12" and rows[i]["cells"][2]["text"] == f"{12 * (16 * 32 + 32):,}"
-    assert "norm1-norm2" in labels and types[labels.index("norm1-norm2")] == "LayerNorm x 24"
+    assert "norm1, norm2" in labels and types[labels.index("norm1, norm2")] == "LayerNorm x 24"
     assert len(rows) <= 20
     # every module when asked
     assert len(module_table(mm.to_html(max_rows=None))["rows"]) == len(mm.modules)
@@ -298,13 +298,18 @@ class _AtPeak:
 def test_at_peak_table():
     owners = [_Owner(f"layer{i}.weight", "parameter", None, 1000 - i) for i in range(20)]
     page = display.at_peak_html(_AtPeak(owners), limit=15)
-    (t,) = parse(page).tables
+    _kinds, mods, t = parse(page).tables  # per kind first, then per module, then per owner
+    assert mods["head"] == ["module", "bytes", ""]  # these owners name no module: all outside one
+    total = sum(1000 - i for i in range(20))
+    assert [[c["text"] for c in r["cells"]] for r in mods["rows"]] == [
+        ["outside any module (inputs, temporaries, other)", units.format(total), f"{total:,} B"]
+    ]
     assert t["head"] == ["owner", "kind", "allocated in", "bytes", ""]
     assert len(t["rows"]) == 16
     assert t["rows"][0]["cells"][4]["text"] == "1,000 B"
     rest = sum(1000 - i for i in range(15, 20))
     assert (
-        t["rows"][-1]["cells"][0]["text"] == "... 5 more owner(s)"
+        t["rows"][-1]["cells"][0]["text"] == "... and 5 more owner(s)"
         and t["rows"][-1]["cells"][4]["text"] == f"{rest:,} B"
     )
     assert "note: a note" in page
@@ -316,7 +321,7 @@ def test_estimate_html_and_text():
     page = est._repr_html_()
     p = parse(page)
     at_peak = next(t for t in p.tables if t["head"] == ["category", "bytes", "share"])
-    assert [r["cells"][0]["text"] for r in at_peak["rows"]] == [c for c, b in est.breakdown.items() if b]
+    assert [r["cells"][0]["text"] for r in at_peak["rows"]] == [c.replace("_", " ") for c, b in est.breakdown.items() if b]
     assert [r["cells"][1]["text"] for r in at_peak["rows"]] == [units.format(b) for b in est.breakdown.values() if b]
     rows = module_table(page)["rows"]
     by_name = {m.name: m for m in est.modules}

@@ -454,7 +454,7 @@ def test_fsdp_shards_and_gathered_units_by_hand():
     for sharding in ("zero2", "zero3"):
         est = memtorch.estimate(m, x, optimizer="adamw", world_size=3, sharding=sharding)
         assert [(u["name"], u["gathered_bytes"]) for u in est.fsdp_units] == [
-            ("blocks.0", 4 * 81), ("blocks.1", 4 * 81), ("(root)", 4 * 54)
+            ("blocks.0", 4 * 81), ("blocks.1", 4 * 81), ("(model)", 4 * 54)
         ]  # fmt: skip
         for r in est.per_rank:
             assert r["parameter"] == shard and r["gradient"] == shard
@@ -467,7 +467,7 @@ def test_fsdp_shards_and_gathered_units_by_hand():
     # one unit (the root only) gathers the whole model at once: a higher peak than block by block
     whole = memtorch.estimate(m, x, optimizer="adamw", world_size=3, sharding="zero3",
                               fsdp_units=lambda n, mod: False)  # fmt: skip
-    assert [(u["name"], u["gathered_bytes"]) for u in whole.fsdp_units] == [("(root)", 4 * (81 + 81 + 54))]
+    assert [(u["name"], u["gathered_bytes"]) for u in whole.fsdp_units] == [("(model)", 4 * (81 + 81 + 54))]
     blocks = memtorch.estimate(m, x, optimizer="adamw", world_size=3, sharding="zero3")
     assert whole.peak > blocks.peak
 
@@ -530,7 +530,7 @@ def test_report_fields_and_budget():
     assert sum(est.breakdown.values()) == est.peak
     assert est.steady == est.model_states["parameter"] + est.model_states["optimizer_state"] + 4 * 4 * 32
     text = str(est)
-    assert "peak" in text and "optimizer_state" in text and "estimated, not measured" in text
+    assert "peak" in text and "optimizer state" in text and "estimated, not measured" in text
     assert "<table" in est._repr_html_()
     est.check(peak=est.peak)
     with pytest.raises(BudgetExceeded, match="peak .* exceeds budget"):
