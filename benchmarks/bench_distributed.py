@@ -274,7 +274,7 @@ def estimates(model_name, way, world):
     if way in ("zero2", "zero3"):  # the units the runs wrap
         kw["fsdp_units"] = [name for name, _ in shard_units(model)]
     try:
-        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, **kw)
+        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, device="cpu", **kw)
     except Exception as e:  # noqa: BLE001 - reported in the table
         return None, f"{type(e).__name__}: {e}"
     per_rank = getattr(est, "per_rank", None)
@@ -289,7 +289,7 @@ def estimates(model_name, way, world):
     from memtorch import planning
 
     if model_name not in _ONE:
-        _ONE[model_name] = planning.breakdown_of(memtorch.estimate(model, *inputs, optimizer="adamw"), model)
+        _ONE[model_name] = planning.breakdown_of(memtorch.estimate(model, *inputs, optimizer="adamw", device="cpu"), model)
     pr = planning.per_rank(_ONE[model_name], world, way)
     out["plan"] = pr["peak"]
     out["plan_peaks"] = pr.get("rank_peaks") or [pr["peak"]] * world
@@ -333,7 +333,7 @@ def _late_scratch(model_name, way, world, rank, high):
     model, inputs = make_model(model_name)
     _estimate_ranks._replay = keep
     try:
-        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way,
+        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, device="cpu",
                                 fsdp_units=[n for n, _ in shard_units(model)])  # fmt: skip
     finally:
         _estimate_ranks._replay = replay

@@ -487,7 +487,10 @@ def plan(
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     if not inputs:
         raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
-    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    from . import _inputs
+
+    given = _inputs.read(inputs, "plan()")  # the one reading of inputs (estimate's, advise's, the CLI's)
+    batch = given.batch_size()
     if micro_batches is None:
         if batch is None:
             raise MemtorchError(
@@ -512,7 +515,7 @@ def plan(
     for prec in precisions:
         for ckpt in checkpointing:
             for mb in micro_batches:
-                xs = [_with_batch(x, mb) for x in inputs]
+                xs = given.with_batch(mb).as_tuple()
                 est = estimate(
                     model, *xs, optimizer=optimizer, precision=prec, device=device, checkpointing=ckpt
                 )
