@@ -299,7 +299,7 @@ def test_plan_takes_the_input_specs_estimate_takes():
     model = _tiny_llama(layers=1)
     p = memtorch.plan(model, ((1, 16), torch.long), world_sizes=[1], shardings=["ddp"], precisions=["fp32"],
                       checkpointing=[None], device="cpu", reserve=0, device_memory="1 GiB")  # fmt: skip
-    est = memtorch.estimate(model, ((1, 16), torch.long))
+    est = memtorch.estimate(model, ((1, 16), torch.long), device="cpu")
     assert [(o.micro_batch, o.peak) for o in p.options] == [(1, est.peak)]
 
 
