@@ -86,7 +86,8 @@ def run_case(name):
     real_states = {k: mm.get(k, 0) for k in ("parameter", "buffer", "gradient", "optimizer_state")}
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    est = memtorch.estimate(model, x, optimizer=opt_name, loss_fn=loss_fn, precision=precision, checkpointing=ck, device="cpu")
+    est = memtorch.estimate(model, x, optimizer=opt_name, loss_fn=loss_fn, precision=precision, checkpointing=ck,
+                            device="cpu")  # fmt: skip
     seconds = time.perf_counter() - t0
     acc, ti = peers(model, x, precision)
     row = dict(name=name, measured=measured, estimate=est.peak, seconds=seconds, accelerate=acc, torchinfo=ti,

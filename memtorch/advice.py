@@ -1014,7 +1014,8 @@ def advise(
         items = [s for s in items if s.saves >= 0.01 * reference]
         notes.append(
             f"also considered, each under 1% of the {'step peak' if base is not None else 'bytes held'} "
-            f"({_fmt(reference)}): " + "; ".join(f"{s.title} ({_fmt(s.saves)})" for s in sorted(small, key=lambda s: -s.saves))
+            f"({_fmt(reference)}): "
+            + "; ".join(f"{s.title} ({_fmt(s.saves)})" for s in sorted(small, key=lambda s: -s.saves))
         )
     adv = Advice(type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes)
     adv.peak_basis = None if base is None else (

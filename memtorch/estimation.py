@@ -1027,14 +1027,14 @@ def estimate(
     copy the class and settings of, or a callable taking the parameters.
     loss_fn(output, *inputs) -> loss (inputs as given, the mapping included);
     default: the output's .loss when it has one (a Hugging Face model given
-    labels), else the sum of the output's floating-point tensors. precision: fp32, bf16-mixed/fp16-mixed (autocast),
-    bf16-true/fp16-true (parameters cast), mixed-zero/fp16-zero (bf16/fp16
+    labels), else the sum of the output's floating-point tensors. precision:
+    fp32, bf16-mixed/fp16-mixed (autocast), bf16-true/fp16-true (parameters cast), mixed-zero/fp16-zero (bf16/fp16
     parameters and gradients, fp32 master weights and optimizer state, as
     ZeRO/DeepSpeed). device: "cuda" (the default, as for plan() and advise()
     and the CLI: the question is a GPU's; the CUDA caching allocator's rules)
-    or "cpu" (PyTorch's CPU allocator: what track() measures on the CPU). checkpointing: None, "blocks" or module names recomputed in
-    backward. world_size, sharding: per-rank figures (Estimate.per_rank, one
-    entry per rank; peak is the highest rank's, peak_rank that rank) for
+    or "cpu" (PyTorch's CPU allocator: what track() measures on the CPU).
+    checkpointing: None, "blocks" or module names recomputed in backward.
+    world_size, sharding: per-rank figures (Estimate.per_rank, one entry per rank; peak is the highest rank's, peak_rank that rank) for
     ddp (DistributedDataParallel), zero1 (torch's ZeroRedundancyOptimizer
     under DDP: whole parameters per rank, so ranks differ), zero1-even
     (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements, each parameter group padded as DeepSpeed pads it),

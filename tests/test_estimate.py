@@ -744,8 +744,8 @@ def test_cli_estimate_per_rank(tmp_path, monkeypatch, capsys):
 
     try:
         out = io.StringIO()
-        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--device", "cpu", "--optimizer", "adam", "--world-size", "2",
-                "--sharding", "zero1", "--format", "json"]  # fmt: skip
+        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--device", "cpu", "--optimizer", "adam",
+                "--world-size", "2", "--sharding", "zero1", "--format", "json"]  # fmt: skip
         assert cli.main(argv, out=out) == 0
         data = json.loads(out.getvalue())
         # the partition of test_zero1_per_rank_state_and_ddp_buckets_by_hand: 2048 elements; 584 in 3
