@@ -115,19 +115,28 @@ def _build(entries):
             nodes[parent].children.append(len(nodes))
             n.depth = nodes[parent].depth + 1
         nodes.append(n)
-    # bottom-up signatures: identical type, figures and insides
+    # bottom-up signatures: identical type, figures and insides, each interned as a
+    # small int (a nest of tuples as deep as the model would hash and compare recursively)
+    interned = {}
     for n in reversed(nodes):
-        n.sig = (
+        key = (
             n.type,
             tuple(n.values) if n.values else None,
             n.note,
             tuple(nodes[c].sig for c in n.children),
         )
+        n.sig = interned.setdefault(key, len(interned))
     return nodes
 
 
-def _subtree_size(nodes, i):
-    return 1 + sum(_subtree_size(nodes, c) for c in nodes[i].children)
+def _subtree_sizes(nodes):
+    """sizes[i]: node i and every node below it (children come after their parent)."""
+    sizes = [1] * len(nodes)
+    for i in range(len(nodes) - 1, 0, -1):
+        p = nodes[i].parent
+        if 0 <= p < i:
+            sizes[p] += sizes[i]
+    return sizes
 
 
 def _combine(values_list, how):
@@ -167,22 +176,23 @@ def _names(nodes, members, limit=4):
     return ", ".join(names)
 
 
-def _visible(nodes, depth, collapse, how):
+def _visible(nodes, depth, collapse, how, stop=None):
     """Rows shown with levels below ``depth`` folded (None: every level); with ``collapse``,
-    runs of identical siblings become one row whose insides are shown once, summed."""
+    runs of identical siblings become one row whose insides are shown once, summed.
+    ``stop``: give up once more than ``stop`` rows are made (only their count is wanted)."""
     rows = []
     if not nodes:
         return rows
 
-    def folded_count(i):
-        return _subtree_size(nodes, i) - 1
+    sizes = _subtree_sizes(nodes)
 
     def emit(members, last=None):
+        """The row of ``members``; returns the runs of children to show below it."""
         n = nodes[members[0]]
         k = len(members)
         open_ = depth is None or n.depth < depth
         shown_kids = open_ and bool(n.children)
-        folded = 0 if shown_kids else sum(folded_count(m) for m in members)
+        folded = 0 if shown_kids else sum(sizes[m] - 1 for m in members)
         if k == 1:
             rows.append(_Row(n.name, _short(n.name), n.type, n.depth, n.values, folded, n.note))
         else:
@@ -203,13 +213,19 @@ def _visible(nodes, depth, collapse, how):
                     n=k,
                 )
             )
+        kids = []
         if shown_kids:
             for positions in _units(nodes, members[0], collapse):
                 sub = [nodes[m].children[p] for m in members for p in positions]
                 last = nodes[nodes[members[0]].children[positions[-1]]].name if len(positions) > 1 else None
-                emit(sub, last)
+                kids.append((sub, last))
+        return kids
 
-    emit([0])
+    # pre-order with a stack of its own: a model may nest deeper than Python's recursion limit
+    stack = [([0], None)]
+    while stack and (stop is None or len(rows) <= stop):
+        members, last = stack.pop()
+        stack.extend(reversed(emit(members, last)))
     return rows
 
 
@@ -223,17 +239,27 @@ def _layout(nodes, aggregate, depth, max_rows):
     if max_rows is None:
         rows = _visible(nodes, depth, False, aggregate)
         return rows, _fold_note(rows, total, depth)
+    # the tables tried below stop at max_rows + 1 rows: only whether they fit is wanted
     collapse = False
-    rows = _visible(nodes, depth, False, aggregate)
+    shown = depth  # the depth of the table shown
+    rows = _visible(nodes, depth, False, aggregate, max_rows)
     if len(rows) > max_rows:
         collapse = True
-        rows = _visible(nodes, depth, True, aggregate)
+        rows = _visible(nodes, depth, True, aggregate, max_rows)
     if depth is None and len(rows) > max_rows:
-        for d in range(maxdepth, 0, -1):
-            rows = _visible(nodes, d, collapse, aggregate)
-            if len(rows) <= max_rows:
-                break
+        # the deepest level that fits: rows only grow with the depth, so a bisection
+        # (a chain of modules may be thousands of levels deep)
+        lo, hi = 0, maxdepth  # 0: no level fits yet
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(_visible(nodes, mid, collapse, aggregate, max_rows)) <= max_rows:
+                lo = mid
+            else:
+                hi = mid - 1
+        shown = max(lo, 1)
+        rows = _visible(nodes, shown, collapse, aggregate, max_rows)
     if len(rows) > max_rows:  # even one level is too long: sum the rest into one row
+        rows = _visible(nodes, shown, collapse, aggregate)
         keep, rest = rows[: max_rows - 1], rows[max_rows - 1 :]
         top = min(r.depth for r in rest)
         # only the shallowest rows of the rest: deeper ones are inside them
@@ -517,12 +543,27 @@ def _totals_html(lines):
 
 _TR_HEADER = ["calls", "left alive (activations)", "peak inside"]
 _TR_AGG = ["sum", "sum", "max"]
+# with recomputations (torch.utils.checkpoint): their calls and what they left alive, apart
+_TR_AGAIN = ["recomputed", "left alive by recomputing"]
+
+
+def _tr_again(report):
+    """Whether the report's modules were recomputed (a column pair of their own)."""
+    return any(getattr(m, "recomputed", 0) for m in report.modules)
+
+
+def _tr_columns(report):
+    """(header, how each column aggregates) of the module tree."""
+    if _tr_again(report):
+        return _TR_HEADER + _TR_AGAIN, _TR_AGG + ["sum", "sum"]
+    return _TR_HEADER, _TR_AGG
 
 
 def _tr_nodes(report):
     mods = [m for m in report.modules]
     if not mods:
         return []
+    again = _tr_again(report)
     index = {m.name: i for i, m in enumerate(mods)}
     entries = []
     for m in mods:
@@ -530,7 +571,10 @@ def _tr_nodes(report):
             parent = -1
         else:
             parent = index.get(m.name.rsplit(".", 1)[0] if "." in m.name else "", -1)
-        entries.append((m.name, m.type, parent, [m.calls, m.activation_bytes, m.peak_above_start], None))
+        values = [m.calls, m.activation_bytes, m.peak_above_start]
+        if again:
+            values += [m.recomputed, m.recomputed_bytes]
+        entries.append((m.name, m.type, parent, values, None))
     nodes = _build(entries)
     if any(n.parent < 0 for n in nodes[1:]):  # not one tree (no root row): hang everything under a root
         entries = [("", "(model)", -1, None, None)] + [
@@ -542,13 +586,15 @@ def _tr_nodes(report):
 
 def _tr_cells_for(report):
     exact = {m.name: getattr(m, "exact", True) for m in report.modules}
+    width = len(_tr_columns(report)[0])
 
     def cells(r):
         v = r.values
         if v is None:
-            return ["", "", ""]
+            return [""] * width
         peak = _fmt(v[2]) + ("" if exact.get(r.name, True) else " (at least)")
-        return [str(v[0]), _fmt(v[1]), peak]
+        again = [str(v[3]), _fmt(v[4])] if len(v) > 3 else []
+        return [str(v[0]), _fmt(v[1]), peak] + again
 
     return cells
 
@@ -566,9 +612,10 @@ def track_report_text(report, depth=_DEFAULT, max_rows=_DEFAULT):
         )
     nodes = [n for n in _tr_nodes(report)]
     if nodes and any(m.calls for m in report.modules):
-        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        header, agg = _tr_columns(report)
+        rows, note = _layout(nodes, agg, depth, max_rows)
         out.append("")
-        out += _tree_text(rows, _TR_HEADER, _tr_cells_for(report))
+        out += _tree_text(rows, header, _tr_cells_for(report))
         if note:
             out.append(note)
     if report.leak is not None:
@@ -602,11 +649,10 @@ def track_report_html(report, depth=_DEFAULT, max_rows=_DEFAULT):
         )
     nodes = _tr_nodes(report)
     if nodes and any(m.calls for m in report.modules):
-        rows, note = _layout(nodes, _TR_AGG, depth, max_rows)
+        header, agg = _tr_columns(report)
+        rows, note = _layout(nodes, agg, depth, max_rows)
         parts.append(
-            _tree_html(
-                rows, _TR_HEADER, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})"
-            )
+            _tree_html(rows, header, _tr_cells_for(report), "memtorch-modules", f"per module ({len(nodes)})")
         )
         text = (
             "Per module: what its forward left allocated (per forward of the model) and its peak above entry."

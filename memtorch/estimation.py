@@ -43,6 +43,7 @@ splits the peak by category (the words of track()'s and inspect()'s reports).
 """
 
 import contextlib
+import inspect
 import contextvars
 import functools
 import html
@@ -430,14 +431,51 @@ def _checkpoint_targets(model, spec):
     return [named[n] for n in spec]
 
 
+# A checkpointed module's cache arguments, as transformers' gradient checkpointing sets them
+# (GradientCheckpointingLayer; the models set use_cache=False): a cache written in the forward
+# would be written again by the recomputation (a different step, and a different number of
+# saved tensors: torch's CheckpointError).
+_NO_CACHE = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None}
+
+
+def _without_cache(sig, args, kwargs, dropped):
+    """(args, kwargs) of a call of a forward with signature ``sig`` (None: unknown), with the
+    cache arguments of _NO_CACHE set as transformers sets them under checkpointing, passed by
+    keyword or by position (GPT2Block takes its cache second); the names changed are added
+    to ``dropped``."""
+    if sig is None or not any(k in sig.parameters for k in _NO_CACHE):
+        return args, kwargs
+    try:
+        bound = sig.bind_partial(*args, **kwargs)
+    except TypeError:  # the call itself is wrong: let the forward say so
+        return args, kwargs
+    for k, off in _NO_CACHE.items():
+        v = bound.arguments.get(k)
+        if v is not None and v is not False:
+            bound.arguments[k] = off
+            dropped.add(k)
+    return bound.args, bound.kwargs
+
+
+def _signature(fn):
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
 @contextlib.contextmanager
-def checkpointing(model, spec, _on_call=None):
+def checkpointing(model, spec, _on_call=None, _dropped=None):
     """Run ``model`` with the modules ``spec`` names ("blocks": each block of every nn.ModuleList)
     recomputed in backward (torch.utils.checkpoint, non-reentrant); restores them on exit.
+    A checkpointed module runs without a KV cache (use_cache=False, past_key_values=None, as
+    transformers' gradient checkpointing does); ``_dropped`` (a set) gets the argument names so set.
 
     estimate(checkpointing=...) uses it; use it around a real step to measure the same step.
     """
     from torch.utils.checkpoint import checkpoint
+
+    dropped = set() if _dropped is None else _dropped
 
     if spec is None:
         yield model
@@ -450,7 +488,8 @@ def checkpointing(model, spec, _on_call=None):
                 raise MemtorchError(f"checkpointing: module {type(m).__name__} already has a patched forward")
             orig = m.forward
 
-            def fwd(*args, _orig=orig, **kwargs):
+            def fwd(*args, _orig=orig, _sig=_signature(orig), **kwargs):
+                args, kwargs = _without_cache(_sig, args, kwargs, dropped)
                 if _on_call is None:
                     return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
                 return checkpoint(_on_call(_orig), *args, use_reentrant=False, **kwargs)
@@ -842,6 +881,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
         ledger.phase = None
         rng_held = []
+        dropped_cache = facts["cache_dropped"] = set()  # cache arguments the checkpointed blocks ran without
         grad_of = {}
 
         def on_call(fn):
@@ -861,19 +901,24 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     ledger.free_key(rng_held.pop())
                 fork = ledger.add_extra(rng_bytes, "temporary", transient=False)
                 try:
-                    return fn(*a, **k)
+                    # autograd runs the recomputation without the forward's TorchFunctionModes:
+                    # CUDA's routing is entered again, so that it takes the forward's kernels
+                    with routing[0] if routing else contextlib.nullcontext():
+                        return fn(*a, **k)
                 finally:
                     ledger.free_key(fork)
                     rng_held.append(key)  # the forward's copy lives until this block's backward is done
 
             return run
 
-        stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call))
+        routing = []  # CUDA's kernel routing (a TorchFunctionMode), for on_call's recomputations
+        stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call, _dropped=dropped_cache))
         stack.enter_context(_swapped(model, fakes))
         if cuda_state is not None:
             from ._estimate_kernels import cuda_routing
 
-            stack.enter_context(cuda_routing(cuda_state))
+            routing.append(cuda_routing(cuda_state))
+            stack.enter_context(routing[0])
         hooks.install()
         stack.callback(hooks.remove)
         loss_fn = loss_fn or default_loss
@@ -1133,6 +1178,10 @@ def estimate(
             "measured on the real kernel: their scratch space inside the kernel is not in the estimate"
         )
     notes += sorted(_estimate_kernels.notes)
+    if facts.get("cache_dropped"):
+        names = ", ".join(f"{k}={_NO_CACHE[k]}" for k in sorted(facts["cache_dropped"]))
+        notes.append(f"the checkpointed blocks ran with {names}, as transformers' gradient checkpointing runs them "
+                     "(a cache written in the forward would be written again by the recomputation)")
     from . import cpu
 
     if device != "cuda" and not cpu.exact():

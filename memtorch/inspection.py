@@ -46,10 +46,19 @@ def _dtype_table(torch):
 
 
 def _dataclass_fields(tp):
-    """Names of the real fields of dataclass type tp (no ClassVar/InitVar), or None."""
+    """Names of the real fields of dataclass type tp (no ClassVar/InitVar), or None.
+
+    Read from the class's field table as dataclasses.fields() reads it, but each
+    name is the table's key: user code run by the walk (a property) may have
+    deleted a Field's attributes or entries of the table, and what is left is
+    still walked by name (a field missing on the instance counts nothing)."""
     if not isinstance(tp, type) or not dataclasses.is_dataclass(tp):
         return None
-    return tuple(f.name for f in dataclasses.fields(tp))
+    table = getattr(tp, "__dataclass_fields__", None)
+    if not isinstance(table, dict):
+        return None
+    pseudo = (dataclasses._FIELD_CLASSVAR, dataclasses._FIELD_INITVAR)
+    return tuple(k for k, f in list(table.items()) if isinstance(k, str) and getattr(f, "_field_type", None) not in pseudo)
 
 
 def _script_tables(mod):

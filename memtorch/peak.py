@@ -188,6 +188,8 @@ def owner_label(row, phase, rows):
     modules' (name, type) by row. The one vocabulary of the CPU and CUDA replays."""
     if 0 <= row < len(rows):
         mod = rows[row]
+        if len(mod) > 2 and mod[2] == "recomputed":  # a forward autograd ran again during backward
+            return f"recomputed activations of {mod[0] or '(model)'} ({mod[1]}), backward", "activation"
         label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
         return (label if phase in (None, "forward") else f"{label}, {phase}"), "activation"
     if phase == "backward":

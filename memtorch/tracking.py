@@ -146,10 +146,10 @@ class ModuleStats:
 
     __slots__ = (
         "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
-        "why",
+        "why", "recomputed", "recomputed_bytes", "recomputed_total", "note",
     )  # fmt: skip
 
-    def __init__(self, name, type_name):
+    def __init__(self, name, type_name, note=None):
         self.name = name
         self.type = type_name
         self.calls = 0
@@ -159,11 +159,19 @@ class ModuleStats:
         self.peak_above_start = 0
         self.exact = True
         self.why = None  # why not exact (a sentence), None when exact or not known
+        # recomputations: its forwards run again by autograd during backward (torch.utils.checkpoint),
+        # not counted in calls; the bytes they left allocated (what backward then uses), summed and
+        # per forward of the model as activation_bytes is
+        self.recomputed = 0
+        self.recomputed_total = 0
+        self.recomputed_bytes = 0
+        self.note = note  # what the row cannot show (a compiled region: its insides), or None
 
     def __repr__(self):
+        again = f", recomputed={self.recomputed}" if self.recomputed else ""
         return (
             f"ModuleStats({self.name or '(model)'!r}, {self.type}, calls={self.calls}, "
-            f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start})"
+            f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start}{again})"
         )
 
 
@@ -253,6 +261,10 @@ class TrackReport:
         # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran;
         # computed from the block's event log when first read (with the per-module figures)
         self._pending = kw.get("pending")
+        # [(row name, note)]: the rows of modules inside a torch.compile'd region (_compiled_notes)
+        self._row_notes = kw.get("row_notes") or []
+        if self._pending is None:
+            _apply_notes(self._modules, self._row_notes)
         self._at_peak = kw.get("at_peak")
         self._largest_n = len(self.largest) if self._pending is None else kw.get("largest_n", 0)
         # sentences saying what the counters could not see during the block
@@ -273,6 +285,7 @@ class TrackReport:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._at_peak = pending()
+            _apply_notes(self._modules, self._row_notes)
             if self.baseline is not None:  # the storages before the restart are not in the replay
                 self._at_peak.exact = False
             if self._largest_n:
@@ -324,7 +337,8 @@ class TrackReport:
         }  # fmt: skip
         d["modules"] = [
             {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
-             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why}
+             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why,
+             "recomputed": int(m.recomputed), "recomputed_bytes": int(m.recomputed_bytes), "note": m.note}
             for m in self.modules
         ]  # fmt: skip
         d["steps_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
@@ -393,6 +407,7 @@ class TrackReport:
 
     def _module_rows(self, limit=30):
         mods = self.modules
+        again = any(m.recomputed for m in mods)  # two columns of their own (checkpointing)
         if len(mods) > limit:
             mods = sorted(mods, key=lambda m: -m.activation_bytes)[:limit]
         return [
@@ -403,8 +418,9 @@ class TrackReport:
                 units.format(m.activation_bytes),
                 units.format(m.peak_above_start) + ("" if m.exact else " (at least)"),
             )
+            + ((str(m.recomputed), units.format(m.recomputed_bytes)) if again else ())
             for m in mods
-            if m.calls
+            if m.calls or m.recomputed
         ]
 
     def _title(self):
@@ -426,7 +442,10 @@ class TrackReport:
         mods = self._module_rows()
         if mods:
             out.append("")
-            out += _table(["module", "type", "calls", "left alive (activations)", "peak inside"], mods)
+            header = ["module", "type", "calls", "left alive (activations)", "peak inside"]
+            if len(mods[0]) > len(header):
+                header += ["recomputed", "left alive by recomputing"]
+            out += _table(header, mods)
             out += _why_lines(self.modules)
         if self.leak is not None:
             out.append("")
@@ -702,7 +721,9 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
                 p.exact = False
     if not n_events:
         return
-    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, replayed[7].tolist()):
+    mods = replayed[7].tolist()
+    n = len(mod_rows)
+    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, mods[:n]):
         if not calls:
             continue
         row.calls += calls
@@ -712,6 +733,13 @@ def _apply_replay(replayed, n_events, mod_rows, phases):
             row.peak_above_start = max(row.peak_above_start, above)
         if unmatched:
             row.exact = False
+    # rows n + r: row r's recomputations (marks.c: forwards run inside autograd's backward)
+    for row, (calls, measured, act, above, unmatched) in zip(mod_rows, mods[n:]):
+        if calls:
+            row.recomputed += calls
+            row.recomputed_total += act
+            if unmatched:
+                row.exact = False
 
 
 _WRAPPED = (
@@ -725,7 +753,14 @@ def _apply_totals(totals, rows, phases, dropped):
     """After the event log wrapped: each module's calls and the bytes they left allocated as the
     marks' hooks counted them (exact however long the block), and each phase's delta; the peaks
     inside are those of the calls the log still held, flagged as lower bounds with the reason."""
-    mods, deltas = totals
+    mods, deltas, again = totals
+    for row, (calls, act, unmatched) in zip(rows, again):
+        if calls:
+            row.recomputed = calls
+            row.recomputed_total = act
+            if unmatched:
+                row.exact = False
+                row.why = f"{unmatched:,} of its {calls:,} recomputations began out of the hooks' sight"
     for row, (calls, act, unmatched) in zip(rows, mods):
         if not calls:
             continue
@@ -751,6 +786,12 @@ def _apply_totals(totals, rows, phases, dropped):
                                         calls=p.calls, unit="occurrences")
 
 
+def _splits_recomputation(n):
+    """Whether the marks of a block with n module rows mark recomputations as rows n..2n-1
+    (as marks.c: row + 1 must fit the tag's 22 bits)."""
+    return 2 * n <= (1 << 22) - 1
+
+
 def _average_modules(rows, forwards):
     forwards = max(1, forwards)
     if rows and 0 < rows[0]._measured < rows[0].calls:
@@ -758,6 +799,7 @@ def _average_modules(rows, forwards):
         forwards = rows[0]._measured
     for row in rows:
         row.activation_bytes = row.activation_total // forwards
+        row.recomputed_bytes = row.recomputed_total // forwards
 
 
 def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, forwards, caveats, exact,
@@ -768,14 +810,18 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     import numpy as np
 
     ev = np.frombuffer(ev, dtype=_log_dtype())
-    rows.extend(ModuleStats(name, type_name) for name, type_name in specs)
+    rows.extend(ModuleStats(*spec) for spec in specs)
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
-    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, len(rows), queries)
+    # rows len(rows) + r: row r's recomputations (as marks.c marks them when they fit the tag)
+    nrows = 2 * len(rows) if _splits_recomputation(len(rows)) else len(rows)
+    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, nrows, queries)
     _apply_replay(replayed, len(ev), rows, phases)
     if totals is not None:
         _apply_totals(totals, rows, phases, dropped)
     _average_modules(rows, forwards)
     names = [(r.name, r.type) for r in rows]
+    if nrows > len(rows):
+        names += [(r.name, r.type, "recomputed") for r in rows]
     kept = int((ev["kind"] == 0).sum()) if dropped else len(ev)
     at_peak = attribution.attribute(
         replayed, queries, kept, dropped, peak_bytes, snapshots,
@@ -878,17 +924,55 @@ def _opt_hook_dicts(opt):
     return None
 
 
-def _add_hook(handles, hooks, hook, always=None):
+def _add_hook(handles, hooks, hook, always=None, front=False):
     """hooks[id] = hook (and always[id] = True), as torch's register_* functions do, with
-    an id from RemovableHandle's counter; (hooks, id, always) goes to ``handles``, for
-    Tracker._remove_hooks."""
+    an id from RemovableHandle's counter (front: first among the hooks already there, as
+    prepend=True); (hooks, id, always) goes to ``handles``, for Tracker._remove_hooks."""
     h = _direct[0][3]
     i = h.next_id
     h.next_id = i + 1
     hooks[i] = hook
+    if front and len(hooks) > 1 and hasattr(hooks, "move_to_end"):  # torch's are OrderedDicts
+        hooks.move_to_end(i, last=False)
     if always is not None:
         always[i] = True
     handles.append((hooks, i, always))
+
+
+def _in_backward_fn():
+    """torch._C._current_graph_task_id (-1 outside autograd's backward), or None on a torch
+    without it (then recomputations count as forwards)."""
+    f = getattr(_torch_mod._C, "_current_graph_task_id", None)
+    return f if callable(f) else None
+
+
+def _in_backward():
+    """True inside autograd's backward (a forward run there is a recomputation)."""
+    f = _in_backward_fn()
+    return f is not None and f() != -1
+
+
+def _skip_traced(hook):
+    """``hook`` behind a Python function that returns at once while dynamo traces
+    (torch.compiler.is_compiling(), which dynamo reads as True): a C hook, or a Python
+    one that opens counter scopes, would break the graph (dynamo cannot trace it) and
+    the eager code would stay cached after the block. Inside a compiled graph no hook
+    of memtorch runs; its modules are one opaque region (see _compiled_rows)."""
+    compiling = _torch_mod.compiler.is_compiling
+
+    def hook_unless_traced(*args):
+        if compiling():
+            return None
+        return hook(*args)
+
+    return hook_unless_traced
+
+
+def _module_hook_dicts(mod):
+    """The module's own forward pre-hook, hook and always-called dicts, or None."""
+    d = mod.__dict__
+    dicts = (d.get("_forward_pre_hooks"), d.get("_forward_hooks"), d.get("_forward_hooks_always_called"))
+    return dicts if all(isinstance(x, dict) for x in dicts) else None
 
 
 def _describe_tensor(t):
@@ -897,6 +981,74 @@ def _describe_tensor(t):
 
 # ---------------------------------------------------------------------------
 # Tracker
+
+
+def _apply_notes(rows, notes):
+    """Each row named in ``notes`` ([(name, note)]) gets its note (ModuleStats.note)."""
+    if notes:
+        by_name = dict(notes)
+        for row in rows:
+            row.note = by_name.get(row.name, row.note)
+
+
+def _is_compiled_wrapper(module):
+    """Whether ``module`` is what torch.compile(module) returns (an OptimizedModule); read
+    without importing torch._dynamo (a process that never compiled has not imported it)."""
+    ev = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(ev, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def _compiled_notes(named, root_calls):
+    """(caveats, [(row name, note)]) for the modules of a block's model that ran as one
+    torch.compile'd graph: ``named`` [(name, module)] in pre-order, ``root_calls`` the forwards
+    of the root that the hooks saw. memtorch's hooks are skipped while dynamo traces
+    (_skip_traced): inside a compiled graph no module's hook runs, so the modules inside one
+    have no figures of their own; their bytes are in the row of the first module outside it
+    whose hooks ran, or the block's phases. A region is torch.compile(module) (its own hooks
+    run outside the graph: its row holds the region's bytes) or module.compile() (its hooks
+    run inside: its bytes are in its parent's row)."""
+    regions, notes = [], []
+    for name, mod in named:
+        if mod is None or any(r == "" or name == r or name.startswith(r + ".") for r, _ in regions):
+            continue
+        if _is_compiled_wrapper(mod):
+            regions.append((name, "torch.compile"))
+        elif getattr(mod, "_compiled_call_impl", None) is not None:
+            regions.append((name, "compile()"))
+    caveats = []
+    for r, how in regions:
+        inside = [n for n, _ in named if n != r and (r == "" or n.startswith(r + "."))]
+        label = r or "(model)"
+        call = "torch.compile" if how == "torch.compile" else f"{r or 'model'}.compile()"
+        if how == "torch.compile":
+            notes.append((r, f"a torch.compile'd module: its {len(inside):,} module(s) inside run as a compiled "
+                             "graph and cannot be split; their bytes are in this row"))
+            holder = f"{label}'s row"
+        else:
+            parent = r.rsplit(".", 1)[0] if "." in r else ""
+            # the root's own hooks are in its graph too: no forward or backward phase either
+            holder = ("the block's totals, with no phases: the model's own hooks are in the graph too" if r == ""
+                      else f"{parent or '(model)'}'s row")  # fmt: skip
+            notes.append((r, f"compiled by {call}: it and its {len(inside):,} module(s) inside run as a "
+                             f"compiled graph and cannot be split; their bytes are in {holder}"))
+        notes += [(n, f"inside the compiled region {label}: cannot be split") for n in inside]
+        caveats.append(
+            f"{label} is compiled ({call}): "
+            f"memtorch's hooks do not run inside a compiled graph, so the {len(inside):,} module(s) inside it "
+            f"have no figures of their own; the figures are the compiled program's; their bytes are in {holder}"
+        )  # fmt: skip
+    if not regions and named and root_calls == 0:
+        utils = sys.modules.get("torch._dynamo.utils")
+        stats = getattr(utils, "counters", {}).get("stats", {}) if utils is not None else {}
+        if stats.get("unique_graphs", 0):
+            caveats.append(
+                "the model's forward was not seen in this block and torch.compile has compiled graphs in this "
+                "process: if the model ran through its compiled wrapper (compiled = torch.compile(model)), its "
+                "hooks ran inside the graph and were compiled away; track the wrapper (memtorch.track(compiled, "
+                "...)) for its phases and module rows"
+            )  # fmt: skip
+    return caveats, notes
 
 
 def _make_report(scope, kw):
@@ -1053,7 +1205,7 @@ class _Plan:
     __slots__ = ("mods", "ids", "specs", "params", "buffers", "fp", "names", "__weakref__")
 
     def __init__(self, model):
-        named = list(model.named_modules())
+        named = _named_modules(model)
         self.mods = [weakref.ref(m) for _, m in named]
         self.ids = {id(m): i for i, (_, m) in enumerate(named)}
         self.specs = [(name, type(m).__name__) for name, m in named]
@@ -1084,6 +1236,25 @@ class _Plan:
             if t is not None:
                 return t
         return None
+
+
+def _named_modules(model):
+    """model.named_modules()'s list (pre-order, each module once, at its first name) with a
+    stack of its own: torch's recursive generator fails on a model nested deeper than
+    Python's recursion limit."""
+    out, seen = [], set()
+    stack = [("", model)]
+    while stack:
+        prefix, mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out.append((prefix, mod))
+        kids = mod._modules
+        if kids:
+            pre = prefix + "." if prefix else ""
+            stack.extend((pre + k, m) for k, m in reversed(list(kids.items())) if m is not None)
+    return out
 
 
 _plans = {}  # id(model) -> _Plan; the entry goes when the model does (see _drop_plan)
@@ -1348,8 +1519,9 @@ class Tracker:
         optim_mod = sys.modules["torch.optim.optimizer"]
         self._adopting = True
         self._foreign = weakref.WeakSet()
-        self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._any_opt_pre))
-        self._handles.append(optim_mod.register_optimizer_step_post_hook(self._any_opt_post))
+        # behind _skip_traced: a compiled opt.step() traces them
+        self._handles.append(optim_mod.register_optimizer_step_pre_hook(_skip_traced(self._any_opt_pre)))
+        self._handles.append(optim_mod.register_optimizer_step_post_hook(_skip_traced(self._any_opt_post)))
 
     def _adopted(self, opt):
         """True when ``opt`` is the block's optimizer, made so if it is the first to step the
@@ -1493,42 +1665,51 @@ class Tracker:
         return names
 
     # -- modules -----------------------------------------------------------
-    # Two global module hooks per block (torch.nn.modules.module's global forward hooks)
-    # instead of two per module: registering and removing ~50 handles per block cost more
-    # than the block's own counting. They filter the model's modules by id. They go
-    # straight into torch's hook dicts when torch keeps them where 2.x does (_add_hook).
+    # A forward pre-hook and an always-called forward hook on each module of the model, in the
+    # module's own hook dicts (_add_module_hooks; ModuleMarks.install in event-log mode): torch's
+    # global hooks would make torch warn on every call of a torch.compile'd module. They go
+    # straight into the dicts when torch keeps them where 2.x does (_add_hook), behind
+    # _skip_traced. A module's forward run inside autograd's backward is a recomputation
+    # (torch.utils.checkpoint): counted apart from its forwards, and no forward of the model.
 
     def _pre(self, module, args):  # the counter-scope hooks; event-log mode has _C.ModuleMarks.pre
         k = id(module)
-        if k == self._root_id:
+        i = self._ids.get(k)
+        again = (i is not None or k == self._root_id) and _in_backward()
+        if k == self._root_id and not again:
             self._root_pre()
             if self._ctrace is not None:  # the batch, by name
                 self._ctrace.names.append((time.time_ns(), _cuda_trace.input_names(args, _torch_mod.Tensor)))
-        i = self._ids.get(k)
         if i is not None:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.ENTER, i))
             if self._kind != "cuda":  # CUDA: no counter read per module (see _model_rows)
-                self._mod_stack.append((i, self._open_scope()))
+                self._mod_stack.append((i, self._open_scope(), again))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
         i = self._ids.get(k)
+        again = (i is not None or k == self._root_id) and _in_backward()
         if i is not None:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.EXIT, i))
             stack = self._mod_stack  # empty on CUDA
             for j in range(len(stack) - 1, -1, -1):
-                if stack[j][0] == i:
-                    _, s = stack.pop(j)
-                    self._record_module(i, s)
+                if stack[j][0] == i and stack[j][2] == again:
+                    _, s, _ = stack.pop(j)
+                    self._record_module(i, s, again)
                     break
-        if k == self._root_id:
+        if k == self._root_id and not again:
             self._root_post()
 
-    def _record_module(self, i, s):
+    def _record_module(self, i, s, again=False):
         start, end, peak, exact = self._close_scope(s)
         row = self._mod_rows[i]
+        if again:  # a recomputation: apart from the forwards
+            row.recomputed += 1
+            row.recomputed_total += end - start
+            row.exact = row.exact and exact
+            return
         row.calls += 1
         row._measured += 1
         row.activation_total += end - start
@@ -1542,10 +1723,13 @@ class Tracker:
         opt_direct = None if opt is None or direct is None else _opt_hook_dicts(opt)
         if direct is not None and (opt is None or opt_direct is not None):
             # event-log mode: all of the block's hooks in C, put in and taken out in one call each
-            # (the model's modules were given to the marks when they were made: __enter__)
+            # (the model's modules were given to the marks when they were made: __enter__), on
+            # each module of the model (its own hook dicts), behind _skip_traced's wrappers
+            m = self._marks
             self._marks.install(
-                *(direct[:3] if model is not None else (None, None, None)),
-                *(opt_direct if opt is not None else (None, None)), direct[3],
+                None if model is None else self._hooked_modules(model),
+                *(opt_direct if opt is not None else (None, None)),
+                tuple(_skip_traced(h) for h in (m.pre, m.post, m.opt_pre, m.opt_post)), direct[3],
             )  # fmt: skip
             self._handles.append(self._marks)
             if model is not None:
@@ -1571,6 +1755,12 @@ class Tracker:
             plan = self._plan = _plan_of(model)
         return plan
 
+    def _hooked_modules(self, model):
+        """Weakrefs of the modules that get the block's forward hooks: each module of the model
+        with per-module rows, else the root only (its forward makes the phases)."""
+        mods = self._model_plan(model).mods
+        return mods if self._ids else mods[:1]
+
     def _model_rows(self, model):
         """The model's root and its modules' rows (event-log mode: made when the report is first read)."""
         self._root_id = id(model)
@@ -1584,7 +1774,7 @@ class Tracker:
             if self._evmode:
                 self._mod_specs = plan.specs
             elif self._kind == "cpu":
-                self._mod_rows = [ModuleStats(name, type_name) for name, type_name in plan.specs]
+                self._mod_rows = [ModuleStats(*spec) for spec in plan.specs]
             else:
                 self._cuda_specs = plan.specs
             self._ids = plan.ids
@@ -1598,8 +1788,8 @@ class Tracker:
         if m is None and not self._ids:
             # no per-module rows (CUDA): hooks on the root only, for the phases. A global module
             # hook would send every module of the process through torch's slow call path.
-            self._handles.append(model.register_forward_pre_hook(self._pre))
-            self._handles.append(model.register_forward_hook(self._post, always_call=True))
+            self._handles.append(model.register_forward_pre_hook(_skip_traced(self._pre)))
+            self._handles.append(model.register_forward_hook(_skip_traced(self._post), always_call=True))
             return
         pre, post = (self._pre, self._post) if m is None else (m.pre, m.post)
         pre_id = self._add_module_hooks(pre, post)
@@ -1607,23 +1797,39 @@ class Tracker:
             self._root_kwargs(pre_id)
 
     def _add_module_hooks(self, pre, post):
-        """The two global module hooks; returns the pre-hook's id."""
+        """pre and post (always called) on each module of the model, in its own hook dicts
+        (torch's global ones make torch warn on every call of a compiled module), first
+        among the module's hooks as global ones would run; behind _skip_traced. Returns the
+        id of the root's pre-hook (None: no model)."""
+        model = None if self._model is None else self._model()
+        if model is None:
+            return None
+        mods = [r() for r in self._hooked_modules(model)]
+        del model
+        pre, post = _skip_traced(pre), _skip_traced(post)
         direct = _hook_dicts()
-        if direct is not None:
-            _add_hook(self._handles, direct[0], pre)
-            pre_id = self._handles[-1][1]
-            _add_hook(self._handles, direct[1], post, direct[2])  # always called, as always_call=True
-        else:
-            torch_module = sys.modules["torch.nn.modules.module"]
-            handle = torch_module.register_module_forward_pre_hook(pre)
-            self._handles.append(handle)
-            pre_id = handle.id
-            self._handles.append(torch_module.register_module_forward_hook(post, always_call=True))
+        pre_id = None
+        for mod in mods:
+            dicts = None if mod is None or direct is None else _module_hook_dicts(mod)
+            if dicts is not None:
+                _add_hook(self._handles, dicts[0], pre, front=True)
+                i = self._handles[-1][1]
+                _add_hook(self._handles, dicts[1], post, dicts[2], front=True)  # as always_call=True
+            elif mod is not None:
+                handle = mod.register_forward_pre_hook(pre, prepend=True)
+                self._handles.append(handle)
+                i = handle.id
+                self._handles.append(mod.register_forward_hook(post, prepend=True, always_call=True))
+            else:
+                continue
+            if pre_id is None:  # the plan's first module is the root
+                pre_id = i
         return pre_id
 
     def _hook_optimizer(self, opt):
         m = self._marks  # event-log mode: the phase and the gradients' and new state's names in C
         pre, post = (self._opt_pre, self._opt_post) if m is None else (m.opt_pre, m.opt_post)
+        pre, post = _skip_traced(pre), _skip_traced(post)  # a compiled opt.step() traces them
         direct = _opt_hook_dicts(opt)
         if direct is not None:
             _add_hook(self._handles, direct[0], pre)
@@ -1744,6 +1950,8 @@ class Tracker:
                 )  # fmt: skip
                 # step(closure): the closure wrapped by _closure_args (called only for a step given arguments)
                 self._marks.closure_hook = functools.partial(_closure_args, weakref.ref(self))
+                # a module's forward run inside autograd's backward is a recomputation (checkpointing)
+                self._marks.in_backward = _in_backward_fn()
                 _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots.append((_C.eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
@@ -1839,7 +2047,7 @@ class Tracker:
             ct, self._ctrace = self._ctrace, None
             if ct is not None:
                 ct.stop(read=False)  # the allocator's history as the block found it
-            scopes = [s for _, s in self._mod_stack]
+            scopes = [s for _, s, _ in self._mod_stack]
             self._mod_stack.clear()
             if self._phase is not None:
                 scopes.append(self._phase[1])
@@ -1883,8 +2091,8 @@ class Tracker:
             return self._finish_counters()
         self._remove_hooks()
         while self._mod_stack:  # forwards interrupted by an exception
-            i, s = self._mod_stack.pop()
-            self._record_module(i, s)
+            i, s, again = self._mod_stack.pop()
+            self._record_module(i, s, again)
         r = self._shared_read()  # CUDA: one read closes the phase, the step and the block
         self._end_phase(r)
         if self._step_scope is not None:  # the steps end at the last t.step()
@@ -1906,6 +2114,15 @@ class Tracker:
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
             caveats.append(_CUDA_NO_MODULES)
+        row_notes = []
+        model = None if self._model is None else self._model()
+        if model is not None:  # torch.compile'd regions: modules without figures of their own
+            plan = self._model_plan(model)
+            named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
+            more, row_notes = _compiled_notes(named, self._forwards)
+            caveats += more
+            del named, plan
+        del model
         timeline = None
         extra_marks = []
         pending = None
@@ -1917,7 +2134,7 @@ class Tracker:
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
             # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
-            totals = (m.module_totals, m.phase_deltas) if dropped else None
+            totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
@@ -1953,7 +2170,7 @@ class Tracker:
         if ct is not None:  # CUDA: the history read now, replayed when the report is first read
             self._ctrace = None
             pending = ct.pending(
-                start, peak_bytes, exact, [ModuleStats(n, t) for n, t in self._cuda_specs], caveats
+                start, peak_bytes, exact, [ModuleStats(*spec) for spec in self._cuda_specs], caveats
             )
         leak = None
         steps = len(self._boundaries) - 1
@@ -1975,7 +2192,7 @@ class Tracker:
             modules=self._mod_rows if pending is not None else list(self._mod_rows),  # filled at the replay
             timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
             step_series=self._step_series, largest_n=self._largest,
-            caveats=caveats, marks=extra_marks, **extra,
+            caveats=caveats, marks=extra_marks, row_notes=row_notes, **extra,
         )  # fmt: skip
         # the TrackReport itself is made when t.report is first read (most loops never read it)
         return functools.partial(_make_report, self._scope, kw)

@@ -35,7 +35,11 @@ class ModuleStats:
     peak_above_start: int
     exact: bool
     why: Optional[str]
-    def __init__(self, name: str, type_name: str) -> None: ...
+    recomputed: int
+    recomputed_total: int
+    recomputed_bytes: int
+    note: Optional[str]
+    def __init__(self, name: str, type_name: str, note: Optional[str] = None) -> None: ...
 
 class TensorInfo:
     shape: tuple[Any, ...]

@@ -6,11 +6,15 @@
 #include <string.h>
 
 /*
- * A block in event-log mode registers two global module hooks; every module
- * call in the process goes through them (torch.nn.modules.module's
- * register_module_forward_pre_hook / _hook). For the modules of the watched
- * model they push or pop the module's owner tag and log an enter or exit
- * mark. Its root's forward begins the forward phase (and names the batch: the
+ * A block in event-log mode puts a forward pre-hook and a forward hook (always
+ * called) on each module of the watched model (install(): into each module's
+ * own hook dicts, not torch's global ones, which make torch warn on every call
+ * of a torch.compile'd module and send every other module of the process down
+ * its slow path). They push or pop the module's owner tag and log an enter or
+ * exit mark. What goes into the dicts are the Python wrappers tracking.py
+ * makes around pre/post/opt_pre/opt_post: they return at once while dynamo
+ * traces (torch.compiler.is_compiling()), which a C function cannot tell
+ * dynamo, so that a compiled graph has no break and no trace of memtorch. Its root's forward begins the forward phase (and names the batch: the
  * tensors given to it), its end the backward phase when autograd is on; the
  * optimizer's step pre- and post-hooks begin and end the optimizer phase and
  * name the gradients (which zero_grad() may free before the block ends) and
@@ -31,11 +35,6 @@
 
 static const char *const mt_phase_names[4] = {NULL, "forward", "backward", "optimizer"};
 
-/* install()'s hooks: the module pre-hook, the module hook and its always-called
- * entry, the optimizer's step pre- and post-hook. */
-#define MT_MARKS_HOOKS 5
-static const char *const mt_hook_methods[MT_MARKS_HOOKS] = {"pre", "post", NULL, "opt_pre", "opt_post"};
-
 typedef struct {
     uintptr_t key; /* module address; 0: empty */
     int64_t row;
@@ -54,7 +53,9 @@ typedef struct {
      * lose old marks): the row and the counted bytes when its forward began, and per
      * row the calls, the bytes they left allocated (end - start, summed) and the ends
      * whose start was not on the stack (deeper than MT_MARKS_DEPTH, or hooks added
-     * mid-forward). rows_n rows; PyMem arrays owned here. */
+     * mid-forward). rows_n rows; PyMem arrays owned here, of 2 * rows_n entries: row
+     * rows_n + r holds row r's recomputations (a forward autograd runs during backward:
+     * torch.utils.checkpoint), which the event log marks as row rows_n + r too. */
     int64_t starts[MT_MARKS_DEPTH];
     int64_t srows[MT_MARKS_DEPTH];
     int64_t *row_calls, *row_act, *row_unmatched;
@@ -75,9 +76,9 @@ typedef struct {
     PyObject *timeline;    /* list of (ns, "phase"|"end", name), or None */
     PyObject *last_inputs; /* list of the addresses of the last forward's tensor arguments (0: none) */
     PyObject *closure_hook; /* closure_hook(args, kwargs) for a step given arguments (a closure), or None */
-    /* install(): the hook dicts this object's hooks were put in (owned, NULL: none) and their ids */
-    PyObject *hook_dicts[MT_MARKS_HOOKS];
-    PyObject *hook_ids[MT_MARKS_HOOKS];
+    PyObject *installed;    /* install(): list of (hook dict, id) it put in; NULL: none */
+    PyObject *pre_id;       /* install(): the id of the modules' pre-hooks; NULL: none installed */
+    PyObject *in_backward;  /* torch._C._current_graph_task_id (-1: not in a backward), or None */
 } mt_marks;
 
 static inline size_t
@@ -124,10 +125,9 @@ marks_traverse(mt_marks *m, visitproc visit, void *arg)
     Py_VISIT(m->timeline);
     Py_VISIT(m->last_inputs);
     Py_VISIT(m->closure_hook);
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        Py_VISIT(m->hook_dicts[j]);
-        Py_VISIT(m->hook_ids[j]);
-    }
+    Py_VISIT(m->installed);
+    Py_VISIT(m->pre_id);
+    Py_VISIT(m->in_backward);
     return 0;
 }
 
@@ -140,10 +140,9 @@ marks_clear(mt_marks *m)
     Py_CLEAR(m->timeline);
     Py_CLEAR(m->last_inputs);
     Py_CLEAR(m->closure_hook);
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        Py_CLEAR(m->hook_dicts[j]);
-        Py_CLEAR(m->hook_ids[j]);
-    }
+    Py_CLEAR(m->installed);
+    Py_CLEAR(m->pre_id);
+    Py_CLEAR(m->in_backward);
     return 0;
 }
 
@@ -189,18 +188,22 @@ mt_marks_set_ids(mt_marks *m, PyObject *py_ids)
         slots[j].row = row;
         nrows = row + 1 > nrows ? (Py_ssize_t)row + 1 : nrows;
     }
-    /* the per-row totals, the old rows' kept (a model given to an open block starts at 0) */
-    calls = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
-    act = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
-    unmatched = PyMem_Calloc((size_t)(nrows ? nrows : 1), sizeof(int64_t));
+    /* the per-row totals (forwards, then recomputations), the old rows' kept (a model given
+     * to an open block starts at 0) */
+    size_t alloc = (size_t)(nrows ? 2 * nrows : 1);
+    calls = PyMem_Calloc(alloc, sizeof(int64_t));
+    act = PyMem_Calloc(alloc, sizeof(int64_t));
+    unmatched = PyMem_Calloc(alloc, sizeof(int64_t));
     if (calls == NULL || act == NULL || unmatched == NULL) {
         PyErr_NoMemory();
         goto error;
     }
     for (Py_ssize_t r = 0; r < nrows && r < m->rows_n; r++) {
-        calls[r] = m->row_calls[r];
-        act[r] = m->row_act[r];
-        unmatched[r] = m->row_unmatched[r];
+        for (Py_ssize_t half = 0; half < 2; half++) {
+            calls[r + half * nrows] = m->row_calls[r + half * m->rows_n];
+            act[r + half * nrows] = m->row_act[r + half * m->rows_n];
+            unmatched[r + half * nrows] = m->row_unmatched[r + half * m->rows_n];
+        }
     }
     PyMem_Free(m->slots);
     PyMem_Free(m->row_calls);
@@ -355,6 +358,7 @@ marks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->timeline = Py_NewRef(py_timeline);
     m->params = Py_NewRef(Py_None);
     m->closure_hook = Py_NewRef(Py_None);
+    m->in_backward = Py_NewRef(Py_None);
     m->last_inputs = PyList_New(0); /* new reference */
     if (m->last_inputs == NULL || mt_marks_set_ids(m, py_ids) < 0) {
         goto error;
@@ -500,6 +504,27 @@ mt_marks_root_post(mt_marks *m)
     return on ? mt_marks_begin_phase(m, 2) : 0;
 }
 
+/* 1 when a module's forward runs inside autograd's backward (a recomputation:
+ * torch.utils.checkpoint), 0 when not (or when rows_n + row would not fit the
+ * tag: then it counts as a forward), -1 with an exception set. */
+static int
+mt_marks_recomputing(mt_marks *m)
+{
+    if (m->in_backward == NULL || m->in_backward == Py_None || 2 * m->rows_n > (1LL << 22) - 1) {
+        return 0;
+    }
+    PyObject *py_id = PyObject_CallNoArgs(m->in_backward); /* new reference */
+    if (py_id == NULL) {
+        return -1;
+    }
+    long long id = PyLong_AsLongLong(py_id);
+    Py_DECREF(py_id);
+    if (id == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return id != -1;
+}
+
 /* pre(module, args[, kwargs]): the forward pre-hook (with kwargs: the root's, see mt_marks_root_pre). */
 static PyObject *
 marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
@@ -509,11 +534,17 @@ marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         goto error;
     }
     uintptr_t key = (uintptr_t)args[0];
-    if (key == m->root && mt_marks_root_pre(m, args[1], nargs == 3 ? args[2] : NULL) < 0) {
+    int64_t row = mt_marks_row(m, key);
+    int again = row >= 0 || key == m->root ? mt_marks_recomputing(m) : 0;
+    if (again < 0) {
         goto error;
     }
-    int64_t row = mt_marks_row(m, key);
+    /* a recomputation is no forward of the model: no phase, no batch named */
+    if (key == m->root && !again && mt_marks_root_pre(m, args[1], nargs == 3 ? args[2] : NULL) < 0) {
+        goto error;
+    }
     if (row >= 0) {
+        row += again ? m->rows_n : 0;
         uint32_t tag = m->tagbase | ((uint32_t)(row + 1) << 2) | m->phase_code;
         if (m->depth < MT_MARKS_DEPTH) {
             m->tags[m->depth] = tag;
@@ -538,13 +569,18 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     }
     uintptr_t key = (uintptr_t)args[0];
     int64_t row = mt_marks_row(m, key);
+    int again = row >= 0 || key == m->root ? mt_marks_recomputing(m) : 0;
+    if (again < 0) {
+        goto error;
+    }
     if (row >= 0) {
+        row += again ? m->rows_n : 0;
         int matched = 0;
         if (m->depth > 0) {
             m->depth--;
             matched = m->depth < MT_MARKS_DEPTH && m->srows[m->depth] == row;
         }
-        if (row < m->rows_n) {
+        if (row < 2 * m->rows_n) {
             m->row_calls[row]++;
             if (matched) {
                 m->row_act[row] += mt_counters_current() - m->starts[m->depth];
@@ -555,7 +591,7 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         }
         mt_eventlog_mark(MT_EV_EXIT, (uint64_t)row, mt_marks_top(m));
     }
-    if (key == m->root && mt_marks_root_post(m) < 0) {
+    if (key == m->root && !again && mt_marks_root_post(m) < 0) {
         goto error;
     }
     Py_RETURN_NONE;
@@ -665,26 +701,27 @@ error:
     return py_result;
 }
 
-/* Take out every hook install() put in (a missing entry is skipped). 0, or -1 with
- * an exception set (after trying every entry). */
+/* Take out every hook install() put in (a missing entry is skipped), the last
+ * first. 0, or -1 with an exception set (after trying every entry). */
 static int
 mt_marks_uninstall(mt_marks *m)
 {
-    PyObject *first = NULL; /* the first error (new reference), raised again at the end */
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        PyObject *py_d = m->hook_dicts[j], *py_id = m->hook_ids[j]; /* owned, taken over below */
-        m->hook_dicts[j] = NULL;
-        m->hook_ids[j] = NULL;
-        if (py_d == NULL) {
-            Py_XDECREF(py_id);
-            continue;
-        }
+    PyObject *first = NULL;            /* the first error (new reference), raised again at the end */
+    PyObject *py_list = m->installed;  /* owned, taken over */
+    m->installed = NULL;
+    Py_CLEAR(m->pre_id);
+    if (py_list == NULL) {
+        return 0;
+    }
+    for (Py_ssize_t j = PyList_GET_SIZE(py_list) - 1; j >= 0; j--) {
+        PyObject *py_pair = PyList_GET_ITEM(py_list, j); /* borrowed: a (dict, id) tuple */
+        PyObject *py_d = PyTuple_GET_ITEM(py_pair, 0), *py_id = PyTuple_GET_ITEM(py_pair, 1); /* borrowed */
         /* the abstract API: torch's hook dicts are OrderedDicts, whose order a PyDict_DelItem would break */
         int has = PySequence_Contains(py_d, py_id);
         if (has > 0 && PyObject_DelItem(py_d, py_id) < 0) {
             has = -1;
         }
-        if (has < 0) { /* keep the first error; the later entries are still taken out */
+        if (has < 0) { /* keep the first error; the other entries are still taken out */
             PyObject *exc = PyErr_GetRaisedException(); /* new reference */
             if (first == NULL) {
                 first = exc;
@@ -693,9 +730,8 @@ mt_marks_uninstall(mt_marks *m)
                 Py_XDECREF(exc);
             }
         }
-        Py_DECREF(py_d);
-        Py_DECREF(py_id);
     }
+    Py_DECREF(py_list);
     if (first != NULL) {
         PyErr_SetRaisedException(first); /* steals first */
         return -1;
@@ -703,93 +739,168 @@ mt_marks_uninstall(mt_marks *m)
     return 0;
 }
 
+/* py_d[py_id] = py_value, recorded in m->installed for uninstall; with front,
+ * moved to the front of py_d (an OrderedDict holding other hooks: ours run
+ * first, as torch's global hooks run before a module's own). All borrowed. 0,
+ * or -1 with an exception set. */
+static int
+mt_marks_put(mt_marks *m, PyObject *py_d, PyObject *py_id, PyObject *py_value, int front)
+{
+    PyObject *py_pair = NULL, *py_r = NULL;
+    int rc = -1;
+    Py_ssize_t before = PyObject_Length(py_d);
+    if (before < 0 || PyObject_SetItem(py_d, py_id, py_value) < 0) {
+        goto error;
+    }
+    py_pair = PyTuple_Pack(2, py_d, py_id); /* new reference */
+    if (py_pair == NULL || PyList_Append(m->installed, py_pair) < 0) {
+        goto error;
+    }
+    if (front && before > 0 && !PyDict_CheckExact(py_d)) {
+        py_r = PyObject_CallMethod(py_d, "move_to_end", "OO", py_id, Py_False); /* new reference */
+        if (py_r == NULL) {
+            goto error;
+        }
+    }
+    rc = 0;
+error:
+    Py_XDECREF(py_pair);
+    Py_XDECREF(py_r);
+    return rc;
+}
+
+/* The module's own hook dicts (borrowed from its __dict__, held by py_dict, a new
+ * reference the caller releases): _forward_pre_hooks, _forward_hooks and
+ * _forward_hooks_always_called. 0, 1 when the module has no such dicts, or -1
+ * with an exception set. */
+static int
+mt_marks_module_dicts(PyObject *py_mod, PyObject **py_dict, PyObject *out[3])
+{
+    static const char *const keys[3] = {"_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"};
+    *py_dict = PyObject_GenericGetDict(py_mod, NULL); /* new reference: the instance __dict__ */
+    if (*py_dict == NULL) {
+        return -1;
+    }
+    for (size_t j = 0; j < 3; j++) {
+        out[j] = PyDict_GetItemString(*py_dict, keys[j]); /* borrowed */
+        if (out[j] == NULL || !PyDict_Check(out[j])) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *py_id = NULL, *py_next = NULL, *py_hook = NULL;
+    PyObject *py_seq = NULL, *py_mod = NULL, *py_dict = NULL, *py_ids[4] = {NULL, NULL, NULL, NULL};
+    PyObject *py_next = NULL;
     /* refused before anything goes in (the error path below takes out what this call put in) */
-    if (nargs != MT_MARKS_HOOKS + 1) {
-        PyErr_Format(PyExc_TypeError, "ModuleMarks.install() takes %d arguments (%zd given)", MT_MARKS_HOOKS + 1,
-                     nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "ModuleMarks.install() takes 5 arguments (%zd given)", nargs);
         return NULL;
     }
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        if (m->hook_dicts[j] != NULL) {
-            PyErr_SetString(PyExc_RuntimeError, "ModuleMarks.install(): the hooks are installed already");
-            return NULL;
-        }
-        if (args[j] != Py_None && !PyDict_Check(args[j])) {
-            PyErr_SetString(PyExc_TypeError, "ModuleMarks.install() expects hook dicts (or None) and a handle class");
-            return NULL;
-        }
+    if (m->installed != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ModuleMarks.install(): the hooks are installed already");
+        return NULL;
     }
-    if ((args[1] == Py_None) != (args[2] == Py_None)) {
+    PyObject *py_mods = args[0], *py_opt_pre = args[1], *py_opt_post = args[2]; /* borrowed */
+    PyObject *py_hooks = args[3], *handle = args[4];                              /* borrowed */
+    if ((py_opt_pre != Py_None && !PyDict_Check(py_opt_pre)) || (py_opt_post != Py_None && !PyDict_Check(py_opt_post)) ||
+        (py_opt_pre == Py_None) != (py_opt_post == Py_None) || !PyTuple_Check(py_hooks) ||
+        PyTuple_GET_SIZE(py_hooks) != 4) {
         PyErr_SetString(PyExc_TypeError,
-                        "ModuleMarks.install(): the module hook dict comes with its always-called dict");
+                        "ModuleMarks.install(modules, opt_pre_hooks, opt_post_hooks, (pre, post, opt_pre, opt_post), "
+                        "handle_class): the optimizer's hook dicts (or None, None) and a tuple of 4 hooks");
         return NULL;
     }
-    PyObject *handle = args[MT_MARKS_HOOKS]; /* borrowed: torch.utils.hooks.RemovableHandle */
+    if (py_mods != Py_None) {
+        py_seq = PySequence_Fast(py_mods, "ModuleMarks.install() expects a list of modules (or weakrefs)");
+        if (py_seq == NULL) { /* new reference */
+            return NULL;
+        }
+    }
     PyObject *module = PyType_GetModule(Py_TYPE(m)); /* borrowed */
     const mt_strs *s = module == NULL ? NULL : mt_names_strs(module); /* borrowed from the state */
     if (s == NULL) {
-        return NULL;
+        goto error;
     }
-    /* the ids: from the handles' own counter, as RemovableHandle() takes one, read and moved on once */
-    long long first = 0, n = 0;
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        n += args[j] != Py_None && mt_hook_methods[j] != NULL;
+    /* the ids: from the handles' own counter, as RemovableHandle() takes one, read and moved on once.
+     * One id per kind of hook: each module's dicts are its own, so the same id serves every module. */
+    PyObject *py_first = PyObject_GetAttr(handle, s->next_id); /* new reference */
+    if (py_first == NULL) {
+        goto error;
     }
-    if (n > 0) {
-        py_id = PyObject_GetAttr(handle, s->next_id); /* new reference */
-        if (py_id == NULL) {
-            return NULL;
+    long long first = PyLong_CheckExact(py_first) ? PyLong_AsLongLong(py_first) : -1;
+    Py_DECREF(py_first);
+    if (first < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
         }
-        first = PyLong_CheckExact(py_id) ? PyLong_AsLongLong(py_id) : -1;
-        Py_CLEAR(py_id);
-        if (first < 0) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError,
-                                "ModuleMarks.install(): the handle class's next_id is not an int >= 0");
-            }
-            return NULL;
-        }
-        py_next = PyLong_FromLongLong(first + n); /* new reference */
-        if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
+        goto error;
+    }
+    py_next = PyLong_FromLongLong(first + 4); /* new reference */
+    if (py_next == NULL || PyObject_SetAttr(handle, s->next_id, py_next) < 0) {
+        goto error;
+    }
+    for (int j = 0; j < 4; j++) {
+        py_ids[j] = PyLong_FromLongLong(first + j); /* new reference */
+        if (py_ids[j] == NULL) {
             goto error;
         }
-        Py_CLEAR(py_next);
     }
-    for (size_t j = 0; j < MT_MARKS_HOOKS; j++) {
-        PyObject *py_d = args[j]; /* borrowed */
-        if (py_d == Py_None) {
-            continue;
-        }
-        if (mt_hook_methods[j] == NULL) { /* always-called: the module hook's id, set to True */
-            py_id = Py_NewRef(m->hook_ids[1]);
-            if (PyObject_SetItem(py_d, py_id, Py_True) < 0) {
+    m->installed = PyList_New(0); /* new reference */
+    if (m->installed == NULL) {
+        goto error;
+    }
+    PyObject *pre = PyTuple_GET_ITEM(py_hooks, 0), *post = PyTuple_GET_ITEM(py_hooks, 1); /* borrowed */
+    Py_ssize_t n = py_seq == NULL ? 0 : PySequence_Fast_GET_SIZE(py_seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        py_mod = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
+        if (PyWeakref_CheckRef(py_mod)) { /* what track()'s plan keeps: the module, if alive */
+            PyObject *py_obj;
+            if (PyWeakref_GetRef(py_mod, &py_obj) < 0) { /* py_obj: new reference or NULL */
                 goto error;
             }
+            Py_SETREF(py_mod, py_obj);
         }
-        else {
-            py_id = PyLong_FromLongLong(first++); /* new reference */
-            if (py_id == NULL) {
+        if (py_mod != NULL && py_mod != Py_None) {
+            PyObject *dicts[3]; /* borrowed from py_dict */
+            int r = mt_marks_module_dicts(py_mod, &py_dict, dicts);
+            if (r < 0) {
                 goto error;
             }
-            py_hook = PyObject_GetAttrString((PyObject *)m, mt_hook_methods[j]); /* new reference: bound */
-            if (py_hook == NULL || PyObject_SetItem(py_d, py_id, py_hook) < 0) {
+            if (r == 0 && (mt_marks_put(m, dicts[0], py_ids[0], pre, 1) < 0 ||
+                           mt_marks_put(m, dicts[1], py_ids[1], post, 1) < 0 ||
+                           mt_marks_put(m, dicts[2], py_ids[1], Py_True, 0) < 0)) {
                 goto error;
             }
-            Py_CLEAR(py_hook);
+            Py_CLEAR(py_dict);
         }
-        m->hook_dicts[j] = Py_NewRef(py_d);
-        m->hook_ids[j] = py_id; /* takes py_id's reference */
-        py_id = NULL;
+        Py_CLEAR(py_mod);
+    }
+    if (py_opt_pre != Py_None &&
+        (mt_marks_put(m, py_opt_pre, py_ids[2], PyTuple_GET_ITEM(py_hooks, 2), 0) < 0 ||
+         mt_marks_put(m, py_opt_post, py_ids[3], PyTuple_GET_ITEM(py_hooks, 3), 0) < 0)) {
+        goto error;
+    }
+    if (py_seq != NULL) {
+        m->pre_id = Py_NewRef(py_ids[0]);
+    }
+    Py_XDECREF(py_seq);
+    Py_DECREF(py_next);
+    for (int j = 0; j < 4; j++) {
+        Py_DECREF(py_ids[j]);
     }
     Py_RETURN_NONE;
 error:
-    Py_XDECREF(py_id);
+    Py_XDECREF(py_seq);
+    Py_XDECREF(py_mod);
+    Py_XDECREF(py_dict);
     Py_XDECREF(py_next);
-    Py_XDECREF(py_hook);
+    for (int j = 0; j < 4; j++) {
+        Py_XDECREF(py_ids[j]);
+    }
     { /* what this call put in before the error comes out again */
         PyObject *exc = PyErr_GetRaisedException(); /* new reference */
         if (mt_marks_uninstall(m) < 0) {
@@ -897,16 +1008,18 @@ marks_get_phases(mt_marks *m, void *Py_UNUSED(closure))
                          (double)m->phase_ns[2] / 1e9, m->phase_calls[3], (double)m->phase_ns[3] / 1e9);
 }
 
+/* [(calls, act, unmatched)] of the rows' forwards (half 0) or recomputations (half 1) */
 static PyObject *
-marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
+mt_marks_totals(mt_marks *m, Py_ssize_t half)
 {
     PyObject *py_list = PyList_New(m->rows_n); /* new reference */
     if (py_list == NULL) {
         return NULL;
     }
     for (Py_ssize_t r = 0; r < m->rows_n; r++) {
-        PyObject *py_t = Py_BuildValue("(LLL)", (long long)m->row_calls[r], (long long)m->row_act[r],
-                                       (long long)m->row_unmatched[r]); /* new reference */
+        Py_ssize_t j = r + half * m->rows_n;
+        PyObject *py_t = Py_BuildValue("(LLL)", (long long)m->row_calls[j], (long long)m->row_act[j],
+                                       (long long)m->row_unmatched[j]); /* new reference */
         if (py_t == NULL) {
             Py_DECREF(py_list);
             return NULL;
@@ -914,6 +1027,18 @@ marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
         PyList_SET_ITEM(py_list, r, py_t); /* steals py_t */
     }
     return py_list;
+}
+
+static PyObject *
+marks_get_module_totals(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return mt_marks_totals(m, 0);
+}
+
+static PyObject *
+marks_get_recompute_totals(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return mt_marks_totals(m, 1);
 }
 
 static PyObject *
@@ -986,9 +1111,26 @@ marks_set_closure_hook(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 }
 
 static PyObject *
+marks_get_in_backward(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(m->in_backward != NULL ? m->in_backward : Py_None);
+}
+
+static int
+marks_set_in_backward(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL || (value != Py_None && !PyCallable_Check(value))) {
+        PyErr_SetString(PyExc_TypeError, "in_backward is a callable returning autograd's graph task id, or None");
+        return -1;
+    }
+    Py_XSETREF(m->in_backward, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
 marks_get_pre_id(mt_marks *m, void *Py_UNUSED(closure))
 {
-    return Py_NewRef(m->hook_ids[0] != NULL ? m->hook_ids[0] : Py_None);
+    return Py_NewRef(m->pre_id != NULL ? m->pre_id : Py_None);
 }
 
 static PyMethodDef marks_methods[] = {
@@ -1008,8 +1150,9 @@ static PyMethodDef marks_methods[] = {
      "begin_phase(code): end the running phase, begin phase code (1 forward, 2 backward, 3 optimizer)."},
     {"end_phase", (PyCFunction)marks_end_phase, METH_NOARGS, "end_phase(): end the running phase, if any."},
     {"install", (PyCFunction)(void (*)(void))marks_install, METH_FASTCALL,
-     "install(pre_hooks, hooks, always_called, opt_pre_hooks, opt_post_hooks, handle_class): put pre, post, "
-     "opt_pre and opt_post into torch's hook dicts (None: not that one) under ids from handle_class.next_id."},
+     "install(modules, opt_pre_hooks, opt_post_hooks, hooks, handle_class): put hooks' pre and post (wrappers of "
+     "this object's) into each module's forward hook dicts (modules: list of modules or weakrefs, or None) and "
+     "opt_pre, opt_post into the optimizer's step hook dicts (or None, None), under ids from handle_class.next_id."},
     {"uninstall", (PyCFunction)marks_uninstall, METH_NOARGS,
      "uninstall(): take out what install() put in (safe to call again)."},
     {"set_model", (PyCFunction)(void (*)(void))marks_set_model, METH_FASTCALL,
@@ -1028,6 +1171,9 @@ static PyGetSetDef marks_getset[] = {
     {"module_totals", (getter)marks_get_module_totals, NULL,
      "[(calls, bytes left allocated summed, calls without their start)] per row, counted in the hooks "
      "(exact however long the block: the event log's ring may lose old marks)", NULL},
+    {"recompute_totals", (getter)marks_get_recompute_totals, NULL,
+     "module_totals of the rows' recomputations (forwards run during autograd's backward, see in_backward); "
+     "the event log marks them as row len(module_totals) + row", NULL},
     {"phase_deltas", (getter)marks_get_phase_deltas, NULL,
      "(forward, backward, optimizer): counted bytes at each phase's end - at its start, summed", NULL},
     {"state_n", (getter)marks_get_state_n, (setter)marks_set_state_n,
@@ -1037,6 +1183,9 @@ static PyGetSetDef marks_getset[] = {
     {"closure_hook", (getter)marks_get_closure_hook, (setter)marks_set_closure_hook,
      "closure_hook(args, kwargs): called by opt_pre for a step given arguments; its answer is the "
      "pre-hook's (None, or (args, kwargs) with the closure wrapped); None: not called", NULL},
+    {"in_backward", (getter)marks_get_in_backward, (setter)marks_set_in_backward,
+     "in_backward(): autograd's graph task id (-1: none), read at each module call; a call inside a backward "
+     "is a recomputation (torch.utils.checkpoint), marked as its own row; None: every call is a forward", NULL},
     {"pre_id", (getter)marks_get_pre_id, NULL, "the id install() gave the module pre-hook (None: not installed)", NULL},
     {"last_inputs", (getter)marks_get_last_inputs, NULL,
      "the addresses of the last root forward's tensor arguments (0: no storage)", NULL},

@@ -187,50 +187,62 @@ class _Handle:  # stands for torch.utils.hooks.RemovableHandle: the marks take i
 
 
 def test_install_puts_the_hooks_in_and_uninstall_takes_them_out():
-    """Into torch's kind of dicts (OrderedDicts, kept in order): pre, post (and its
-    always-called entry), opt_pre, opt_post, under consecutive ids from next_id; entries
-    of others stay; None leaves a dict out; uninstall twice is harmless."""
+    """Into each module's own forward hook dicts (torch's OrderedDicts: ours first, as
+    global hooks would run, the others kept in order): pre, post (and its always-called
+    entry), then opt_pre, opt_post into the optimizer's, under ids from next_id (one per
+    kind: each module's dicts are its own); a module by weakref too; None leaves the
+    modules or the optimizer out; uninstall twice is harmless."""
     from collections import OrderedDict
 
     _Handle.next_id = 40
-    pre, post, always, opre, opost = OrderedDict(), OrderedDict(), {}, OrderedDict(), OrderedDict()
-    pre[7] = "someone else's"
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a._forward_pre_hooks[7] = "someone else's"
+    opre, opost = OrderedDict(), OrderedDict()
+    hooks = ("pre", "post", "opt_pre", "opt_post")  # stand-ins for track()'s wrappers
     marks = _marks()
-    marks.install(pre, post, always, opre, opost, _Handle)
-    assert list(pre) == [7, 40] and pre[40] == marks.pre and post == {41: marks.post} and always == {41: True}
-    assert opre == {42: marks.opt_pre} and opost == {43: marks.opt_post} and _Handle.next_id == 44
+    marks.install([a, weakref.ref(b)], opre, opost, hooks, _Handle)
+    assert list(a._forward_pre_hooks) == [40, 7] and a._forward_pre_hooks[40] == "pre"
+    assert dict(b._forward_pre_hooks) == {40: "pre"}
+    for m in (a, b):
+        assert dict(m._forward_hooks) == {41: "post"} and dict(m._forward_hooks_always_called) == {41: True}
+    assert opre == {42: "opt_pre"} and opost == {43: "opt_post"} and _Handle.next_id == 44
     with pytest.raises(RuntimeError, match="installed already"):
-        marks.install(pre, post, always, opre, opost, _Handle)
+        marks.install([a], opre, opost, hooks, _Handle)
     del opre[42]  # taken out by someone else: skipped
     marks.uninstall()
-    assert pre == {7: "someone else's"} and not post and not always and not opre and not opost
+    assert dict(a._forward_pre_hooks) == {7: "someone else's"} and not opre and not opost
+    for m in (a, b):
+        assert not m._forward_hooks and not m._forward_hooks_always_called
+    assert not b._forward_pre_hooks
     marks.uninstall()
-    marks.install(None, None, None, opre, opost, _Handle)  # an optimizer without a model
-    assert opre == {44: marks.opt_pre} and opost == {45: marks.opt_post}
+    marks.install(None, opre, opost, hooks, _Handle)  # an optimizer without a model
+    assert opre == {46: "opt_pre"} and opost == {47: "opt_post"}  # ids 44, 45 for modules: none given
     marks.uninstall()
     assert not opre and not opost
 
 
 def test_install_refuses_bad_input_and_leaves_nothing_behind():
-    d = [{} for _ in range(5)]
+    hooks = ("pre", "post", "opt_pre", "opt_post")
+    mod = torch.nn.Module()
     marks = _marks()
-    with pytest.raises(TypeError, match="6 arguments"):
-        marks.install(*d)
-    with pytest.raises(TypeError, match="hook dicts"):
-        marks.install([], *d[1:], _Handle)
-    with pytest.raises(TypeError, match="always-called"):
-        marks.install(d[0], d[1], None, d[3], d[4], _Handle)
+    with pytest.raises(TypeError, match="5 arguments"):
+        marks.install(None, {}, {}, hooks)
+    with pytest.raises(TypeError, match="tuple of 4 hooks"):
+        marks.install(None, {}, {}, list(hooks), _Handle)
+    with pytest.raises(TypeError, match="or None, None"):
+        marks.install(None, {}, None, hooks, _Handle)
+    with pytest.raises(TypeError, match="list of modules"):
+        marks.install(7, None, None, hooks, _Handle)
 
     class NotAnInt:
         next_id = 1.5
 
     with pytest.raises(TypeError, match="not an int"):
-        marks.install(*d, NotAnInt)
+        marks.install([mod], None, None, hooks, NotAnInt)
     NotAnInt.next_id = -1
     with pytest.raises(TypeError, match="not an int >= 0"):
-        marks.install(*d, NotAnInt)
-    marks.install(*([None] * 5), NotAnInt)  # nothing to put in: the counter is not read
-    assert d == [{}] * 5
+        marks.install([mod], None, None, hooks, NotAnInt)
+    assert not mod._forward_pre_hooks and not mod._forward_hooks
 
     class FailsLater(dict):
         def __setitem__(self, key, value):
@@ -238,18 +250,19 @@ def test_install_refuses_bad_input_and_leaves_nothing_behind():
 
     _Handle.next_id = 0
     with pytest.raises(RuntimeError, match="no room"):
-        marks.install(d[0], d[1], d[2], FailsLater(), d[4], _Handle)
-    assert d == [{}] * 5  # what went in before the error came out again
+        marks.install([mod], FailsLater(), {}, hooks, _Handle)
+    # what went in before the error came out again
+    assert not mod._forward_pre_hooks and not mod._forward_hooks and not mod._forward_hooks_always_called
 
     class FailsToDelete(dict):
         def __delitem__(self, key):
             raise RuntimeError("stuck")
 
-    stuck = FailsToDelete()
-    marks.install(d[0], d[1], d[2], stuck, d[4], _Handle)
+    stuck, post = FailsToDelete(), {}
+    marks.install([mod], stuck, post, hooks, _Handle)
     with pytest.raises(RuntimeError, match="stuck"):
         marks.uninstall()
-    assert d == [{}] * 5 and len(stuck) == 1  # the others were still taken out
+    assert not mod._forward_pre_hooks and not post and len(stuck) == 1  # the others were still taken out
     marks.uninstall()  # nothing left to take out
 
 
@@ -359,8 +372,11 @@ def test_a_cycle_through_the_lists_is_collected():
     h.snaps = []
     h.marks = _marks(snaps=h.snaps, timeline=[], grad=lambda: h)
     h.snaps.append(h)
-    h.hooks = [{} for _ in range(5)]
-    h.marks.install(*h.hooks, _Handle)  # the dicts hold the marks' hooks, the marks hold the dicts
+    h.mod = torch.nn.Module()
+    m = h.marks
+    # the module's dicts hold the marks' hooks, the marks hold the dicts
+    h.marks.install([h.mod], {}, {}, (m.pre, m.post, m.opt_pre, m.opt_post), _Handle)
+    del m
     ref = weakref.ref(h)
     del h
     gc.collect()
@@ -395,8 +411,7 @@ def test_marks_do_not_leak():
         marks.set_model(ids, id(root))
         marks.top(), marks.phases, marks.last_inputs, marks.forwards, marks.params
         marks.snapshot({1: ("x", "input", None, None, None)})
-        hooks = [{} for _ in range(5)]
-        marks.install(*hooks, _Handle)
+        marks.install([root, weakref.ref(child)], {}, {}, (marks.pre, marks.post, marks.opt_pre, marks.opt_post), _Handle)
         marks.uninstall()
         for bad in (lambda: _C.ModuleMarks({1: -1}, 0, 0, [], print), lambda: marks.pre(root),
                     lambda: marks.begin_phase(9), lambda: marks.opt_post(object(), (), {}),

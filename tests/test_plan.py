@@ -330,10 +330,7 @@ def test_plan_figure_is_estimates_for_each_configuration():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [_tiny_llama, _tiny_gpt2])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.xfail(
-    raises=MemtorchError, strict=True,
-    reason="known defect: estimate(device='cuda', precision='bf16-mixed', checkpointing=...) fails: the "
-           "checkpoint's recomputation saves a different number of tensors than the CUDA-routed forward"))])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_plan_figures_are_estimates_over_a_grid(make, device):
     import torch
 
