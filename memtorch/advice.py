@@ -233,8 +233,9 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
         base["precision"] = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}[dtype]
     if checkpoint:
         base["checkpointing"] = list(checkpoint)
-    if base.get("gpu") is None:
-        base.pop("gpu", None)
+    for key in ("gpu", "fsdp_units"):  # given only when set (an estimate() that lacks them still runs)
+        if base.get(key) is None:
+            base.pop(key, None)
     est = estimate(
         # estimate() builds the optimizer by the same rule as the measured runs (_copy_optimizer)
         model, *inputs.as_tuple(), optimizer=optimizer if optimizer is not None else "sgd", loss_fn=loss_fn, **base,
@@ -868,7 +869,7 @@ def _width(model, step, base, budget, resize, items, notes):
 
 def advise(
     model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5, measure=None,
-    precision="fp32", device=None, gpu=None, checkpointing=None, world_size=1, sharding=None,
+    precision="fp32", device=None, gpu=None, checkpointing=None, world_size=1, sharding=None, fsdp_units=None,
 ):
     """Ranked suggestions to cut the memory of training ``model``, each with the bytes it saves.
 
@@ -885,13 +886,15 @@ def advise(
     -> loss, as estimate()'s; default: the output's .loss when it has one,
     else the sum of its floating-point tensors. resize(factor) -> model: your
     model at a fraction of its width. precision, device, gpu, checkpointing,
-    world_size, sharding: the configuration advised, as estimate() takes them
-    (device: "cuda" by default, as estimate(), plan() and the CLI; world_size,
-    sharding and checkpointing need estimated figures). measure: True runs
+    world_size, sharding, fsdp_units: the configuration advised, as estimate()
+    takes them (device: "cuda" by default, as estimate(), plan() and the CLI;
+    world_size, sharding, checkpointing and precisions other than fp32 and
+    bf16/fp16 mixed or true need estimated figures). measure: True runs
     real steps on copies (measured); False takes every step figure from
     memtorch.estimate (a dry run on fake tensors: no real memory, any size);
     None (default) measures when the model's parameters are real tensors on
-    the device advised (a CPU model for device="cpu"), else estimates.
+    the device advised (a CPU model for device="cpu") and the configuration
+    can be run as it is, else estimates.
     Suggestions saving under 1% of the peak are listed as one "also
     considered" note. Returns an Advice: print it, display it in a notebook,
     or .to_dict().
@@ -939,8 +942,13 @@ def advise(
     tensors = list(model.parameters()) + list(model.buffers())
     on_meta = any(t.device.type == "meta" for t in tensors)
     home = tensors[0].device.type if tensors else "cpu"
+    if fsdp_units is not None and sharding not in ("zero2", "zero3"):
+        raise MemtorchError(
+            f"advise(fsdp_units=...) applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
+        )
+    only_estimated = world_size > 1 or sharding is not None or checkpointing is not None or precision not in _MEASURABLE
     if measure is None:
-        measure = not on_meta and home == device
+        measure = not on_meta and home == device and not only_estimated
     if measure and on_meta and inputs:
         raise MemtorchError("advise(measure=True) cannot run a model on the meta device: use measure=False (estimate)")
     if measure and (world_size > 1 or sharding is not None or checkpointing is not None):
@@ -951,7 +959,7 @@ def advise(
     if measure and precision not in _MEASURABLE:
         raise MemtorchError(f"advise(measure=True) cannot run precision {precision!r}: use measure=False (estimate)")
     base_cfg = {"precision": precision, "device": device, "gpu": gpu, "checkpointing": checkpointing,
-                "world_size": world_size, "sharding": sharding}  # fmt: skip
+                "world_size": world_size, "sharding": sharding, "fsdp_units": fsdp_units}  # fmt: skip
     if defaulted:
         notes.append(
             f"device {DEFAULT_DEVICE!r} by default (as estimate(), plan() and the CLI; the question is a GPU's): "
@@ -1066,7 +1074,8 @@ def _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, cfg, lo
 
         p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=0, precisions=[cfg["precision"]],
                  checkpointing=[None], optimizer=optimizer if optimizer is not None else "sgd",
-                 device=cfg["device"], max_world_size=1024)  # fmt: skip
+                 device=cfg["device"], gpu=cfg["gpu"], fsdp_units=cfg.get("fsdp_units"), loss_fn=loss_fn,
+                 max_world_size=1024)  # fmt: skip
         best = next((o for o in p.options if o.fits and o.world_size > 1), None)
         if best is not None:
             items.append(Suggestion(

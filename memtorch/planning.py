@@ -472,20 +472,23 @@ def plan(
     reserve="1 GiB",
     pad=True,
     fsdp_units=None,
+    gpu=None,
+    loss_fn=None,
 ):
     """Which (world size, sharding, precision, checkpointing, micro-batch) fit in ``device_memory``, cheapest first.
 
     inputs: one micro-batch of example inputs, as estimate() takes them
     (tensors, shapes such as (8, 128), (shape, dtype) pairs such as ((1, 2048),
     torch.long), specs such as "8x128:int64", and, last, a mapping of keyword
-    inputs, memtorch._inputs); dimension 0 is the batch. micro_batches: batch sizes to try
-    (default: the inputs' own). global_batch: samples per optimizer step over
+    inputs, memtorch._inputs); dimension 0 is the batch. micro_batches: batch
+    sizes to try (default: the inputs' own). global_batch: samples per optimizer step over
     all ranks (sets the gradient accumulation; world sizes and micro-batches
     must divide it). device: what estimate() models ("cuda": the caching
     allocator, and a combination fits when its reserved figure does). reserve:
     memory kept free per device for what no estimate sees (the CUDA context,
     typically 300-600 MiB, and library workspaces). fsdp_units: as estimate()'s
-    (zero2/zero3). pad=False refuses zero1-even on a world size that does not
+    (zero2/zero3). gpu, loss_fn: as estimate()'s (gpu with device="cuda": the
+    GPU modelled; loss_fn(output, *inputs) -> loss). pad=False refuses zero1-even on a world size that does not
     divide the trainable elements (DeepSpeed pads them; so does the default).
     Returns a Plan.
 
@@ -544,7 +547,8 @@ def plan(
     for prec in precisions:
         for ckpt in checkpointing:
             for mb in micro_batches:
-                kw = {"optimizer": optimizer, "precision": prec, "device": device, "checkpointing": ckpt}
+                kw = {"optimizer": optimizer, "precision": prec, "device": device, "checkpointing": ckpt,
+                      "gpu": gpu, "loss_fn": loss_fn}  # fmt: skip
                 if fsdp:  # the dry run records where FSDP's hooks run (one zero2/zero3 figure comes with it)
                     kw.update(world_size=2, sharding=fsdp[0], fsdp_units=fsdp_units)
                 kept = []

@@ -336,6 +336,23 @@ def test_meta_model_is_estimated():
         cpu_advise(model, x, measure="yes")
 
 
+def test_sharded_configuration_is_estimated_with_its_fsdp_units():
+    torch.manual_seed(0)
+    model = blocks(n=3, d=128)
+    x = torch.randn(8, 128)
+    units = ["0"]  # blocks 1 and 2 left to the root's unit, gathered together (the default wraps each block)
+    # world_size and sharding can only be estimated: measure=None estimates them (the model lives on the CPU)
+    adv = cpu_advise(model, x, optimizer="adam", world_size=2, sharding="zero3", fsdp_units=units)
+    kw = dict(optimizer="adam", device="cpu", world_size=2, sharding="zero3", keep_output=False)
+    est = memtorch.estimate(model, x, fsdp_units=units, **kw)
+    assert adv.peak == est.peak - est.breakdown["input"]
+    assert [u["name"] for u in est.fsdp_units] == ["0", "(root)"]
+    default = memtorch.estimate(model, x, **kw)
+    assert [u["name"] for u in default.fsdp_units] == ["0", "1", "2"] and default.peak != est.peak
+    with pytest.raises(memtorch.MemtorchError, match="fsdp_units=...\\) applies to sharding='zero2' or 'zero3'"):
+        cpu_advise(model, x, fsdp_units=units)
+
+
 def test_estimate_mode_copies_adamw():
     model = nn.Linear(100, 50)
     opt = torch.optim.AdamW(model.parameters())  # its defaults hold a key its constructor refuses
