@@ -261,6 +261,29 @@ def test_plan_subcommand(models, capsys):
     assert code == 2 and "plan needs an example input" in capsys.readouterr().err
 
 
+def test_step_options_reach_plan_and_advise(models, capsys):
+    """--gpu, --loss and --fsdp-units, shared by estimate, plan and advise, reach plan() and advise()."""
+    name, _ = models
+    model = importlib.import_module(name).mlp()
+    x = torch.empty(8, 784, device="meta")
+    one = ["--world-sizes", "1", "--shardings", "ddp", "--precisions", "fp32", "--checkpointing", "none", "--reserve",
+           "0", "--format", "json"]  # fmt: skip
+    for gpu in ("a100", "h100"):
+        code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cuda", "--gpu", gpu, *one)
+        assert code == 0, text
+        est = memtorch.estimate(model, x, device="cuda", gpu=gpu)
+        assert json.loads(text)["options"][0]["peak"] == est.peak
+    code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cpu", "--loss", "output", *one)
+    # --loss reached plan's estimates: the output is a plain 8 x 10 tensor, with no .loss
+    assert code == 2 and "--loss output: the model's output has no .loss" in capsys.readouterr().err
+    kw = ["--device", "cpu", "--world-size", "2", "--sharding", "zero3", "--optimizer", "adam"]
+    code, text = run("advise", f"{name}:mlp", "--input", "8x784", *kw, "--fsdp-units", "0", "--format", "json")
+    assert code == 0, text
+    est = memtorch.estimate(model, x, optimizer="adam", device="cpu", world_size=2, sharding="zero3",
+                            fsdp_units=["0"], keep_output=False)  # fmt: skip
+    assert json.loads(text)["peak"] == est.peak - est.breakdown["input"]
+
+
 def test_estimate_needs_an_input(models, capsys):
     name, _ = models
     code, _ = run("estimate", f"{name}:mlp")
