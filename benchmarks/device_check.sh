@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# device_check.sh: on a CUDA machine, build memtorch in place, run the CUDA tests and the track benchmark, print a table.
+# device_check.sh: on a CUDA machine, build memtorch in place, run the CUDA tests (budget order, at_peak, estimate),
+# the track benchmark (overhead) and estimate-vs-this-GPU over 12 steps, print a table; BENCHMARKS.md's GPU sections
+# are rewritten (copied to OUT).
 #
 # Usage (from anywhere):  bash benchmarks/device_check.sh
 # Environment: PYTHON (default python3), OUT (a folder for logs and results; default a temp dir),
@@ -81,7 +83,10 @@ fi
 run_tests "tests: cuda logic + at_peak + track" tests-track tests/test_cuda_logic.py tests/test_cuda_at_peak.py tests/test_track.py
 
 # 4. The track benchmark on the device (its section of BENCHMARKS.md is rewritten here; copied to OUT).
-if timeout 540 "$PY" benchmarks/bench_track.py --device "$DEVICE" --rounds "$ROUNDS" --steps "$STEPS" >"$OUT/bench.log" 2>&1; then
+# a dry run (DEVICE=cpu) leaves BENCHMARKS.md's CPU section alone
+nowrite=(); [ "$DEVICE" = cpu ] && nowrite=(--no-write)
+if timeout 540 "$PY" benchmarks/bench_track.py --device "$DEVICE" --rounds "$ROUNDS" --steps "$STEPS" "${nowrite[@]}" \
+    >"$OUT/bench.log" 2>&1; then
     row "benchmark ($DEVICE)" "ok"
     # timing rows have five cells (name, ms, median ratio, fastest ratio, target), peak rows three
     awk -F'|' 'NF==7 && $3 ~ /[0-9]/ {gsub(/^ +| +$/, "", $2); printf "  %-32s %s ms/step, ratio%s (fastest%s) %s\n", $2, $3, $4, $5, $6}' \
@@ -93,6 +98,17 @@ if timeout 540 "$PY" benchmarks/bench_track.py --device "$DEVICE" --rounds "$ROU
 else
     tail -20 "$OUT/bench.log"
     row "benchmark ($DEVICE)" "FAILED (bench.log)"; status=1
+fi
+# 5. estimate(device="cuda") against this GPU: 12 steps, each in a fresh process (section "estimate-gpu").
+if [ "$DEVICE" = cuda ]; then
+    if timeout 300 "$PY" benchmarks/bench_estimate_gpu.py --timeout 90 >"$OUT/estimate_gpu.log" 2>&1; then
+        row "estimate vs this GPU" "$(grep -E '^Peak within' "$OUT/estimate_gpu.log")"
+        grep -E '^\| [a-z]' "$OUT/estimate_gpu.log" | grep -v '^| step' | sed 's/^/  /' >"$OUT/estimate_rows.txt"
+        while IFS= read -r l; do ROWS+=("$l"); done <"$OUT/estimate_rows.txt"
+    else
+        tail -20 "$OUT/estimate_gpu.log"
+        row "estimate vs this GPU" "FAILED (estimate_gpu.log)"; status=1
+    fi
 fi
 [ -f BENCHMARKS.md ] && cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 table

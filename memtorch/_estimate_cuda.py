@@ -172,8 +172,22 @@ def _sdpa_efficient_ok(q, k, v, gpu, enable_gqa):
     return q.shape[1] == k.shape[1] == v.shape[1]  # no grouped-query attention
 
 
-def _sdpa_cudnn_ok(q, k, v, dropout, gpu):
+def _cudnn_mask_ok(q, k, mask):
+    """torch's attn-mask rule for cuDNN attention (check_attn_mask_shape): no mask, or one that
+    needs no gradient (Swin's learned relative-position bias does: not cuDNN), 2-D or 4-D, each of
+    its dimensions the one it broadcasts against (batch, heads, query and key lengths) or 1."""
+    if mask is None:
+        return True
+    if mask.requires_grad or mask.dim() not in (2, 4):
+        return False
+    want = (q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])[-mask.dim():]
+    return all(m in (w, 1) for m, w in zip(mask.shape, want))
+
+
+def _sdpa_cudnn_ok(q, k, v, dropout, gpu, mask=None):
     if q.dtype not in _half() or not ((8, 0) <= gpu.capability <= (12, 1)) or gpu.cudnn < 90000:
+        return False
+    if not _cudnn_mask_ok(q, k, mask):
         return False
     if dropout > 0 and 91100 < gpu.cudnn < 91400:
         return False
@@ -216,7 +230,7 @@ def sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, gpu, enable_gqa=False
     ).lower() not in ("0", "false", "off", "no"):
         order = ["cudnn", "flash", "efficient", "math"]
     for b in order:
-        if b == "cudnn" and _sdpa_cudnn_ok(q, k, v, dropout_p, gpu):
+        if b == "cudnn" and _sdpa_cudnn_ok(q, k, v, dropout_p, gpu, attn_mask):
             return b
         if b == "flash" and _sdpa_flash_ok(q, k, v, attn_mask is not None, dropout_p, is_causal, gpu, needs_grad):
             return b

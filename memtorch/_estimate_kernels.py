@@ -156,7 +156,39 @@ def kernels_for(device):
     return {
         torch.ops.aten.mkldnn_rnn_layer.default: _rnn_forward,
         torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_backward,
+        torch.ops.aten._grouped_mm.default: _grouped_mm(cuda=False),
     }
+
+
+def _grouped_mm(cuda):
+    """aten._grouped_mm (mixture-of-experts layers: transformers' grouped_mm experts) as the real
+    kernels allocate: its output alone, in out_dtype or the inputs' dtype. Its fake (meta) kernel
+    refuses every dtype but bfloat16 (it checks the CUDA fast path's conditions), while the real
+    kernels run any floating dtype (the CPU's, and CUDA's outside its bf16 fast path, as a loop of
+    matrix products into the one output): a float32 MoE model ran on the CPU and failed in the
+    dry run. CUDA pads the output's last dimension to 16 bytes (as torch's own meta function does
+    on a CUDA build, _create_grouped_mm_output_tensor); the CPU does not."""
+    from ._estimate_run import Around
+
+    def run(ledger, func, args, kwargs):
+        import torch
+
+        names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+        given = dict(zip(names, args), **kwargs)
+        a, b, offs = given["mat_a"], given["mat_b"], given.get("offs")
+        dtype = given.get("out_dtype") or a.dtype
+        if a.dim() == 2:
+            size = [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
+        else:
+            size = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
+        if not cuda:
+            return torch.empty(size, dtype=dtype, device=a.device)
+        align = 16 // torch.empty((), dtype=dtype, device="meta").element_size()
+        padded = (size[-1] + align - 1) // align * align
+        stride = [size[1] * padded, padded, 1] if (a.dim() == 2) == (b.dim() == 2) else [padded, 1]
+        return torch.empty_strided(size, stride, dtype=dtype, device=a.device)
+
+    return Around(run)
 
 
 # ---------------------------------------------------------------------------
@@ -541,6 +573,7 @@ def cuda_kernels(state):
         aten._scaled_dot_product_flash_attention.default: _host_rng((6, 7)),
         aten.convolution.default: _conv_forward(state),
         aten.convolution_backward.default: _conv_backward(state),
+        aten._grouped_mm.default: _grouped_mm(cuda=True),
     }
 
 

@@ -957,3 +957,68 @@ def test_checkpointed_bf16_step_estimates_for_cuda():
     assert "attention: cudnn x8" in modelled
     plain = memtorch.estimate(model, ((2, 16), torch.long), device="cuda", precision="bf16-mixed")
     assert "attention: cudnn x4" in next(n for n in plain.notes if "the kernels torch picks there" in n)
+
+
+# ---------------------------------------------------------------- mixture of experts (torch._grouped_mm)
+
+
+def _tiny_moe(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "mixtral":
+        cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                         num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+        return transformers.MixtralForCausalLM(cfg)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+def test_mixture_of_experts_estimate_is_tracks_peak(name):
+    """transformers' MoE layers multiply with torch._grouped_mm, whose fake kernel refuses float32
+    (it checks CUDA's bf16 fast path) while the real kernels run it: the dry run failed on a model
+    that trains on this CPU. Now it equals track()'s peak of two real steps, to the byte."""
+    cpu.start()
+    gc.collect()
+    base = cpu.allocated()
+    model = _tiny_moe(name)
+    x = torch.randint(0, 256, (2, 16))
+    report, _ = real_steps(model, x, "adamw")
+    assert report.exact
+    assert memtorch.estimate(model, x, optimizer="adamw", device="cpu").peak == report.peak - base
+    for precision in ("fp32", "bf16-mixed"):  # and for the GPU, on fakes
+        assert memtorch.estimate(model, x, optimizer="adamw", device="cuda", precision=precision).peak > 0
+
+
+def test_grouped_mm_output_as_each_device_allocates_it():
+    """(10 x 8) fp32 rows in 3 groups times (3 x 8 x 5) weights: a 10 x 5 output. The CPU allocates
+    it contiguous (200 B); CUDA pads rows to 16 B (5 -> 8 floats, stride 8): 9 x 8 + 5 = 77 floats."""
+    from memtorch._estimate_kernels import _grouped_mm
+    from memtorch._estimate_run import fake_mode
+
+    with fake_mode():
+        a, b = torch.empty(10, 8), torch.empty(3, 8, 5)
+        offs = torch.empty(3, dtype=torch.int32)
+        for cuda, stride, nbytes in ((False, (5, 1), 200), (True, (8, 1), 77 * 4)):
+            out = _grouped_mm(cuda)(None, torch.ops.aten._grouped_mm.default, (a, b), {"offs": offs})
+            assert (tuple(out.shape), out.stride(), out.dtype) == ((10, 5), stride, torch.float32)
+            assert out.untyped_storage().nbytes() == nbytes
+
+
+@pytest.mark.slow
+def test_swin_with_its_learned_attention_bias_estimates_for_cuda():
+    """Swin adds a learned relative-position bias to attention (a mask that needs a gradient): torch
+    gives that to memory-efficient attention, not cuDNN's (which has no gradient for its bias); the
+    dry run routed it to cuDNN and failed. 2 stages of 1 block: 2 attentions per step, 2 steps."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                  window_size=4, num_labels=10)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.SwinForImageClassification(cfg)
+    est = memtorch.estimate(model, ((2, 3, 64, 64), torch.float32), device="cuda", precision="bf16-mixed")
+    (modelled,) = [n for n in est.notes if "the kernels torch picks there" in n]
+    assert "attention: efficient x4" in modelled and "cudnn" not in modelled

@@ -109,6 +109,16 @@ def test_sdpa_backend_rules():
     assert sdpa_backend(*qkv(torch.bfloat16, d=512), None, 0.0, False, h100) == "efficient"
     # sm70 has no bf16 efficient kernel and no flash: math
     assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, False, v100) == "math"
+    # torch's mask rule for cuDNN (check_attn_mask_shape): a mask that needs a gradient (Swin's learned
+    # relative-position bias) or of another shape than (B|1, H|1, Lq|1, Lk|1) / (Lq|1, Lk|1) goes to
+    # efficient attention, which returns the bias's gradient; cuDNN's function has none (the dry run
+    # raised "not differentiable with respect to argument 'attn_bias'")
+    assert sdpa_backend(*qkv(torch.bfloat16), torch.empty(1, 8, 128, 128, device="meta"), 0.0, False, h100) == "cudnn"
+    assert sdpa_backend(*qkv(torch.bfloat16), torch.empty(128, 1, device="meta"), 0.0, False, h100) == "cudnn"
+    bias = torch.empty(1, 8, 128, 128, device="meta", requires_grad=True)
+    assert sdpa_backend(*qkv(torch.bfloat16), bias, 0.0, False, h100) == "efficient"
+    assert sdpa_backend(*qkv(torch.bfloat16), torch.empty(8, 128, 128, device="meta"), 0.0, False, h100) == "efficient"
+    assert sdpa_backend(*qkv(torch.bfloat16), torch.empty(3, 8, 128, 128, device="meta"), 0.0, False, h100) == "efficient"
 
 
 def test_attention_saves_logsumexp_not_probabilities():
