@@ -275,7 +275,7 @@ def estimates(model_name, way, world):
     if way in ("zero2", "zero3"):  # the units the runs wrap
         kw["fsdp_units"] = [name for name, _ in shard_units(model)]
     try:
-        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, **kw)
+        est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, device="cpu", **kw)
         # memtorch.plan()'s row for the same configuration (its figures come from the same replay)
         p = memtorch.plan(model, *inputs, world_sizes=[world], shardings=[way], precisions=["fp32"],
                           checkpointing=[None], optimizer="adamw", device="cpu", reserve=0, **kw)  # fmt: skip

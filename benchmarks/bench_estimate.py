@@ -86,7 +86,8 @@ def run_case(name):
     real_states = {k: mm.get(k, 0) for k in ("parameter", "buffer", "gradient", "optimizer_state")}
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    est = memtorch.estimate(model, x, optimizer=opt_name, loss_fn=loss_fn, precision=precision, checkpointing=ck)
+    est = memtorch.estimate(model, x, optimizer=opt_name, loss_fn=loss_fn, precision=precision, checkpointing=ck,
+                            device="cpu")  # fmt: skip
     seconds = time.perf_counter() - t0
     acc, ti = peers(model, x, precision)
     row = dict(name=name, measured=measured, estimate=est.peak, seconds=seconds, accelerate=acc, torchinfo=ti,
@@ -107,7 +108,7 @@ with torch.device("meta"):
 built = time.perf_counter() - t0
 n = sum(p.numel() for p in model.parameters())
 t1 = time.perf_counter()
-est = memtorch.estimate(model, ((1, {seq}), torch.long), optimizer="adamw", precision={prec!r})
+est = memtorch.estimate(model, ((1, {seq}), torch.long), optimizer="adamw", precision={prec!r}, device="cpu")
 sec = time.perf_counter() - t1
 print(json.dumps(dict(params=n, seconds=sec, build=built, peak=est.peak, steady=est.steady,
     breakdown=est.breakdown, states=est.model_states,

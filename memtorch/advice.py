@@ -124,33 +124,23 @@ def _torch():
     return torch()
 
 
-def default_loss(output):
-    """The sum of every floating-point tensor in the output (as estimate() does without loss_fn)."""
-    from torch.utils._pytree import tree_leaves
+def default_loss(output, *inputs, **kw_inputs):
+    """The loss of estimate(), plan() and advise() without loss_fn (memtorch._inputs.default_loss):
+    the output's ``.loss`` when the model computes one, else the sum of its floating-point tensors."""
+    from ._inputs import default_loss as loss
 
-    torch = _torch()
-    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not leaves:
-        raise MemtorchError(
-            "the model's output holds no floating-point tensor to sum into a loss: pass loss_fn="
-        )
-    loss = leaves[0].float().sum()
-    for t in leaves[1:]:
-        loss = loss + t.float().sum()
-    return loss
+    return loss(output, *inputs, **kw_inputs)
 
 
-def _copy_optimizer(optimizer, params):
-    """An optimizer of the same class and settings over ``params`` (None: none)."""
-    import inspect
+def _copy_optimizer(optimizer, params, device="cpu"):
+    """An optimizer over ``params`` as ``optimizer`` says (None: none): a name (estimate's names),
+    an optimizer whose class and settings are copied, or a factory taking the parameters; the one
+    rule of memtorch.estimate (estimation._make_optimizer)."""
+    from .estimation import _make_optimizer
 
     if optimizer is None:
         return None
-    cls = type(optimizer)
-    # defaults may hold keys the constructor does not take (AdamW: decoupled_weight_decay)
-    accepted = inspect.signature(cls.__init__).parameters
-    kw = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return cls(params, **kw)
+    return _make_optimizer(optimizer, params, device)
 
 
 def _storage_rows(mm):
@@ -158,7 +148,12 @@ def _storage_rows(mm):
     return mm.to_numpy()[mm._first]
 
 
-def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, steps=2):
+# precision -> (autocast dtype, parameter dtype) of a measured run
+_MEASURABLE = {"fp32": (None, None), "bf16-mixed": ("bfloat16", None), "fp16-mixed": ("float16", None),
+               "bf16-true": (None, "bfloat16"), "fp16-true": (None, "float16")}  # fmt: skip
+
+
+def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, steps=2, base=None):
     """Run ``steps`` training steps of a deep copy of ``model``; return a dict of figures.
 
     peak: bytes held by the copy (parameters, buffers) + the block's largest rise
@@ -168,6 +163,12 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     torch = _torch()
     from . import inspection, tracking
 
+    base = base or {}
+    amp, cast = _MEASURABLE[base.get("precision", "fp32")]
+    if autocast is None and amp is not None:
+        autocast = (_device_type(model, ()), getattr(torch, amp))
+    if dtype is None and cast is not None:
+        dtype = getattr(torch, cast)
     try:
         probe = copy.deepcopy(model)
     except Exception as e:  # noqa: BLE001 - re-raised with what failed
@@ -178,12 +179,13 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     probe.train()
     if dtype is not None:  # the whole model and the floating-point inputs in ``dtype``
         probe.to(dtype)
-        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+        inputs = inputs.map(lambda x: x.to(dtype) if x.is_floating_point() else x)
     named = dict(probe.named_modules())
     for name in checkpoint:
         _checkpoint(named[name])
-    opt = _copy_optimizer(optimizer, [p for p in probe.parameters() if p.requires_grad])
-    base = inspection.inspect(probe).total
+    opt = _copy_optimizer(optimizer, [p for p in probe.parameters() if p.requires_grad], _device_type(probe, ()))
+    base_bytes = inspection.inspect(probe).total
+    loss_args = inputs.as_tuple()
     # garbage in reference cycles (an earlier copy, say) freed by the collector inside the block
     # would lower the rise measured: collect it first
     gc.collect()
@@ -193,11 +195,11 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
             probe.zero_grad(set_to_none=True)
             if ctx is not None:
                 with ctx():
-                    out = probe(*inputs)
-                    loss = loss_fn(out)
+                    out = inputs.call(probe)
+                    loss = loss_fn(out, *loss_args)
             else:
-                out = probe(*inputs)
-                loss = loss_fn(out)
+                out = inputs.call(probe)
+                loss = loss_fn(out, *loss_args)
             del out
             loss.backward()
             del loss
@@ -207,7 +209,7 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     for name in checkpoint:  # the patched forward refers to its module: break the cycle
         named[name].__dict__.pop("forward", None)
     result = {
-        "peak": base + r.peak_above_start,
+        "peak": base_bytes + r.peak_above_start,
         "report": r,
         "exact": r.exact,
         "basis": MEASURED,
@@ -219,23 +221,24 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     return result
 
 
-def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None):
+def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, base=None):
     """The same figures as _step_peak from memtorch.estimate (a dry run on fake tensors, no real memory)."""
     torch = _torch()
     from .estimation import estimate
 
+    base = dict(base or {})
     if autocast is not None:
-        precision = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}[autocast[1]]
+        base["precision"] = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}[autocast[1]]
     elif dtype is not None:
-        precision = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}[dtype]
-    else:
-        precision = "fp32"
-    device = _device_type(model, inputs)
+        base["precision"] = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}[dtype]
+    if checkpoint:
+        base["checkpointing"] = list(checkpoint)
+    for key in ("gpu", "fsdp_units"):  # given only when set (an estimate() that lacks them still runs)
+        if base.get(key) is None:
+            base.pop(key, None)
     est = estimate(
-        # a factory: estimate() then builds the same copy advise's measured runs step
-        model, *inputs, optimizer=(lambda ps: _copy_optimizer(optimizer, ps)) if optimizer is not None else "sgd",
-        loss_fn=lambda out, *a: loss_fn(out), precision=precision, device=device if device == "cuda" else "cpu",
-        checkpointing=list(checkpoint) or None,
+        # estimate() builds the optimizer by the same rule as the measured runs (_copy_optimizer)
+        model, *inputs.as_tuple(), optimizer=optimizer if optimizer is not None else "sgd", loss_fn=loss_fn, **base,
         keep_output=False,  # advise's measured runs delete the output before backward (_step_peak)
     )  # fmt: skip
     return {
@@ -251,14 +254,15 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
 
 
 class _Runner:
-    """Runs (or estimates) a training step of a model variant on the user's inputs."""
+    """Runs (or estimates) a training step of a model variant on the user's inputs (an _inputs.Inputs),
+    in the configuration ``base`` (precision, device, ...: estimate()'s arguments)."""
 
-    def __init__(self, inputs, optimizer, loss_fn, how):
-        self.inputs, self.optimizer, self.loss_fn, self.how = inputs, optimizer, loss_fn, how
+    def __init__(self, inputs, optimizer, loss_fn, how, base):
+        self.inputs, self.optimizer, self.loss_fn, self.how, self.base = inputs, optimizer, loss_fn, how, base
 
     def __call__(self, model, **kw):
         step = _step_estimate if self.how == "estimate" else _step_peak
-        return step(model, self.inputs, self.optimizer, self.loss_fn, **kw)
+        return step(model, self.inputs, self.optimizer, self.loss_fn, base=self.base, **kw)
 
 
 def _checkpoint(module):
@@ -466,7 +470,7 @@ def _dead(mm, base, items, notes):
                 + ", ".join(n for n, _, _ in dead[:4])
                 + (f" and {len(dead) - 4} more" if len(dead) > 4 else ""),
                 total,
-                MEASURED,
+                MEASURED if base["basis"] == MEASURED else ESTIMATED + " (memtorch.estimate: calls of its dry run)",
                 "delete them from the model (or stop creating them); check first that no other code path calls them",
                 "; ".join(f"{n} ({t}) holds {_fmt(b)}" for n, t, b in dead)
                 + " (bytes from inspect: parameters, buffers, their gradients and optimizer state; "
@@ -611,6 +615,12 @@ def _freeze(mm_opt, model, optimizer, items, notes):
     child_state = sum(
         int(b) for p, b in zip(state["path"].tolist(), state["storage_nbytes"].tolist()) if _under(p, name)
     )
+    if child_state == 0 and optimizer is not None and not optimizer.state:
+        # no state exists yet (an estimate, or before the first step): the same arithmetic as _optimizer
+        rows_p = rows[(rows["category"] == "parameter") & rows["requires_grad"]]
+        mine = rows_p[[_in_module(p, name) for p in rows_p["path"].tolist()]]
+        counted, _ = _state_arithmetic(optimizer, mine)
+        child_state = counted or 0
     saves = grad_bytes + child_state
     items.append(
         Suggestion(
@@ -623,6 +633,10 @@ def _freeze(mm_opt, model, optimizer, items, notes):
             f"{_fmt(child_state)}" + ("" if optimizer is not None else " (no optimizer given)"),
         )
     )
+
+
+def _in_module(path, name):
+    return path.startswith(name + ".")
 
 
 def _under(path, name):
@@ -671,15 +685,22 @@ def _peak_phase(report):
 def _device_type(model, inputs):
     for p in model.parameters():
         return p.device.type
-    for x in inputs:
+    for x in (inputs.tensors() if hasattr(inputs, "tensors") else inputs):
         if hasattr(x, "device"):
             return x.device.type
     return "cpu"
 
 
 def _checkpoint_blocks(model, base):
-    """The siblings that hold the most activations together (e.g. the layers of an encoder)."""
+    """The units estimate(checkpointing="blocks") recomputes (each block of every nn.ModuleList); without
+    a ModuleList, the siblings that hold the most activations together (e.g. the layers of a Sequential)."""
+    torch = _torch()
     mods = base["modules"]
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if lists:
+        names = [f"{n}.{i}" if n else str(i) for n, lst in lists for i in range(len(lst))]
+        total = sum(mods[n].activation_bytes for n in names if n in mods)
+        return (total, lists[0][0], names)
     groups = {}
     for name, m in mods.items():
         if not name or not m.calls:
@@ -847,36 +868,55 @@ def _width(model, step, base, budget, resize, items, notes):
 
 
 def advise(
-    model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5, measure=None
+    model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5, measure=None,
+    precision="fp32", device=None, gpu=None, checkpointing=None, world_size=1, sharding=None, fsdp_units=None,
 ):
     """Ranked suggestions to cut the memory of training ``model``, each with the bytes it saves.
 
-    inputs: an example batch (real tensors on the model's device); without it
-    only what inspect() can count is advised (16-bit weights, sparse weights,
-    optimizer state, freezing). optimizer: the one you train with (its class and
-    settings are copied; it is never stepped). budget: a size ("2 GiB", bytes):
-    adds the depth (and, with resize, width) that fits it. loss_fn(output) ->
-    loss; default: the sum of the output's floating-point tensors.
-    resize(factor) -> model: your model at a fraction of its width.
-    measure: True runs real steps on copies (measured); False takes every step
-    figure from memtorch.estimate (a dry run on fake tensors: no real memory,
-    any size); None (default) measures unless the model is on the meta device.
-    Returns an Advice: print it, display it in a notebook, or .to_dict().
+    inputs: an example batch, read as estimate() reads it (tensors, shapes,
+    (shape, dtype) pairs, '8x128:int64' specs, a mapping of keyword inputs
+    passed as model(**batch); memtorch._inputs); without it only what inspect()
+    can count is advised (16-bit weights, sparse weights, optimizer state,
+    freezing). optimizer: as estimate() takes it: a name ("adamw"), an
+    optimizer (its class and settings are copied; it is never stepped) or a
+    factory taking the parameters; None: no optimizer. budget: a size ("2 GiB",
+    bytes): adds the depth (and, with resize, width) that fits it, and, when
+    the step does not fit it, sharding over several devices (memtorch.plan's
+    figures), CPU offload and 8-bit optimizer state. loss_fn(output, *inputs)
+    -> loss, as estimate()'s; default: the output's .loss when it has one,
+    else the sum of its floating-point tensors. resize(factor) -> model: your
+    model at a fraction of its width. precision, device, gpu, checkpointing,
+    world_size, sharding, fsdp_units: the configuration advised, as estimate()
+    takes them (device: "cuda" by default, as estimate(), plan() and the CLI;
+    world_size, sharding, checkpointing and precisions other than fp32 and
+    bf16/fp16 mixed or true need estimated figures). measure: True runs
+    real steps on copies (measured); False takes every step figure from
+    memtorch.estimate (a dry run on fake tensors: no real memory, any size);
+    None (default) measures when the model's parameters are real tensors on
+    the device advised (a CPU model for device="cpu") and the configuration
+    can be run as it is, else estimates.
+    Suggestions saving under 1% of the peak are listed as one "also
+    considered" note. Returns an Advice: print it, display it in a notebook,
+    or .to_dict().
     """
     torch = _torch()
-    from . import inspection
+    from . import _inputs, inspection
+    from .estimation import DEFAULT_DEVICE, _check_args
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"advise() needs a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is not None and not (
+        isinstance(optimizer, (str, torch.optim.Optimizer)) or callable(optimizer)
+    ):
         raise TypeError(
-            f"advise(optimizer=...) expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            "advise(optimizer=...) expects a name ('adamw'), a torch.optim.Optimizer or a callable taking the "
+            f"parameters, got {type(optimizer).__name__}"
         )
     if budget is not None:
         budget = units.parse(budget)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(
-            f"advise(loss_fn=...) expects a callable (output) -> loss, got {type(loss_fn).__name__}"
+            f"advise(loss_fn=...) expects a callable (output, *inputs) -> loss, got {type(loss_fn).__name__}"
         )
     if resize is not None and not callable(resize):
         raise TypeError(
@@ -886,6 +926,11 @@ def advise(
         raise ValueError(
             f"advise(sparse_threshold=...) expects a fraction in (0, 1), got {sparse_threshold!r}"
         )
+    defaulted = device is None
+    device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
+    _check_args(optimizer if optimizer is not None else "sgd", precision, device, world_size, sharding,
+                checkpointing, None)  # fmt: skip
+    inputs = _inputs.read(inputs, "advise()")
     if (budget is not None or resize is not None) and not inputs:
         raise MemtorchError(
             "advise(budget=... or resize=...) needs example inputs to measure a step: advise(model, x, ...)"
@@ -894,15 +939,41 @@ def advise(
         raise ValueError(f"advise(measure=...) expects True, False or None, got {measure!r}")
     loss_fn = default_loss if loss_fn is None else loss_fn
     items, notes = [], []
-    held = inspection.inspect(model, optimizer=optimizer)
-    on_meta = any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+    tensors = list(model.parameters()) + list(model.buffers())
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    home = tensors[0].device.type if tensors else "cpu"
+    if fsdp_units is not None and sharding not in ("zero2", "zero3"):
+        raise MemtorchError(
+            f"advise(fsdp_units=...) applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
+        )
+    only_estimated = world_size > 1 or sharding is not None or checkpointing is not None or precision not in _MEASURABLE
     if measure is None:
-        measure = not on_meta
+        measure = not on_meta and home == device and not only_estimated
     if measure and on_meta and inputs:
         raise MemtorchError("advise(measure=True) cannot run a model on the meta device: use measure=False (estimate)")
+    if measure and (world_size > 1 or sharding is not None or checkpointing is not None):
+        raise MemtorchError(
+            "advise(measure=True) runs real steps of one process as it is: world_size, sharding and checkpointing "
+            "need estimated figures (measure=False)"
+        )
+    if measure and precision not in _MEASURABLE:
+        raise MemtorchError(f"advise(measure=True) cannot run precision {precision!r}: use measure=False (estimate)")
+    base_cfg = {"precision": precision, "device": device, "gpu": gpu, "checkpointing": checkpointing,
+                "world_size": world_size, "sharding": sharding, "fsdp_units": fsdp_units}  # fmt: skip
+    if defaulted:
+        notes.append(
+            f"device {DEFAULT_DEVICE!r} by default (as estimate(), plan() and the CLI; the question is a GPU's): "
+            + ("figures estimated, the model lives on " + home if not measure else "")
+        )
+    # the optimizer as one object, for the arithmetic of its state (never stepped)
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    opt_inst = optimizer if isinstance(optimizer, torch.optim.Optimizer) else (
+        _copy_optimizer(optimizer, params, device) if optimizer is not None and params else None)  # fmt: skip
+    held = inspection.inspect(model, optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
     base = None
-    run = _Runner(inputs, optimizer, loss_fn, "measure" if measure else "estimate")
     if inputs:
+        run_inputs = inputs.real(home) if measure else inputs
+        run = _Runner(run_inputs, optimizer, loss_fn, "measure" if measure else "estimate", base_cfg)
         base = run(model)
         if base["probe"] is not None:
             # the copy after its steps: gradients of the last backward and the optimizer's state exist
@@ -911,9 +982,13 @@ def advise(
             mm_step = held
     else:
         mm_step = held
-    _precision(mm_step, items, notes)
-    if base is not None:
-        _precision_step(model, run, base, items, notes)
+    amp, cast = _MEASURABLE.get(precision, (None, "zero"))
+    if cast is None:
+        _precision(mm_step, items, notes)
+        if base is not None:
+            _precision_step(model, run, base, items, notes)
+    else:
+        notes.append(f"16-bit parameters: precision {precision!r} has them already")
     _sparse(model, items, notes, sparse_threshold)
     if base is not None:
         _dead(mm_step, base, items, notes)
@@ -923,8 +998,10 @@ def advise(
                 f"the step peaks in its {where} phase, when activations are freed: changes to activations "
                 "(autocast, checkpointing) cannot lower that peak"
             )
-        _autocast(model, run, base, items, notes)
-        _checkpointing(model, run, base, items, notes)
+        if amp is None and cast is None:
+            _autocast(model, run, base, items, notes)
+        if checkpointing is None:
+            _checkpointing(model, run, base, items, notes)
         if budget is not None:
             if base["peak"] <= budget:
                 notes.append(f"budget: the step peaks at {_fmt(base['peak'])}, within {_fmt(budget)}")
@@ -932,9 +1009,101 @@ def advise(
                 _depth(model, run, base, budget, items, notes)
                 if resize is not None:
                     _width(model, run, base, budget, resize, items, notes)
+                _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, base_cfg, loss_fn, items, notes)
     stepped = base is not None and base["optimizer"] is not None
-    _optimizer(mm_step, base["optimizer"] if stepped else optimizer, items, notes)
-    _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, optimizer, items, notes)
-    return Advice(
-        type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes
-    )
+    opt_now = base["optimizer"] if stepped else opt_inst
+    _optimizer(mm_step, opt_now, items, notes)
+    _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, opt_now, items,
+            notes)  # fmt: skip
+    reference = base["peak"] if base is not None else held.total
+    items = _grouped(items)
+    small = [s for s in items if s.saves < 0.01 * reference]
+    if small:
+        items = [s for s in items if s.saves >= 0.01 * reference]
+        notes.append(
+            f"also considered, each under 1% of the {'step peak' if base is not None else 'bytes held'} "
+            f"({_fmt(reference)}): "
+            + "; ".join(f"{s.title} ({_fmt(s.saves)})" for s in sorted(small, key=lambda s: -s.saves))
+        )
+    adv = Advice(type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes)
+    adv.peak_basis = None if base is None else (
+        MEASURED if base["basis"] == MEASURED else f"estimated on {device}")  # fmt: skip
+    return adv
+
+
+def _grouped(items):
+    """Suggestions of one kind with the same how-to folded into one (25 sparse biases: one row)."""
+    out, by = [], {}
+    for s in items:
+        key = (s.kind, s.how) if s.kind == "sparse" else None
+        if key is None:
+            out.append(s)
+            continue
+        by.setdefault(key, []).append(s)
+    for (_kind, how), group in by.items():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        total = sum(g.saves for g in group)
+        fmt = group[0].title.rsplit(" ", 2)[-2]
+        out.append(Suggestion("sparse", f"Store {len(group)} parameters as sparse {fmt} tensors", total,
+                              group[0].basis, how, "; ".join(g.detail for g in group)))  # fmt: skip
+    return out
+
+
+def _adam8bit_state(numels, min_8bit_size=4096, blocksize=256):
+    """Bytes of bitsandbytes' 8-bit Adam/AdamW state (bitsandbytes/optim/optimizer.py, Optimizer2State.
+    init_state): a parameter of n >= min_8bit_size elements keeps state1 and state2 as uint8 (n bytes each)
+    and two float32 absmax per block of 256 elements; a smaller one keeps two float32 states (8 n); plus the
+    two shared 256-entry float32 quantization maps (2 KiB)."""
+    total = 2 * 256 * 4
+    for n in numels:
+        total += 2 * n + 2 * 4 * -(-n // blocksize) if n >= min_8bit_size else 8 * n
+    return total
+
+
+def _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, cfg, loss_fn, items, notes):
+    """The step does not fit one device of ``budget``: sharding over ranks (memtorch.plan's figures), the
+    optimizer state offloaded to the CPU, 8-bit optimizer state (bitsandbytes' byte counts)."""
+    torch = _torch()
+    est = base["report"]
+    states = getattr(est, "model_states", None)
+    at_peak = getattr(est, "breakdown", None) or {}
+    try:
+        from .planning import plan
+
+        p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=0, precisions=[cfg["precision"]],
+                 checkpointing=[None], optimizer=optimizer if optimizer is not None else "sgd",
+                 device=cfg["device"], gpu=cfg["gpu"], fsdp_units=cfg.get("fsdp_units"), loss_fn=loss_fn,
+                 max_world_size=1024)  # fmt: skip
+        best = next((o for o in p.options if o.fits and o.world_size > 1), None)
+        if best is not None:
+            items.append(Suggestion(
+                "sharding", f"Shard over {best.world_size} devices with {best.sharding}", base["peak"] - best.peak,
+                ESTIMATED + " (memtorch.plan)",
+                f"{best.sharding} on {best.world_size} ranks (zero2/zero3: FSDP2 fully_shard; zero1-even: DeepSpeed "
+                "ZeRO stage 1; ddp: DistributedDataParallel)",
+                f"per-rank peak {_fmt(best.peak)} against a budget of {_fmt(budget)} (memtorch.plan)",
+                before=base["peak"], after=best.peak))  # fmt: skip
+        else:
+            notes.append(f"sharding: no world size up to 1024 fits {_fmt(budget)} (memtorch.plan)")
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        notes.append(f"sharding: memtorch.plan did not run: {type(e).__name__}: {e}")
+    state = at_peak.get("optimizer_state", 0) if states is not None else 0
+    if state:
+        items.append(Suggestion(
+            "cpu_offload", "Offload the optimizer state to the CPU", state, EXACT,
+            "DeepSpeed ZeRO-Offload (offload_optimizer: device cpu) or FSDP2 fully_shard(offload_policy="
+            "CPUOffloadPolicy()) (the step runs on the CPU: slower)",
+            f"the optimizer state alive at the step's peak: {_fmt(state)}, held in CPU memory instead"))  # fmt: skip
+    if isinstance(opt_inst, (torch.optim.Adam, torch.optim.AdamW)) and states is not None:
+        numels = [p.numel() for p in model.parameters() if p.requires_grad]
+        now = states.get("optimizer_state", 0)
+        eight = _adam8bit_state(numels)
+        if now > eight:
+            items.append(Suggestion(
+                "optimizer_8bit", "8-bit optimizer state (bitsandbytes)", now - eight, ESTIMATED + " (arithmetic)",
+                "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...) in place of torch.optim.AdamW",
+                f"{type(opt_inst).__name__} state {_fmt(now)}; bitsandbytes 8-bit: uint8 exp_avg and exp_avg_sq, a "
+                f"float32 absmax per 256 elements each, float32 state below 4096 elements: {_fmt(eight)}",
+                before=now, after=eight))  # fmt: skip

@@ -2,8 +2,17 @@
 
     memtorch inspect  pkg.module:make_model [--dtype bfloat16] [--format text|json|html]
     memtorch estimate pkg.module:make_model --input 8x3x224x224 --optimizer adamw --precision bf16-mixed
+    memtorch estimate pkg.module:make_lm --input input_ids=1x2048:int64 --input labels=1x2048:int64
+    memtorch plan     pkg.module:make_lm --input input_ids=1x2048:int64 --device-memory "80 GiB"
     memtorch diagram  path/to/file.py:make_model [--kind class|er] [--depth 2] [--no-memory]
     memtorch advise   pkg.module:make_model --input 8x3x224x224 --optimizer adam [--budget "2 GiB"]
+
+estimate, plan and advise take the same step options, spelled as the Python
+functions' arguments: --input (SHAPE[:DTYPE] or NAME=SHAPE[:DTYPE] for a keyword
+input, repeated), --optimizer, --precision, --device (default cuda for all
+three: the question is a GPU's; said in the output), --gpu, --checkpointing,
+--sharding, --world-size, --loss, --fsdp-units; estimate also --inference and
+--max-new-tokens.
     memtorch diff     OLD.json NEW.json     # two files written by pytest --memtorch-save
 
 TARGET names a callable that returns a torch.nn.Module, or a (module, example
@@ -98,19 +107,15 @@ class _Step:
 
 
 def _parse_shape(text):
-    """'8x3x224x224' or '8x128:int64' -> ((8, 3, 224, 224), dtype name or None)."""
-    shape_text, _, dtype = text.partition(":")
-    parts = shape_text.lower().replace("×", "x").split("x")
+    """An --input value checked by memtorch._inputs.parse_text (the one reading of input specs):
+    '8x3x224x224', '8x128:int64' or 'input_ids=1x2048:int64'; kept as text."""
+    from . import _inputs
+
     try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        shape = None
-    if not shape or any(d < 0 for d in shape):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a shape: write the sizes joined by x, e.g. 8x3x224x224, "
-            f"optionally with a dtype, e.g. 8x128:int64"
-        )
-    return shape, (dtype or None)
+        _inputs.parse_text(text)
+    except MemtorchError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _torch_dtype(name, option):
@@ -284,27 +289,20 @@ def _call_with_depth(fn, depth):
     return fn()
 
 
-def _inputs(args, example, real):
-    """The example inputs: --input shapes (real tensors when `real`, tensors on the meta
-    device when it is "meta", else (shape, dtype) pairs), or the one TARGET returned."""
+def _inputs(args, example):
+    """The example inputs as the Python functions take them: --input specs as meta tensors (the
+    keyword ones, NAME=SHAPE, as one mapping after the positional ones: model(*args, **kwargs)),
+    or the one TARGET returned. memtorch._inputs reads them, as it reads the functions' inputs."""
+    from . import _inputs as spec
+
     if not args.input:
         if example is None:
             return ()
         return example if isinstance(example, tuple) else (example,)
-    import torch
-
-    made = []
-    for shape, dtype in args.input:
-        dt = _torch_dtype(dtype, "--input") if dtype else torch.float32
-        if not real:
-            made.append((shape, dt))
-        elif real == "meta":
-            made.append(torch.empty(shape, dtype=dt, device="meta"))
-        elif dt.is_floating_point:
-            made.append(torch.randn(shape, dtype=dt))
-        else:
-            made.append(torch.zeros(shape, dtype=dt))
-    return tuple(made)
+    try:
+        return spec.from_texts(args.input).as_tuple()
+    except MemtorchError as e:
+        raise UsageError(f"--input: {e}") from None
 
 
 def _optional_api(name):
@@ -353,27 +351,81 @@ def _run_report(api, name, step, args, out, progress, *call_args, **kwargs):
             report = api(*call_args, **kwargs)
         except (TypeError, ValueError, MemtorchError) as e:
             raise UsageError(f"{name}: {e}") from None
+    notes = getattr(report, "notes", None)
+    if name in ("plan", "advise") and "device" not in kwargs and isinstance(notes, list):
+        if not any("by default" in str(n) and "cuda" in str(n) for n in notes):
+            notes.insert(0, "device 'cuda' by default (as estimate, plan and advise; the question is a GPU's): "
+                            "--device cpu models the CPU")  # fmt: skip
     _render_report(report, args.format, f"memtorch {name} {args.target}", out)
     return EXIT_OK
+
+
+def _loss(text):
+    """--loss: 'sum' (the sum of the output's floating-point tensors), 'output' (the output's own
+    .loss, a Hugging Face model given labels) or TARGET-style 'pkg.module:fn' / 'file.py:fn' taking
+    (output, *inputs). Without --loss: the output's .loss when it has one, else the sum."""
+    from . import _inputs as spec
+
+    if text is None:
+        return None
+    if text == "sum":
+        return spec.sum_loss
+    if text == "output":
+        def loss_output(output, *inputs):
+            loss = spec.loss_of(output)
+            if loss is None:
+                raise MemtorchError("--loss output: the model's output has no .loss (pass labels, or --loss sum)")
+            return loss
+
+        return loss_output
+    fn = _load_target(text)
+    if not callable(fn):
+        raise UsageError(f"--loss {text!r} is not callable: expected sum, output or pkg.module:callable")
+    return fn
+
+
+def _step_kwargs(api, args, who, options):
+    """The step options given on the command line, named as the Python function's arguments."""
+    kwargs = {}
+    for option in options:
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if option == "fsdp_units":
+            value = value.split(",")
+        elif option == "checkpointing":
+            value = None if value == "none" else ("blocks" if value == "blocks" else value.split(","))
+            if value is None:
+                continue
+        elif option == "loss":
+            option, value = "loss_fn", _loss(value)
+        elif option == "inference":
+            if not value:
+                continue
+            option, value = "training", False
+        if not _accepts(api, option):
+            raise UsageError(f"memtorch.{who}() in this install takes no {option}")
+        kwargs[option] = value
+    return kwargs
+
+
+_STEP = ("optimizer", "precision", "device", "gpu", "checkpointing", "world_size", "sharding", "fsdp_units", "loss")
 
 
 def cmd_estimate(args, out, progress):
     estimate = _optional_api("estimate")
     model, example = _prepare(args, progress)
-    inputs = _inputs(args, example, real=False)
+    inputs = _inputs(args, example)
     if not inputs:
         raise UsageError(
             "estimate needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)"
         )
-    kwargs = {}
-    for option in ("optimizer", "precision", "world_size", "sharding", "fsdp_units"):
-        value = getattr(args, option, None)
-        if value is not None:
-            if not _accepts(estimate, option):
-                raise UsageError(f"memtorch.estimate() in this install takes no {option}")
-            kwargs[option] = value.split(",") if option == "fsdp_units" else value
-    return _run_report(estimate, "estimate", "estimating one training step", args, out, progress,
-                       model, *inputs, **kwargs)
+    kwargs = _step_kwargs(estimate, args, "estimate", _STEP + ("inference", "max_new_tokens"))
+    if args.max_new_tokens is not None and not args.inference:
+        kwargs["training"] = False  # generation is inference
+    what = ("estimating generation" if args.max_new_tokens else
+            "estimating a forward" if args.inference else "estimating one training step")  # fmt: skip
+    return _run_report(estimate, "estimate", what, args, out, progress, model, *inputs, **kwargs)
 
 
 def _csv(text, what, convert=str):
@@ -388,7 +440,7 @@ def cmd_plan(args, out, progress):
     plan = _optional_api("plan")
     model, example = _prepare(args, progress)
     # --input shapes as meta tensors: plan() reads their batch size and runs on the meta device
-    inputs = _inputs(args, example, real="meta")
+    inputs = _inputs(args, example)
     if not inputs:
         raise UsageError("plan needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
     kwargs = {"device_memory": args.device_memory}
@@ -396,6 +448,19 @@ def cmd_plan(args, out, progress):
         kwargs["world_sizes"] = _csv(args.world_sizes, "--world-sizes", int)
     if args.max_world_size is not None:
         kwargs["max_world_size"] = args.max_world_size
+    # the step options estimate and advise take, as plan()'s lists of one
+    if args.sharding is not None and args.shardings is not None:
+        raise UsageError("plan: --sharding and --shardings: give one")
+    if args.world_size is not None and args.world_sizes is not None:
+        raise UsageError("plan: --world-size and --world-sizes: give one")
+    if args.precision is not None and args.precisions is not None:
+        raise UsageError("plan: --precision and --precisions: give one")
+    if args.world_size is not None:
+        kwargs["world_sizes"] = [args.world_size]
+    if args.sharding is not None:
+        kwargs["shardings"] = [args.sharding]
+    if args.precision is not None:
+        kwargs["precisions"] = [args.precision]
     if args.shardings is not None:
         kwargs["shardings"] = [None if s in ("none", "") else s for s in _csv(args.shardings, "--shardings")]
     if args.precisions is not None:
@@ -404,46 +469,22 @@ def cmd_plan(args, out, progress):
         kwargs["checkpointing"] = [None if c == "none" else c for c in _csv(args.checkpointing, "--checkpointing")]
     if args.micro_batches is not None:
         kwargs["micro_batches"] = _csv(args.micro_batches, "--micro-batches", int)
-    for option in ("global_batch", "optimizer", "device", "reserve"):
+    for option in ("global_batch", "optimizer", "device", "reserve", "gpu", "loss", "fsdp_units"):
         value = getattr(args, option)
         if value is not None:
-            kwargs[option] = value
+            name = {"loss": "loss_fn"}.get(option, option)
+            if not _accepts(plan, name):
+                raise UsageError(f"memtorch.plan() in this install takes no {name}")
+            kwargs[name] = {"loss": _loss, "fsdp_units": lambda v: v.split(",")}.get(option, lambda v: v)(value)
     return _run_report(plan, "plan", "planning: one dry run per precision, checkpointing and micro-batch",
                        args, out, progress, model, *inputs, **kwargs)
-
-
-def _make_optimizer(name, model):
-    import torch
-
-    wanted = name.replace("-", "").replace("_", "").lower()
-    for attr in dir(torch.optim):
-        cls = getattr(torch.optim, attr)
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and attr.lower() == wanted:
-            try:
-                return cls(model.parameters())
-            except TypeError as e:
-                raise UsageError(f"--optimizer {name}: torch.optim.{attr} needs settings: {e}") from None
-    names = sorted(
-        a.lower()
-        for a in dir(torch.optim)
-        if isinstance(getattr(torch.optim, a), type)
-        and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)
-        and a != "Optimizer"
-    )
-    raise UsageError(f"--optimizer {name!r} is not a torch.optim optimizer: one of {', '.join(names)}")
 
 
 def cmd_advise(args, out, progress):
     advise = _optional_api("advise")
     model, example = _prepare(args, progress)
-    inputs = _inputs(args, example, real=True)
-    kwargs = {}
-    if args.optimizer is not None:
-        kwargs["optimizer"] = _make_optimizer(args.optimizer, model)
-    if args.precision is not None:
-        if not _accepts(advise, "precision"):
-            raise UsageError("advise takes no --precision: it weighs bf16 and fp16 itself")
-        kwargs["precision"] = args.precision
+    inputs = _inputs(args, example)
+    kwargs = _step_kwargs(advise, args, "advise", _STEP)
     if args.budget is not None:
         try:
             units.parse(args.budget)
@@ -712,14 +753,7 @@ def make_parser():
             "--dtype", help="cast the model's floating-point parameters first (float16, bfloat16, ...)"
         )
         if inputs:
-            p.add_argument(
-                "--input",
-                action="append",
-                type=_parse_shape,
-                metavar="SHAPE[:DTYPE]",
-                help="an example input's shape, e.g. 8x3x224x224 or 8x128:int64 (repeat for several)",
-            )
-            p.add_argument("--optimizer", help="optimizer name: sgd, adam, adamw, ...")
+            _step_flags(p)
         _progress_flags(p)
 
     p = sub.add_parser("inspect", help="what the model holds: per module, dtype, category (bytes)")
@@ -729,10 +763,9 @@ def make_parser():
 
     p = sub.add_parser("estimate", help="peak of one training step, estimated without running it")
     common(p, ["text", "json", "html"], inputs=True)
-    p.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true, ...")
-    p.add_argument("--world-size", type=int, help="ranks: per-rank figures (with --sharding)")
-    p.add_argument("--sharding", help="ddp, zero1 (ZeroRedundancyOptimizer), zero1-even, zero2, zero3 (FSDP2)")
-    p.add_argument("--fsdp-units", help="zero2/zero3: module names fully_shard wraps, comma-separated")
+    p.add_argument("--inference", action="store_true", help="a forward under torch.inference_mode, no training")
+    p.add_argument("--max-new-tokens", type=_positive, metavar="N",
+                   help="model.generate() of N tokens after the --input prompt (implies --inference)")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser(
@@ -744,10 +777,8 @@ def make_parser():
     p.add_argument("--max-world-size", type=int, help="largest world size tried (default 1024)")
     p.add_argument("--shardings", help="comma-separated: none, ddp, zero1, zero1-even, zero2, zero3")
     p.add_argument("--precisions", help="comma-separated (default fp32,bf16-mixed)")
-    p.add_argument("--checkpointing", help="comma-separated: none, blocks (default both)")
     p.add_argument("--micro-batches", help="micro-batch sizes, comma-separated (default: the input's)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all ranks")
-    p.add_argument("--device", help="what is modelled: cuda (default) or cpu")
     p.add_argument("--reserve", help="memory kept free per device (default 1 GiB)")
     p.set_defaults(func=cmd_plan)
 
@@ -762,7 +793,6 @@ def make_parser():
 
     p = sub.add_parser("advise", help="ranked changes that cut memory, with the bytes each saves")
     common(p, ["text", "json", "html"], inputs=True)
-    p.add_argument("--precision", help="(passed on where memtorch.advise takes it)")
     p.add_argument("--budget", help="a size to fit, e.g. '2 GiB'")
     p.set_defaults(func=cmd_advise)
 
@@ -779,6 +809,47 @@ def make_parser():
     _progress_flags(p)
     p.set_defaults(func=cmd_diff)
     return parser
+
+
+def _step_flags(p):
+    """The step options estimate, plan and advise share, named as the functions' arguments."""
+    p.add_argument(
+        "--input",
+        action="append",
+        type=_parse_shape,
+        metavar="[NAME=]SHAPE[:DTYPE]",
+        help="an example input: 8x3x224x224, 8x128:int64, or a keyword input input_ids=1x2048:int64 "
+        "(repeat for several; keyword inputs after the positional ones: model(*args, **kwargs))",
+    )
+    p.add_argument("--optimizer", help="optimizer name: sgd, sgd-momentum, adam, adamw, ... (default adamw)")
+    p.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true, fp16-true, mixed-zero, fp16-zero")
+    p.add_argument(
+        "--device", help="the device modelled: cuda (the default for estimate, plan and advise) or cpu"
+    )
+    p.add_argument("--gpu", help="the GPU modelled with --device cuda (where this install's estimate() takes gpu=)")
+    p.add_argument(
+        "--checkpointing",
+        help="none, blocks (each block of every nn.ModuleList), or module names, comma-separated "
+        "(plan: the options to try, comma-separated: none,blocks)",
+    )
+    p.add_argument("--world-size", type=_positive, help="ranks: per-rank figures (with --sharding)")
+    p.add_argument("--sharding", help="ddp, zero1 (ZeroRedundancyOptimizer), zero1-even, zero2, zero3 (FSDP2)")
+    p.add_argument("--fsdp-units", help="zero2/zero3: module names fully_shard wraps, comma-separated")
+    p.add_argument(
+        "--loss",
+        help="sum (of the output's floating-point tensors), output (the output's .loss) or pkg.module:fn "
+        "taking (output, *inputs); default: the output's .loss when it has one, else the sum",
+    )
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int")
+    return value
 
 
 def _progress_flags(p):

@@ -878,7 +878,8 @@ def tracker_html(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
 def _advice_head(adv):
     head = f"memtorch.advise for {adv.model_type}: holds {_fmt(adv.held)}"
     if adv.peak is not None:
-        head += f", a training step peaks at {_fmt(adv.peak)} (measured, inputs apart)"
+        basis = getattr(adv, "peak_basis", None) or "measured"
+        head += f", a training step peaks at {_fmt(adv.peak)} ({basis}, inputs apart)"
     if adv.budget is not None:
         head += f"; budget {_fmt(adv.budget)}"
     return head

@@ -66,6 +66,7 @@ OPTIMIZERS = (
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "mixed-zero", "fp16-zero")
 SHARDINGS = (None, "ddp", "zero1", "zero1-even", "zero2", "zero3")
 DEVICES = ("cpu", "cuda")
+DEFAULT_DEVICE = "cuda"  # one default for estimate(), plan(), advise() and the CLI: the question is a GPU's
 
 # memtorch.plan() sets a list here: each estimate() made meanwhile appends its dry run (ledger, hooks, facts)
 # and its one-process (peak, reserved peak), so that plan() replays every world size and sharding with the
@@ -126,6 +127,9 @@ class Estimate:
         self._step_scratch_at_peak = kw.get("_step_scratch_at_peak", 0)
         self.notes = list(kw.get("notes", []))
         self.seconds = kw.get("seconds", 0.0)
+        self.training = kw.get("training", True)
+        self.max_new_tokens = kw.get("max_new_tokens")
+        self.inputs = kw.get("inputs", "")
         self.start = 0
         self.end = self.steady
         self.delta = self.steady
@@ -143,6 +147,9 @@ class Estimate:
         return {
             "kind": "estimate",
             "device": self.device,
+            "training": self.training,
+            "max_new_tokens": self.max_new_tokens,
+            "inputs": self.inputs,
             "precision": self.precision,
             "optimizer": self.optimizer,
             "world_size": self.world_size,
@@ -179,6 +186,10 @@ class Estimate:
     # -- presentation ------------------------------------------------------
     def _title(self):
         extra = f", {self.world_size} ranks, {self.sharding or 'replicated'}" if self.world_size > 1 else ""
+        if not self.training:
+            what = (f"generate, {self.max_new_tokens} new tokens" if self.max_new_tokens
+                    else "a forward under inference_mode")  # fmt: skip
+            return f"memtorch.estimate on {self.device} ({what}, {self.precision}): estimated, not measured"
         return (
             f"memtorch.estimate on {self.device} ({self.precision}, optimizer {self.optimizer}{extra}): "
             f"estimated, not measured"
@@ -290,20 +301,12 @@ class Estimate:
 # Arguments
 
 
-def default_loss(output, *inputs):
-    """The loss estimate() uses without loss_fn: the sum of every floating-point tensor in the output."""
-    from torch.utils._pytree import tree_leaves
+def default_loss(output, *inputs, **kw_inputs):
+    """The loss estimate() uses without loss_fn: the output's ``.loss`` when the model computes one
+    (a Hugging Face model given labels), else the sum of every floating-point tensor in the output."""
+    from ._inputs import default_loss as loss
 
-    torch = _torch()
-    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not leaves:
-        raise MemtorchError(
-            "the model's output holds no floating-point tensor to sum into a loss: pass loss_fn=(output, *inputs) -> loss"
-        )
-    loss = leaves[0].sum()
-    for t in leaves[1:]:
-        loss = loss + t.sum()
-    return loss
+    return loss(output, *inputs, **kw_inputs)
 
 
 def _make_optimizer(optimizer, params, device):
@@ -375,27 +378,6 @@ def _check_args(optimizer, precision, device, world_size, sharding, checkpointin
         raise MemtorchError(f"checkpointing must be None, 'blocks' or a list of module names, got {checkpointing!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise MemtorchError(f"loss_fn must be callable as loss_fn(output, *inputs), got {type(loss_fn).__name__}")
-
-
-def _input_spec(x, i):
-    """(shape, stride, dtype, requires_grad) of one example input, or a non-tensor passed through."""
-    torch = _torch()
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and all(isinstance(d, int) for d in x)):
-        return torch.empty(tuple(x), device="meta")
-    if (
-        isinstance(x, (tuple, list))
-        and len(x) == 2
-        and isinstance(x[1], torch.dtype)
-        and isinstance(x[0], (tuple, list, torch.Size))
-        and all(isinstance(d, int) for d in x[0])
-    ):
-        return torch.empty(tuple(x[0]), dtype=x[1], device="meta")
-    raise MemtorchError(
-        f"input {i} is a {type(x).__name__}: pass example tensors (real, meta or fake), shapes such as "
-        "(64, 784), or (shape, dtype) pairs such as ((8, 128), torch.long)"
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -509,6 +491,7 @@ class _Hooks:
         self.stack = []
         self.calls = []  # (row, start event index, end event index)
         self.spans = []  # (phase, start, end)
+        self.steps = []  # event index where each step starts
         self.recording = False
         self.handles = []
 
@@ -643,6 +626,78 @@ def _unit_hooks(stack, units, ledger, hooks, record):
         stack.callback(h2.remove)
 
 
+def _end_facts(ledger, trainable, cuda_state=None):
+    """The facts _report reads of a run with no optimizer (training=False)."""
+    end_live = set(ledger.live.values())
+    if cuda_state is not None:  # the cuBLAS workspaces stay with their handles
+        end_live |= set(cuda_state.blas.values()) | set(cuda_state.blas_lt.values())
+    return {
+        "grad_keys": {}, "state_keys": set(), "end_live": end_live, "last_state": set(),
+        "end_current": ledger.current, "param_groups": [], "param_shapes": [tuple(t.shape) for t in trainable],
+        "param_bytes": [t.untyped_storage().nbytes() for t in trainable],
+        "param_numels": [t.numel() for t in trainable], "trainable_numel": sum(t.numel() for t in trainable),
+    }  # fmt: skip
+
+
+class _StopGeneration(Exception):
+    """Raised by the forward pre-hook when generate() would run one forward more than asked."""
+
+
+def _inference(model, finputs, ledger, hooks, stack, fakes, autocast, low, max_new_tokens, allow_item, cuda_state):
+    """training=False: one forward under torch.inference_mode, or model.generate() for max_new_tokens
+    tokens; the output is dropped at the end (it is the caller's, not the model's, to keep).
+    cuda_state: device "cuda"'s kernels (CUDA's branch of the composite operators), else None."""
+    torch = _torch()
+    stack.enter_context(_swapped(model, fakes))
+    if cuda_state is not None:
+        from ._estimate_kernels import cuda_routing
+
+        stack.enter_context(cuda_routing(cuda_state))
+    hooks.install()
+    stack.callback(hooks.remove)
+    hooks.steps.append(len(ledger.events))
+    ctx = torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext()
+    with hooks.phase("forward"):
+        hooks.recording = True
+        with torch.inference_mode(), ctx:
+            if max_new_tokens is None:
+                out = finputs.call(model)
+            else:
+                out = _generate(model, finputs, max_new_tokens, allow_item, hooks)
+        hooks.recording = False
+        del out
+
+
+def _generate(model, finputs, max_new_tokens, allow_item, hooks):
+    """model.generate(*args, max_new_tokens=N, **kwargs) on the fake tensors, N tokens long.
+
+    What generate() decides from tensor values is answered for the longest run: every such question
+    (is a special token negative, is the input right-padded, has every sequence finished) is answered
+    False, so no sequence stops early at an end-of-sequence token, and the run is stopped as the
+    forward for token N + 1 begins (the prefill makes token 1; tokens 2..N take one forward each).
+    """
+    forwards = [0]
+    stopped = []
+
+    def pre(mod, args):
+        forwards[0] += 1
+        if forwards[0] > max_new_tokens:
+            stopped.append(len(hooks.ledger.events))
+            raise _StopGeneration
+
+    handle = model.register_forward_pre_hook(pre)
+    allow_item[0] = "generate"
+    try:
+        return model.generate(*finputs.args, max_new_tokens=max_new_tokens, **finputs.kwargs)
+    except _StopGeneration:
+        # the forward begun and stopped is not one of the run's
+        hooks.calls = [c for c in hooks.calls if c[1] < stopped[0]]
+        return None
+    finally:
+        allow_item[0] = False
+        handle.remove()
+
+
 def _unique_tensors(named):
     """[(names, tensor)] with each tensor object once (tied weights share one entry)."""
     by_id = {}
@@ -687,8 +742,11 @@ def _cudnn_flat_weights(model, params, dt):
 
 
 def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2, units=None,
-             gpu=None, keep_output=True):
+             gpu=None, keep_output=True, training=True, max_new_tokens=None):
     """Run the steps on fake tensors; returns (ledger, hooks, facts).
+
+    inputs: a memtorch._inputs.Inputs (model(*args, **kwargs)). training=False: one forward under
+    torch.inference_mode, or with max_new_tokens, model.generate() (see _generate).
 
     device "cuda": the step the GPU ``gpu`` (an _estimate_cuda.GPU) runs: its kernels' choices and
     workspaces (_estimate_kernels.cuda_kernels / cuda_routing), cuDNN's flat RNN weights.
@@ -719,7 +777,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         facts["cuda_state"] = cuda_state
     params = _unique_tensors(model.named_parameters(remove_duplicate=False))
     buffers = _unique_tensors(model.named_buffers(remove_duplicate=False))
-    specs = [_input_spec(x, i) for i, x in enumerate(inputs)]
     grads_keys, state_keys = set(), set()
     # checkpoint keeps the RNG states: host tensors, on the CPU's counters but not on a GPU's
     rng_bytes = 0
@@ -741,8 +798,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         fbufs = [(names, fake_like(b, "cpu", dtype=dt(b), requires_grad=False)) for names, b in buffers]
         ledger.mark([ledger.key_of(t) for _, t in fparams], "parameter")
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
-        finputs = [fake_like(s, "cpu") if isinstance(s, torch.Tensor) else s for s in specs]
-        ledger.mark([ledger.key_of(t) for t in finputs if isinstance(t, torch.Tensor)], "input")
+        finputs = inputs.map(lambda t: fake_like(t, "cpu"))
+        ledger.mark([ledger.key_of(t) for t in finputs.tensors()], "input")
         from . import _estimate_kernels
 
         for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
@@ -769,8 +826,18 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             order = {id(m): j for j, (_, m) in enumerate(model.named_modules())}
             facts["unit_module_order"] = sorted(range(len(units)), key=lambda u: order[id(units[u][1])])
             _unit_hooks(stack, units, ledger, hooks, facts["unit_events"])
+        if not training:
+            facts["optimizer_name"] = None
+            _inference(model, finputs, ledger, hooks, stack, fakes, autocast, low, max_new_tokens, allow_item,
+                       cuda_state)  # fmt: skip
+            facts.update(_end_facts(ledger, trainable, cuda_state))
+            ledger.closed = True
+            return ledger, hooks, facts
         if not trainable:
-            raise MemtorchError("the model has no parameter that requires grad: there is no training step to estimate")
+            raise MemtorchError(
+                "the model has no parameter that requires grad: there is no training step to estimate "
+                "(training=False estimates a forward)"
+            )
         if precision in ("mixed-zero", "fp16-zero"):
             # 16-bit parameters and gradients; fp32 master weights that the optimizer steps (ZeRO/DeepSpeed).
             masters = [fake_like(t, "cpu", dtype=torch.float32, requires_grad=True) for t in trainable]
@@ -825,16 +892,18 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         hooks.install()
         stack.callback(hooks.remove)
         loss_fn = loss_fn or default_loss
+        loss_args = finputs.as_tuple()
         for _step in range(steps):
+            hooks.steps.append(len(ledger.events))
             with hooks.phase("forward"):
                 hooks.recording = True
                 ctx = torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext()
                 with ctx:
-                    out = model(*finputs)
+                    out = finputs.call(model)
                 hooks.recording = False
             with hooks.phase("backward"):
                 with torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext():
-                    loss = loss_fn(out, *finputs)
+                    loss = loss_fn(out, *loss_args)
                 if not keep_output:
                     del out
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -887,7 +956,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             facts["end_live"] |= set(cuda_state.blas.values()) | set(cuda_state.blas_lt.values())
         facts["last_state"] = facts["state_keys"] & facts["end_live"]
         facts["end_current"] = ledger.current
-        del opt, fparams, fbufs, finputs, fakes, trainable, masters, opt_params
+        del opt, fparams, fbufs, finputs, fakes, trainable, masters, opt_params, loss_args
         facts.pop("fparams")
         ledger.closed = True
     return ledger, hooks, facts
@@ -948,29 +1017,39 @@ def estimate(
     optimizer="adamw",
     loss_fn=None,
     precision="fp32",
-    device="cpu",
+    device=None,
     checkpointing=None,
     world_size=1,
     sharding=None,
     fsdp_units=None,
     gpu=None,
     keep_output=True,
+    training=True,
+    max_new_tokens=None,
 ):
     """Estimate the memory of one training step of ``model`` on ``inputs`` without running it for real.
 
     inputs: example tensors (real, meta or fake; their values are never read),
-    shapes such as (64, 784) (float32) or (shape, dtype) pairs. optimizer: a
+    shapes such as (64, 784) (float32), (shape, dtype) pairs, specs such as
+    "8x128:int64", and, last, a mapping of keyword inputs ({"input_ids": ids,
+    "labels": ids}: the model is called as model(**batch)); see
+    memtorch._inputs. training=False: the memory of a forward under
+    torch.inference_mode (no gradients, no optimizer); with max_new_tokens, of
+    model.generate(*inputs, max_new_tokens=...) (the prompt's KV cache grown
+    by that many tokens, no sequence stopping early). optimizer: a
     name (memtorch.estimation.OPTIMIZERS: sgd, sgd-momentum, adam, adamw,
     amsgrad, adagrad, rmsprop, and -foreach/-fused variants), an optimizer to
     copy the class and settings of, or a callable taking the parameters.
-    loss_fn(output, *inputs) -> loss; default: the sum of the output's
-    floating-point tensors. precision: fp32, bf16-mixed/fp16-mixed (autocast),
-    bf16-true/fp16-true (parameters cast), mixed-zero/fp16-zero (bf16/fp16
+    loss_fn(output, *inputs) -> loss (inputs as given, the mapping included);
+    default: the output's .loss when it has one (a Hugging Face model given
+    labels), else the sum of the output's floating-point tensors. precision:
+    fp32, bf16-mixed/fp16-mixed (autocast), bf16-true/fp16-true (parameters cast), mixed-zero/fp16-zero (bf16/fp16
     parameters and gradients, fp32 master weights and optimizer state, as
-    ZeRO/DeepSpeed). device: "cpu" or "cuda" (the CUDA caching allocator's
-    rules). checkpointing: None, "blocks" or module names recomputed in
-    backward. world_size, sharding: per-rank figures (Estimate.per_rank, one
-    entry per rank; peak is the highest rank's, peak_rank that rank) for
+    ZeRO/DeepSpeed). device: "cuda" (the default, as for plan() and advise()
+    and the CLI: the question is a GPU's; the CUDA caching allocator's rules)
+    or "cpu" (PyTorch's CPU allocator: what track() measures on the CPU).
+    checkpointing: None, "blocks" or module names recomputed in backward.
+    world_size, sharding: per-rank figures (Estimate.per_rank, one entry per rank; peak is the highest rank's, peak_rank that rank) for
     ddp (DistributedDataParallel), zero1 (torch's ZeroRedundancyOptimizer
     under DDP: whole parameters per rank, so ranks differ), zero1-even
     (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements, each parameter group padded as DeepSpeed pads it),
@@ -993,9 +1072,32 @@ def estimate(
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
         raise MemtorchError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
+    defaulted = device is None
+    if defaulted:
+        device = DEFAULT_DEVICE
     _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn)
     if not inputs:
         raise MemtorchError("estimate() needs example inputs: estimate(model, x) with a tensor or a shape")
+    from . import _inputs
+
+    inputs = _inputs.read(inputs)
+    if training not in (True, False):
+        raise MemtorchError(f"training must be True or False, got {training!r}")
+    if max_new_tokens is not None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise MemtorchError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if training:
+            raise MemtorchError("max_new_tokens estimates generation: pass training=False with it")
+        if not callable(getattr(model, "generate", None)):
+            raise MemtorchError(
+                f"max_new_tokens: {type(model).__name__} has no generate() method (a Hugging Face "
+                "GenerationMixin model has one)"
+            )
+    if not training and (world_size > 1 or sharding is not None or checkpointing is not None):
+        raise MemtorchError(
+            "training=False estimates one process's forward: world_size, sharding and checkpointing apply to "
+            "training steps"
+        )
     device = str(device).split(":")[0]
     if not isinstance(keep_output, bool):
         raise MemtorchError(f"keep_output must be True or False, got {keep_output!r}")
@@ -1027,7 +1129,7 @@ def estimate(
     try:
         ledger, hooks, facts = _dry_run(
             model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods, gpu=target,
-            keep_output=keep_output,
+            keep_output=keep_output, training=training, max_new_tokens=max_new_tokens,
         )
     except _DataDependent as e:
         raise MemtorchError(
@@ -1057,9 +1159,19 @@ def estimate(
             "this process has no exact CPU counters (memtorch.cpu.mechanism() is not libc10-got): the scratch "
             "space CPU kernels allocate inside themselves was not measured and is not in the estimate"
         )
-    return _report(
+    if defaulted:
+        notes.insert(0, f"device={DEFAULT_DEVICE!r} by default (the question is a GPU's; as plan(), advise() and "
+                        "the CLI): device='cpu' models PyTorch's CPU allocator, what track() measures on the CPU")
+    est = _report(
         ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0, checkpointing
     )
+    est.training = training
+    est.max_new_tokens = max_new_tokens
+    est.inputs = inputs.describe()
+    if not training:
+        est.mechanism = "estimate (dry run on fake tensors, " + (
+            f"generate, {max_new_tokens} new tokens)" if max_new_tokens else "forward under inference_mode)")
+    return est
 
 
 def _explain(e):
@@ -1110,15 +1222,22 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
             states[v[3]] += size(k)
         elif v[3] == "gradient" and k in grads_step.setdefault(0, _grads_of_last_step(ledger)):
             states["gradient"] += size(k)
+    # The tables describe one step, as track() describes a step: the last one, which has the
+    # optimizer's state (the first creates it); the peak is already that step's or higher.
+    last = hooks.steps[-1] if hooks.steps else 0
     phases = {}
     for name, s, e in hooks.spans:
+        if s < last:
+            continue
         ps = phases.setdefault(name, PhaseStats(name))
         before = curve[s - 1] if s > 0 else 0
         end = curve[e - 1] if e > 0 else 0
         top = max(curve[s:e], default=before)
         ps._add(before, end, max(top, before), True, 0.0)
-    forwards = max(1, sum(1 for n, _s, _e in hooks.spans if n == "forward"))
+    forwards = 1
     for i, s, e in hooks.calls:
+        if s < last:
+            continue
         row = hooks.rows[i]
         before = curve[s - 1] if s > 0 else 0
         end = curve[e - 1] if e > 0 else 0
@@ -1171,8 +1290,9 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
             reserved_peak = reserved_steady = max(r["reserved_peak"] for r in per_rank)
         breakdown = {c: top["breakdown"].get(c, 0) for c in CATEGORIES + ("communication",)}
         phases = {}
-        for name, start, end, high in top["spans"]:
-            phases.setdefault(name, PhaseStats(name))._add(start, end, high, True, 0.0)
+        for (_n, s, _e), (name, start, end, high) in zip(hooks.spans, top["spans"]):
+            if s >= last:  # the last step's, as above
+                phases.setdefault(name, PhaseStats(name))._add(start, end, high, True, 0.0)
     kept = _KEEP_RUNS.get()
     if kept is not None:
         kept.append((ledger, hooks, facts, one_process))

@@ -414,36 +414,6 @@ def _largest_block(model, fsdp_units=None):
     return best
 
 
-def _spec(x, i):
-    """An input as estimate() reads it (a tensor, a shape, a (shape, dtype) pair), else x unchanged."""
-    from .estimation import _input_spec
-
-    try:
-        return _input_spec(x, i)
-    except MemtorchError:
-        return x  # estimate() names what is wrong with it
-
-
-def _batch_of(x):
-    import torch
-
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        return x.shape[0]
-    if isinstance(x, dict):
-        return next((b for b in map(_batch_of, x.values()) if b is not None), None)
-    return None
-
-
-def _with_batch(x, mb):
-    import torch
-
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        return torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
-    if isinstance(x, dict):
-        return type(x)((k, _with_batch(v, mb)) for k, v in x.items())
-    return x
-
-
 def breakdown_of(estimate_report, model):
     """A Breakdown from one process's memtorch.estimate() report (world_size=1)."""
     states = estimate_report.model_states
@@ -482,19 +452,23 @@ def plan(
     reserve="1 GiB",
     pad=True,
     fsdp_units=None,
+    gpu=None,
+    loss_fn=None,
 ):
     """Which (world size, sharding, precision, checkpointing, micro-batch) fit in ``device_memory``, cheapest first.
 
     inputs: one micro-batch of example inputs, as estimate() takes them
     (tensors, shapes such as (8, 128), (shape, dtype) pairs such as ((1, 2048),
-    torch.long)); dimension 0 is the batch. micro_batches: batch sizes to try
-    (default: the inputs' own). global_batch: samples per optimizer step over
+    torch.long), specs such as "8x128:int64", and, last, a mapping of keyword
+    inputs, memtorch._inputs); dimension 0 is the batch. micro_batches: batch
+    sizes to try (default: the inputs' own). global_batch: samples per optimizer step over
     all ranks (sets the gradient accumulation; world sizes and micro-batches
     must divide it). device: what estimate() models ("cuda": the caching
     allocator, and a combination fits when its reserved figure does). reserve:
     memory kept free per device for what no estimate sees (the CUDA context,
     typically 300-600 MiB, and library workspaces). fsdp_units: as estimate()'s
-    (zero2/zero3). pad=False refuses zero1-even on a world size that does not
+    (zero2/zero3). gpu, loss_fn: as estimate()'s (gpu with device="cuda": the
+    GPU modelled; loss_fn(output, *inputs) -> loss). pad=False refuses zero1-even on a world size that does not
     divide the trainable elements (DeepSpeed pads them; so does the default).
     Returns a Plan.
 
@@ -515,8 +489,10 @@ def plan(
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     if not inputs:
         raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
-    specs = [_spec(x, i) for i, x in enumerate(inputs)]
-    batch = next((b for b in map(_batch_of, specs) if b is not None), None)
+    from . import _inputs
+
+    given = _inputs.read(inputs, "plan()")  # the one reading of inputs (estimate's, advise's, the CLI's)
+    batch = given.batch_size()
     if micro_batches is None:
         if batch is None:
             raise MemtorchError(
@@ -551,13 +527,14 @@ def plan(
     for prec in precisions:
         for ckpt in checkpointing:
             for mb in micro_batches:
-                kw = {"optimizer": optimizer, "precision": prec, "device": device, "checkpointing": ckpt}
+                kw = {"optimizer": optimizer, "precision": prec, "device": device, "checkpointing": ckpt,
+                      "gpu": gpu, "loss_fn": loss_fn}  # fmt: skip
                 if fsdp:  # the dry run records where FSDP's hooks run (one zero2/zero3 figure comes with it)
                     kw.update(world_size=2, sharding=fsdp[0], fsdp_units=fsdp_units)
                 kept = []
                 token = _KEEP_RUNS.set(kept)
                 try:
-                    estimate(model, *[_with_batch(x, mb) for x in specs], **kw)
+                    estimate(model, *given.with_batch(mb).as_tuple(), **kw)
                 finally:
                     _KEEP_RUNS.reset(token)
                 runs += 1

@@ -1,4 +1,4 @@
-"""memtorch.advise(): each suggestion's bytes against a hand count.
+"""cpu_advise(): each suggestion's bytes against a hand count.
 
 Hand counts: a float32 element is 4 bytes, 2 in bfloat16; Linear(i, o) holds
 i*o + o elements; Adam keeps exp_avg and exp_avg_sq of each parameter's size
@@ -24,13 +24,19 @@ from memtorch import advice
 F32 = 4
 
 
+def cpu_advise(*args, **kwargs):
+    """memtorch.advise() for the CPU (its default device is cuda): a CPU model's steps are measured."""
+    kwargs.setdefault("device", "cpu")
+    return memtorch.advise(*args, **kwargs)
+
+
 def lin(i, o, bias=True):
     return (i * o + (o if bias else 0)) * F32
 
 
 def test_bf16_weights_without_inputs_is_half_the_float32_parameters():
     model = nn.Linear(100, 50)
-    adv = memtorch.advise(model)
+    adv = cpu_advise(model)
     (s,) = adv.by_kind("bf16_weights")
     assert s.saves == lin(100, 50) // 2 == 10_100
     assert s.basis == "exact arithmetic"
@@ -42,7 +48,7 @@ def test_bf16_weights_after_a_step_halves_parameters_gradients_and_adam_state():
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 100)).sum().backward()
     opt.step()
-    adv = memtorch.advise(model, optimizer=opt)
+    adv = cpu_advise(model, optimizer=opt)
     (s,) = adv.by_kind("bf16_weights")
     # parameters + gradients + exp_avg + exp_avg_sq, halved; the 'step' scalars stay float32
     assert s.saves == 4 * lin(100, 50) // 2 == 40_400
@@ -54,7 +60,7 @@ def test_sparse_csr_bytes_exact():
     with torch.no_grad():
         model.weight.zero_()
         model.weight.view(-1)[::20] = 1.0  # 500 non-zeros: 95% zeros
-    adv = memtorch.advise(model)
+    adv = cpu_advise(model)
     (s,) = adv.by_kind("sparse")
     csr = 101 * 8 + 500 * 8 + 500 * F32  # 6,808 B
     coo = 2 * 500 * 8 + 500 * F32  # 10,000 B
@@ -77,7 +83,7 @@ def test_sparse_not_suggested_when_it_would_be_larger():
         model.bias.zero_()
         model.bias[:40] = 1.0  # 60% zeros: COO 40*8 + 40*4 = 480 B > dense 400 B
         model.weight.fill_(1.0)
-    adv = memtorch.advise(model)
+    adv = cpu_advise(model)
     assert adv.by_kind("sparse") == []
     assert any("bias" in n and "COO 480 B" in n and "would not be smaller" in n for n in adv.notes)
 
@@ -100,7 +106,7 @@ class WithDeadParts(nn.Module):
 def test_unused_modules_and_parameters_without_gradient():
     model = WithDeadParts()
     opt = torch.optim.Adam(model.parameters())
-    adv = memtorch.advise(model, torch.ones(8, 16), optimizer=opt)
+    adv = cpu_advise(model, torch.ones(8, 16), optimizer=opt)
     (dead,) = adv.by_kind("unused_modules")
     assert dead.saves == lin(10, 20) == 880  # never called: no gradient, no Adam state either
     assert "unused" in dead.title and "body" not in dead.title  # a ModuleList runs through its layers
@@ -115,7 +121,7 @@ def test_unused_modules_and_parameters_without_gradient():
 def test_optimizer_state_measured_after_a_step():
     model = nn.Linear(100, 50)
     opt = torch.optim.Adam(model.parameters())
-    adv = memtorch.advise(model, torch.ones(4, 100), optimizer=opt)
+    adv = cpu_advise(model, torch.ones(4, 100), optimizer=opt)
     (sgd,) = adv.by_kind("optimizer_sgd")
     (mom,) = adv.by_kind("optimizer_momentum")
     assert sgd.saves == 2 * lin(100, 50) + 2 * 4 == 40_408
@@ -126,21 +132,21 @@ def test_optimizer_state_measured_after_a_step():
 def test_optimizer_state_by_arithmetic_before_the_first_step():
     model = nn.Linear(100, 50)
     opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
-    adv = memtorch.advise(model, optimizer=opt)
-    assert memtorch.advise(model, torch.ones(2, 100), optimizer=opt).by_kind("optimizer_sgd")[0].saves == (
+    adv = cpu_advise(model, optimizer=opt)
+    assert cpu_advise(model, torch.ones(2, 100), optimizer=opt).by_kind("optimizer_sgd")[0].saves == (
         3 * lin(100, 50) + 2 * 4
     )  # the copy of an AdamW (whose defaults hold a key its constructor refuses) steps and measures the same
     (sgd,) = adv.by_kind("optimizer_sgd")
     assert sgd.saves == 3 * lin(100, 50) + 2 * 4
     assert sgd.basis == "exact arithmetic" and "max_exp_avg_sq" in sgd.detail
-    plain = memtorch.advise(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = cpu_advise(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert plain.by_kind("optimizer_sgd") == [] and any("SGD keeps no state" in n for n in plain.notes)
 
 
 def test_freeze_largest_child():
     model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 5))
     opt = torch.optim.Adam(model.parameters())
-    adv = memtorch.advise(model, torch.ones(3, 10), optimizer=opt)
+    adv = cpu_advise(model, torch.ones(3, 10), optimizer=opt)
     (s,) = adv.by_kind("freeze")
     p = lin(10, 20)
     assert s.saves == p + 2 * p + 2 * 4  # its gradients + exp_avg + exp_avg_sq + 2 step scalars
@@ -165,7 +171,7 @@ def _manual_peak(model, x, steps=2, wrap=None, autocast=False, dtype=None):
             m.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = m(x)
-                loss = out.float().sum()
+                loss = out.sum()  # advise's default loss: the sum of the output
             del out
             loss.backward()
             del loss
@@ -186,7 +192,7 @@ def test_checkpointing_and_autocast_match_a_manual_run():
     model = blocks()
     x = torch.randn(512, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    adv = memtorch.advise(model, x, optimizer=opt)
+    adv = cpu_advise(model, x, optimizer=opt)
     base = _manual_peak(model, x)
     assert adv.peak == base
     (ck,) = adv.by_kind("checkpointing")
@@ -208,11 +214,11 @@ def test_depth_for_a_budget():
     full = _manual_peak(model, x)
     three = _manual_peak(blocks(n=3), x)
     four = _manual_peak(blocks(n=4), x)
-    adv = memtorch.advise(model, x, optimizer=opt, budget=(three + four) // 2)
+    adv = cpu_advise(model, x, optimizer=opt, budget=(three + four) // 2)
     (s,) = adv.by_kind("depth")
     assert s.title == "Keep 3 of the 6 blocks in the model to fit the budget"
     assert s.after == three and s.saves == full - three
-    fits = memtorch.advise(model, x, optimizer=opt, budget=full)
+    fits = cpu_advise(model, x, optimizer=opt, budget=full)
     assert fits.by_kind("depth") == [] and any("within" in n for n in fits.notes)
 
 
@@ -226,7 +232,7 @@ def test_width_with_resize():
 
     full = _manual_peak(make(1.0), x)
     half = _manual_peak(make(0.5), x)
-    adv = memtorch.advise(
+    adv = cpu_advise(
         make(1.0), x, optimizer=torch.optim.SGD(make(1.0).parameters(), lr=0.1), budget=half, resize=make
     )
     (s,) = adv.by_kind("width")
@@ -236,7 +242,7 @@ def test_width_with_resize():
 def test_ranked_and_rendered():
     model = WithDeadParts()
     opt = torch.optim.Adam(model.parameters())
-    adv = memtorch.advise(model, torch.ones(8, 16), optimizer=opt, budget="1 MiB")
+    adv = cpu_advise(model, torch.ones(8, 16), optimizer=opt, budget="1 MiB")
     saves = [s.saves for s in adv]
     assert saves == sorted(saves, reverse=True) and len(adv) >= 4
     text = str(adv)
@@ -255,7 +261,8 @@ def test_ranked_and_rendered():
     "args, kw, exc, msg",
     [
         ((), {}, TypeError, "advise\\(\\) needs a torch.nn.Module, got str"),
-        ((), {"optimizer": "adam"}, TypeError, "advise\\(optimizer=...\\) expects a torch.optim.Optimizer"),
+        ((), {"optimizer": 3}, TypeError, "advise\\(optimizer=...\\) expects a name"),
+        ((), {"optimizer": "adamm"}, memtorch.MemtorchError, "unknown optimizer 'adamm'"),
         ((), {"budget": "12 parsecs"}, memtorch.UnitError, "unknown unit"),
         ((), {"budget": "1 MiB"}, memtorch.MemtorchError, "needs example inputs"),
         ((), {"loss_fn": 3}, TypeError, "loss_fn=...\\) expects a callable"),
@@ -265,13 +272,13 @@ def test_ranked_and_rendered():
 def test_bad_arguments(args, kw, exc, msg):
     model = "not a model" if not kw else nn.Linear(2, 2)
     with pytest.raises(exc, match=msg):
-        memtorch.advise(model, *args, **kw)
+        cpu_advise(model, *args, **kw)
 
 
 def test_model_that_fails_to_run_leaves_nothing_behind():
     model = nn.Linear(4, 2)
     with pytest.raises(RuntimeError):
-        memtorch.advise(model, torch.ones(3, 5))  # wrong width: the forward raises; the fixture checks hooks
+        cpu_advise(model, torch.ones(3, 5))  # wrong width: the forward raises; the fixture checks hooks
 
 
 def test_submodule_import_does_not_shadow_the_function():
@@ -288,7 +295,7 @@ def test_model_that_cannot_be_copied():
     with pytest.raises(
         memtorch.MemtorchError, match="copy.deepcopy\\(model\\) failed: TypeError: holds a file handle"
     ):
-        memtorch.advise(NoCopy(2, 2), torch.ones(1, 2))
+        cpu_advise(NoCopy(2, 2), torch.ones(1, 2))
 
 
 def test_sampled_peaks_are_not_called_exact():
@@ -301,16 +308,18 @@ def test_estimate_mode_against_estimate_and_measurement():
     model = blocks()
     x = torch.randn(512, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    est = memtorch.advise(model, x, optimizer=opt, measure=False)
+    est = cpu_advise(model, x, optimizer=opt, measure=False)
     # advise's runs delete the output before backward: the estimate of that loop
-    direct = memtorch.estimate(model, x, optimizer=opt, keep_output=False)
+    direct = memtorch.estimate(model, x, optimizer=opt, keep_output=False, device="cpu")
     assert est.peak == direct.peak - direct.breakdown["input"]
     (ck,) = est.by_kind("checkpointing")
     assert ck.basis == "estimated (memtorch.estimate)" and "dry run" in ck.detail
-    with_ck = memtorch.estimate(model, x, optimizer=opt, checkpointing=["0", "1", "2", "3"], keep_output=False)
+    with_ck = memtorch.estimate(
+        model, x, optimizer=opt, checkpointing=["0", "1", "2", "3"], keep_output=False, device="cpu"
+    )
     assert ck.saves == direct.peak - with_ck.peak
     # the estimate holds to the measurement (memtorch.estimate's own goal: within 3%)
-    measured = memtorch.advise(model, x, optimizer=opt)
+    measured = cpu_advise(model, x, optimizer=opt)
     assert abs(est.peak - measured.peak) <= 0.03 * measured.peak
     assert any("not known from an estimate" in n for n in est.notes)
 
@@ -319,17 +328,87 @@ def test_meta_model_is_estimated():
     with torch.device("meta"):
         model = blocks(n=2)
     x = torch.empty(64, 32, device="meta")
-    adv = memtorch.advise(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    adv = cpu_advise(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert adv.peak > 0 and all(s.basis.startswith(("estimated", "exact")) for s in adv)
     with pytest.raises(memtorch.MemtorchError, match="cannot run a model on the meta device"):
-        memtorch.advise(model, x, measure=True)
+        cpu_advise(model, x, measure=True)
     with pytest.raises(ValueError, match="measure=...\\) expects True, False or None"):
-        memtorch.advise(model, x, measure="yes")
+        cpu_advise(model, x, measure="yes")
+
+
+def test_sharded_configuration_is_estimated_with_its_fsdp_units():
+    torch.manual_seed(0)
+    model = blocks(n=3, d=128)
+    x = torch.randn(8, 128)
+    units = ["0"]  # blocks 1 and 2 left to the root's unit, gathered together (the default wraps each block)
+    # world_size and sharding can only be estimated: measure=None estimates them (the model lives on the CPU)
+    adv = cpu_advise(model, x, optimizer="adam", world_size=2, sharding="zero3", fsdp_units=units)
+    kw = dict(optimizer="adam", device="cpu", world_size=2, sharding="zero3", keep_output=False)
+    est = memtorch.estimate(model, x, fsdp_units=units, **kw)
+    assert adv.peak == est.peak - est.breakdown["input"]
+    assert [u["name"] for u in est.fsdp_units] == ["0", "(root)"]
+    default = memtorch.estimate(model, x, **kw)
+    assert [u["name"] for u in default.fsdp_units] == ["0", "1", "2"] and default.peak != est.peak
+    with pytest.raises(memtorch.MemtorchError, match="fsdp_units=...\\) applies to sharding='zero2' or 'zero3'"):
+        cpu_advise(model, x, fsdp_units=units)
 
 
 def test_estimate_mode_copies_adamw():
     model = nn.Linear(100, 50)
     opt = torch.optim.AdamW(model.parameters())  # its defaults hold a key its constructor refuses
-    adv = memtorch.advise(model, torch.ones(4, 100), optimizer=opt, measure=False)
+    adv = cpu_advise(model, torch.ones(4, 100), optimizer=opt, measure=False)
     (s,) = adv.by_kind("optimizer_sgd")
     assert s.saves == 2 * lin(100, 50) + 2 * 4 and s.basis == "exact arithmetic"
+
+
+def _gpt2_4_layers():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=1024)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.slow
+def test_gpt2_budget_first_suggestion_is_block_checkpointing():
+    model = _gpt2_4_layers()
+    ids = torch.zeros(8, 512, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    adv = memtorch.advise(model, batch, optimizer="adamw", budget="600 MiB", device="cpu", measure=False)
+    first = adv.items[0]
+    assert first.kind == "checkpointing" and "transformer.h.0 .. transformer.h.3" in first.title
+    # the figures are estimate()'s with checkpointing="blocks" (each GPT2Block), inputs apart, of advise's
+    # loop (the output deleted before backward)
+    plain = memtorch.estimate(model, batch, optimizer="adamw", device="cpu", keep_output=False)
+    blocks = memtorch.estimate(model, batch, optimizer="adamw", device="cpu", checkpointing="blocks", keep_output=False)
+    assert first.before == plain.peak - ids.nbytes and first.after == blocks.peak - ids.nbytes
+    assert first.after <= 600 * 2**20 < first.before
+    # 25 zero-initialised biases: one grouped line among the also-considered, not 25 rows
+    assert not adv.by_kind("sparse")
+    assert any(n.startswith("also considered") and "parameters as sparse COO" in n for n in adv.notes)
+    # the optimizer given by name: freezing counts its state (AdamW: 2 x the parameters' bytes + 4 B steps)
+    (fr,) = adv.by_kind("freeze")
+    trunk = [p for p in model.transformer.parameters()]
+    pbytes = sum(p.numel() * 4 for p in trunk)
+    assert fr.saves == pbytes + 2 * pbytes + 4 * len(trunk)
+    # estimated figures are not called measured
+    assert "(estimated on cpu, inputs apart)" in str(adv) and "(measured" not in str(adv)
+    # over the budget: sharding with plan's figures, CPU offload, 8-bit state (bitsandbytes' counts)
+    small = memtorch.advise(model, batch, optimizer="adamw", budget="150 MiB", device="cpu", measure=False)
+    kinds = {s.kind for s in small} | {n.split(":")[0] for n in small.notes}
+    assert {"cpu_offload", "optimizer_8bit"} <= kinds and ("sharding" in kinds)
+    (eight,) = small.by_kind("optimizer_8bit")
+    numels = [p.numel() for p in model.parameters()]
+    by_hand = 2048 + sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in numels)
+    assert eight.after == by_hand
+
+
+@pytest.mark.slow
+def test_optimizer_by_name_instance_or_factory_agree():
+    model = nn.Linear(100, 50)
+    x = torch.ones(4, 100)
+    by_name = cpu_advise(model, x, optimizer="adam")
+    by_instance = cpu_advise(model, x, optimizer=torch.optim.Adam(model.parameters(), foreach=False))
+    by_factory = cpu_advise(model, x, optimizer=lambda ps: torch.optim.Adam(ps, foreach=False))
+    assert by_name.peak == by_instance.peak == by_factory.peak
+    assert by_name.by_kind("optimizer_sgd")[0].saves == 2 * lin(100, 50) + 2 * 4

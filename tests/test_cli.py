@@ -209,7 +209,7 @@ def test_diagram_formats(models):
 def test_estimate_subcommand(models, capsys):
     name, _ = models
     code, text = run(
-        "estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamw", "--format", "json"
+        "estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamw", "--device", "cpu", "--format", "json"
     )
     if not hasattr(memtorch, "estimate"):
         assert code == 3
@@ -226,6 +226,11 @@ def test_estimate_subcommand(models, capsys):
     assert code == 0 and "bf16-mixed" in text and "estimated, not measured" in text
     code, _ = run("estimate", f"{name}:mlp", "--input", "8x784", "--optimizer", "adamz")
     assert code == 2 and "adamz" in capsys.readouterr().err
+    # one default device for estimate, plan and advise: cuda, said in the output
+    code, text = run("estimate", f"{name}:mlp", "--input", "8x784")
+    assert code == 0 and "memtorch.estimate on cuda" in text and "by default" in text
+    code, text = run("estimate", f"{name}:mlp", "--input", "8x784", "--inference", "--device", "cpu")
+    assert code == 0 and "inference_mode" in text
 
 
 def test_plan_subcommand(models, capsys):
@@ -256,6 +261,29 @@ def test_plan_subcommand(models, capsys):
     assert code == 2 and "plan needs an example input" in capsys.readouterr().err
 
 
+def test_step_options_reach_plan_and_advise(models, capsys):
+    """--gpu, --loss and --fsdp-units, shared by estimate, plan and advise, reach plan() and advise()."""
+    name, _ = models
+    model = importlib.import_module(name).mlp()
+    x = torch.empty(8, 784, device="meta")
+    one = ["--world-sizes", "1", "--shardings", "ddp", "--precisions", "fp32", "--checkpointing", "none", "--reserve",
+           "0", "--format", "json"]  # fmt: skip
+    for gpu in ("a100", "h100"):
+        code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cuda", "--gpu", gpu, *one)
+        assert code == 0, text
+        est = memtorch.estimate(model, x, device="cuda", gpu=gpu)
+        assert json.loads(text)["options"][0]["peak"] == est.peak
+    code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cpu", "--loss", "output", *one)
+    # --loss reached plan's estimates: the output is a plain 8 x 10 tensor, with no .loss
+    assert code == 2 and "--loss output: the model's output has no .loss" in capsys.readouterr().err
+    kw = ["--device", "cpu", "--world-size", "2", "--sharding", "zero3", "--optimizer", "adam"]
+    code, text = run("advise", f"{name}:mlp", "--input", "8x784", *kw, "--fsdp-units", "0", "--format", "json")
+    assert code == 0, text
+    est = memtorch.estimate(model, x, optimizer="adam", device="cpu", world_size=2, sharding="zero3",
+                            fsdp_units=["0"], keep_output=False)  # fmt: skip
+    assert json.loads(text)["peak"] == est.peak - est.breakdown["input"]
+
+
 def test_estimate_needs_an_input(models, capsys):
     name, _ = models
     code, _ = run("estimate", f"{name}:mlp")
@@ -281,9 +309,7 @@ def test_unknown_optimizer_name(models, capsys):
         pytest.skip("memtorch.advise is not in this install: the optimizer is built for it")
     name, _ = models
     code, _ = run("advise", f"{name}:mlp", "--optimizer", "adamz")
-    assert (
-        code == 2 and "--optimizer 'adamz' is not a torch.optim optimizer: one of" in capsys.readouterr().err
-    )
+    assert code == 2 and "unknown optimizer 'adamz'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- diff
@@ -532,11 +558,11 @@ def test_advise_and_estimate_plumbing(models, monkeypatch):
     name, _ = models
     calls = []
 
-    def advise(model, *inputs, optimizer=None, budget=None):
+    def advise(model, *inputs, optimizer=None, budget=None, device=None):
         calls.append(("advise", model, inputs, optimizer, budget))
         return _FakeReport()
 
-    def estimate(model, *inputs, optimizer="adamw", precision="fp32"):
+    def estimate(model, *inputs, optimizer="adamw", precision="fp32", loss_fn=None, device=None):
         calls.append(("estimate", model, inputs, optimizer, precision))
         return _FakeReport()
 
@@ -557,11 +583,11 @@ def test_advise_and_estimate_plumbing(models, monkeypatch):
     assert code == 0 and text == "fake report\n"
     _, model, inputs, optimizer, budget = calls.pop()
     assert isinstance(model, torch.nn.Sequential)
-    # advise runs the model: real tensors of the shapes and dtypes asked for.
+    # the inputs as estimate() reads them (advise makes real ones where it measures); the optimizer by name
     assert [(tuple(x.shape), x.dtype) for x in inputs] == [((8, 784), torch.float32), ((8,), torch.int64)]
-    assert type(optimizer) is torch.optim.Adam and budget == "2 GiB"
+    assert optimizer == "adam" and budget == "2 GiB"
     code, _ = run("advise", f"{name}:mlp", "--precision", "bf16-mixed")
-    assert code == 2  # this advise takes no precision
+    assert code == 2  # this stand-in takes no precision
     code, text = run(
         "estimate",
         f"{name}:mlp",
@@ -576,8 +602,16 @@ def test_advise_and_estimate_plumbing(models, monkeypatch):
     )
     assert code == 0 and json.loads(text) == {"peak": 123}
     _, _, inputs, optimizer, precision = calls.pop()
-    # estimate needs no real tensors: (shape, dtype) pairs.
-    assert inputs == (((8, 784), torch.float32),) and optimizer == "sgd" and precision == "bf16-mixed"
+    # estimate needs no real tensors: meta tensors of the shapes asked for
+    assert [(tuple(x.shape), x.dtype, x.device.type) for x in inputs] == [((8, 784), torch.float32, "meta")]
+    assert optimizer == "sgd" and precision == "bf16-mixed"
+    # keyword inputs: one mapping after the positional ones, model(**batch); --loss output
+    code, _ = run("estimate", f"{name}:mlp", "--input", "input_ids=1x16:int64", "--input", "labels=1x16:int64",
+                  "--loss", "output")  # fmt: skip
+    _, _, inputs, _, _ = calls.pop()
+    assert code == 0 and list(inputs[0]) == ["input_ids", "labels"] and inputs[0]["labels"].dtype == torch.int64
+    code, _ = run("estimate", f"{name}:mlp", "--input", "8x784", "--checkpointing", "blocks")
+    assert code == 2  # this stand-in takes no checkpointing: said, not dropped
     code, text = run("estimate", f"{name}:with_input", "--format", "html")
     _, _, inputs, _, _ = calls.pop()
     assert code == 0 and "<p>fake</p>" in text and inputs[0].shape == (4, 784)  # the TARGET's own input

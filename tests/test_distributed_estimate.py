@@ -27,7 +27,7 @@ def test_zero1_even_pads_each_group_as_deepspeed_does(world, partition):
     # element; the four step counts (4 bytes each) are scalars, kept whole.
     assert partition == 2 * -(-2632 // (2 * world))
     est = memtorch.estimate(small_mlp(), (4, 32), optimizer="adam", precision="mixed-zero", world_size=world,
-                            sharding="zero1-even")  # fmt: skip
+                            sharding="zero1-even", device="cpu")  # fmt: skip
     assert len(est.per_rank) == world
     for r in est.per_rank:
         assert r["optimizer_state"] == 12 * partition + 16
@@ -55,7 +55,7 @@ def test_reserved_figures_are_each_ranks_own():
     for r in est.per_rank:
         assert r["peak"] <= r["reserved_peak"] and r["reserved_peak"] % (2 * 2**20) == 0  # whole segments
     assert "reserved" in str(est).split("per rank (zero3")[1]
-    cpu = memtorch.estimate(model, x, world_size=2, sharding="zero3")
+    cpu = memtorch.estimate(model, x, world_size=2, sharding="zero3", device="cpu")
     assert cpu.reserved_peak is None and all(r["reserved_peak"] is None for r in cpu.per_rank)
 
 
@@ -78,7 +78,7 @@ def test_gloo_late_scratch_bounds_the_real_runs(way, world):
     bench, raw = _bench()
     d = next(d for d in raw if (d["model"], d["way"], d["world"]) == ("mlp", way, world))
     model, inputs = bench.make_model("mlp")
-    est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way,
+    est = memtorch.estimate(model, *inputs, optimizer="adamw", world_size=world, sharding=way, device="cpu",
                             fsdp_units=[n for n, _ in bench.shard_units(model)])  # fmt: skip
     assert est.peak_upper == max(r["peak_upper"] for r in est.per_rank)
     late = 0

@@ -1,4 +1,4 @@
-"""memtorch.estimate(): figures against independent measurements and hand-derived formulas.
+"""cpu_estimate(): figures against independent measurements and hand-derived formulas.
 
 Expected figures come from memtorch.track()/memtorch.inspect() on real steps of the
 same model (independent of the dry run), from numel * element size by hand, or
@@ -16,6 +16,12 @@ import memtorch
 from memtorch import cpu
 from memtorch.errors import BudgetExceeded, MemtorchError
 from memtorch.estimation import OPTIMIZERS, _make_optimizer, checkpointing, default_loss
+
+def cpu_estimate(*args, **kwargs):
+    """memtorch.estimate() of the CPU's step (its default device is cuda): what track() measures here."""
+    kwargs.setdefault("device", "cpu")
+    return memtorch.estimate(*args, **kwargs)
+
 
 OPTIMIZER_NAMES = ["sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adagrad", "rmsprop"]
 
@@ -69,7 +75,7 @@ def test_model_states_to_the_byte(name):
     default_loss(model(x)).backward()  # gradients present for inspect
     real = memtorch.inspect(model, optimizer=opt).by_category
     opt.zero_grad(set_to_none=True)
-    est = memtorch.estimate(model, x, optimizer=name)
+    est = cpu_estimate(model, x, optimizer=name)
     for cat in ("parameter", "gradient", "optimizer_state"):
         assert est.model_states[cat] == real.get(cat, 0), cat
 
@@ -78,16 +84,16 @@ def test_model_states_by_hand():
     model = small_mlp()
     n = sum(p.numel() for p in model.parameters())  # 32*64+64 + 64*8+8 = 2632
     assert n == 2632
-    est = memtorch.estimate(model, (4, 32), optimizer="adam")
+    est = cpu_estimate(model, (4, 32), optimizer="adam")
     assert est.model_states["parameter"] == 4 * n
     assert est.model_states["gradient"] == 4 * n
     # exp_avg and exp_avg_sq per parameter, plus a float32 step scalar per parameter tensor
     assert est.model_states["optimizer_state"] == 8 * n + 4 * 4
-    amsgrad = memtorch.estimate(model, (4, 32), optimizer="amsgrad")
+    amsgrad = cpu_estimate(model, (4, 32), optimizer="amsgrad")
     assert amsgrad.model_states["optimizer_state"] == 12 * n + 4 * 4
-    sgd = memtorch.estimate(model, (4, 32), optimizer="sgd")
+    sgd = cpu_estimate(model, (4, 32), optimizer="sgd")
     assert sgd.model_states["optimizer_state"] == 0
-    mom = memtorch.estimate(model, (4, 32), optimizer="sgd-momentum")
+    mom = cpu_estimate(model, (4, 32), optimizer="sgd-momentum")
     assert mom.model_states["optimizer_state"] == 4 * n
 
 
@@ -97,7 +103,7 @@ def test_model_states_by_hand():
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_peak_matches_track_mlp(optimizer):
     measured, model, x, _opt = measured_peak(small_mlp, lambda: torch.randn(16, 32), optimizer)
-    est = memtorch.estimate(model, x, optimizer=optimizer)
+    est = cpu_estimate(model, x, optimizer=optimizer)
     assert est.peak == measured
 
 
@@ -108,7 +114,7 @@ def test_peak_matches_track_lstm():
         return nn.LSTM(16, 32, 2, batch_first=True)
 
     measured, model, x, _opt = measured_peak(make, lambda: torch.randn(4, 10, 16), "adam")
-    est = memtorch.estimate(model, x, optimizer="adam")
+    est = cpu_estimate(model, x, optimizer="adam")
     assert abs(est.peak - measured) <= 0.03 * measured
 
 
@@ -118,7 +124,7 @@ def test_peak_matches_track_attention():
         return nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 1)
 
     measured, model, x, _opt = measured_peak(make, lambda: torch.randn(4, 16, 32), "adamw")
-    est = memtorch.estimate(model, x, optimizer="adamw")
+    est = cpu_estimate(model, x, optimizer="adamw")
     assert est.peak == measured
 
 
@@ -142,9 +148,9 @@ def test_checkpointing_matches_track_and_saves():
     with checkpointing(model2, "blocks"):
         report, _ = real_steps(model2, x2, "sgd")
     assert "forward" not in model2.blocks[0].__dict__  # restored
-    est = memtorch.estimate(model2, x2, optimizer="sgd", checkpointing="blocks")
+    est = cpu_estimate(model2, x2, optimizer="sgd", checkpointing="blocks")
     assert est.peak == report.peak - base
-    plain = memtorch.estimate(model, x, optimizer="sgd")
+    plain = cpu_estimate(model, x, optimizer="sgd")
     assert est.breakdown["activation"] < plain.breakdown["activation"]
 
 
@@ -159,7 +165,7 @@ def test_real_model_not_copied():
     before = [(p, p.detach().clone()) for p in model.parameters()]
     cpu.start()
     with cpu.Scope() as s:
-        est = memtorch.estimate(model, (8, 4096), optimizer="adam")
+        est = cpu_estimate(model, (8, 4096), optimizer="adam")
     # real memory: only the kernel probes' zero-filled tensors (at most PROBE_CAP at a time),
     # never a copy of the 48 MiB weight, its gradient or its optimizer state
     assert s.peak - s.start <= PROBE_CAP < 48 << 20
@@ -171,7 +177,7 @@ def test_real_model_not_copied():
 def test_meta_model():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
-    est = memtorch.estimate(model, (2, 4096), optimizer="sgd")
+    est = cpu_estimate(model, (2, 4096), optimizer="sgd")
     n = 4096 * 4096 + 4096 + 4096 * 10 + 10
     assert est.model_states["parameter"] == 4 * n
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -226,7 +232,7 @@ def test_data_dependent_model(model_cls, match):
     model = model_cls()
     forwards = [type(m).forward for m in model.modules()]
     with pytest.raises(MemtorchError, match=match):
-        memtorch.estimate(model, (4, 8), precision="bf16-mixed", checkpointing=None)
+        cpu_estimate(model, (4, 8), precision="bf16-mixed", checkpointing=None)
     _state_is_clean(model, forwards)
 
 
@@ -234,7 +240,7 @@ def test_input_rejected_by_model():
     model = small_mlp()
     forwards = [type(m).forward for m in model.modules()]
     with pytest.raises(MemtorchError, match="failed on fake tensors.*same reduction dim"):
-        memtorch.estimate(model, (4, 31))
+        cpu_estimate(model, (4, 31))
     _state_is_clean(model, forwards)
 
 
@@ -252,7 +258,7 @@ def test_error_inside_checkpointed_block_restores():
     model = Net()
     forwards = [type(m).forward for m in model.modules()]
     with pytest.raises(MemtorchError, match="item"):
-        memtorch.estimate(model, (2, 8), checkpointing="blocks")
+        cpu_estimate(model, (2, 8), checkpointing="blocks")
     _state_is_clean(model, forwards)
 
 
@@ -285,20 +291,20 @@ def test_bad_arguments(kwargs, match):
     model = small_mlp()
     forwards = [type(m).forward for m in model.modules()]
     with pytest.raises(MemtorchError, match=match):
-        memtorch.estimate(model, (4, 32), **kwargs)
+        cpu_estimate(model, (4, 32), **kwargs)
     _state_is_clean(model, forwards)
 
 
 def test_bad_inputs():
     with pytest.raises(MemtorchError, match="needs a torch.nn.Module"):
-        memtorch.estimate("model", (4, 32))
+        cpu_estimate("model", (4, 32))
     with pytest.raises(MemtorchError, match="needs example inputs"):
-        memtorch.estimate(small_mlp())
+        cpu_estimate(small_mlp())
     with pytest.raises(MemtorchError, match="input 0 is a str"):
-        memtorch.estimate(small_mlp(), "x")
+        cpu_estimate(small_mlp(), "x")
     frozen = small_mlp().requires_grad_(False)
     with pytest.raises(MemtorchError, match="no parameter that requires grad"):
-        memtorch.estimate(frozen, (4, 32))
+        cpu_estimate(frozen, (4, 32))
 
 
 # ---------------------------------------------------------------- precision and sharding, by hand
@@ -308,13 +314,13 @@ def test_precisions_by_hand():
     model = small_mlp()
     n = 2632
     steps = 4 * 4  # four float32 step scalars (Adam)
-    true16 = memtorch.estimate(model, (4, 32), optimizer="adam", precision="bf16-true")
+    true16 = cpu_estimate(model, (4, 32), optimizer="adam", precision="bf16-true")
     assert true16.model_states["parameter"] == 2 * n
     assert true16.model_states["gradient"] == 2 * n
     assert true16.model_states["optimizer_state"] == 4 * n + steps
-    mixed = memtorch.estimate(model, (4, 32), optimizer="adam", precision="bf16-mixed")
+    mixed = cpu_estimate(model, (4, 32), optimizer="adam", precision="bf16-mixed")
     assert mixed.model_states["parameter"] == 4 * n and mixed.model_states["gradient"] == 4 * n
-    zero = memtorch.estimate(model, (4, 32), optimizer="adam", precision="mixed-zero")
+    zero = cpu_estimate(model, (4, 32), optimizer="adam", precision="mixed-zero")
     # ZeRO's K = 12: fp32 master weights, exp_avg, exp_avg_sq
     assert zero.model_states["parameter"] == 2 * n
     assert zero.model_states["gradient"] == 2 * n
@@ -327,7 +333,7 @@ def test_zero1_even_is_the_zero_paper_split():
     # bytes per parameter over the ranks. The four step counts (4 bytes each) are scalars, kept whole.
     model = small_mlp()
     psi, nd, steps = 2632, 4, 16
-    est = memtorch.estimate(model, (4, 32), optimizer="adam", precision="mixed-zero", world_size=nd,
+    est = cpu_estimate(model, (4, 32), optimizer="adam", precision="mixed-zero", world_size=nd,
                             sharding="zero1-even")  # fmt: skip
     for r in est.per_rank:
         assert (r["parameter"], r["gradient"]) == (2 * psi, 2 * psi)
@@ -387,14 +393,14 @@ def test_zero1_per_rank_state_and_ddp_buckets_by_hand():
     adam = lambda els, params: 2 * 4 * els + 4 * params  # noqa: E731
     grads = 4 * 2632  # DDP's buckets: one fp32 copy of every gradient
     for n, expected in ((2, [adam(2048, 1), adam(584, 3)]), (3, [adam(2048, 1), adam(512, 1), adam(72, 2)])):
-        est = memtorch.estimate(model, (4, 32), optimizer="adam", world_size=n, sharding="zero1")
+        est = cpu_estimate(model, (4, 32), optimizer="adam", world_size=n, sharding="zero1")
         assert [r["optimizer_state"] for r in est.per_rank] == expected
         assert all(r["communication_buckets"] == grads and r["parameter"] == grads for r in est.per_rank)
         assert [r["parameters_stepped"] for r in est.per_rank] == ([1, 3] if n == 2 else [1, 1, 2])
         # rank 0 keeps the most state and the step's scratch of the largest parameter
         assert est.peak_rank == 0 and est.peak == est.per_rank[0]["peak"] > est.per_rank[1]["peak"]
         # each rank's peak: the one-process step's with the other ranks' state (and step scratch) gone
-        ddp = memtorch.estimate(model, (4, 32), optimizer="adam", world_size=n, sharding="ddp")
+        ddp = cpu_estimate(model, (4, 32), optimizer="adam", world_size=n, sharding="ddp")
         assert all(r["optimizer_state"] == adam(2632, 4) for r in ddp.per_rank)
         assert ddp.peak - est.per_rank[0]["peak"] >= adam(2632, 4) - expected[0]
         text = str(est)
@@ -405,8 +411,8 @@ def test_zero1_per_rank_state_and_ddp_buckets_by_hand():
 
 def test_ddp_per_rank_is_the_step_plus_buckets():
     model = small_mlp()
-    one = memtorch.estimate(model, (4, 32), optimizer="adamw")
-    est = memtorch.estimate(model, (4, 32), optimizer="adamw", world_size=2, sharding="ddp")
+    one = cpu_estimate(model, (4, 32), optimizer="adamw")
+    est = cpu_estimate(model, (4, 32), optimizer="adamw", world_size=2, sharding="ddp")
     # the buckets live from wrapping on: every moment of the step is 4 * 2632 bytes higher
     assert [r["peak"] for r in est.per_rank] == [one.peak + 4 * 2632] * 2
     assert est.per_rank[0]["steady"] == one.steady + 4 * 2632
@@ -452,7 +458,7 @@ def test_fsdp_shards_and_gathered_units_by_hand():
     x = torch.randn(4, 8)
     shard = 4 * (27 + 27 + 18)
     for sharding in ("zero2", "zero3"):
-        est = memtorch.estimate(m, x, optimizer="adamw", world_size=3, sharding=sharding)
+        est = cpu_estimate(m, x, optimizer="adamw", world_size=3, sharding=sharding)
         assert [(u["name"], u["gathered_bytes"]) for u in est.fsdp_units] == [
             ("blocks.0", 4 * 81), ("blocks.1", 4 * 81), ("(model)", 4 * 54)
         ]  # fmt: skip
@@ -465,16 +471,16 @@ def test_fsdp_shards_and_gathered_units_by_hand():
             els = 2 * (rb * 8 + rb) + (rh * 8 + rh)
             assert r["optimizer_state"] == 2 * 4 * els + 4 * 6
     # one unit (the root only) gathers the whole model at once: a higher peak than block by block
-    whole = memtorch.estimate(m, x, optimizer="adamw", world_size=3, sharding="zero3",
+    whole = cpu_estimate(m, x, optimizer="adamw", world_size=3, sharding="zero3",
                               fsdp_units=lambda n, mod: False)  # fmt: skip
     assert [(u["name"], u["gathered_bytes"]) for u in whole.fsdp_units] == [("(model)", 4 * (81 + 81 + 54))]
-    blocks = memtorch.estimate(m, x, optimizer="adamw", world_size=3, sharding="zero3")
+    blocks = cpu_estimate(m, x, optimizer="adamw", world_size=3, sharding="zero3")
     assert whole.peak > blocks.peak
 
 
 def test_fsdp_world_size_need_not_divide():
     # FSDP2 pads each parameter's last chunk: no error for 3 ranks of 2632 elements
-    est = memtorch.estimate(small_mlp(), (4, 32), world_size=3, sharding="zero3")
+    est = cpu_estimate(small_mlp(), (4, 32), world_size=3, sharding="zero3")
     assert len(est.per_rank) == 3
 
 
@@ -507,8 +513,8 @@ def test_cuda_rounding_and_segments():
 
 def test_cuda_estimate_rounds_each_allocation():
     model = nn.Linear(10, 10)  # weight 400 B, bias 40 B: 512 B blocks on CUDA
-    cpu_est = memtorch.estimate(model, (3, 10), optimizer="sgd")
-    cuda_est = memtorch.estimate(model, (3, 10), optimizer="sgd", device="cuda")
+    cpu_est = cpu_estimate(model, (3, 10), optimizer="sgd")
+    cuda_est = cpu_estimate(model, (3, 10), optimizer="sgd", device="cuda")
     assert cpu_est.model_states["parameter"] == 440
     assert cuda_est.model_states["parameter"] == 2 * 512
     # the tensors and the 1 MiB cuBLASLt workspace (addmm with a bias) fit one 2 MiB small segment;
@@ -521,7 +527,7 @@ def test_cuda_estimate_rounds_each_allocation():
 
 
 def test_report_fields_and_budget():
-    est = memtorch.estimate(small_mlp(), torch.randn(4, 32), optimizer="adamw")
+    est = cpu_estimate(small_mlp(), torch.randn(4, 32), optimizer="adamw")
     d = est.to_dict()
     for key in ("peak", "delta", "steady", "breakdown", "phases", "modules", "model_states"):
         assert key in d
@@ -539,7 +545,7 @@ def test_report_fields_and_budget():
 
 def test_shape_inputs_and_dtype_pairs():
     emb = nn.Embedding(100, 16)
-    est = memtorch.estimate(emb, ((4, 7), torch.long), optimizer="sgd")
+    est = cpu_estimate(emb, ((4, 7), torch.long), optimizer="sgd")
     assert est.breakdown["input"] == 4 * 7 * 8 or est.model_states["parameter"] == 100 * 16 * 4
 
 
@@ -595,7 +601,7 @@ def test_custom_op_without_fake_kernel():
     model = CustomOpModel()
     forwards = [type(m).forward for m in model.modules()]
     with pytest.raises(MemtorchError, match="cannot run on fake tensors.*fake kernel"):
-        memtorch.estimate(model, (4, 8))
+        cpu_estimate(model, (4, 8))
     _state_is_clean(model, forwards)
 
 
@@ -605,8 +611,8 @@ def test_optimizer_instance_is_copied_with_its_settings(cls):
     # defaults hold a key its constructor does not take (decoupled_weight_decay).
     model = nn.Linear(10, 10)
     opt = cls(model.parameters(), lr=0.1)
-    by_instance = memtorch.estimate(model, torch.randn(4, 10), optimizer=opt)
-    by_factory = memtorch.estimate(model, torch.randn(4, 10), optimizer=lambda p: cls(p, lr=0.1))
+    by_instance = cpu_estimate(model, torch.randn(4, 10), optimizer=opt)
+    by_factory = cpu_estimate(model, torch.randn(4, 10), optimizer=lambda p: cls(p, lr=0.1))
     assert by_instance.model_states == by_factory.model_states
     assert by_instance.peak == by_factory.peak
     assert len(opt.state) == 0  # the user's optimizer is not stepped
@@ -715,7 +721,7 @@ def test_zero1_per_rank_against_real_gloo_ranks():
     measured = {r: d["peak"] for r, d in results.items()}
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
-    est = memtorch.estimate(model, (32, 256), optimizer="adamw", world_size=2, sharding="zero1")
+    est = cpu_estimate(model, (32, 256), optimizer="adamw", world_size=2, sharding="zero1")
     got = [r["peak"] for r in est.per_rank]
     assert measured[0] > measured[1] and got[0] > got[1]
     for rank in (0, 1):
@@ -739,8 +745,8 @@ def test_cli_estimate_per_rank(tmp_path, monkeypatch, capsys):
 
     try:
         out = io.StringIO()
-        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--optimizer", "adam", "--world-size", "2",
-                "--sharding", "zero1", "--format", "json"]  # fmt: skip
+        argv = ["estimate", f"{name}:mlp", "--input", "4x32", "--device", "cpu", "--optimizer", "adam",
+                "--world-size", "2", "--sharding", "zero1", "--format", "json"]  # fmt: skip
         assert cli.main(argv, out=out) == 0
         data = json.loads(out.getvalue())
         # the partition of test_zero1_per_rank_state_and_ddp_buckets_by_hand: 2048 elements; 584 in 3
@@ -756,6 +762,149 @@ def test_cli_estimate_per_rank(tmp_path, monkeypatch, capsys):
         assert "unknown sharding 'zero9'" in capsys.readouterr().err
     finally:
         sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------- inputs as users pass them, inference, generation
+
+
+def _hf(kind):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=512,
+                                      bos_token_id=0, eos_token_id=None)  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _measured_from_scratch(make, run):
+    """track()'s peak of run(model, ids), counted from before the model and its input exist."""
+    gc.collect()
+    cpu.start()
+    base = cpu.allocated()
+    model = make()
+    ids = torch.zeros(4, 64, dtype=torch.long)
+    with memtorch.track() as t:
+        run(model, ids)
+    assert t.report.exact
+    return t.report.peak - base, model, ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_keyword_inputs_and_the_outputs_loss_match_track(kind):
+    def step(model, ids):
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    measured, model, ids = _measured_from_scratch(lambda: _hf(kind).train(), step)
+    # the loop keeps only the loss (the output object goes at once): keep_output=False
+    est = cpu_estimate(model, {"input_ids": ids, "labels": ids}, optimizer="adamw", keep_output=False)
+    # GPT-2's dropout draws random numbers: a few bytes of the CPU generator's scratch apart
+    assert abs(est.peak - measured) <= 0.001 * measured
+    assert est.breakdown["input"] == ids.nbytes  # one tensor passed twice is one tensor
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_inference_forward_matches_track(kind):
+    def fwd(model, ids):
+        with torch.inference_mode():
+            out = model(ids)
+            del out
+
+    measured, model, ids = _measured_from_scratch(lambda: _hf(kind).eval(), fwd)
+    est = cpu_estimate(model, ids, training=False)
+    assert est.peak == measured
+    assert est.optimizer is None and est.model_states["gradient"] == 0 and "inference_mode" in str(est)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_generation_matches_track_within_3_percent(kind):
+    n = 64
+
+    def gen(model, ids):
+        out = model.generate(ids, max_new_tokens=n)
+        assert out.shape[1] == ids.shape[1] + n  # no end-of-sequence token: the whole length
+        del out
+
+    _hf(kind).generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2)  # generate's lazy imports
+    measured, model, ids = _measured_from_scratch(lambda: _hf(kind).eval(), gen)
+    est = cpu_estimate(model, ids, training=False, max_new_tokens=n)
+    assert abs(est.peak - measured) <= 0.03 * measured
+    # by hand: the KV cache of 2 layers x (k, v) x 4 sequences x 128 positions x (heads x head size: GPT-2
+    # 4 x 16, Llama's 2 key-value heads x 16) float32 is alive at the end, so in the peak beside the parameters
+    kv = 2 * 2 * 4 * 128 * (64 if kind == "gpt2" else 32) * 4
+    assert est.peak - est.model_states["parameter"] - est.model_states["buffer"] >= kv
+
+
+def test_input_specs_one_reading():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+    a = cpu_estimate(model, ((2, 5), torch.long), optimizer="sgd")
+    b = cpu_estimate(model, "2x5:int64", optimizer="sgd")
+    c = cpu_estimate(model, torch.zeros(2, 5, dtype=torch.long), optimizer="sgd")
+    assert a.peak == b.peak == c.peak and a.breakdown["input"] == 2 * 5 * 8
+
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, scale):
+            return self.lin(x) * scale
+
+    d = cpu_estimate(Kw(), {"x": (4, 8), "scale": 2.0}, optimizer="sgd")
+    assert d.breakdown["input"] == 4 * 8 * 4
+    with pytest.raises(MemtorchError, match="input 0 is a str"):
+        cpu_estimate(model, "x")
+    with pytest.raises(MemtorchError, match="mapping but is not the last"):
+        cpu_estimate(model, {"x": (2, 5)}, (2, 5))
+
+
+def test_tables_describe_one_step():
+    model = small_mlp()
+    x = torch.randn(16, 32)
+    est = cpu_estimate(model, x, optimizer="adam")
+    assert all(p.calls == 1 for p in est.phases.values())
+    assert all(m.calls == 1 for m in est.modules)
+    # one forward's activations: the first Linear's output (16 x 64 floats) is left alive by module 0
+    assert next(m for m in est.modules if m.name == "0").activation_bytes == 16 * 64 * 4
+    # the step with the optimizer's state: the optimizer phase makes no new state (delta 0)
+    assert est.phases["optimizer"].delta == 0
+
+
+def test_default_device_is_cuda_and_said():
+    est = memtorch.estimate(small_mlp(), (4, 32))
+    assert est.device == "cuda" and any("by default" in n for n in est.notes)
+
+
+def test_training_false_bad_arguments():
+    with pytest.raises(MemtorchError, match="pass training=False"):
+        cpu_estimate(small_mlp(), (4, 32), max_new_tokens=4)
+    with pytest.raises(MemtorchError, match="has no generate"):
+        cpu_estimate(small_mlp(), (4, 32), training=False, max_new_tokens=4)
+    with pytest.raises(MemtorchError, match="training steps"):
+        cpu_estimate(small_mlp(), (4, 32), training=False, world_size=2)
+
+
+def test_plan_reads_inputs_as_estimate_does():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+    kw = dict(device="cpu", precisions=["fp32"], checkpointing=[None], world_sizes=[1], shardings=["ddp"],
+              reserve=0, optimizer="sgd")  # fmt: skip
+    by_pair = memtorch.plan(model, ((2, 5), torch.long), **kw)
+    by_text = memtorch.plan(model, "2x5:int64", **kw)
+    assert by_pair.options[0].micro_batch == by_text.options[0].micro_batch == 2
+    assert by_pair.options[0].peak == by_text.options[0].peak == cpu_estimate(model, ((2, 5), torch.long),
+                                                                               optimizer="sgd").peak
 
 
 # ---------------------------------------------------------------- checkpointing a model with a KV cache

@@ -153,7 +153,7 @@ def test_gpu_argument():
     with pytest.raises(MemtorchError, match="unknown gpu"):
         memtorch.estimate(nn.Linear(4, 4), (2, 4), device="cuda", gpu="potato")
     with pytest.raises(MemtorchError, match="applies to device='cuda'"):
-        memtorch.estimate(nn.Linear(4, 4), (2, 4), gpu="h100")
+        memtorch.estimate(nn.Linear(4, 4), (2, 4), device="cpu", gpu="h100")
     est = memtorch.estimate(nn.Linear(4, 4), (2, 4), device="cuda", gpu=GPU("test", (8, 0)))
     assert "compute capability 8.0" in str(est) and "not modelled" in str(est)
 
@@ -161,8 +161,8 @@ def test_gpu_argument():
 def test_keep_output_holds_the_output_through_backward():
     # the output's own bytes, 64 x 1000 float32 = 256,000 B: alive in backward by default
     model = nn.Sequential(nn.Linear(16, 1000))
-    kept = memtorch.estimate(model, (64, 16), optimizer="sgd")
-    freed = memtorch.estimate(model, (64, 16), optimizer="sgd", keep_output=False)
+    kept = memtorch.estimate(model, (64, 16), optimizer="sgd", device="cpu")
+    freed = memtorch.estimate(model, (64, 16), optimizer="sgd", keep_output=False, device="cpu")
     assert kept.phases["backward"].peak_above_start - freed.phases["backward"].peak_above_start == 64 * 1000 * 4
     with pytest.raises(MemtorchError, match="keep_output"):
         memtorch.estimate(model, (64, 16), keep_output="yes")

@@ -299,8 +299,36 @@ def test_plan_takes_the_input_specs_estimate_takes():
     model = _tiny_llama(layers=1)
     p = memtorch.plan(model, ((1, 16), torch.long), world_sizes=[1], shardings=["ddp"], precisions=["fp32"],
                       checkpointing=[None], device="cpu", reserve=0, device_memory="1 GiB")  # fmt: skip
-    est = memtorch.estimate(model, ((1, 16), torch.long))
+    est = memtorch.estimate(model, ((1, 16), torch.long), device="cpu")
     assert [(o.micro_batch, o.peak) for o in p.options] == [(1, est.peak)]
+
+
+def test_plan_takes_gpu_and_loss_fn_as_estimate_does():
+    import torch
+    from torch import nn
+
+    import memtorch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    kw = dict(world_sizes=[1], shardings=["ddp"], precisions=["fp32"], checkpointing=[None], reserve=0)
+    # the GPU modelled: cuBLAS's workspace is not the same on compute capability 8.0 and 9.0
+    peaks = {}
+    for gpu in ("a100", "h100"):
+        (o,) = memtorch.plan(model, (32, 64), device="cuda", gpu=gpu, **kw).options
+        est = memtorch.estimate(model, (32, 64), device="cuda", gpu=gpu)
+        assert (o.peak, o.reserved) == (est.peak, est.reserved_peak)
+        peaks[gpu] = est.peak
+    assert peaks["a100"] != peaks["h100"]
+
+    # a loss whose temporary, 32 x 8 x 4096 float32 = 4 MiB, makes the step's peak
+    def loss_fn(out, x):
+        return (out.unsqueeze(-1) * torch.ones(1, 1, 4096)).sum()
+
+    (o,) = memtorch.plan(model, (32, 64), device="cpu", loss_fn=loss_fn, **kw).options
+    est = memtorch.estimate(model, (32, 64), device="cpu", loss_fn=loss_fn)
+    plain = memtorch.estimate(model, (32, 64), device="cpu")
+    assert o.peak == est.peak and est.peak > 32 * 8 * 4096 * 4 > plain.peak
 
 
 def _same_as_estimate(model, p, spec, device):
