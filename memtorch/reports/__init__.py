@@ -28,7 +28,7 @@ def field(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, k
 
 
 def plain(value):
-    """value as JSON-ready Python: records as their to_dict(), tuples as lists, NumPy scalars and
+    """value as JSON-ready Python: records as their to_dict(), namedtuples as dicts, other tuples as lists, NumPy scalars and
     arrays as ints, floats and lists (no NumPy import: read through numbers and tolist())."""
     if isinstance(value, Record):
         return value.to_dict()
@@ -36,6 +36,8 @@ def plain(value):
         return value
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a namedtuple: by its field names
+        return {k: plain(v) for k, v in value._asdict().items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     if isinstance(value, numbers.Integral):
