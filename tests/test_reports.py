@@ -51,8 +51,10 @@ def made():
     with memtorch.track(model) as t2:  # no step: no leak figure
         kept.append(torch.zeros(64))
     est = memtorch.estimate(model, torch.randn(8, 16), optimizer="adamw")
-    b = planning.Breakdown(peak=5000, parameter=1000, gradient=1000, optimizer_state=2000, gradient_at_peak=1000,
-                           optimizer_state_at_peak=2000, numel=250, largest_block=400, param_numels=(150, 100))  # fmt: skip
+    b = planning.Breakdown(
+        peak=5000, parameter=1000, gradient=1000, optimizer_state=2000, gradient_at_peak=1000,
+        optimizer_state_at_peak=2000, numel=250, largest_block=400, param_numels=(150, 100),
+    )  # fmt: skip
     plan = planning.plan_from({("fp32", None, 8): b}, device_memory=4000, world_sizes=[1, 2])
     figs = json.loads(json.dumps(distributed.figures(r)))
     ranks = [distributed.RankReport(dict(figs, rank=k)) for k in range(2)]

@@ -28,8 +28,8 @@ def field(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, k
 
 
 def plain(value):
-    """value as JSON-ready Python: records as their to_dict(), namedtuples as dicts, other tuples as lists, NumPy scalars and
-    arrays as ints, floats and lists (no NumPy import: read through numbers and tolist())."""
+    """value as JSON-ready Python: records as their to_dict(), namedtuples as dicts, other tuples as
+    lists, NumPy scalars and arrays as ints, floats and lists (no NumPy import: numbers and tolist())."""
     if isinstance(value, Record):
         return value.to_dict()
     if value is None or isinstance(value, (str, bool)):
