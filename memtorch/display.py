@@ -476,7 +476,7 @@ def _totals(mm):
     if n_all or "parameter" in mm.by_category:
         lines.append(("parameter count", f"{_count(n_all)} elements, {_count(n_train)} trainable"))
     for name, b in mm.by_category.items():
-        lines.append((name, _fmt(b)))
+        lines.append((words.label(name), _fmt(b)))
     by_cat = mm.by_category
     if "parameter" in by_cat:
         lines.append(("trainable", _fmt(mm.trainable)))
