@@ -23,11 +23,13 @@ measured alone; they do not add up.
 """
 
 import copy
+import dataclasses
 import functools
 import gc
 
 from . import units
 from .errors import MemtorchError
+from .reports import Record, Report, field
 
 __all__ = ["advise", "Advice", "Suggestion"]
 
@@ -36,9 +38,9 @@ ESTIMATED = "estimated"
 EXACT = "exact arithmetic"
 
 
-class Suggestion:
-    """One change: ``saves`` bytes (int), ``basis`` (how the figure was obtained), ``title``,
-    ``how`` (what to do, with code), ``detail`` (the figures behind it), ``kind`` (a key).
+@dataclasses.dataclass(eq=False)
+class Suggestion(Record):
+    """One change and the bytes it saves.
 
     ``saves`` is the drop of the measured step peak where the change was run
     (then ``before`` / ``after`` are the two peaks), otherwise the bytes the
@@ -46,37 +48,36 @@ class Suggestion:
     through training, so at the peak too once gradients and state exist).
     """
 
-    __slots__ = ("kind", "title", "saves", "basis", "how", "detail", "before", "after")
+    kind: str  # a key ("checkpointing", "bf16", ...)
+    title: str  # one line saying the change
+    saves: int  # bytes saved (see above)
+    basis: str  # how the figure was obtained (ESTIMATED, EXACT, measured)
+    how: str  # what to do, with code
+    detail: str  # the figures behind it
+    before: "int | None" = None  # the measured step peak without the change, or None
+    after: "int | None" = None  # with it, or None
 
-    def __init__(self, kind, title, saves, basis, how, detail, before=None, after=None):
-        self.kind = kind
-        self.title = title
-        self.saves = int(saves)
-        self.basis = basis
-        self.how = how
-        self.detail = detail
-        self.before = before
-        self.after = after
-
-    def to_dict(self):
-        return {k: getattr(self, k) for k in self.__slots__}
+    def __post_init__(self):
+        self.saves = int(self.saves)
 
     def __repr__(self):
         return f"Suggestion({self.kind!r}, saves={self.saves}, basis={self.basis!r})"
 
 
-class Advice:
-    """advise()'s result: ``items`` (Suggestion, largest saving first), ``peak`` (the measured
-    step peak, bytes, or None without inputs), ``held`` (what the model and optimizer hold,
-    from inspect), ``budget`` (bytes or None), ``notes`` (things checked that gave nothing)."""
+@dataclasses.dataclass(eq=False)
+class Advice(Report):
+    """advise()'s result: the suggestions, largest saving first (iterable, indexable)."""
 
-    def __init__(self, model_type, items, peak, held, budget, notes):
-        self.model_type = model_type
-        self.items = sorted(items, key=lambda s: -s.saves)
-        self.peak = peak
-        self.held = held
-        self.budget = budget
-        self.notes = list(notes)
+    model_type: str = field(key="model")  # the model's class name
+    items: list  # [Suggestion], largest saving first
+    peak: "int | None"  # the measured step peak, bytes, or None without inputs
+    held: int  # bytes the model and optimizer hold (inspect().total)
+    budget: "int | None"  # the budget asked for, bytes, or None
+    notes: list  # things checked that gave nothing
+
+    def __post_init__(self):
+        self.items = sorted(self.items, key=lambda s: -s.saves)
+        self.notes = list(self.notes)
 
     def __iter__(self):
         return iter(self.items)
@@ -90,22 +91,12 @@ class Advice:
     def by_kind(self, kind):
         return [s for s in self.items if s.kind == kind]
 
-    def to_dict(self):
-        return {
-            "model": self.model_type,
-            "peak": self.peak,
-            "held": self.held,
-            "budget": self.budget,
-            "items": [s.to_dict() for s in self.items],
-            "notes": list(self.notes),
-        }
-
-    def __str__(self):
+    def to_text(self):
         from . import display
 
         return display.advice_text(self)
 
-    def _repr_html_(self):
+    def to_html(self):
         from . import display
 
         return display.advice_html(self)

@@ -32,12 +32,14 @@ fails on every rank even if the failing rank caught its exception and arrives
 (the others may already have read the notice and raised).
 """
 
+import dataclasses
 import json
 import math
 import time
 
 from . import units, words
 from .errors import MemtorchError
+from .reports import Record, Report, field
 
 __all__ = ["MultiRankReport", "RankReport", "gather", "rank_info"]
 
@@ -156,43 +158,57 @@ def figures(report):
     }
 
 
-class _Leak:
+@dataclasses.dataclass(eq=False)
+class _Leak(Record):
     """A leak figure: ``per_step`` bytes (the most of any rank in a MultiRankReport)."""
 
-    __slots__ = ("leaking", "per_step", "steps", "survivors", "warmup")
+    per_step: "int | float | None"  # bytes per step (an int when whole, else a float), or None
+    steps: list = ()  # growth of each step, bytes
+    warmup: int = 0  # warm-up steps, not judged
+    leaking: bool = False  # the rank's LeakReport.leaking (any rank's, in a MultiRankReport)
+    survivors: list = ()  # a few of the tensors kept, as text
 
-    def __init__(self, per_step, steps=(), warmup=0, leaking=False, survivors=()):
-        self.per_step = per_step
-        self.steps = list(steps)
-        self.warmup = warmup
-        self.leaking = leaking
-        self.survivors = list(survivors)
+    def __post_init__(self):
+        self.steps = list(self.steps)
+        self.survivors = list(self.survivors)
 
     def __repr__(self):
         return f"leak(per_step={self.per_step}, leaking={self.leaking})"
 
 
-class RankReport:
-    """One rank's figures as gathered: the TrackReport fields, in bytes.
+@dataclasses.dataclass(eq=False, init=False)
+class RankReport(Record):
+    """One rank's figures as gathered (memtorch.distributed.figures): the TrackReport fields, in bytes."""
 
-    rank, device, exact, mechanism, start, end, delta, peak, peak_above_start,
-    peak_upper, reserved_peak, unseen_bytes, seconds, steps; phases {name: dict
-    of calls, delta, peak, peak_above_start, seconds, exact}; modules (the ten
-    leaving the most alive: dicts); leak (per_step, steps, warmup, leaking,
-    survivors as text) or None.
-    """
+    rank: int  # the rank
+    world_size: "int | None"  # the world size it saw
+    device: str  # "cpu" or "cuda:N"
+    exact: bool  # its figures exact
+    mechanism: str  # what counted its block
+    start: int  # allocated bytes at its block's start
+    end: int  # at its end
+    peak: int  # the highest during the block (absolute)
+    peak_upper: "int | None"  # CUDA, when peak is a lower bound: an upper bound
+    reserved_peak: "int | None"  # CUDA: the caching allocator's reserved peak
+    unseen_bytes: int  # CPU: bytes of frees of storages allocated before counting began
+    seconds: float  # its block's wall time
+    steps: int  # its t.step() calls
+    phases: dict  # {name: {calls, delta, peak, peak_above_start, seconds, exact}}
+    modules: list  # the ten modules leaving the most alive: {name, type, calls, activation_bytes, peak_above_start}
+    leak: "_Leak | None"  # per_step, steps, warmup, leaking, survivors (as text), or None
+    delta: int = field(to_dict=False)  # end - start (not in the JSON: start and end are)
+    peak_above_start: int = field(to_dict=False)  # peak - start (likewise)
 
     def __init__(self, d):
-        self._d = d
+        """From the dict figures() makes (a key it lacks reads as unknown: None, 0 or empty)."""
         self.rank = d["rank"]
+        self.world_size = d.get("world_size")
         self.device = d["device"]
         self.exact = d["exact"]
         self.mechanism = d["mechanism"]
         self.start = d["start"]
         self.end = d["end"]
-        self.delta = self.end - self.start
         self.peak = d["peak"]
-        self.peak_above_start = self.peak - self.start
         self.peak_upper = d.get("peak_upper")
         self.reserved_peak = d.get("reserved_peak")
         self.unseen_bytes = d.get("unseen_bytes", 0)
@@ -202,9 +218,8 @@ class RankReport:
         self.modules = d.get("modules", [])
         leak = d.get("leak")
         self.leak = None if leak is None else _Leak(**leak)
-
-    def to_dict(self):
-        return dict(self._d)
+        self.delta = self.end - self.start
+        self.peak_above_start = self.peak - self.start
 
     def __repr__(self):
         return (
@@ -221,18 +236,38 @@ def _stat(values):
     return max(values), min(values), sum(values) / len(values)
 
 
-class MultiRankReport:
+def _per_step_json(leak):
+    return None if leak is None else leak.per_step
+
+
+@dataclasses.dataclass(eq=False)
+class MultiRankReport(Report):
     """Every rank's track() figures, gathered on one rank. Sizes are ints of bytes.
 
-    ranks: [RankReport] in rank order; world_size: how many were gathered.
-    The figures a budget reads are the maxima over ranks: peak_above_start,
-    delta, peak (absolute), leak.per_step. max_rank / min_rank: the rank with
-    the highest / lowest peak above start; mean_peak: their mean;
-    imbalance: max / mean of the peaks above start (1.0 when balanced);
-    spread: max - min. exact: every rank's figures exact.
+    The figures a budget reads are the maxima over ranks: peak_above_start, delta, peak (absolute),
+    leak.per_step.
     """
 
-    def __init__(self, ranks):
+    ranks: list  # [RankReport] in rank order
+    world_size: int = field(init=False)  # how many were gathered
+    max_rank: int = field(init=False)  # the rank with the highest peak above start
+    min_rank: int = field(init=False)  # the rank with the lowest
+    peak_above_start: int = field(init=False)  # the highest peak above start over ranks
+    min_peak_above_start: int = field(init=False)  # the lowest
+    mean_peak: float = field(init=False)  # the mean of the peaks above start
+    imbalance: float = field(init=False)  # max / mean of the peaks above start (1.0 when balanced)
+    spread: int = field(init=False)  # max - min of them
+    peak: int = field(init=False)  # the highest absolute peak over ranks
+    delta: int = field(init=False)  # the largest delta over ranks
+    leak: "_Leak | None" = field(init=False, key="leak_per_step", json=_per_step_json)  # the largest leak, or None
+    exact: bool = field(init=False)  # every rank's figures exact
+    delta_rank: int = field(init=False, to_dict=False)  # the rank with the largest delta (not in the JSON)
+    leak_rank: "int | None" = field(init=False, to_dict=False)  # the rank with the largest leak (not in the JSON)
+    device: str = field(init=False, to_dict=False)  # the ranks' devices, ", "-joined (not in the JSON)
+    phases: dict = field(init=False, to_dict=False)  # {name: {peak_above_start, delta}}, maxima (not in the JSON)
+
+    def __post_init__(self):
+        ranks = self.ranks
         if not ranks:
             raise MemtorchError("a MultiRankReport needs at least one rank's figures")
         self.ranks = sorted(ranks, key=lambda r: r.rank)
@@ -337,30 +372,6 @@ class MultiRankReport:
         from . import display
 
         return display.multi_rank_html(self)
-
-    def _repr_html_(self):
-        return self.to_html()
-
-    def __str__(self):
-        return self.to_text()
-
-    def to_dict(self):
-        """JSON-safe: the per-rank figures and the summary."""
-        return {
-            "world_size": self.world_size,
-            "ranks": [r.to_dict() for r in self.ranks],
-            "max_rank": self.max_rank,
-            "min_rank": self.min_rank,
-            "peak_above_start": self.peak_above_start,
-            "min_peak_above_start": self.min_peak_above_start,
-            "mean_peak": self.mean_peak,
-            "imbalance": self.imbalance,
-            "spread": self.spread,
-            "peak": self.peak,
-            "delta": self.delta,
-            "leak_per_step": None if self.leak is None else self.leak.per_step,
-            "exact": self.exact,
-        }
 
     def __repr__(self):
         return (

@@ -43,6 +43,7 @@ splits the peak by category (the words of track()'s and inspect()'s reports).
 """
 
 import contextlib
+import dataclasses
 import inspect
 import contextvars
 import functools
@@ -51,6 +52,7 @@ import html
 from . import units, words
 from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
+from .reports import Report, field, plain
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
@@ -79,109 +81,92 @@ _KEEP_RUNS = contextvars.ContextVar("memtorch_keep_runs", default=None)
 # The report
 
 
-class Estimate:
+def _phases_json(phases):
+    return {n: {"calls": p.calls, "delta": p.delta, "peak": p.peak, "peak_above_start": p.peak_above_start}
+            for n, p in phases.items()}  # fmt: skip
+
+
+def _modules_json(modules):
+    keys = ("name", "type", "calls", "activation_bytes", "peak_above_start")
+    return [{k: getattr(m, k) for k in keys} for m in modules]
+
+
+def _per_rank_json(per_rank):
+    if per_rank is None:
+        return None
+    return [{k: plain(v) for k, v in r.items() if k != "spans"} for r in per_rank]
+
+
+@dataclasses.dataclass(eq=False)
+class Estimate(Report):
     """What estimate() predicts for one training step. All sizes are ints of bytes.
 
-    peak (parameters included), steady (between steps), breakdown {category:
-    bytes at the peak}, model_states {parameter, buffer, gradient,
-    optimizer_state: bytes, exact}, phases {name: PhaseStats}, modules
-    [ModuleStats] (activation_bytes: what the module's forward leaves alive),
-    device, precision, optimizer, world_size, sharding, per_rank (None on one
-    rank, else one dict per rank: rank, peak, steady, parameter, gradient,
-    optimizer_state, communication_buckets, gathered_parameters, breakdown,
-    phases), peak_rank (the first rank with the highest peak; peak, steady,
-    breakdown and phases are that rank's), fsdp_units (zero2/zero3: [{name,
-    gathered_bytes}], each unit's padded unsharded parameters),
-    reserved_peak (device="cuda": the caching allocator's segments at the peak;
-    per rank, the highest rank's), peak_upper (per rank on the CPU: the peak
-    when gloo frees each collective's scratch late, see _estimate_ranks; else
-    None or the peak),
-    seconds (time the estimate took). start is 0, end = delta = steady and
-    peak_above_start = peak, so that a budget check reads it as it reads a
-    track() report of a step that builds its model inside the block.
+    start is 0, end = delta = steady and peak_above_start = peak, so that a budget check reads it
+    as it reads a track() report of a step that builds its model inside the block.
     """
 
-    exact = False
-    live = False
+    device: str  # "cpu" or "cuda"
+    precision: str  # "fp32", "bf16", ...
+    optimizer: str  # the optimizer's name ("adamw")
+    peak: int  # the step's high-water mark, parameters and inputs included (the highest rank's)
+    steady: int  # bytes held between steps
+    breakdown: dict  # {category: bytes at the peak}
+    model_states: dict  # {parameter, buffer, gradient, optimizer_state: bytes, exact}
+    world_size: int = 1  # ranks
+    sharding: "str | None" = None  # ddp, zero1, zero2, zero3 (memtorch.planning.SHARDINGS), or None on one rank
+    training: bool = True  # a training step; False: a forward under inference_mode (or generation)
+    max_new_tokens: "int | None" = None  # generation: the tokens generated after the prompt, else None
+    inputs: str = ""  # the inputs as estimate() read them (shapes, dtypes, keywords)
+    # phases {name: PhaseStats}; in the JSON their calls, delta, peak and peak_above_start
+    phases: dict = field(default_factory=dict, json=_phases_json)
+    # [ModuleStats] (activation_bytes: what the module's forward leaves alive); in the JSON name, type, calls,
+    # activation_bytes and peak_above_start
+    modules: list = field(default_factory=list, json=_modules_json)
+    # device="cuda": the caching allocator's segments at the peak (per rank, the highest rank's), else None
+    reserved_peak: "int | None" = None
+    reserved_steady: "int | None" = field(None, to_dict=False)  # the same between steps (not in the JSON)
+    # None on one rank, else one dict per rank: rank, peak, steady, parameter, gradient, optimizer_state,
+    # communication_buckets, gathered_parameters, breakdown, phases (and spans, not in the JSON)
+    per_rank: "list | None" = field(None, json=_per_rank_json)
+    peak_rank: "int | None" = None  # the first rank with the highest peak (peak, steady, breakdown, phases: its)
+    # zero2/zero3: [{name, gathered_bytes}], each unit's padded unsharded parameters, else None
+    fsdp_units: "list | None" = None
+    # per rank on the CPU: the peak when gloo frees each collective's scratch late (see _estimate_ranks);
+    # else None or the peak
+    peak_upper: "int | None" = None
+    notes: list = field(default_factory=list)  # sentences: what was modelled and what was not
+    seconds: float = field(0.0, to_dict=False)  # time the estimate took (not in the JSON: a timing)
+    _param_numels: "list | None" = field(None, repr=False)  # each trainable parameter's elements (for plan())
+    _param_groups: "list | None" = field(None, repr=False)  # their indices per optimizer group (for plan())
+    _step_scratch_at_peak: int = field(0, repr=False)  # the optimizer step's temporaries alive at the peak
+    exact: bool = field(False, init=False)  # always False: an estimate
+    live: bool = field(False, init=False, to_dict=False)  # always False (a budget reads it as track()'s)
+    start: int = field(0, init=False)  # 0
+    end: int = field(init=False)  # = steady
+    delta: int = field(init=False)  # = steady
+    peak_above_start: int = field(init=False)  # = peak
+    mechanism: str = field("estimate (dry run on fake tensors)", init=False, to_dict=False)  # (not in the JSON)
 
-    def __init__(self, **kw):
-        self.device = kw["device"]
-        self.precision = kw["precision"]
-        self.optimizer = kw["optimizer"]
-        self.world_size = kw.get("world_size", 1)
-        self.sharding = kw.get("sharding")
-        self.peak = int(kw["peak"])
-        self.steady = int(kw["steady"])
-        self.breakdown = dict(kw["breakdown"])
-        self.model_states = dict(kw["model_states"])
-        self.phases = kw.get("phases", {})
-        self.modules = kw.get("modules", [])
-        self.reserved_peak = kw.get("reserved_peak")
-        self.reserved_steady = kw.get("reserved_steady")
-        self.per_rank = kw.get("per_rank")
-        self.peak_rank = kw.get("peak_rank")
-        self.fsdp_units = kw.get("fsdp_units")
-        self.peak_upper = kw.get("peak_upper")
-        self._param_numels = kw.get("_param_numels")
-        self._param_groups = kw.get("_param_groups")
-        self._step_scratch_at_peak = kw.get("_step_scratch_at_peak", 0)
-        self.notes = list(kw.get("notes", []))
-        self.seconds = kw.get("seconds", 0.0)
-        self.training = kw.get("training", True)
-        self.max_new_tokens = kw.get("max_new_tokens")
-        self.inputs = kw.get("inputs", "")
-        self.start = 0
-        self.end = self.steady
-        self.delta = self.steady
+    def __post_init__(self):
+        self.peak = int(self.peak)
+        self.steady = int(self.steady)
+        self.breakdown = dict(self.breakdown)
+        self.model_states = dict(self.model_states)
+        self.notes = list(self.notes)
+        self.end = self.delta = self.steady
         self.peak_above_start = self.peak
-        self.mechanism = "estimate (dry run on fake tensors)"
+
+    def _dict_more(self, d):
+        rest = list(d.items())
+        d.clear()
+        d["kind"] = "estimate"  # first: what the JSON is (the CLI writes several kinds)
+        d.update(rest)
 
     def check(self, peak=None, delta=None):
         """Raise memtorch.BudgetExceeded if the estimated peak (or steady bytes, as delta) exceeds its budget."""
         from .budget import assert_budget
 
         assert_budget(self, peak=peak, delta=delta)
-
-    def to_dict(self):
-        """Plain ints, strings and dicts, with track()'s field names (peak, delta, phases, modules)."""
-        return {
-            "kind": "estimate",
-            "device": self.device,
-            "training": self.training,
-            "max_new_tokens": self.max_new_tokens,
-            "inputs": self.inputs,
-            "precision": self.precision,
-            "optimizer": self.optimizer,
-            "world_size": self.world_size,
-            "sharding": self.sharding,
-            "exact": False,
-            "start": 0,
-            "end": self.end,
-            "delta": self.delta,
-            "peak": self.peak,
-            "peak_above_start": self.peak_above_start,
-            "steady": self.steady,
-            "reserved_peak": self.reserved_peak,
-            "peak_upper": self.peak_upper,
-            "breakdown": dict(self.breakdown),
-            "model_states": dict(self.model_states),
-            "phases": {
-                n: {"calls": p.calls, "delta": p.delta, "peak": p.peak, "peak_above_start": p.peak_above_start}
-                for n, p in self.phases.items()
-            },
-            "modules": [
-                {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": m.activation_bytes,
-                 "peak_above_start": m.peak_above_start}
-                for m in self.modules
-            ],  # fmt: skip
-            "per_rank": None if self.per_rank is None else [
-                {k: (dict(v) if isinstance(v, dict) else v) for k, v in r.items() if k != "spans"}
-                for r in self.per_rank
-            ],
-            "peak_rank": self.peak_rank,
-            "fsdp_units": None if self.fsdp_units is None else [dict(u) for u in self.fsdp_units],
-            "notes": list(self.notes),
-        }
 
     # -- presentation ------------------------------------------------------
     def _title(self):
@@ -261,15 +246,6 @@ class Estimate:
         if len(rows) > limit:
             out.append((f"... {len(rows) - limit} more rows",) + ("",) * len(figs))
         return out
-
-    def __str__(self):
-        """The same text as to_text(): big models fold, never cut (memtorch.display)."""
-        return self.to_text()
-
-    def _repr_html_(self):
-        from . import display
-
-        return display.estimate_html(self)
 
     def to_text(self, depth=..., max_rows=...):
         """The estimate as print() shows it (memtorch.display.estimate_text): its module tree folded to

@@ -17,6 +17,7 @@ the rest, grouped by kind, with the container that holds them found by
 following the garbage collector's referrers (bounded too).
 """
 
+import dataclasses
 import gc
 import sys
 import time
@@ -24,6 +25,7 @@ import weakref
 from fractions import Fraction
 
 from . import units
+from .reports import Record, Report, field
 
 __all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan", "format_rate"]
 
@@ -74,17 +76,19 @@ def format_rate(rate, signed=True):
     return f"{sign}≈{units.format(round(a))}"
 
 
-class SurvivorGroup:
+@dataclasses.dataclass(eq=False)
+class SurvivorGroup(Record):
     """Tensors of one kind kept alive across steps: count, bytes, description, holder."""
 
-    __slots__ = ("count", "nbytes", "dtype", "shape", "has_graph", "graph_bytes", "holder", "expected", "examples")
-
-    def __init__(self, dtype, shape, has_graph, holder, expected):
-        self.count = 0
-        self.nbytes = 0
-        self.graph_bytes = 0
-        self.dtype, self.shape, self.has_graph, self.holder, self.expected = dtype, shape, has_graph, holder, expected
-        self.examples = []  # weakrefs to a few members
+    dtype: str  # their dtype ("float32")
+    shape: "str | None"  # their sizes as text, or None (unknown)
+    has_graph: bool  # they hold autograd graphs
+    holder: "str | None"  # the container that holds them (found through gc's referrers), or None
+    expected: "str | None"  # why they are expected to live (an optimizer's state, ...), or None
+    count: int = field(0, init=False)  # tensors in the group
+    nbytes: int = field(0, init=False, key="bytes")  # their bytes
+    graph_bytes: int = field(0, init=False)  # bytes of the saved tensors their graphs keep
+    examples: list = field(init=False, default_factory=list, to_dict=False, repr=False)  # weakrefs to a few members
 
     def describe(self, steps_after=None):
         shape = self.shape if self.shape is not None else "?"
@@ -102,45 +106,56 @@ class SurvivorGroup:
             text += f" (expected to live: {self.expected})"
         return text
 
-    def to_dict(self):
-        return {
-            "count": self.count, "bytes": int(self.nbytes), "dtype": self.dtype, "shape": self.shape,
-            "has_graph": self.has_graph, "graph_bytes": int(self.graph_bytes), "holder": self.holder,
-            "expected": self.expected,
-        }  # fmt: skip
+
+def _rate_json(rate):
+    """per_step for JSON: an int when whole bytes, else a float (per_step_fraction holds it exactly)."""
+    if rate is None:
+        return None
+    return int(rate) if rate.denominator == 1 else float(rate)
 
 
-class LeakReport:
+def _fraction_json(rate):
+    return None if rate is None else [rate.numerator, rate.denominator]
+
+
+@dataclasses.dataclass(eq=False)
+class LeakReport(Report):
     """Growth of allocated bytes per step, judged over the whole run.
 
-    steps: growth of each step (bytes, warm-up steps included); warmup; per_step:
-    net growth of the judged steps divided by their number, exactly (a
-    fractions.Fraction of bytes: 7,996 B over 2,000 steps is 3.998 B, never
-    floored); leaking: the run grew in two or more judged steps (or every one)
-    and its net growth is positive; evidence: {judged_steps, steps_that_grew,
-    net_growth, slope_per_step, largest_step_growth}; groups: SurvivorGroup of
-    tensors kept (the unexpected first); survivors: TensorInfo of a few of them;
-    notes: what the scan could not do (stopped early, ...). exact: False when the
-    counters could not see every allocation of the block (DataLoader workers'
-    shared memory, another tool's hooks, ...); ``why`` then says why, the text
-    says "not exact" and a leak budget is inconclusive (it fails, never passes).
+    A leak budget on a report that is not exact is inconclusive (it fails, never passes).
     """
 
-    __slots__ = ("steps", "warmup", "per_step", "leaking", "survivors", "exact", "groups", "evidence", "notes",
-                 "steps_after", "why")  # fmt: skip
+    steps: list  # growth of each step, bytes (warm-up steps included)
+    warmup: int  # warm-up steps, not judged
+    survivors: list  # [TensorInfo] of a few of the tensors kept
+    # False when the counters could not see every allocation of the block (DataLoader workers'
+    # shared memory, another tool's hooks, ...); ``why`` then says why and the text says "not exact"
+    exact: bool = field(json=bool)
+    groups: list = ()  # [SurvivorGroup] of tensors kept, the unexpected first
+    notes: list = ()  # what the scan could not do (stopped early, ...)
+    steps_after: "int | None" = field(None, to_dict=False)  # steps after the first scan (not in the JSON)
+    # why the figure is not exact (a sentence), None when it is; track() fills it from the block's counters
+    # when the report is made
+    why: "str | None" = None
+    # net growth of the judged steps divided by their number, exactly (a fractions.Fraction of bytes:
+    # 7,996 B over 2,000 steps is 3.998 B, never floored); in the JSON an int when whole, else a float,
+    # and per_step_fraction [numerator, denominator]
+    per_step: "Fraction | None" = field(init=False, json=_rate_json)
+    # the run grew in two or more judged steps (or every one) and its net growth is positive
+    leaking: bool = field(init=False, json=bool)
+    # {judged_steps, steps_that_grew, net_growth, slope_per_step, largest_step_growth}
+    evidence: dict = field(init=False)
 
-    def __init__(self, steps, warmup, survivors, exact, groups=(), notes=(), steps_after=None, why=None):
-        self.steps = list(steps)
-        self.warmup = warmup
-        self.leaking, self.per_step, self.evidence = judge(self.steps, warmup)
-        self.survivors = list(survivors)
-        self.exact = bool(exact)
-        self.groups = list(groups)
-        self.notes = list(notes)
-        self.steps_after = steps_after
-        # why the figure is not exact (a sentence), None when it is; track() fills it from the
-        # block's counters when the report is made
-        self.why = why
+    def __post_init__(self):
+        self.steps = list(self.steps)
+        self.leaking, self.per_step, self.evidence = judge(self.steps, self.warmup)
+        self.survivors = list(self.survivors)
+        self.exact = bool(self.exact)
+        self.groups = list(self.groups)
+        self.notes = list(self.notes)
+
+    def _dict_more(self, d):
+        d["per_step_fraction"] = _fraction_json(self.per_step)
 
     def budget_bounds(self):
         """(low, high, why, fix) of per_step for a leak budget (memtorch.budget): (per_step,
@@ -153,9 +168,6 @@ class LeakReport:
             "measure the leak where the counters see every allocation: DataLoader(num_workers=0), "
             "no other tool patching the allocator during the block"
         )
-
-    def _repr_html_(self):
-        return self.to_html()
 
     def plot(self, **kw):
         from . import plot
@@ -173,28 +185,9 @@ class LeakReport:
 
         return display.leak_report_html(self)
 
-    def __str__(self):
-        return self.to_text()
-
-    def to_dict(self):
-        return {
-            "steps": [int(g) for g in self.steps], "warmup": self.warmup,
-            "per_step": _rate_json(self.per_step), "leaking": bool(self.leaking),
-            "per_step_fraction": None if self.per_step is None else [self.per_step.numerator, self.per_step.denominator],
-            "exact": bool(self.exact), "why": self.why, "evidence": dict(self.evidence),
-            "groups": [g.to_dict() for g in self.groups], "survivors": [s.to_dict() for s in self.survivors],
-            "notes": list(self.notes),
-        }  # fmt: skip
-
     def __repr__(self):
         return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, groups={len(self.groups)})"
 
-
-def _rate_json(rate):
-    """per_step for JSON: an int when whole bytes, else a float (per_step_fraction holds it exactly)."""
-    if rate is None:
-        return None
-    return int(rate) if rate.denominator == 1 else float(rate)
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,10 @@ The groups add up to the peak: bytes counted live before the block opened and
 never named are one group ("allocated before the block, not identified").
 """
 
+import dataclasses
+
 from . import _C, units, words
+from .reports import Record, Report, field
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
 
@@ -29,24 +32,31 @@ def make_tag(token, row, phase_code):
     return (token << TAG_BITS) | ((row + 1) << 2) | phase_code
 
 
-class Owner:
-    """One owner at the peak: ``name``, ``kind`` (parameter, gradient, optimizer state,
-    buffer, input, activation, temporary, other), ``phase`` (forward, backward,
-    optimizer or None: when it was allocated), ``nbytes`` and ``count`` (storages).
+def _sites_json(sites):
+    return [{"file": f, "line": ln, "function": fn, "bytes": b, "count": c} for f, ln, fn, b, c in sites]
 
-    ``sites`` (the "other" owner of a block's own allocations only, else None): the Python
-    source lines that allocated its storages, largest first, as (file, line, function,
-    bytes, count) (an operator that is not a call, ``x * 2``, is named at the next call of
-    its function); ``sites_note``: what has no line and why, or None."""
 
-    __slots__ = ("name", "kind", "phase", "nbytes", "count", "sites", "sites_note", "module")
+@dataclasses.dataclass(eq=False)
+class Owner(Record):
+    """One owner at the peak: a tensor, or a group of storages of one kind (largest first in AtPeak)."""
 
-    def __init__(self, name, kind, phase=None, nbytes=0, count=0, module=None):
-        self.name, self.kind, self.phase, self.nbytes, self.count = name, kind, phase, nbytes, count
-        self.sites = self.sites_note = None
-        # the dotted name of the module whose parameter, buffer, gradient, optimizer state or
-        # activations these are ("" the root); None: no module's (inputs, temporaries, other)
-        self.module = module
+    name: str  # the tensor's name ("0.weight.grad") or the group's ("optimizer temporaries (not its state)")
+    kind: str  # parameter, gradient, optimizer state, buffer, input, activation, temporary, other
+    phase: "str | None" = None  # when it was allocated: forward, backward, optimizer, or None
+    nbytes: int = field(0, key="bytes")  # bytes of its storages
+    count: int = 0  # storages
+    # the dotted name of the module whose parameter, buffer, gradient, optimizer state or
+    # activations these are ("" the root); None: no module's (inputs, temporaries, other)
+    module: "str | None" = None
+    # the "other" owner of a block's own allocations only, else None: the Python source lines that
+    # allocated its storages, largest first, as (file, line, function, bytes, count) (an operator that
+    # is not a call, ``x * 2``, is named at the next call of its function)
+    sites: "list | None" = field(None, omit_none=True, json=_sites_json)
+    sites_note: "str | None" = None  # what has no line and why, or None (in the JSON with sites only)
+
+    def _dict_more(self, d):
+        if self.sites is None:
+            del d["sites_note"]
 
     def describe(self):
         n = f", {self.count} storages" if self.count > 1 else ""
@@ -63,31 +73,25 @@ class Owner:
             out.append(self.sites_note)
         return out
 
-    def to_dict(self):
-        d = {"name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes, "count": self.count,
-             "module": self.module}  # fmt: skip
-        if self.sites is not None:
-            d["sites"] = [
-                {"file": f, "line": ln, "function": fn, "bytes": b, "count": c} for f, ln, fn, b, c in self.sites
-            ]
-            d["sites_note"] = self.sites_note
-        return d
-
     def __repr__(self):
         return f"Owner({self.name!r}, {self.kind}, {self.nbytes} B)"
 
 
-class StorageAtPeak:
-    """One storage live at the peak (for ``largest=``): name, kind, nbytes; shape and
-    dtype of the tensor that names it, when a tensor does."""
+@dataclasses.dataclass(eq=False)
+class StorageAtPeak(Record):
+    """One storage live at the peak (for ``largest=``)."""
 
-    __slots__ = ("name", "kind", "phase", "nbytes", "shape", "dtype", "has_graph")
+    name: str  # the name of the tensor that names it, or its owner's
+    kind: str  # as Owner.kind
+    phase: "str | None"  # as Owner.phase
+    nbytes: int = field(key="bytes")  # its bytes
+    shape: "tuple | None" = None  # the sizes of the tensor that names it, when a tensor does
+    dtype: "str | None" = None  # that tensor's dtype ("float32"), when a tensor does
+    has_graph: bool = field(False, init=False, to_dict=False)  # (not in the JSON: always False here)
 
-    def __init__(self, name, kind, phase, nbytes, shape=None, dtype=None):
-        self.name, self.kind, self.phase, self.nbytes = name, kind, phase, nbytes
-        self.shape = None if shape is None else tuple(shape)
-        self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
-        self.has_graph = False
+    def __post_init__(self):
+        self.shape = None if self.shape is None else tuple(self.shape)
+        self.dtype = None if self.dtype is None else str(self.dtype).replace("torch.", "")
 
     def describe(self):
         what = ""
@@ -95,12 +99,6 @@ class StorageAtPeak:
             shape = "x".join(str(s) for s in self.shape) or "scalar"
             what = f" {self.dtype}[{shape}]"
         return f"{self.name}:{what} {units.format(self.nbytes)} ({self.kind})"
-
-    def to_dict(self):
-        return {
-            "name": self.name, "kind": self.kind, "phase": self.phase, "bytes": self.nbytes,
-            "shape": None if self.shape is None else list(self.shape), "dtype": self.dtype,
-        }  # fmt: skip
 
     def __repr__(self):
         return f"StorageAtPeak({self.describe()})"
@@ -126,20 +124,22 @@ class _Kinds(dict):
         return dict.__contains__(self, name) or (isinstance(name, str) and dict.__contains__(self, words.key(name)))
 
 
-class AtPeak:
-    """The live bytes at a block's peak, grouped by owner (largest first).
+@dataclasses.dataclass(eq=False)
+class AtPeak(Report):
+    """The live bytes at a block's peak, grouped by owner (largest first)."""
 
-    ``owners`` [Owner]; ``peak`` (absolute bytes, = sum of the owners' bytes);
-    ``exact`` (False when the event log lost events or the replay disagrees with
-    the counters); ``notes``: sentences saying what is not exact and why.
-    """
+    peak: int  # absolute bytes at the peak (= the sum of the owners' bytes)
+    owners: list  # [Owner], largest first
+    _storages: list = field(repr=False)  # (name, kind, phase, nbytes, shape, dtype) tuples until first read (.storages)
+    exact: bool  # False when the event log lost events or the replay disagrees with the counters
+    notes: list  # sentences saying what is not exact and why
 
-    def __init__(self, peak, owners, storages, exact, notes):
-        self.peak = peak
-        self.owners = sorted(owners, key=lambda o: (-o.nbytes, o.name))
-        self._storages = storages  # (name, kind, phase, nbytes, shape, dtype) tuples until first read
-        self.exact = exact
-        self.notes = list(notes)
+    def __post_init__(self):
+        self.owners = sorted(self.owners, key=lambda o: (-o.nbytes, o.name))
+        self.notes = list(self.notes)
+
+    def _dict_more(self, d):
+        d["by_kind"] = self.by_kind()
 
     @property
     def storages(self):
@@ -204,19 +204,6 @@ class AtPeak:
         from . import display
 
         return display.at_peak_html(self, limit)
-
-    def _repr_html_(self):
-        return self.to_html()
-
-    def __str__(self):
-        return self.to_text()
-
-    def to_dict(self):
-        return {
-            "peak": self.peak, "exact": self.exact, "notes": list(self.notes),
-            "owners": [o.to_dict() for o in self.owners],
-            "by_kind": self.by_kind(),
-        }  # fmt: skip
 
     def __repr__(self):
         return f"AtPeak(peak={self.peak}, owners={len(self.owners)}, exact={self.exact})"

@@ -61,11 +61,13 @@ least (ddp, zero1, zero1-even, zero2, zero3); then the largest micro-batch (fewe
 accumulation steps); then the precision in the order given.
 """
 
+import dataclasses
 import math
 from collections import namedtuple
 
 from . import units
 from .errors import MemtorchError
+from .reports import Report, field
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
 
@@ -256,18 +258,24 @@ def _order_key(opt, precisions):
     )
 
 
-class Plan:
-    """The combinations tried, cheapest first. options: [Option]; fits: those that fit; best: the first that fits."""
+@dataclasses.dataclass(eq=False)
+class Plan(Report):
+    """The combinations tried, cheapest first."""
 
-    def __init__(self, options, device_memory, reserve, notes, seconds, dry_runs):
-        self.options = list(options)
+    options: list  # [Option], cheapest first
+    device_memory: int  # the device's bytes the options were judged against
+    reserve: int  # bytes kept free of them
+    notes: list  # sentences: what was assumed, what could not be tried
+    seconds: float = field(to_dict=False)  # the planning's wall time (not in the JSON: a timing)
+    dry_runs: int = field(to_dict=False)  # estimate() runs made (not in the JSON)
+    fits: list = field(init=False, to_dict=False)  # the options that fit (in the JSON as each option's "fits")
+    best: "Option | None" = field(init=False)  # the first that fits, or None
+
+    def __post_init__(self):
+        self.options = list(self.options)
         self.fits = [o for o in self.options if o.fits]
         self.best = self.fits[0] if self.fits else None
-        self.device_memory = device_memory
-        self.reserve = reserve
-        self.notes = list(notes)
-        self.seconds = seconds
-        self.dry_runs = dry_runs
+        self.notes = list(self.notes)
 
     def to_text(self, limit=40):
         """The combinations that fit, cheapest first, then those that do not, closest first; the first
@@ -280,21 +288,6 @@ class Plan:
         from . import display
 
         return display.plan_html(self, limit)
-
-    def _repr_html_(self):
-        return self.to_html()
-
-    def __str__(self, limit=40):
-        return self.to_text(limit)
-
-    def to_dict(self):
-        return {
-            "device_memory": self.device_memory,
-            "reserve": self.reserve,
-            "options": [o._asdict() for o in self.options],
-            "best": None if self.best is None else self.best._asdict(),
-            "notes": list(self.notes),
-        }
 
     def __repr__(self):
         return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"

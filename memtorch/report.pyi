@@ -20,6 +20,8 @@ class ModuleRow(NamedTuple):
     gradients: int
     optimizer_state: int
     alias_of: Optional[str]
+    attributes: int
+    shared: int
 
 class ModelMemory:
     rows: np.ndarray

@@ -51,6 +51,7 @@ memtorch keeps no strong reference to the user's tensors: hooks never capture
 inputs or outputs, and named survivors are held by weakref.
 """
 
+import dataclasses
 import functools
 import gc
 import html
@@ -65,6 +66,7 @@ from . import leaks
 from . import peak as attribution
 from .leaks import LeakReport
 from .errors import DeviceUnavailable, MemtorchError
+from .reports import Record, Report, field
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
 
@@ -98,27 +100,19 @@ def _debug_leftovers():
 # Report objects
 
 
-class PhaseStats:
-    """One phase (forward, backward, optimizer) aggregated over its occurrences.
+@dataclasses.dataclass(eq=False)
+class PhaseStats(Record):
+    """One phase (forward, backward, optimizer) aggregated over its occurrences; in to_dict() under its name."""
 
-    calls: occurrences; delta: sum of (end - start) bytes; peak: the highest
-    absolute bytes; peak_above_start: the largest (peak - start) of one
-    occurrence; seconds: total time; exact: every peak exact; why: the reason
-    when not exact (or None).
-    """
-
-    __slots__ = ("name", "calls", "delta", "peak", "peak_above_start", "seconds", "exact", "why", "_seen")
-
-    def __init__(self, name):
-        self.name = name
-        self.calls = 0
-        self.delta = 0
-        self.peak = 0
-        self.peak_above_start = 0
-        self.seconds = 0.0
-        self.exact = True
-        self.why = None  # why not exact (a sentence), None when exact or not known
-        self._seen = 0  # event-log mode: occurrences the replay saw whole
+    name: str = field(to_dict=False)  # forward, backward or optimizer (the key of TrackReport.phases)
+    calls: int = 0  # occurrences
+    delta: int = 0  # sum over the occurrences of (end - start), bytes
+    peak: int = 0  # the highest absolute bytes during any occurrence
+    peak_above_start: int = 0  # the largest (peak - start) of one occurrence: above the phase's own start
+    seconds: float = field(0.0, json=float)  # total time
+    exact: bool = field(True, json=bool)  # every peak exact
+    why: "str | None" = None  # why not exact (a sentence), None when exact or not known
+    _seen: int = field(0, repr=False)  # event-log mode: occurrences the replay saw whole
 
     def _add_bytes(self, start, end, peak, exact):
         self.delta += end - start
@@ -141,31 +135,26 @@ class PhaseStats:
         )
 
 
-class ModuleStats:
+@dataclasses.dataclass(eq=False)
+class ModuleStats(Record):
     """One module's forward: see the module docstring for the definitions."""
 
-    __slots__ = (
-        "name", "type", "calls", "activation_bytes", "activation_total", "peak_above_start", "exact", "_measured",
-        "why", "recomputed", "recomputed_bytes", "recomputed_total", "note",
-    )  # fmt: skip
-
-    def __init__(self, name, type_name, note=None):
-        self.name = name
-        self.type = type_name
-        self.calls = 0
-        self._measured = 0  # calls whose figures are known (event-log mode can drop old events)
-        self.activation_bytes = 0
-        self.activation_total = 0
-        self.peak_above_start = 0
-        self.exact = True
-        self.why = None  # why not exact (a sentence), None when exact or not known
-        # recomputations: its forwards run again by autograd during backward (torch.utils.checkpoint),
-        # not counted in calls; the bytes they left allocated (what backward then uses), summed and
-        # per forward of the model as activation_bytes is
-        self.recomputed = 0
-        self.recomputed_total = 0
-        self.recomputed_bytes = 0
-        self.note = note  # what the row cannot show (a compiled region: its insides), or None
+    name: str  # the module's dotted name ("" the root)
+    type: str  # its class name
+    note: "str | None" = None  # what the row cannot show (a compiled region: its insides), or None
+    calls: int = 0  # forwards of the module (recomputations not counted)
+    activation_bytes: int = 0  # bytes its forward left allocated, per forward of the model
+    peak_above_start: int = 0  # the highest (peak - start) of one of its forwards
+    exact: bool = field(True, json=bool)  # every figure exact
+    why: "str | None" = None  # why not exact (a sentence), None when exact or not known
+    # recomputations: its forwards run again by autograd during backward (torch.utils.checkpoint),
+    # not counted in calls; the bytes they left allocated (what backward then uses), summed and
+    # per forward of the model as activation_bytes is
+    recomputed: int = 0  # recomputed forwards
+    recomputed_bytes: int = 0  # bytes they left allocated, per forward of the model
+    activation_total: int = field(0, to_dict=False)  # activation_bytes summed over every forward (not in the JSON)
+    recomputed_total: int = field(0, to_dict=False)  # recomputed_bytes summed likewise (not in the JSON)
+    _measured: int = field(0, repr=False)  # calls whose figures are known (event-log mode can drop old events)
 
     def __repr__(self):
         again = f", recomputed={self.recomputed}" if self.recomputed else ""
@@ -175,10 +164,19 @@ class ModuleStats:
         )
 
 
-class TensorInfo:
+@dataclasses.dataclass(eq=False, init=False)
+class TensorInfo(Record):
     """A live tensor described without keeping it alive (``ref`` is a weakref)."""
 
-    __slots__ = ("shape", "dtype", "device", "nbytes", "has_graph", "graph_bytes", "step", "name", "ref")
+    name: "str | None"  # who holds it (an attribute path), or None
+    shape: tuple  # its sizes (("nested",) for a nested tensor)
+    dtype: str  # "float32", ...
+    device: str  # "cpu", "cuda:0", ...
+    nbytes: int = field(key="bytes")  # its storage's bytes
+    has_graph: bool = field(json=bool)  # it holds an autograd graph (grad_fn is set)
+    graph_bytes: "int | None" = None  # bytes of the saved tensors its graph keeps, or None (not measured)
+    step: "int | None" = None  # the step that created it, or None
+    ref: object = field(None, to_dict=False, repr=False)  # a weakref to the tensor, or None (not weak-referenceable)
 
     def __init__(self, tensor, step=None, name=None, graph_bytes=None):
         try:
@@ -208,78 +206,77 @@ class TensorInfo:
             text += f" (created in step {self.step})"
         return text
 
-    def to_dict(self):
-        return {
-            "name": self.name, "shape": list(self.shape), "dtype": self.dtype, "device": self.device,
-            "bytes": int(self.nbytes), "has_graph": bool(self.has_graph),
-            "graph_bytes": None if self.graph_bytes is None else int(self.graph_bytes), "step": self.step,
-        }  # fmt: skip
-
     def __repr__(self):
         return f"TensorInfo({self.describe()})"
 
 
-class TrackReport:
-    """What a track() block measured. All sizes are ints of bytes.
+def _series_json(series):
+    return [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(series)]
 
-    device, exact, mechanism; start, end, delta (= end - start), peak (absolute),
-    peak_above_start (peak - start: what the block itself needed at its peak);
-    peak_upper (CUDA, when the peak is a lower bound: an upper bound), reserved_peak
-    (CUDA); phases {name: PhaseStats}; modules [ModuleStats]; timeline
-    (times_ns since the first event, bytes) NumPy arrays or None; leak
-    (LeakReport or None); largest [TensorInfo]; seconds; steps.
-    """
 
-    def __init__(self, **kw):
-        self.device = kw["device"]
-        self.exact = kw["exact"]
-        self.mechanism = kw["mechanism"]
-        self.start = kw["start"]
-        self.end = kw["end"]
+def _timeline_json(timeline):
+    return {"times_ns": timeline[0].tolist(), "bytes": timeline[1].tolist()}
+
+
+@dataclasses.dataclass(eq=False)
+class TrackReport(Report):
+    """What a track() block measured. All sizes are ints of bytes."""
+
+    device: str  # "cpu" or "cuda:N"
+    exact: bool = field(json=bool)  # every figure exact (see caveats when not)
+    mechanism: str  # what counted the block (the allocator hook, the caching allocator's statistics, ...)
+    start: int  # allocated bytes when the block began
+    end: int  # allocated bytes when it ended
+    peak: int  # the highest allocated bytes during the block (absolute)
+    delta: int = field(init=False)  # end - start
+    peak_above_start: int = field(init=False)  # peak - start: what the block itself needed at its peak
+    peak_upper: "int | None" = field(None, omit_none=True)  # CUDA, when peak is a lower bound: an upper bound
+    reserved_peak: "int | None" = field(None, omit_none=True)  # CUDA: the caching allocator's reserved peak
+    seconds: float = field(0.0, json=float)  # the block's wall time
+    steps: int = 0  # t.step() calls
+    live: bool = field(False, json=bool)  # a snapshot read inside the block (figures so far)
+    # sentences saying what the counters could not see during the block
+    caveats: list = field(default_factory=list)
+    # None, or why start, end, peak and at_peak have an unknown baseline (memtorch re-took its
+    # hooks from another tool before the block: cpu.Scope.baseline); delta and peak_above_start stay exact
+    baseline: "str | None" = None
+    absolute_exact: bool = field(init=False)  # exact and the baseline known
+    # CPU: frees the counters saw of storages allocated before counting began, and their (malloc-usable)
+    # bytes: delta and peak are then upper bounds. Zero when counting was already running (the default
+    # after the first block: memtorch.cpu.keep_counting()).
+    unseen_frees: int = 0  # those frees
+    unseen_bytes: int = 0  # their bytes
+    # under an initialised torch.distributed process group (read at the first read of t.report), else None
+    rank: "int | None" = None  # this process's rank
+    world_size: "int | None" = None  # the world size
+    _phases: dict = field(default_factory=dict, key="phases")  # {name: PhaseStats} (read: .phases)
+    _modules: list = field(default_factory=list, key="modules")  # [ModuleStats] (read: .modules)
+    step_series: list = field(default_factory=list, json=_series_json)  # per step (t.step()): [(peak, end)]
+    leak: "LeakReport | None" = None  # growth per step and what was kept (with steps), else None
+    _at_peak: "attribution.AtPeak | None" = field(None, key="at_peak")  # who held the peak (read: .at_peak)
+    _largest: list = field(default_factory=list, key="largest")  # [TensorInfo] (read: .largest)
+    # (times_ns since the first event, bytes) NumPy arrays with timeline=True, else None
+    timeline: "tuple | None" = field(None, omit_none=True, json=_timeline_json)
+    # with timeline=True: [(ns on the timeline's clock, "phase" | "end" | "step", phase name or step number)]
+    marks: list = field(default_factory=list, to_dict=False)  # (not in the JSON: its times are the timeline's)
+    # the event log's replay (at_peak, the per-module figures), run when a figure it fills is first read
+    _pending: object = field(None, repr=False)
+    _row_notes: list = field(default_factory=list, repr=False)  # [(row name, note)]: rows inside a compiled region
+    _largest_n: int = field(0, repr=False)  # largest= of track(): how many of the storages at the peak to keep
+
+    def __post_init__(self):
         self.delta = self.end - self.start
-        self.peak = kw["peak"]
         self.peak_above_start = self.peak - self.start
-        self.peak_upper = kw.get("peak_upper")
-        self.reserved_peak = kw.get("reserved_peak")
-        self._phases = kw.get("phases", {})
-        self._modules = kw.get("modules", [])
-        self.timeline = kw.get("timeline")
-        # with timeline=True: [(ns on the timeline's clock, "phase" | "end" | "step", phase name or step number)]
-        self.marks = kw.get("marks", [])
-        self.leak = kw.get("leak")
-        self._largest = kw.get("largest", [])
-        self.seconds = kw.get("seconds", 0.0)
-        self.steps = kw.get("steps", 0)
-        # True for a snapshot read inside the block (figures so far).
-        self.live = kw.get("live", False)
-        # CPU: frees the counters saw of storages allocated before counting
-        # began, and their (malloc-usable) bytes: delta and peak are then
-        # upper bounds. Zero when counting was already running (the default
-        # after the first block: memtorch.cpu.keep_counting()).
-        self.unseen_frees = kw.get("unseen_frees", 0)
-        self.unseen_bytes = kw.get("unseen_bytes", 0)
-        # who held the bytes at the peak (memtorch.peak.AtPeak), when the event log ran;
-        # computed from the block's event log when first read (with the per-module figures)
-        self._pending = kw.get("pending")
-        # [(row name, note)]: the rows of modules inside a torch.compile'd region (_compiled_notes)
-        self._row_notes = kw.get("row_notes") or []
+        self.caveats = list(self.caveats or [])
+        self.step_series = list(self.step_series or [])
+        self._row_notes = self._row_notes or []
         if self._pending is None:
             _apply_notes(self._modules, self._row_notes)
-        self._at_peak = kw.get("at_peak")
-        self._largest_n = len(self.largest) if self._pending is None else kw.get("largest_n", 0)
-        # sentences saying what the counters could not see during the block
-        self.caveats = list(kw.get("caveats") or [])
-        # per step (t.step()): [(peak, end)] absolute bytes
-        self.step_series = list(kw.get("step_series") or [])
-        # Under an initialised torch.distributed process group: this process's rank and the world size
-        # (read when the report is made, at the first read of t.report).
-        self.rank = kw.get("rank")
-        self.world_size = kw.get("world_size")
-        # None, or why start, end, peak and at_peak have an unknown baseline (memtorch re-took its
-        # hooks from another tool before the block: cpu.Scope.baseline); delta and peak_above_start
-        # stay exact. absolute_exact: exact and the baseline known.
-        self.baseline = kw.get("baseline")
+            self._largest_n = len(self._largest)
         self.absolute_exact = bool(self.exact) and self.baseline is None
+
+    def _dict_more(self, d):
+        d["steps_series"] = d["step_series"]  # the key's first spelling, kept for readers of it
 
     def _settle(self):
         pending, self._pending = self._pending, None
@@ -314,42 +311,6 @@ class TrackReport:
         """The largest live tensors: at the peak with names (event log), else at the end."""
         self._settle()
         return self._largest
-
-    def to_dict(self):
-        """Every figure as plain JSON-serialisable values (bytes as ints)."""
-        d = {
-            "device": self.device, "exact": bool(self.exact), "mechanism": self.mechanism,
-            "start": int(self.start), "end": int(self.end), "delta": int(self.delta), "peak": int(self.peak),
-            "peak_above_start": int(self.peak_above_start), "seconds": float(self.seconds), "steps": int(self.steps),
-            "live": bool(self.live), "caveats": list(self.caveats),
-            "absolute_exact": bool(self.absolute_exact), "baseline": self.baseline,
-            "unseen_frees": int(self.unseen_frees), "unseen_bytes": int(self.unseen_bytes),
-            "rank": self.rank, "world_size": self.world_size,
-        }  # fmt: skip
-        if self.peak_upper is not None:
-            d["peak_upper"] = int(self.peak_upper)
-        if self.reserved_peak is not None:
-            d["reserved_peak"] = int(self.reserved_peak)
-        d["phases"] = {
-            k: {"calls": p.calls, "delta": int(p.delta), "peak": int(p.peak), "peak_above_start": int(p.peak_above_start),
-                "seconds": float(p.seconds), "exact": bool(p.exact), "why": p.why}
-            for k, p in self.phases.items()
-        }  # fmt: skip
-        d["modules"] = [
-            {"name": m.name, "type": m.type, "calls": m.calls, "activation_bytes": int(m.activation_bytes),
-             "peak_above_start": int(m.peak_above_start), "exact": bool(m.exact), "why": m.why,
-             "recomputed": int(m.recomputed), "recomputed_bytes": int(m.recomputed_bytes), "note": m.note}
-            for m in self.modules
-        ]  # fmt: skip
-        # "step_series", as the attribute is named; "steps_series", the key's first spelling, kept for readers of it
-        d["step_series"] = [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(self.step_series)]
-        d["steps_series"] = d["step_series"]
-        d["leak"] = None if self.leak is None else self.leak.to_dict()
-        d["at_peak"] = None if self.at_peak is None else self.at_peak.to_dict()
-        d["largest"] = [t.to_dict() for t in self.largest]
-        if self.timeline is not None:
-            d["timeline"] = {"times_ns": self.timeline[0].tolist(), "bytes": self.timeline[1].tolist()}
-        return d
 
     def gather(self, group=None, dst=0, timeout=60.0):
         """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
@@ -414,15 +375,6 @@ class TrackReport:
             f"{self.seconds * 1e3:.1f} ms"
             + (f", {self.steps} step(s)" if self.steps else "")
         )
-
-    def __str__(self):
-        """The same text as to_text(): big models fold, never cut (memtorch.display)."""
-        return self.to_text()
-
-    def _repr_html_(self):
-        from . import display
-
-        return display.track_report_html(self)
 
     def to_text(self, depth=..., max_rows=...):
         """The report as print() shows it (memtorch.display.track_report_text): its module tree folded to
@@ -2118,11 +2070,11 @@ class Tracker:
         phases = self._phases
         kw = dict(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=peak_bytes,
-            phases={k: phases[k] for k in PHASES if k in phases and phases[k].calls},
-            modules=self._mod_rows if pending is not None else list(self._mod_rows),  # filled at the replay
-            timeline=timeline, leak=leak, largest=largest, seconds=seconds, steps=steps, pending=pending,
-            step_series=self._step_series, largest_n=self._largest,
-            caveats=caveats, marks=extra_marks, row_notes=row_notes, **extra,
+            _phases={k: phases[k] for k in PHASES if k in phases and phases[k].calls},
+            _modules=self._mod_rows if pending is not None else list(self._mod_rows),  # filled at the replay
+            timeline=timeline, leak=leak, _largest=largest, seconds=seconds, steps=steps, _pending=pending,
+            step_series=self._step_series, _largest_n=self._largest,
+            caveats=caveats, marks=extra_marks, _row_notes=row_notes, **extra,
         )  # fmt: skip
         # the TrackReport itself is made when t.report is first read (most loops never read it)
         return functools.partial(_make_report, self._scope, kw)
@@ -2150,7 +2102,8 @@ class Tracker:
             leak = LeakReport(growth, min(self._warmup, steps), [], exact)
         return TrackReport(
             device=device, exact=exact, mechanism=mechanism, start=start, end=end, peak=max(peak, end),
-            phases={} if self._evmode else {k: v for k, v in self._phases.items() if v.calls}, modules=list(self._mod_rows),
+            _phases={} if self._evmode else {k: v for k, v in self._phases.items() if v.calls},
+            _modules=list(self._mod_rows),
             leak=leak, seconds=time.perf_counter() - self._t0, steps=steps, live=True, **extra,
         )  # fmt: skip
 

@@ -1,7 +1,9 @@
 """Type stubs for memtorch.tracking (track(), Tracker and its reports).
 
 tests/test_typing.py checks that every public name of tracking.py (module level,
-and each class's methods, properties and attributes) is declared here.
+and each class's methods, properties and attributes) is declared here. The result types
+are dataclasses (memtorch.reports.Record / Report): their fields are declared in tracking.py,
+with a comment each; this stub exists for track() and Tracker, whose code carries no types.
 """
 
 import types
@@ -11,11 +13,13 @@ from typing import Any, Callable, Optional, TypeVar, Union
 import numpy as np
 import torch
 
+from .reports import Record, Report
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 PHASES: tuple[str, ...]
 
-class PhaseStats:
+class PhaseStats(Record):
     name: str
     calls: int
     delta: int
@@ -24,9 +28,10 @@ class PhaseStats:
     seconds: float
     exact: bool
     why: Optional[str]
-    def __init__(self, name: str) -> None: ...
+    def __init__(self, name: str, calls: int = ..., delta: int = ..., peak: int = ..., peak_above_start: int = ...,
+                 seconds: float = ..., exact: bool = ..., why: Optional[str] = ...) -> None: ...
 
-class ModuleStats:
+class ModuleStats(Record):
     name: str
     type: str
     calls: int
@@ -39,9 +44,9 @@ class ModuleStats:
     recomputed_total: int
     recomputed_bytes: int
     note: Optional[str]
-    def __init__(self, name: str, type_name: str, note: Optional[str] = None) -> None: ...
+    def __init__(self, name: str, type: str, note: Optional[str] = None) -> None: ...
 
-class TensorInfo:
+class TensorInfo(Record):
     shape: tuple[Any, ...]
     dtype: str
     device: str
@@ -59,9 +64,8 @@ class TensorInfo:
         graph_bytes: Optional[int] = ...,
     ) -> None: ...
     def describe(self) -> str: ...
-    def to_dict(self) -> dict[str, Any]: ...
 
-class LeakReport:
+class LeakReport(Report):
     steps: list[int]
     warmup: int
     per_step: Optional[Fraction]
@@ -69,14 +73,28 @@ class LeakReport:
     survivors: list[TensorInfo]
     exact: bool
     why: Optional[str]
-    def __init__(self, steps: list[int], warmup: int, survivors: list[TensorInfo], exact: bool) -> None: ...
+    groups: list[Any]
+    notes: list[str]
+    steps_after: Optional[int]
+    evidence: dict[str, Any]
+    def __init__(
+        self,
+        steps: list[int],
+        warmup: int,
+        survivors: list[TensorInfo],
+        exact: bool,
+        groups: Any = ...,
+        notes: Any = ...,
+        steps_after: Optional[int] = ...,
+        why: Optional[str] = ...,
+    ) -> None: ...
     def budget_bounds(self) -> tuple[Optional[Fraction], Optional[Fraction], Optional[str], Optional[str]]: ...
     def plot(self, *args: Any, **kwargs: Any) -> Any: ...
     def to_text(self) -> str: ...
     def to_html(self) -> str: ...
     def _repr_html_(self) -> str: ...
 
-class TrackReport:
+class TrackReport(Report):
     device: str
     exact: bool
     mechanism: Optional[str]
@@ -105,7 +123,30 @@ class TrackReport:
     world_size: Optional[int]
     baseline: Optional[str]
     absolute_exact: bool
-    def __init__(self, **kw: Any) -> None: ...
+    def __init__(
+        self,
+        device: str,
+        exact: bool,
+        mechanism: Optional[str],
+        start: int,
+        end: int,
+        peak: int,
+        peak_upper: Optional[int] = ...,
+        reserved_peak: Optional[int] = ...,
+        seconds: float = ...,
+        steps: int = ...,
+        live: bool = ...,
+        caveats: list[str] = ...,
+        baseline: Optional[str] = ...,
+        unseen_frees: int = ...,
+        unseen_bytes: int = ...,
+        rank: Optional[int] = ...,
+        world_size: Optional[int] = ...,
+        step_series: list[Any] = ...,
+        leak: Optional[LeakReport] = ...,
+        timeline: Optional[tuple[np.ndarray, np.ndarray]] = ...,
+        marks: Any = ...,
+    ) -> None: ...
     def budget_bounds(self, name: str) -> Optional[tuple[Any, Any, Optional[str], Optional[str]]]: ...
     def check(
         self,

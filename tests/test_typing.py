@@ -225,3 +225,13 @@ def test_mypy_sees_real_types(tmp_path):
     assert 'Argument "depth" to "diagram" has incompatible type "str"' in errors[1]
     assert 'Argument 1 to "parse" has incompatible type "bytes"' in errors[2]
     assert proc.returncode == 1, out
+
+
+def test_namedtuple_stubs_declare_every_field():
+    """A NamedTuple stub lists the namedtuple's fields in order (report.pyi's ModuleRow once lacked two)."""
+    from memtorch import report
+
+    stub = ast.parse((PKG / "report.pyi").read_text())
+    cls = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "ModuleRow")
+    declared = tuple(n.target.id for n in cls.body if isinstance(n, ast.AnnAssign))
+    assert declared == report.ModuleRow._fields

@@ -1,0 +1,91 @@
+"""The base of memtorch's result types: each field declared once, to_dict() derived from the fields.
+
+Every result is a dataclass subclass of ``Record`` (a row: a phase, a module, a tensor, an owner at
+the peak) or of ``Report`` (a result a user prints: what track(), estimate(), plan(), advise() return).
+``to_dict()`` walks the declared fields in order, so a field added to a type is in its JSON without
+another line; a field's metadata (made by ``field()`` below) renames its key, converts its value,
+leaves it out when None, or leaves it out of the JSON. A leading underscore keeps a field out unless
+it names a key (then the public attribute of that name is read: a property over the private field).
+``Report`` adds ``__str__`` = ``to_text()`` and ``_repr_html_`` = ``to_html()``: the text and HTML
+are made by memtorch.display, never here.
+
+This module imports neither torch nor NumPy (``import memtorch`` stays torch-free).
+"""
+
+import dataclasses
+import numbers
+
+__all__ = ["Record", "Report", "field", "plain"]
+
+
+def field(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, key=None, json=None,
+          omit_none=False, to_dict=True, init=True, repr=True):  # fmt: skip
+    """A dataclasses.field with the metadata to_dict() reads: ``key`` (the JSON key, default the
+    field's name), ``json`` (a function of the value giving its JSON, default ``plain``),
+    ``omit_none`` (no key when the value is None), ``to_dict=False`` (never in the JSON)."""
+    meta = {"key": key, "json": json, "omit_none": omit_none, "dict": to_dict}
+    return dataclasses.field(default=default, default_factory=default_factory, init=init, repr=repr, metadata=meta)
+
+
+def plain(value):
+    """value as JSON-ready Python: records as their to_dict(), namedtuples as dicts, other tuples as
+    lists, NumPy scalars and arrays as ints, floats and lists (no NumPy import: numbers and tolist())."""
+    if isinstance(value, Record):
+        return value.to_dict()
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a namedtuple: by its field names
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float) or type(value).__module__ == "numpy" and isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "tolist") and type(value).__module__ == "numpy":  # an ndarray, or a NumPy bool
+        return value.tolist()
+    return value
+
+
+@dataclasses.dataclass(eq=False)
+class Record:
+    """A dataclass whose to_dict() is derived from its declared fields (see the module docstring).
+    eq=False: records compare and hash by identity, as they did before they were dataclasses."""
+
+    def to_dict(self):
+        """Every declared figure as plain JSON-serialisable values (bytes as ints)."""
+        d = {}
+        for f in dataclasses.fields(self):
+            meta = f.metadata
+            if not meta.get("dict", True) or (f.name.startswith("_") and not meta.get("key")):
+                continue
+            key = meta.get("key") or f.name
+            value = getattr(self, key if f.name.startswith("_") else f.name)
+            if value is None and meta.get("omit_none"):
+                continue
+            convert = meta.get("json")
+            d[key] = plain(value) if convert is None else convert(value)
+        self._dict_more(d)
+        return d
+
+    def _dict_more(self, d):
+        """Keys that are no field of their own (a derived figure, a key's older spelling): none here."""
+
+
+@dataclasses.dataclass(eq=False)
+class Report(Record):
+    """A result a user prints: print() shows to_text(), a notebook to_html() (both memtorch.display)."""
+
+    def to_text(self):
+        raise NotImplementedError(f"{type(self).__name__}.to_text")
+
+    def to_html(self):
+        raise NotImplementedError(f"{type(self).__name__}.to_html")
+
+    def __str__(self):
+        return self.to_text()
+
+    def _repr_html_(self):
+        return self.to_html()

@@ -1,0 +1,157 @@
+"""The result types: dataclasses on memtorch.reports' bases, each field declared once.
+
+to_dict() is derived from the declared fields, so these tests hold the declarations themselves:
+every attribute an instance carries is a declared field (an attribute set elsewhere would be
+missing from to_dict() and from the stubs), every field is in to_dict() or says it is not,
+each has an annotation and a one-line comment, and every to_dict() survives json.dumps and
+json.loads unchanged. The instances come from real runs (track(), estimate(), plan_from()) or,
+for the rows a small run does not make, from their constructors.
+"""
+
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+from fractions import Fraction
+
+import pytest
+import torch
+
+import memtorch
+from memtorch import advice, distributed, estimation, leaks, peak, planning, tracking
+from memtorch.reports import Record, Report, field
+
+REPORTS = [
+    tracking.TrackReport, leaks.LeakReport, peak.AtPeak, estimation.Estimate, planning.Plan,
+    advice.Advice, distributed.MultiRankReport,
+]  # fmt: skip
+ROWS = [
+    tracking.PhaseStats, tracking.ModuleStats, tracking.TensorInfo, leaks.SurvivorGroup, peak.Owner,
+    peak.StorageAtPeak, advice.Suggestion, distributed.RankReport, distributed._Leak,
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def made():
+    """{type: [instances]} from a tracked Adam step with a leak, an estimate, a plan and a gather."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters())
+    kept = []
+    with memtorch.track(model, optimizer=opt, largest=3) as t:
+        for _ in range(3):
+            loss = model(torch.randn(8, 16)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(loss)  # a leak: each step's loss and its graph
+            t.step()
+    r = t.report
+    with memtorch.track(model) as t2:  # no step: no leak figure
+        kept.append(torch.zeros(64))
+    est = memtorch.estimate(model, torch.randn(8, 16), optimizer="adamw")
+    b = planning.Breakdown(
+        peak=5000, parameter=1000, gradient=1000, optimizer_state=2000, gradient_at_peak=1000,
+        optimizer_state_at_peak=2000, numel=250, largest_block=400, param_numels=(150, 100),
+    )  # fmt: skip
+    plan = planning.plan_from({("fp32", None, 8): b}, device_memory=4000, world_sizes=[1, 2])
+    figs = json.loads(json.dumps(distributed.figures(r)))
+    ranks = [distributed.RankReport(dict(figs, rank=k)) for k in range(2)]
+    group = leaks.SurvivorGroup("float32", "8x16", True, "a list", None)
+    group.count, group.nbytes = 2, 1024
+    owner = peak.Owner("other", "other", "forward", 96, 2)
+    owner.sites, owner.sites_note = [("train.py", 3, "step", 96, 2)], "no line for 0 B"
+    sugg = advice.Suggestion("bf16", "train in bf16", 1000, advice.EXACT, "model.to(torch.bfloat16)", "1000 B")
+    out = {
+        tracking.TrackReport: [r, t2.report],
+        tracking.PhaseStats: list(r.phases.values()),
+        tracking.ModuleStats: r.modules,
+        tracking.TensorInfo: [tracking.TensorInfo(torch.zeros(3, 4), step=1, name="x")] + r.leak.survivors,
+        leaks.LeakReport: [r.leak, leaks.LeakReport([3, 1, 2], 1, [], False, why="not exact")],
+        leaks.SurvivorGroup: [group],
+        peak.AtPeak: [r.at_peak],
+        peak.Owner: r.at_peak.owners + [owner],
+        peak.StorageAtPeak: r.largest,
+        estimation.Estimate: [est],
+        planning.Plan: [plan],
+        advice.Suggestion: [sugg],
+        advice.Advice: [advice.Advice("Sequential", [sugg], None, 1234, None, ["nothing else"])],
+        distributed.RankReport: ranks,
+        distributed._Leak: [ranks[0].leak],
+        distributed.MultiRankReport: [distributed.MultiRankReport(ranks)],
+    }
+    del kept
+    return out
+
+
+def test_every_result_type_is_a_record_and_every_report_a_report():
+    for cls in REPORTS + ROWS:
+        assert dataclasses.is_dataclass(cls) and issubclass(cls, Record), cls
+    for cls in REPORTS:
+        assert issubclass(cls, Report), cls
+    assert memtorch.TrackReport is tracking.TrackReport and memtorch.Estimate is estimation.Estimate
+
+
+@pytest.mark.parametrize("cls", REPORTS + ROWS, ids=lambda c: c.__name__)
+def test_every_attribute_is_a_declared_field_and_in_to_dict_unless_it_says_not(made, cls):
+    instances = made[cls]
+    assert instances and all(type(x) is cls for x in instances)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for x in instances:
+        undeclared = set(vars(x)) - names
+        assert not undeclared, f"{cls.__name__}: attributes set but not declared as fields: {sorted(undeclared)}"
+        d = x.to_dict()
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta.get("dict") is False or (f.name.startswith("_") and not meta.get("key")):
+                continue
+            key = meta.get("key") or f.name
+            if meta.get("omit_none") and getattr(x, key if f.name.startswith("_") else f.name) is None:
+                assert key not in d
+                continue
+            if cls is peak.Owner and f.name == "sites_note" and x.sites is None:
+                continue  # the note is about the sites: in the JSON with them (Owner._dict_more)
+            assert key in d, f"{cls.__name__}.{f.name} is not in to_dict() (as {key!r})"
+        assert json.loads(json.dumps(d)) == d, f"{cls.__name__}.to_dict() does not survive JSON"
+
+
+@pytest.mark.parametrize("cls", REPORTS + ROWS, ids=lambda c: c.__name__)
+def test_each_field_is_annotated_once_with_a_comment(cls):
+    lines, _ = inspect.getsourcelines(cls)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    body = tree.body[0].body
+    declared = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
+    assert sorted(declared) == sorted(f.name for f in dataclasses.fields(cls) if f.name in declared)
+    assert len(declared) == len(set(declared))
+    own = {n.target.id: n for n in body if isinstance(n, ast.AnnAssign)}
+    text = textwrap.dedent("".join(lines)).splitlines()
+    for name, node in own.items():
+        here = text[node.end_lineno - 1]
+        above = text[node.lineno - 2].strip() if node.lineno > 1 else ""
+        assert "#" in here or above.startswith("#"), f"{cls.__name__}.{name} has no comment"
+
+
+def test_a_field_added_is_in_to_dict_without_another_line():
+    @dataclasses.dataclass(eq=False)
+    class Two(Record):
+        nbytes: int = field(key="bytes")  # renamed
+        rate: Fraction = field(json=float)  # converted
+        upper: "int | None" = field(None, omit_none=True)  # absent when None
+        hidden: int = field(0, to_dict=False)  # never in the JSON
+        _lazy: int = field(0, key="lazy")  # read through its property
+        shape: tuple = (2, 3)  # tuples as lists
+
+        @property
+        def lazy(self):
+            return self._lazy + 1
+
+    assert Two(7, Fraction(1, 4)).to_dict() == {"bytes": 7, "rate": 0.25, "lazy": 1, "shape": [2, 3]}
+    assert Two(7, Fraction(1, 4), upper=9).to_dict()["upper"] == 9
+
+
+def test_print_and_the_notebook_show_to_text_and_to_html(made):
+    for cls in REPORTS:
+        x = made[cls][0]
+        assert str(x) == x.to_text() and x.to_text().strip(), cls
+        assert x._repr_html_() == x.to_html() and x.to_html().lstrip().startswith("<"), cls
