@@ -346,7 +346,7 @@ def test_sharded_configuration_is_estimated_with_its_fsdp_units():
     kw = dict(optimizer="adam", device="cpu", world_size=2, sharding="zero3", keep_output=False)
     est = memtorch.estimate(model, x, fsdp_units=units, **kw)
     assert adv.peak == est.peak - est.breakdown["input"]
-    assert [u["name"] for u in est.fsdp_units] == ["0", "(root)"]
+    assert [u["name"] for u in est.fsdp_units] == ["0", "(model)"]
     default = memtorch.estimate(model, x, **kw)
     assert [u["name"] for u in default.fsdp_units] == ["0", "1", "2"] and default.peak != est.peak
     with pytest.raises(memtorch.MemtorchError, match="fsdp_units=...\\) applies to sharding='zero2' or 'zero3'"):
