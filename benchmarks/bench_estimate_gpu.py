@@ -44,8 +44,8 @@ t0 = time.perf_counter()
 est = memtorch.estimate(m, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision, device=device,
                         checkpointing=ck, keep_output=False)
 seconds = time.perf_counter() - t0
-ctx = memtorch.checkpointing(m, ck) if ck else contextlib.nullcontext()
 if device == "cuda":
+    ctx = memtorch.checkpointing(m, ck) if ck else contextlib.nullcontext()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with ctx:

@@ -183,7 +183,7 @@ def _grouped_mm(cuda):
             size = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
         if not cuda:
             return torch.empty(size, dtype=dtype, device=a.device)
-        align = 16 // torch.empty((), dtype=dtype, device="meta").element_size()
+        align = 16 // dtype.itemsize
         padded = (size[-1] + align - 1) // align * align
         stride = [size[1] * padded, padded, 1] if (a.dim() == 2) == (b.dim() == 2) else [padded, 1]
         return torch.empty_strided(size, stride, dtype=dtype, device=a.device)
