@@ -21,6 +21,7 @@ import contextlib
 import weakref
 
 from .errors import MemtorchError
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 _torch_mod = None
 
@@ -28,9 +29,7 @@ _torch_mod = None
 def _torch():
     global _torch_mod
     if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
+        _torch_mod = _load_torch()
     return _torch_mod
 
 
@@ -135,6 +134,7 @@ class Ledger:
 
 
 def _accounting_mode(ledger, kernels, allow_item):
+    # lazy: _estimate_kernels loads only when an estimate's dry run needs it
     from ._estimate_kernels import probe_extra, scalar_extra
 
     probe = kernels.get("probe", True)

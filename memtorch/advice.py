@@ -29,7 +29,8 @@ import gc
 
 from . import units
 from .errors import MemtorchError
-from .reports import Record, Report, field
+from .reports import Record, Report, field, render
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = ["advise", "Advice", "Suggestion"]
 
@@ -92,14 +93,10 @@ class Advice(Report):
         return [s for s in self.items if s.kind == kind]
 
     def to_text(self):
-        from . import display
-
-        return display.advice_text(self)
+        return render("text", self)
 
     def to_html(self):
-        from . import display
-
-        return display.advice_html(self)
+        return render("html", self)
 
     def __repr__(self):
         return f"<Advice for {self.model_type}: {len(self.items)} suggestion(s)>"
@@ -110,14 +107,13 @@ class Advice(Report):
 
 
 def _torch():
-    from ._torch import torch
-
-    return torch()
+    return _load_torch()
 
 
 def default_loss(output, *inputs, **kw_inputs):
     """The loss of estimate(), plan() and advise() without loss_fn (memtorch._inputs.default_loss):
     the output's ``.loss`` when the model computes one, else the sum of its floating-point tensors."""
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from ._inputs import default_loss as loss
 
     return loss(output, *inputs, **kw_inputs)
@@ -127,6 +123,7 @@ def _copy_optimizer(optimizer, params, device="cpu"):
     """An optimizer over ``params`` as ``optimizer`` says (None: none): a name (estimate's names),
     an optimizer whose class and settings are copied, or a factory taking the parameters; the one
     rule of memtorch.estimate (estimation._make_optimizer)."""
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import _make_optimizer
 
     if optimizer is None:
@@ -152,6 +149,7 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     step's peak apart from the inputs, which every variant shares.
     """
     torch = _torch()
+    # lazy: tracking loads _C and NumPy; only this path needs it (importing advice stays cheap)
     from . import inspection, tracking
 
     base = base or {}
@@ -215,6 +213,7 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
 def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, base=None):
     """The same figures as _step_peak from memtorch.estimate (a dry run on fake tensors, no real memory)."""
     torch = _torch()
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import estimate
 
     base = dict(base or {})
@@ -419,6 +418,7 @@ def _sparse_measured(p):
     """{format: bytes} of p converted for real (memtorch.sizeof), and to_sparse_csr()'s bytes before .clone()."""
     import warnings
 
+    # lazy: inspection loads _C and NumPy; only this path needs it (importing advice stays cheap)
     from .inspection import sizeof
 
     w = p.detach()
@@ -891,7 +891,9 @@ def advise(
     or .to_dict().
     """
     torch = _torch()
+    # lazy: inspection loads _C and NumPy; only this path needs it (importing advice stays cheap)
     from . import _inputs, inspection
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import DEFAULT_DEVICE, _check_args
 
     if not isinstance(model, torch.nn.Module):
@@ -1061,6 +1063,7 @@ def _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, cfg, lo
     states = getattr(est, "model_states", None)
     at_peak = getattr(est, "breakdown", None) or {}
     try:
+        # lazy: planning loads only when this path runs (importing advice stays cheap)
         from .planning import plan
 
         p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=0, precisions=[cfg["precision"]],

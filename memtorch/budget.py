@@ -28,6 +28,7 @@ import re
 from fractions import Fraction
 
 from . import units, words
+from .units import format_rate
 from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
 from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
@@ -99,7 +100,6 @@ def verdict_line(name, measured, limit, spelled=None):
     shown as written, so that "3 MB" reads 'budget 2.9 MiB (3 MB)'.
     """
     if getattr(measured, "denominator", 1) != 1:  # a leak rate in fractions of a byte: never floored
-        from .leaks import format_rate
 
         m, lim = format_rate(measured, signed=False), units.format(int(limit))
         return f"{name} {m} exceeds budget {_spelled_limit(lim, spelled)} by {format_rate(measured - int(limit), signed=False)}"
@@ -112,7 +112,6 @@ def failure_line(failure, spelled=None):
     """The one-line verdict of a Failure: exceeded (exact, or its lower bound over) or inconclusive."""
     name, low, limit = failure
     if getattr(low, "denominator", 1) != 1:  # a leak rate in fractions of a byte: never floored
-        from .leaks import format_rate
 
         if not failure.inconclusive:
             return verdict_line(name, low, limit, spelled)
@@ -232,6 +231,7 @@ def figure_bounds(report, name):
 
 def _as_report(obj, fname):
     """The report to judge: a TrackReport (or anything with its figures), or a Tracker's report."""
+    # lazy: tracking loads _C and NumPy; only this path needs it (importing budget stays cheap)
     from .tracking import Tracker
 
     if isinstance(obj, Tracker):
@@ -364,7 +364,6 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         survivors = list(_get(leak, "survivors") or [])
         if isinstance(per_step, (list, tuple)):
             per_step = max(per_step, default=0)
-        from .leaks import format_rate
 
         rate = "n/a" if per_step is None else format_rate(per_step)
         how = "" if _get(leak, "exact", True) else f" (not exact: {_get(leak, 'why') or 'see the notes'})"

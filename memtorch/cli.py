@@ -109,6 +109,7 @@ class _Step:
 def _parse_shape(text):
     """An --input value checked by memtorch._inputs.parse_text (the one reading of input specs):
     '8x3x224x224', '8x128:int64' or 'input_ids=1x2048:int64'; kept as text."""
+    # lazy: each subcommand loads only the engines it runs
     from . import _inputs
 
     try:
@@ -253,6 +254,7 @@ def _module_dict(mm, depth):
 
 
 def cmd_inspect(args, out, progress):
+    # lazy: each subcommand loads only the engines it runs
     import memtorch
 
     model, _ = _prepare(args, progress)
@@ -272,6 +274,7 @@ def cmd_inspect(args, out, progress):
         to_html = getattr(mm, "to_html", None) or mm._repr_html_
         _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(to_html, args.depth)), out)
     else:
+        # lazy: each subcommand loads only the engines it runs
         from . import display
 
         to_text = getattr(mm, "to_text", None) or functools.partial(display.model_memory_text, mm)
@@ -293,6 +296,7 @@ def _inputs(args, example):
     """The example inputs as the Python functions take them: --input specs as meta tensors (the
     keyword ones, NAME=SHAPE, as one mapping after the positional ones: model(*args, **kwargs)),
     or the one TARGET returned. memtorch._inputs reads them, as it reads the functions' inputs."""
+    # lazy: each subcommand loads only the engines it runs
     from . import _inputs as spec
 
     if not args.input:
@@ -306,6 +310,7 @@ def _inputs(args, example):
 
 
 def _optional_api(name):
+    # lazy: each subcommand loads only the engines it runs
     import memtorch
 
     try:
@@ -364,6 +369,7 @@ def _loss(text):
     """--loss: 'sum' (the sum of the output's floating-point tensors), 'output' (the output's own
     .loss, a Hugging Face model given labels) or TARGET-style 'pkg.module:fn' / 'file.py:fn' taking
     (output, *inputs). Without --loss: the output's .loss when it has one, else the sum."""
+    # lazy: each subcommand loads only the engines it runs
     from . import _inputs as spec
 
     if text is None:
@@ -495,6 +501,7 @@ def cmd_advise(args, out, progress):
 
 
 def cmd_diagram(args, out, progress):
+    # lazy: each subcommand loads only the engines it runs
     import memtorch
 
     model, _ = _prepare(args, progress)
@@ -869,6 +876,7 @@ def _depth(text):
 
 
 def _version():
+    # lazy: each subcommand loads only the engines it runs
     from . import __version__
 
     return __version__

@@ -33,6 +33,7 @@ is above what is allocated, so that every budgeted test starts at the peak.
 import weakref
 
 from .errors import DeviceUnavailable
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = [
     "is_available",
@@ -72,9 +73,7 @@ def _torch():
     (tests put a fake torch.cuda there)."""
     global _torch_mod
     if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
+        _torch_mod = _load_torch()
     return _torch_mod
 
 

@@ -39,7 +39,7 @@ import time
 
 from . import units, words
 from .errors import MemtorchError
-from .reports import Record, Report, field
+from .reports import Record, Report, field, render
 
 __all__ = ["MultiRankReport", "RankReport", "gather", "rank_info"]
 
@@ -316,6 +316,7 @@ class MultiRankReport(Report):
         with the largest delta, leak with the largest per-step leak; the
         message names the rank.
         """
+        # lazy: budget loads only when this path runs (importing distributed stays cheap)
         from .budget import assert_budget
 
         assert_budget(self, peak=peak, delta=delta, leak=leak)
@@ -364,14 +365,10 @@ class MultiRankReport(Report):
 
     def to_text(self):
         """One row per rank, then the summary (memtorch.display.multi_rank_text)."""
-        from . import display
-
-        return display.multi_rank_text(self)
+        return render("text", self)
 
     def to_html(self):
-        from . import display
-
-        return display.multi_rank_html(self)
+        return render("html", self)
 
     def __repr__(self):
         return (
@@ -493,6 +490,7 @@ def _exchange(dist, group, payload, device):
 
 def _own_figures(report):
     """(status, figures or None) for what the user passed: a TrackReport, a Tracker or a RankReport."""
+    # lazy: tracking loads _C and NumPy; only this path needs it (importing distributed stays cheap)
     from .tracking import Tracker
 
     if isinstance(report, Tracker):

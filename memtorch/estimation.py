@@ -52,7 +52,7 @@ import html
 from . import units, words
 from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
-from .reports import Report, field, plain
+from .reports import Report, field, plain, render
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
@@ -164,6 +164,7 @@ class Estimate(Report):
 
     def check(self, peak=None, delta=None):
         """Raise memtorch.BudgetExceeded if the estimated peak (or steady bytes, as delta) exceeds its budget."""
+        # lazy: budget loads only when this path runs (importing estimation stays cheap)
         from .budget import assert_budget
 
         assert_budget(self, peak=peak, delta=delta)
@@ -250,21 +251,15 @@ class Estimate(Report):
     def to_text(self, depth=..., max_rows=...):
         """The estimate as print() shows it (memtorch.display.estimate_text): its module tree folded to
         display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
-        from . import display
-
-        return display.estimate_text(self, depth, max_rows)
+        return render("text", self, depth, max_rows)
 
     def to_html(self, depth=..., max_rows=...):
         """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
-        from . import display
-
-        return display.estimate_html(self, depth, max_rows)
+        return render("html", self, depth, max_rows)
 
     def plot(self, kind="categories", **kw):
         """A matplotlib Figure: kind='categories' (the breakdown at the peak), 'phases' or 'modules' (memtorch.plot)."""
-        from . import plot
-
-        return plot.estimate(self, kind=kind, **kw)
+        return render("plot", self, kind=kind, **kw)
 
     def __repr__(self):
         return (
@@ -280,6 +275,7 @@ class Estimate(Report):
 def default_loss(output, *inputs, **kw_inputs):
     """The loss estimate() uses without loss_fn: the output's ``.loss`` when the model computes one
     (a Hugging Face model given labels), else the sum of every floating-point tensor in the output."""
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from ._inputs import default_loss as loss
 
     return loss(output, *inputs, **kw_inputs)
@@ -456,6 +452,7 @@ class _Hooks:
     """Module forward hooks (per-module figures) and phase spans, recorded as event indices."""
 
     def __init__(self, ledger, model):
+        # lazy: tracking loads _C and NumPy; only this path needs it (importing estimation stays cheap)
         from .tracking import ModuleStats
 
         self.ledger = ledger
@@ -626,6 +623,7 @@ def _inference(model, finputs, ledger, hooks, stack, fakes, autocast, low, max_n
     torch = _torch()
     stack.enter_context(_swapped(model, fakes))
     if cuda_state is not None:
+        # lazy: _estimate_kernels loads only when an estimate's dry run needs it
         from ._estimate_kernels import cuda_routing
 
         stack.enter_context(cuda_routing(cuda_state))
@@ -742,11 +740,13 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     ledger = Ledger()
     hooks = _Hooks(ledger, model)
     allow_item = [False]
+    # lazy: _estimate_kernels loads only when an estimate's dry run needs it
     from ._estimate_kernels import kernels_for
 
     facts = {}
     cuda_state = None
     if device == "cuda":
+        # lazy: _estimate_kernels loads only when an estimate's dry run needs it
         from ._estimate_kernels import CudaState, cuda_kernels
 
         cuda_state = CudaState(gpu)
@@ -776,6 +776,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
         finputs = inputs.map(lambda t: fake_like(t, "cpu"))
         ledger.mark([ledger.key_of(t) for t in finputs.tensors()], "input")
+        # lazy: _estimate_kernels loads only when an estimate's dry run needs it
         from . import _estimate_kernels
 
         for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
@@ -795,6 +796,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             ledger.owner[ledger.key_of(t)] = i
         facts["unit_events"] = []
         if units is not None:
+            # lazy: _estimate_ranks loads only when an estimate's dry run needs it
             from ._estimate_ranks import unit_params
 
             facts["units"] = unit_params(units, orig_index)
@@ -861,6 +863,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call, _dropped=dropped_cache))
         stack.enter_context(_swapped(model, fakes))
         if cuda_state is not None:
+            # lazy: _estimate_kernels loads only when an estimate's dry run needs it
             from ._estimate_kernels import cuda_routing
 
             routing.append(cuda_routing(cuda_state))
@@ -1054,6 +1057,7 @@ def estimate(
     _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn)
     if not inputs:
         raise MemtorchError("estimate() needs example inputs: estimate(model, x) with a tensor or a shape")
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from . import _inputs
 
     inputs = _inputs.read(inputs)
@@ -1079,6 +1083,7 @@ def estimate(
         raise MemtorchError(f"keep_output must be True or False, got {keep_output!r}")
     target = None
     if device == "cuda":
+        # lazy: _estimate_cuda loads only when an estimate's dry run needs it
         from ._estimate_cuda import resolve_gpu
 
         try:
@@ -1095,10 +1100,12 @@ def estimate(
             f"fsdp_units applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
         )
     if world_size > 1 and sharding in ("zero2", "zero3"):
+        # lazy: _estimate_ranks loads only when an estimate's dry run needs it
         from ._estimate_ranks import resolve_units
 
         fsdp_mods = resolve_units(model, fsdp_units, torch)
     notes = []
+    # lazy: _estimate_kernels loads only when an estimate's dry run needs it
     from . import _estimate_kernels
 
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
@@ -1128,6 +1135,7 @@ def estimate(
         names = ", ".join(f"{k}={_NO_CACHE[k]}" for k in sorted(facts["cache_dropped"]))
         notes.append(f"the checkpointed blocks ran with {names}, as transformers' gradient checkpointing runs them "
                      "(a cache written in the forward would be written again by the recomputation)")
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing estimation stays cheap)
     from . import cpu
 
     if device != "cuda" and not cpu.exact():
@@ -1163,12 +1171,14 @@ def _explain(e):
 
 
 def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds, checkpointing=None):
+    # lazy: tracking loads _C and NumPy; only this path needs it (importing estimation stays cheap)
     from .tracking import PhaseStats
 
     info = ledger.info
     sizes = None
     reserved_peak = reserved_steady = None
     if device == "cuda":
+        # lazy: _estimate_cuda loads only when an estimate's dry run needs it
         from ._estimate_cuda import CachingAllocator
 
         alloc_curve, reserved_curve = CachingAllocator().replay(ledger.events, {k: v[0] for k, v in info.items()})
@@ -1228,6 +1238,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     per_rank = peak_rank = fsdp_units = None
     peak_upper = None
     if world_size > 1:
+        # lazy: _estimate_ranks loads only when an estimate's dry run needs it
         from . import _estimate_ranks
 
         facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
@@ -1313,6 +1324,7 @@ def _cuda_notes(state):
 def _rank_results(ledger, hooks, facts, device, world_size, sharding):
     """Every rank's figures (memtorch._estimate_ranks.per_rank) from one classified dry run: what estimate()
     reports for world_size > 1, and what plan() reads for each world size and sharding."""
+    # lazy: _estimate_ranks loads only when an estimate's dry run needs it
     from . import _estimate_ranks
 
     if "last_grads" not in facts:
@@ -1323,6 +1335,7 @@ def _rank_results(ledger, hooks, facts, device, world_size, sharding):
 
 
 def _cuda_block(n):
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
     from ._estimate_cuda import round_size
 
     return round_size(n)

@@ -144,6 +144,7 @@ def _ensure_setup():
     if not _setup_done:
         with _setup_lock:
             if not _setup_done:
+                # lazy: the extension _C loads NumPy; only this path needs it (importing inspection stays cheap)
                 from . import _C
 
                 _C._walker_setup(setup_info(torch))
@@ -154,6 +155,7 @@ def _ensure_setup():
 def walk(obj, optimizer=None):
     """Raw walker output: (rows, paths, dtypes, devices, modules); see memtorch/_C.pyi."""
     torch = _ensure_setup()
+    # lazy: the extension _C loads NumPy; only this path needs it (importing inspection stays cheap)
     from . import _C
 
     # A subclass's __torch_function__ is user code: keep it out of the walk.

@@ -19,7 +19,7 @@ never named are one group ("allocated before the block, not identified").
 import dataclasses
 
 from . import _C, units, words
-from .reports import Record, Report, field
+from .reports import Record, Report, field, render
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
 
@@ -186,24 +186,18 @@ class AtPeak(Report):
 
     def kind_lines(self):
         """The summary that answers first: bytes per kind (parameter, gradient, ...), largest first."""
-        from . import display
-
-        return display.at_peak_kind_lines(self)
+        return render("kind_lines", self)
 
     def lines(self, limit=None):
         """Text (memtorch.display.at_peak_lines): per kind, then per module, then per tensor (the first
         ``limit`` of each, the rest summed in one line), then the notes."""
-        from . import display
-
-        return display.at_peak_lines(self, limit)
+        return render("lines", self, limit)
 
     def to_text(self, limit=30):
         return "\n".join(self.lines(limit))
 
     def to_html(self, limit=30):
-        from . import display
-
-        return display.at_peak_html(self, limit)
+        return render("html", self, limit)
 
     def __repr__(self):
         return f"AtPeak(peak={self.peak}, owners={len(self.owners)}, exact={self.exact})"
@@ -420,6 +414,7 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
     in the block, is named so; None: none);
     own: the history was the block's own (started empty), not the user's.
     Returns an AtPeak with the CPU's vocabulary."""
+    # lazy: the CUDA trace's replay loads only for a CUDA block
     from . import _cuda_trace as ct
 
     t0_us = None if t0_ns is None else t0_ns // 1000

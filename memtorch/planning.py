@@ -67,7 +67,7 @@ from collections import namedtuple
 
 from . import units
 from .errors import MemtorchError
-from .reports import Report, field
+from .reports import Report, field, render
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
 
@@ -193,6 +193,7 @@ def per_rank(b, world_size, sharding, pad=True):
 
 def _zero1(b, n, out):
     """torch's ZeroRedundancyOptimizer (under DDP): each rank's figures from its whole parameters."""
+    # lazy: _estimate_ranks loads only when an estimate's dry run needs it
     from ._estimate_ranks import zero_partition
 
     if b.param_numels is None:
@@ -280,14 +281,10 @@ class Plan(Report):
     def to_text(self, limit=40):
         """The combinations that fit, cheapest first, then those that do not, closest first; the first
         ``limit`` rows, then a line saying how many more (memtorch.display.plan_text)."""
-        from . import display
-
-        return display.plan_text(self, limit)
+        return render("text", self, limit)
 
     def to_html(self, limit=40):
-        from . import display
-
-        return display.plan_html(self, limit)
+        return render("html", self, limit)
 
     def __repr__(self):
         return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"
@@ -394,6 +391,7 @@ def _largest_block(model, fsdp_units=None):
     model's model.layers.N, else each child holding parameters), the root holding what they leave."""
     import torch
 
+    # lazy: _estimate_ranks loads only when an estimate's dry run needs it
     from ._estimate_ranks import resolve_units
 
     taken, best = set(), 0
@@ -474,6 +472,7 @@ def plan(
 
     import torch
 
+    # lazy: estimation loads only when this path runs (importing planning stays cheap)
     from .estimation import _KEEP_RUNS, _rank_results, estimate
 
     t0 = time.perf_counter()
@@ -482,6 +481,7 @@ def plan(
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     if not inputs:
         raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from . import _inputs
 
     given = _inputs.read(inputs, "plan()")  # the one reading of inputs (estimate's, advise's, the CLI's)

@@ -16,6 +16,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import units, words
+from .reports import render
 
 __all__ = ["ModelMemory", "ModuleRow", "CATEGORIES", "MODULE_RULE"]
 
@@ -179,6 +180,7 @@ class ModelMemory:
         if _NBYTES_OVERFLOW in nbytes:
             # numel * element size past int64 (a huge expanded or meta tensor):
             # recomputed exactly in Python ints.
+            # lazy: inspection loads _C and NumPy; only this path needs it (importing report stays cheap)
             from .inspection import dtype_sizes
 
             sizes = dtype_sizes()
@@ -399,29 +401,19 @@ class ModelMemory:
         return f"<ModelMemory {self.root_type}: {units.format(self.total)} in {len(self._first)} storages>"
 
     def __str__(self):
-        from .display import model_memory_text
-
-        return model_memory_text(self)
+        return render("text", self)  # folded to display.options (to_text() shows every module)
 
     def _repr_html_(self):
-        from .display import model_memory_html
-
-        return model_memory_html(self)
+        return render("html", self)
 
     def to_text(self, depth=None, max_rows=None):
         """The table of str(), every module by default; depth / max_rows fold it (memtorch.display)."""
-        from . import display
-
-        return display.model_memory_text(self, depth, max_rows)
+        return render("text", self, depth, max_rows)
 
     def to_html(self, depth=None, max_rows=None):
         """The notebook HTML, every module by default; depth / max_rows fold it (memtorch.display)."""
-        from . import display
-
-        return display.model_memory_html(self, depth, max_rows)
+        return render("html", self, depth, max_rows)
 
     def plot(self, kind="modules", **kw):
         """A matplotlib Figure: kind='modules' (per-module bars) or 'categories' (memtorch.plot)."""
-        from . import plot
-
-        return plot.model_memory(self, kind=kind, **kw)
+        return render("plot", self, kind=kind, **kw)

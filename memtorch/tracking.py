@@ -66,7 +66,8 @@ from . import leaks
 from . import peak as attribution
 from .leaks import LeakReport
 from .errors import DeviceUnavailable, MemtorchError
-from .reports import Record, Report, field
+from .reports import Record, Report, field, render
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
 
@@ -83,9 +84,7 @@ _torch_mod = None
 def _torch():
     global _torch_mod
     if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
+        _torch_mod = _load_torch()
     return _torch_mod
 
 
@@ -314,6 +313,7 @@ class TrackReport(Report):
 
     def gather(self, group=None, dst=0, timeout=60.0):
         """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
+        # lazy: distributed loads only when this path runs (importing tracking stays cheap)
         from .distributed import gather
 
         return gather(self, group=group, dst=dst, timeout=timeout)
@@ -328,6 +328,7 @@ class TrackReport(Report):
     def check(self, peak=None, delta=None, leak=None):
         """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse);
         memtorch.errors.BudgetInconclusive (a BudgetExceeded) for a leak that is not exact."""
+        # lazy: budget loads only when this path runs (importing tracking stays cheap)
         from .budget import assert_budget
 
         assert_budget(self, peak=peak, delta=delta, leak=leak)
@@ -379,21 +380,15 @@ class TrackReport(Report):
     def to_text(self, depth=..., max_rows=...):
         """The report as print() shows it (memtorch.display.track_report_text): its module tree folded to
         display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
-        from . import display
-
-        return display.track_report_text(self, depth, max_rows)
+        return render("text", self, depth, max_rows)
 
     def to_html(self, depth=..., max_rows=...):
         """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
-        from . import display
-
-        return display.track_report_html(self, depth, max_rows)
+        return render("html", self, depth, max_rows)
 
     def plot(self, kind="timeline", **kw):
         """A matplotlib Figure: kind='timeline', 'phases', 'modules', 'leak' or 'categories' (at the peak) (memtorch.plot)."""
-        from . import plot
-
-        return plot.track_report(self, kind=kind, **kw)
+        return render("plot", self, kind=kind, **kw)
 
     def __repr__(self):
         return (
@@ -412,6 +407,7 @@ def _rank_info():
             return {}
     except Exception:  # noqa: BLE001 - a build without distributed support, or one being torn down
         return {}
+    # lazy: distributed loads only when this path runs (importing tracking stays cheap)
     from .distributed import rank_info
 
     return rank_info()
@@ -1891,6 +1887,7 @@ class Tracker:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and "torch.distributed" in sys.modules:
+            # lazy: distributed loads only when this path runs (importing tracking stays cheap)
             from .distributed import note_failure
 
             self._failure = f"{exc_type.__name__}: {exc}"
@@ -2281,9 +2278,7 @@ class Tracker:
         return wrapper
 
     def _repr_html_(self):
-        from . import display
-
-        return display.tracker_html(self)
+        return render("html", self)
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"
