@@ -207,6 +207,8 @@ class Scan:
 
 
 def storage_key(t):
+    """The identity of the storage a tensor views: (data pointer, device type); (id, "?") for tensors
+    with no single storage (nested, sparse, wrappers). The one definition: tracking uses it too."""
     try:
         return t.untyped_storage().data_ptr(), t.device.type
     except Exception:  # nested, sparse and wrapper tensors have no single storage
@@ -214,6 +216,8 @@ def storage_key(t):
 
 
 def storage_nbytes(t):
+    """Bytes of the storage a tensor keeps alive; its logical bytes (numel * element size) when it
+    has no single storage (sparse); 0 when even those cannot be read. The one definition."""
     try:
         return int(t.untyped_storage().nbytes())
     except Exception:

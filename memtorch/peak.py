@@ -18,7 +18,7 @@ never named are one group ("allocated before the block, not identified").
 
 import dataclasses
 
-from . import _C, units, words
+from . import cpu, units, words
 from .reports import Record, Report, field, render
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
@@ -344,7 +344,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
             storages.append((name, kind, phase, nbytes, shape, dtype))
 
     # in C: the walk that names each live storage, and the named storages from before the log
-    named_live, before = _C.eventlog_names(live, snapshots, queries, firsts, k, sizes_now)
+    named_live, before = cpu._eventlog_names(live, snapshots, queries, firsts, k, sizes_now)
     in_block = 0
     mask = (1 << (TAG_BITS - 2)) - 1
     other_live = []  # (log index, bytes, tagged by this block) of the "other" storages live at the peak

@@ -184,7 +184,7 @@ class TensorInfo(Record):
             self.shape = ("nested",)
         self.dtype = str(tensor.dtype).replace("torch.", "")
         self.device = str(tensor.device)
-        self.nbytes = _storage_nbytes(tensor)
+        self.nbytes = leaks.storage_nbytes(tensor)
         self.has_graph = tensor.grad_fn is not None
         self.graph_bytes = graph_bytes
         self.step = step
@@ -454,20 +454,6 @@ def module_figures(times, nbytes, starts, ends, known_from=None):
 # Live tensors (only scanned when a leak is suspected or largest= asks)
 
 
-def _storage_nbytes(t):
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:  # sparse, nested, meta-less wrappers
-        return int(t.numel() * t.element_size())
-
-
-def _storage_key(t):
-    try:
-        return t.untyped_storage().data_ptr(), t.device.type
-    except Exception:
-        return id(t), "?"
-
-
 def _live_tensors(device_type):
     """Weak snapshot {id: weakref} of live torch.Tensor objects on a device type."""
     Tensor = _torch().Tensor
@@ -504,7 +490,7 @@ def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
         node = stack.pop()
         var = getattr(node, "variable", None)  # AccumulateGrad: the leaf (a parameter)
         if isinstance(var, Tensor):
-            leaves.add(_storage_key(var))
+            leaves.add(leaks.storage_key(var))
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue
@@ -515,9 +501,9 @@ def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
             for v in value if isinstance(value, (list, tuple)) else (value,):
                 # leaves that require grad are parameters (or inputs) kept anyway
                 if isinstance(v, Tensor) and not (v.is_leaf and v.requires_grad):
-                    k = _storage_key(v)
+                    k = leaks.storage_key(v)
                     if k not in keys:
-                        keys[k] = mine[k] = _storage_nbytes(v)
+                        keys[k] = mine[k] = leaks.storage_nbytes(v)
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen_nodes:
                 seen_nodes.add(id(nxt))
@@ -692,7 +678,7 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
     # rows len(rows) + r: row r's recomputations (as marks.c marks them when they fit the tag)
     nrows = 2 * len(rows) if _splits_recomputation(len(rows)) else len(rows)
-    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, nrows, queries)
+    replayed = cpu._eventlog_replay(ev, start, dropped, peak_bytes, token, nrows, queries)
     _apply_replay(replayed, len(ev), rows, phases)
     if totals is not None:
         _apply_totals(totals, rows, phases, dropped)
@@ -735,7 +721,7 @@ _dtype = []  # the numpy dtype of the event log's rows, read once
 
 def _log_dtype():
     if not _dtype:
-        _dtype.append(_C.eventlog_read_all(0, 0)[0].dtype)
+        _dtype.append(cpu._eventlog_read_all(0, 0)[0].dtype)
     return _dtype[0]
 
 
@@ -1477,7 +1463,7 @@ class Tracker:
         cache = None if plan is None else plan.names
         if (
             cache is not None and (None if cache[0] is None else cache[0]()) is opt and cache[1] == m.state_n
-            and cache[2] == shape and _C.counters_serials(cache[4]) == cache[5]
+            and cache[2] == shape and cpu._counters_serials(cache[4]) == cache[5]
         ):  # fmt: skip
             del opt
             m.params = cache[3]
@@ -1501,7 +1487,7 @@ class Tracker:
                 addrs = list(names)
                 plan.names = (
                     None if opt is None else weakref.ref(opt), m.state_n, shape, params, addrs,
-                    _C.counters_serials(addrs), dict(names),
+                    cpu._counters_serials(addrs), dict(names),
                 )  # fmt: skip
             del opt
         _C.names_walk(names, m.params, None, 2 | shape)  # the gradients
@@ -1830,8 +1816,8 @@ class Tracker:
                 self._marks.closure_hook = functools.partial(_closure_args, weakref.ref(self))
                 # a module's forward run inside autograd's backward is a recomputation (checkpointing)
                 self._marks.in_backward = _in_backward_fn()
-                _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
-                self._snapshots.append((_C.eventlog_head(), self._walk_names()))
+                cpu._eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
+                self._snapshots.append((cpu._eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
             self._install_hooks()
             if self._ctrace is not None:  # storages live at the start, by address
@@ -1858,7 +1844,7 @@ class Tracker:
         try:
             if cpu._held:  # counting held: one C call, the Scope object made only if asked for
                 try:
-                    self._raw = (_C.scope_begin(False), cpu._processes())
+                    self._raw = (cpu._scope_begin(False), cpu._processes())
                     return self
                 except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
                     pass
@@ -1910,7 +1896,7 @@ class Tracker:
             try:
                 raw, self._raw = self._raw, None
                 if raw is not None:  # ended by an exception before its report (_finish_counters)
-                    _C.scope_end(raw[0][0], raw[0][1])
+                    cpu._scope_end(raw[0][0], raw[0][1])
                 elif self._scope is not None:
                     self._scope.close()
             finally:
@@ -1957,7 +1943,7 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         raw, self._raw = self._raw, None
         if raw is not None:  # its own C calls: the closed Scope is made with the report
-            closing = (_C.scope_end(raw[0][0], raw[0][1]), cpu._processes())
+            closing = (cpu._scope_end(raw[0][0], raw[0][1]), cpu._processes())
             if not closing[0][5]:
                 return functools.partial(_make_counters_report, raw, closing, seconds)
             self._scope = cpu.Scope._from_calls(raw, closing)  # hooks lost: where they went is read now
@@ -1978,8 +1964,8 @@ class Tracker:
             self._close_scope(self._step_scope, r)
             self._step_scope = None
         if self._evmode:
-            _C.eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
-            head = _C.eventlog_head()
+            cpu._eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
+            head = cpu._eventlog_head()
             m = self._marks
             self._forwards = m.forwards
             for name, (calls, seconds) in zip(PHASES, m.phases):  # what marks.c timed
@@ -2008,8 +1994,8 @@ class Tracker:
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
             # as bytes: the array is made at the replay
-            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head, True)
-            sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
+            ev, dropped = cpu._eventlog_read_all(self._scope._ev0, head, True)
+            sites = cpu._eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
             # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
@@ -2017,7 +2003,7 @@ class Tracker:
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
-            sizes = dict(zip(addrs, _C.counters_sizes(addrs)))
+            sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
@@ -2111,7 +2097,7 @@ class Tracker:
             t = ref()
             if t is None:
                 continue
-            k = _storage_key(t)
+            k = leaks.storage_key(t)
             if k not in seen:
                 seen[k] = TensorInfo(t)
             del t

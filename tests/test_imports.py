@@ -230,3 +230,49 @@ def test_render_names_a_type_with_no_renderer():
 
     with pytest.raises(NotImplementedError, match="memtorch.display renders no text for Unrendered"):
         Unrendered().to_text()
+
+
+# Each family of _C functions has one Python owner: only it names them on _C (others go through it).
+C_OWNERS = {
+    ("counters_", "scope_", "eventlog_"): "memtorch.cpu",
+    ("names_walk", "modules_fingerprint", "ModuleMarks"): "memtorch.tracking",
+    ("_walk", "_walker_setup"): "memtorch.inspection",
+}
+C_EXCEPTIONS = {
+    # _torch hands _C torch's source folder when torch first loads (the loader is below cpu's floor)
+    ("memtorch._torch", "eventlog_sites_skip"),
+    # the pure-Python twin calls the C walker to compare itself with it
+    ("memtorch._reference", "_walk"),
+}
+
+
+def test_each_family_of_C_functions_has_one_owner():
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_C"):
+                continue
+            for prefixes, owner in C_OWNERS.items():
+                if node.attr.startswith(prefixes) and module != owner and (module, node.attr) not in C_EXCEPTIONS:
+                    wrong.append(f"{module}:{node.lineno} calls _C.{node.attr} (its owner is {owner})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_storage_helpers_and_vocabulary_are_defined_once():
+    """storage_key/storage_nbytes once (two copies had drifted: one raised on a tensor whose bytes
+    cannot be read), and the categories and phases only in memtorch.words (others alias it)."""
+    defs, constants = {}, []
+    for path in sorted(PKG.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") in ("storage_key", "storage_nbytes"):
+                defs.setdefault(node.name.lstrip("_"), []).append(module)
+            if isinstance(node, ast.Assign) and module != "memtorch.words":
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                if any(n.endswith(("CATEGORIES", "PHASES")) for n in names) and not (
+                    isinstance(node.value, ast.Attribute) and getattr(node.value.value, "id", None) == "words"
+                ):
+                    constants.append(f"{module}:{node.lineno} {names}")
+    assert defs == {"storage_key": ["memtorch.leaks"], "storage_nbytes": ["memtorch.leaks"]}
+    assert not constants, f"define these in memtorch.words and alias them: {constants}"
