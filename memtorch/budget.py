@@ -29,7 +29,6 @@ from fractions import Fraction
 
 from . import units, words
 from .units import format_rate
-from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
 from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
 __all__ = ["assert_budget", "breakdown", "check_budget", "failure_line", "figure_bounds", "format_pair",
@@ -175,7 +174,7 @@ def _one_report_bounds(report, name):
     value = _measured(report, name)
     exact = bool(getattr(report, "exact", True))
     mechanism = str(getattr(report, "mechanism", "") or "")
-    if name == "peak" and not exact and mechanism.startswith(_CUDA_MECHANISM):
+    if name == "peak" and not exact and mechanism.startswith(words.CUDA_MECHANISM):
         start = int(report.start)
         upper = getattr(report, "peak_upper", None)
         if upper is None:
@@ -231,13 +230,12 @@ def figure_bounds(report, name):
 
 def _as_report(obj, fname):
     """The report to judge: a TrackReport (or anything with its figures), or a Tracker's report."""
-    # lazy: tracking loads _C and NumPy; only this path needs it (importing budget stays cheap)
-    from .tracking import Tracker
-
-    if isinstance(obj, Tracker):
-        return obj.report  # the finished block's report (a clear error if it has not run)
     if hasattr(obj, "peak_above_start"):
         return obj
+    # a Tracker (told by its class's ``report`` property, so that budget, on the result types' floor,
+    # needs no import of memtorch.tracking): the finished block's report (a clear error if it has not run)
+    if isinstance(getattr(type(obj), "report", None), property):
+        return obj.report
     raise TypeError(
         f"{fname}() expects the report of a track() block (t.report) or the tracker itself (t), "
         f"got {type(obj).__name__}"
@@ -293,7 +291,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
     mechanism = str(_get(report, "mechanism", "") or "")
     if mechanism.startswith("estimate"):  # an Estimate: a dry run, no counter was read
         how = mechanism
-    if exact is False and str(_get(report, "mechanism", "") or "").startswith(_CUDA_MECHANISM):
+    if exact is False and str(_get(report, "mechanism", "") or "").startswith(words.CUDA_MECHANISM):
         upper = _get(report, "peak_upper")
         how = "counters that bound the peak" + ("" if upper is None else f": at most {_fmt(upper)}")
     lines.append(f"memtorch breakdown (device {device}, {how})")

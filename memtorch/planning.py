@@ -61,13 +61,12 @@ least (ddp, zero1, zero1-even, zero2, zero3); then the largest micro-batch (fewe
 accumulation steps); then the precision in the order given.
 """
 
-import dataclasses
 import math
 from collections import namedtuple
 
 from . import units
 from .errors import MemtorchError
-from .reports import Report, field, render
+from .reports.plan import Plan  # the result type's home; its old name stays
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
 
@@ -257,37 +256,6 @@ def _order_key(opt, precisions):
         -opt.micro_batch,
         precisions.index(opt.precision) if opt.precision in precisions else len(precisions),
     )
-
-
-@dataclasses.dataclass(eq=False)
-class Plan(Report):
-    """The combinations tried, cheapest first."""
-
-    options: list  # [Option], cheapest first
-    device_memory: int  # the device's bytes the options were judged against
-    reserve: int  # bytes kept free of them
-    notes: list  # sentences: what was assumed, what could not be tried
-    seconds: float = field(to_dict=False)  # the planning's wall time (not in the JSON: a timing)
-    dry_runs: int = field(to_dict=False)  # estimate() runs made (not in the JSON)
-    fits: list = field(init=False, to_dict=False)  # the options that fit (in the JSON as each option's "fits")
-    best: "Option | None" = field(init=False)  # the first that fits, or None
-
-    def __post_init__(self):
-        self.options = list(self.options)
-        self.fits = [o for o in self.options if o.fits]
-        self.best = self.fits[0] if self.fits else None
-        self.notes = list(self.notes)
-
-    def to_text(self, limit=40):
-        """The combinations that fit, cheapest first, then those that do not, closest first; the first
-        ``limit`` rows, then a line saying how many more (memtorch.display.plan_text)."""
-        return render("text", self, limit)
-
-    def to_html(self, limit=40):
-        return render("html", self, limit)
-
-    def __repr__(self):
-        return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"
 
 
 def _world_sizes(world_sizes, max_world_size, global_batch):

@@ -32,6 +32,9 @@ __all__ = [
 ROOT = "(model)"
 
 # The phases of a training step, in the order they run.
+# what counted a CUDA block (TrackReport.mechanism starts with it; memtorch.cuda.MECHANISM)
+CUDA_MECHANISM = "torch.cuda counters"
+
 PHASES = ("forward", "backward", "optimizer")
 
 # inspect()'s categories; index = the category code in a walker row (src/rows.h MT_CAT_*).

@@ -1,18 +1,19 @@
 """memtorch's import graph has floors: a module imports only modules on its own floor or below.
 
     floor 0  vocabulary and plumbing: errors, units, words, _torch (the lazy torch loader), _C
-    floor 1  the result types: memtorch.reports (the Record/Report bases and every result dataclass)
-             and report.py (ModelMemory's old home, a re-export)
+    floor 1  the result types: memtorch.reports (the Record/Report bases and the result dataclasses),
+             report.py (ModelMemory), and budget (the verdict a report's check() gives)
     floor 2  the engines that measure and build results: inspection, cpu, cuda, tracking, peak,
-             leaks, budget, estimation and its _estimate_* parts, _inputs, _reference, _cuda_trace,
+             leaks, estimation and its _estimate_* parts, _inputs, _reference, _cuda_trace,
              planning, advice, distributed, integrations
     floor 3  renderers and front ends: display, plot, mermaid, cli, pytest_plugin, __main__, and the
              package itself (memtorch/__init__.py, whose lazy loader reaches every floor)
 
 Why this split: a result type is data a renderer reads and an engine fills, so it sits under both;
 the renderers read every result type and are never needed to build one, so they sit on top; the
-words and units every floor prints sit at the bottom. budget is an engine (it reads reports and
-raises), not a renderer: engines' check() calls it.
+words and units every floor prints sit at the bottom. budget judges a report's figures against
+limits and reads nothing but them, so it sits with the result types: their check() calls it
+without reaching up (a Tracker passed to it is told by its ``report`` property, not by an import).
 
 The rules, checked with ``ast`` over memtorch/**/*.py (every import, at module level or inside a
 function, of a memtorch module):
@@ -40,9 +41,9 @@ PKG = ROOT / "memtorch"
 
 FLOORS = {
     0: ["errors", "units", "words", "_torch", "_C"],
-    1: ["reports", "report"],
+    1: ["reports", "report", "budget"],
     2: [
-        "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "budget", "estimation", "_estimate_run",
+        "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "estimation", "_estimate_run",
         "_estimate_kernels", "_estimate_cuda", "_estimate_ranks", "_inputs", "_reference", "_cuda_trace",
         "planning", "advice", "distributed", "integrations",
     ],
