@@ -51,6 +51,7 @@ from . import units, words
 from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
 from .reports.estimate import Estimate  # the result type's home; its old name stays
+from .reports.track import ModuleStats, PhaseStats
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
@@ -262,9 +263,6 @@ class _Hooks:
     """Module forward hooks (per-module figures) and phase spans, recorded as event indices."""
 
     def __init__(self, ledger, model):
-        # lazy: tracking loads _C and NumPy; only this path needs it (importing estimation stays cheap)
-        from .tracking import ModuleStats
-
         self.ledger = ledger
         self.rows = []
         self.ids = {}
@@ -981,9 +979,6 @@ def _explain(e):
 
 
 def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds, checkpointing=None):
-    # lazy: tracking loads _C and NumPy; only this path needs it (importing estimation stays cheap)
-    from .tracking import PhaseStats
-
     info = ledger.info
     sizes = None
     reserved_peak = reserved_steady = None
