@@ -430,10 +430,7 @@ def _mm_nodes(mm):
 
 def _rule_lines(mm):
     """What the per-module figures mean, printed under the table."""
-    # lazy: report loads _C and NumPy; only this path needs it (importing display stays cheap)
-    from .report import MODULE_RULE
-
-    rule = MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
+    rule = words.MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
     shared = [m for m in mm.modules if m.shared]
     lines = []
     if shared or any(m.alias_of is not None for m in mm.modules):  # the rule matters only then

@@ -138,6 +138,9 @@ def dtype_sizes():
     return {name: itemsize for name, itemsize, _q, _pb in setup_info(torch)["dtypes"].values()}
 
 
+ModelMemory._dtype_sizes = staticmethod(dtype_sizes)  # what its overflowed rows are recomputed with
+
+
 def _ensure_setup():
     global _setup_done
     torch = _torch.torch()

@@ -26,10 +26,7 @@ CATEGORIES = words.INSPECT_CATEGORIES
 # nbytes of a row whose numel * element size does not fit in int64 (src/rows.h).
 _NBYTES_OVERFLOW = -1
 
-MODULE_RULE = (
-    "each storage is counted once, under the first module that holds it in registration order; "
-    "a module that also holds it (a tied weight) shows it under 'shared', not in 'own'"
-)
+MODULE_RULE = words.MODULE_RULE
 
 ModuleRow = namedtuple(
     "ModuleRow",
@@ -124,6 +121,10 @@ class ModelMemory:
     storage); modules (list of ModuleRow); to_numpy() for the rows.
     """
 
+    # {dtype name: bytes per element}() for the rows whose bytes overflowed int64: set by
+    # memtorch.inspection, the engine that builds every ModelMemory (this floor imports no engine)
+    _dtype_sizes = None
+
     def __init__(self, rows, paths, dtypes, devices, modules, root_type=""):
         self.rows = rows
         self.paths = list(paths)
@@ -180,10 +181,7 @@ class ModelMemory:
         if _NBYTES_OVERFLOW in nbytes:
             # numel * element size past int64 (a huge expanded or meta tensor):
             # recomputed exactly in Python ints.
-            # lazy: inspection loads _C and NumPy; only this path needs it (importing report stays cheap)
-            from .inspection import dtype_sizes
-
-            sizes = dtype_sizes()
+            sizes = self._dtype_sizes()
             numel, dt = r["numel"][idx].tolist(), r["dtype"][idx].tolist()
             for i, b in enumerate(nbytes):
                 if b == _NBYTES_OVERFLOW:

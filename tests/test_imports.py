@@ -58,8 +58,6 @@ KNOWN = {
     # TrackReport.gather() runs memtorch.distributed.gather (a collective): an engine's action kept on
     # the report for its users; moving it off the report changes the public API (not done)
     ("memtorch.reports.track", "memtorch.distributed", "up"),
-    ("memtorch.report", "memtorch.inspection", "hides a cycle"),
-    ("memtorch.report", "memtorch.inspection", "up"),
 }
 
 
