@@ -14,7 +14,7 @@ import types
 import numpy as np
 
 from . import _torch
-from .report import ModelMemory
+from .reports.model import ModelMemory
 
 __all__ = ["inspect", "sizeof"]
 
