@@ -52,6 +52,10 @@ from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fak
 from .errors import MemtorchError
 from .reports.estimate import Estimate  # the result type's home; its old name stays
 from .reports.track import ModuleStats, PhaseStats
+from . import _estimate_kernels, _estimate_ranks, _inputs
+from ._estimate_kernels import cuda_kernels, cuda_routing, CudaState, kernels_for
+from ._estimate_cuda import CachingAllocator, resolve_gpu, round_size
+from ._estimate_ranks import resolve_units, unit_params
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
@@ -431,9 +435,6 @@ def _inference(model, finputs, ledger, hooks, stack, fakes, autocast, low, max_n
     torch = _torch()
     stack.enter_context(_swapped(model, fakes))
     if cuda_state is not None:
-        # lazy: _estimate_kernels loads only when an estimate's dry run needs it
-        from ._estimate_kernels import cuda_routing
-
         stack.enter_context(cuda_routing(cuda_state))
     hooks.install()
     stack.callback(hooks.remove)
@@ -548,15 +549,9 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     ledger = Ledger()
     hooks = _Hooks(ledger, model)
     allow_item = [False]
-    # lazy: _estimate_kernels loads only when an estimate's dry run needs it
-    from ._estimate_kernels import kernels_for
-
     facts = {}
     cuda_state = None
     if device == "cuda":
-        # lazy: _estimate_kernels loads only when an estimate's dry run needs it
-        from ._estimate_kernels import CudaState, cuda_kernels
-
         cuda_state = CudaState(gpu)
         facts["cuda_state"] = cuda_state
     params = _unique_tensors(model.named_parameters(remove_duplicate=False))
@@ -584,9 +579,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
         finputs = inputs.map(lambda t: fake_like(t, "cpu"))
         ledger.mark([ledger.key_of(t) for t in finputs.tensors()], "input")
-        # lazy: _estimate_kernels loads only when an estimate's dry run needs it
-        from . import _estimate_kernels
-
         for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
             if p.device.type == "cpu" and p.dtype == f.dtype and not p.is_sparse:
                 _estimate_kernels.originals[id(f.untyped_storage())] = p  # detached when probed
@@ -604,9 +596,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             ledger.owner[ledger.key_of(t)] = i
         facts["unit_events"] = []
         if units is not None:
-            # lazy: _estimate_ranks loads only when an estimate's dry run needs it
-            from ._estimate_ranks import unit_params
-
             facts["units"] = unit_params(units, orig_index)
             facts["unit_names"] = [name for name, _ in units]
             order = {id(m): j for j, (_, m) in enumerate(model.named_modules())}
@@ -671,9 +660,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call, _dropped=dropped_cache))
         stack.enter_context(_swapped(model, fakes))
         if cuda_state is not None:
-            # lazy: _estimate_kernels loads only when an estimate's dry run needs it
-            from ._estimate_kernels import cuda_routing
-
             routing.append(cuda_routing(cuda_state))
             stack.enter_context(routing[0])
         hooks.install()
@@ -865,9 +851,6 @@ def estimate(
     _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn)
     if not inputs:
         raise MemtorchError("estimate() needs example inputs: estimate(model, x) with a tensor or a shape")
-    # lazy: _inputs loads only when an estimate's dry run needs it
-    from . import _inputs
-
     inputs = _inputs.read(inputs)
     if training not in (True, False):
         raise MemtorchError(f"training must be True or False, got {training!r}")
@@ -891,9 +874,6 @@ def estimate(
         raise MemtorchError(f"keep_output must be True or False, got {keep_output!r}")
     target = None
     if device == "cuda":
-        # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-        from ._estimate_cuda import resolve_gpu
-
         try:
             target = resolve_gpu(gpu)
         except ValueError as e:
@@ -908,14 +888,8 @@ def estimate(
             f"fsdp_units applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
         )
     if world_size > 1 and sharding in ("zero2", "zero3"):
-        # lazy: _estimate_ranks loads only when an estimate's dry run needs it
-        from ._estimate_ranks import resolve_units
-
         fsdp_mods = resolve_units(model, fsdp_units, torch)
     notes = []
-    # lazy: _estimate_kernels loads only when an estimate's dry run needs it
-    from . import _estimate_kernels
-
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
         ledger, hooks, facts = _dry_run(
@@ -983,9 +957,6 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     sizes = None
     reserved_peak = reserved_steady = None
     if device == "cuda":
-        # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-        from ._estimate_cuda import CachingAllocator
-
         alloc_curve, reserved_curve = CachingAllocator().replay(ledger.events, {k: v[0] for k, v in info.items()})
         sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
         reserved_peak = max(reserved_curve, default=0)
@@ -1043,9 +1014,6 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     per_rank = peak_rank = fsdp_units = None
     peak_upper = None
     if world_size > 1:
-        # lazy: _estimate_ranks loads only when an estimate's dry run needs it
-        from . import _estimate_ranks
-
         facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
         per_rank = _rank_results(ledger, hooks, facts, device, world_size, sharding)
         top = max(per_rank, key=lambda d: d["peak"])  # the first rank holding the most
@@ -1129,9 +1097,6 @@ def _cuda_notes(state):
 def _rank_results(ledger, hooks, facts, device, world_size, sharding):
     """Every rank's figures (memtorch._estimate_ranks.per_rank) from one classified dry run: what estimate()
     reports for world_size > 1, and what plan() reads for each world size and sharding."""
-    # lazy: _estimate_ranks loads only when an estimate's dry run needs it
-    from . import _estimate_ranks
-
     if "last_grads" not in facts:
         facts["last_grads"] = _grads_of_last_step(ledger)
     facts["device"] = device
@@ -1140,9 +1105,6 @@ def _rank_results(ledger, hooks, facts, device, world_size, sharding):
 
 
 def _cuda_block(n):
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import round_size
-
     return round_size(n)
 
 
