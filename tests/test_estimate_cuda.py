@@ -87,6 +87,8 @@ def test_cublaslt_workspace_for_a_bias_gemm():
 
 def test_sdpa_backend_rules():
     h100, a100, v100 = resolve_gpu("h100"), resolve_gpu("a100"), resolve_gpu("v100")
+    for g in (h100, a100, v100):
+        g.torch_version = (2, 11)  # the torch of the H200's facts (facts.json)
 
     def qkv(dtype, d=64, heads=8, lq=128, lk=128):
         q = torch.empty(2, heads, lq, d, dtype=dtype, device="meta", requires_grad=True)
@@ -98,6 +100,14 @@ def test_sdpa_backend_rules():
     assert sdpa_backend(*qkv(torch.float32), None, 0.1, False, h100) == "efficient"
     assert "aten::_scaled_dot_product_cudnn_attention" in FACTS["sdpa_ops_bfloat16"]
     assert sdpa_backend(*qkv(torch.bfloat16), None, 0.1, True, h100) == "cudnn"
+    assert FACTS["torch"].startswith("2.11")
+    # torch 2.12+ (PR 174245, in its release notes): a dropout that is not a multiple of 1/16 leaves cuDNN;
+    # the next backend in the order (flash, dropout allowed on sm90) takes it; multiples of 1/16 stay
+    h100_212 = GPU(h100.name, h100.capability, torch_version=(2, 12))
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.1, True, h100_212) == "flash"
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.125, True, h100_212) == "cudnn"
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, True, h100_212) == "cudnn"
+    assert resolve_gpu("h100").torch_version == tuple(int(v) for v in torch.__version__.split(".")[:2])
     # sm80: cuDNN is not first in torch's order, flash is
     assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, True, a100) == "flash"
     # flash takes no mask: efficient does
