@@ -194,3 +194,18 @@ def test_sdpa_under_autocast_runs_in_the_low_dtype():
     assert any("attention: cudnn x2" in n for n in est.notes)
     fp32 = memtorch.estimate(Attn(), (4, 32, 64), optimizer="sgd", device="cuda", gpu="h100")
     assert any("attention: efficient x2" in n for n in fp32.notes)
+
+
+def test_gpu_facts_probe_runs_here_and_says_it_has_no_device(monkeypatch):
+    """benchmarks/gpu_facts.py (device_check.sh step 6) asks a GPU what the estimate assumes; here it must
+    say it has no device (exit 2), and its children's code must at least compile."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_facts.py")
+    spec = importlib.util.spec_from_file_location("gpu_facts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    compile(mod.MATMUL.format(dtype="bfloat16"), "matmul", "exec")
+    compile(mod.SDPA.format(p=0.1), "sdpa", "exec")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: device_check.sh runs the probe itself")
+    monkeypatch.setattr("sys.argv", ["gpu_facts.py"])
+    assert mod.main() == 2
