@@ -19,6 +19,17 @@ correction is made and the estimate says so.
 
 import threading
 
+
+class Around:
+    """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, ledger, func, args, kwargs):
+        return self.fn(ledger, func, args, kwargs)
+
+
 _lock = threading.Lock()
 _rnn_cache = {}  # signature -> (workspace bytes, forward extra, backward extra)
 _pending_backward = []  # extras of forward calls whose backward is still to come (FIFO per signature)
@@ -170,8 +181,6 @@ def _grouped_mm(cuda):
     matrix products into the one output): a float32 MoE model ran on the CPU and failed in the
     dry run. CUDA pads the output's last dimension to 16 bytes (as torch's own meta function does
     on a CUDA build, _create_grouped_mm_output_tensor); the CPU does not."""
-    # lazy: _estimate_run loads only when an estimate's dry run needs it
-    from ._estimate_run import Around
 
     def run(ledger, func, args, kwargs):
         import torch
@@ -431,8 +440,6 @@ def _cudnn_rnn_backward(state):
     backward_weight (a flat dw like the weight buffer, workspace)."""
     # lazy: _estimate_cuda loads only when an estimate's dry run needs it
     from ._estimate_cuda import rnn_sizes
-    # lazy: _estimate_run loads only when an estimate's dry run needs it
-    from ._estimate_run import Around
 
     def run(ledger, func, args, kwargs):
         import torch
@@ -523,8 +530,6 @@ def _conv_backward(state):
     """convolution_backward as cuDNN runs it: grad_input and its workspace (dgrad: grad_output,
     filter, grad_input transposed), then grad_weight and its workspace (wgrad: input, grad_output,
     grad_weight), then the bias gradient."""
-    # lazy: _estimate_run loads only when an estimate's dry run needs it
-    from ._estimate_run import Around
 
     def run(ledger, func, args, kwargs):
         out = func(*args, **kwargs)

@@ -273,10 +273,9 @@ def _exchange(dist, group, payload, device):
 
 def _own_figures(report):
     """(status, figures or None) for what the user passed: a TrackReport, a Tracker or a RankReport."""
-    # lazy: tracking loads _C and NumPy; only this path needs it (importing distributed stays cheap)
-    from .tracking import Tracker
-
-    if isinstance(report, Tracker):
+    # a Tracker, told by its class's ``report`` property as memtorch.budget tells it (tracking imports
+    # this module: no import back)
+    if isinstance(getattr(type(report), "report", None), property):
         failure = getattr(report, "_failure", None)
         if report._report is None and not report._open:
             return "failed:" + (failure or "its track() block has not run or ended with an exception"), None

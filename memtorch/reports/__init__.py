@@ -119,6 +119,11 @@ class Report(Record):
         """The same content as HTML: the notebook's view (memtorch.display)."""
         return render("html", self)
 
+    def plot(self, *args, **kw):
+        """A matplotlib Figure of the report (memtorch.plot; the ``plot`` extra): NotImplementedError
+        for a kind that has none."""
+        return render("plot", self, *args, **kw)
+
     def __str__(self):
         return self.to_text()
 

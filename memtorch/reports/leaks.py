@@ -129,9 +129,6 @@ class LeakReport(Report):
             "no other tool patching the allocator during the block"
         )
 
-    def plot(self, **kw):
-        return render("plot", self, **kw)
-
     def to_text(self):
         """The verdict, its evidence, the tensors kept (memtorch.display.leak_report_text)."""
         return render("text", self)
