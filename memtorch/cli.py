@@ -24,7 +24,6 @@ available in this install of memtorch.
 """
 
 import argparse
-import functools
 import importlib
 import importlib.util
 import json
@@ -242,40 +241,19 @@ def _prepare(args, progress, cast=True):
     return model, example
 
 
-def _module_dict(mm, depth):
-    rows = []
-    for r in mm.modules:
-        level = 0 if r.name == "" else r.name.count(".") + 1
-        if depth is not None and level > depth:
-            continue
-        rows.append({**r._asdict(), "depth": level})
-    return rows
-
-
 def cmd_inspect(args, out, progress):
     import memtorch
 
     model, _ = _prepare(args, progress)
     with progress.step("inspecting"):
         mm = memtorch.inspect(model)
+    # the report's own three renderings, as print(mm), a notebook and mm.to_dict() show them
     if args.format == "json":
-        data = {
-            "model": mm.root_type,
-            "unit": "bytes",
-            **mm.summary(),
-            "parameters": mm.numel,
-            "shared": [list(g) for g in mm.shared],
-            "modules": _module_dict(mm, args.depth),
-        }
-        _json(data, out)
+        _json(mm.to_dict() if args.depth is None else mm.to_dict(depth=args.depth), out)
     elif args.format == "html":
-        to_html = getattr(mm, "to_html", None) or mm._repr_html_
-        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(to_html, args.depth)), out)
+        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(mm.to_html, args.depth)), out)
     else:
-        from . import display
-
-        to_text = getattr(mm, "to_text", None) or functools.partial(display.model_memory_text, mm)
-        _print(_call_with_depth(to_text, args.depth), out)
+        _print(_call_with_depth(mm.to_text, args.depth), out)
     return EXIT_OK
 
 
