@@ -3,7 +3,7 @@
     memtorch inspect  pkg.module:make_model [--dtype bfloat16] [--format text|json|html]
     memtorch estimate pkg.module:make_model --input 8x3x224x224 --optimizer adamw --precision bf16-mixed
     memtorch estimate pkg.module:make_lm --input input_ids=1x2048:int64 --input labels=1x2048:int64
-    memtorch plan     pkg.module:make_lm --input input_ids=1x2048:int64 --device-memory "80 GiB"
+    memtorch plan     pkg.module:make_lm --input input_ids=1x2048:int64 --device-memory "80 GiB" [--format html]
     memtorch diagram  path/to/file.py:make_model [--kind class|er] [--depth 2] [--no-memory]
     memtorch advise   pkg.module:make_model --input 8x3x224x224 --optimizer adam [--budget "2 GiB"]
 
@@ -749,7 +749,7 @@ def make_parser():
     p = sub.add_parser(
         "plan", help="which world sizes, shardings, precisions and micro-batches fit a device, cheapest first"
     )
-    common(p, ["text", "json"], inputs=True)
+    common(p, ["text", "json", "html"], inputs=True)
     p.add_argument("--device-memory", default="80 GiB", help="memory of one device (default 80 GiB)")
     p.add_argument("--world-sizes", help="world sizes to try, comma-separated (default: powers of two)")
     p.add_argument("--max-world-size", type=int, help="largest world size tried (default 1024)")

@@ -777,8 +777,14 @@ def at_peak_html(at_peak, limit=15):
     kinds, mods = _at_peak_groups(at_peak)
     owners = [o for o in at_peak.owners if o.nbytes]
     # the kind as the text says it ("temporary, 4 storages"), the sites' lines under the owner's name
-    body = _capped([(o.nbytes, o.name, o.kind + (f", {o.count} storages" if o.count > 1 else ""), o.phase or "",
-                     o.site_lines()) for o in owners], limit, "owner(s)")  # fmt: skip
+    def kind(o):
+        n = getattr(o, "count", 1)
+        return o.kind + (f", {n} storages" if n > 1 else "")
+
+    def sites(o):
+        return o.site_lines() if hasattr(o, "site_lines") else ()
+
+    body = _capped([(o.nbytes, o.name, kind(o), o.phase or "", sites(o)) for o in owners], limit, "owner(s)")
     out = _html_table(["kind", "bytes", ""], [[k, _fmt(b), f"{b:,} B"] for b, k in kinds], right={1, 2},
                       caption=f"at the peak ({_fmt(at_peak.peak)}{how}), by kind")  # fmt: skip
     mods = _capped(mods, limit, "module(s)")
