@@ -275,3 +275,62 @@ def test_figures_reads_units():
         "176.6 KiB", "75.1 KiB", "1,620,096", "17.2%", "34.5 ms", "32",
     }  # fmt: skip
     assert html_text("<td>1.0&nbsp;KiB</td><td>a &amp; b</td>").split() == ["1.0", "KiB", "a", "&", "b"]
+
+
+# ---------------------------------------------------------------- the CLI shows the same reports
+
+MODELS_FILE = HERE / "golden_models.py"
+# subcommand -> (golden kind, TARGET, arguments): the same model and inputs as the golden file's
+CLI_CASES = {
+    "inspect": ("inspect", "gpt2_32", []),
+    "estimate": ("estimate", "gpt2_32", gm.LM_INPUT_FLAGS + ["--device", "cpu"]),
+    "plan": ("plan", "gpt2_2", gm.LM_INPUT_FLAGS + [
+        "--device-memory", "69 MiB", "--world-sizes", "1,2", "--shardings", "ddp,zero3", "--precisions", "fp32",
+        "--checkpointing", "none", "--reserve", "0 B", "--device", "cuda"]),
+    "advise": ("advise", "gpt2_2",
+               gm.LM_INPUT_FLAGS + ["--optimizer", "adamw", "--budget", "4 MiB", "--device", "cuda"]),
+}  # fmt: skip
+
+
+def _cli(argv):
+    import io
+
+    from memtorch import cli
+
+    out = io.StringIO()
+    code = cli.main([str(a) for a in argv], out=out)
+    return code, out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(CLI_CASES))
+def test_cli_formats_show_the_report(request, monkeypatch, command):
+    """`memtorch <command> --format text|json|html`: the text is the report's to_text() (and the golden
+    file: same model, same inputs), the JSON its to_dict(), the HTML page its to_html() with every
+    figure of the text. The report the CLI made is caught on its way out of memtorch.<command>()."""
+    import functools
+
+    kind, target, args = CLI_CASES[command]
+    api = getattr(memtorch, command)
+    made = []
+
+    @functools.wraps(api)
+    def catch(*a, **kw):
+        report = api(*a, **kw)
+        made.append(_fix_times(report) if command == "plan" else report)
+        return report
+
+    monkeypatch.setattr(memtorch, command, catch)
+    argv = [command, f"{MODELS_FILE}:{target}", *args, "--quiet"]
+    code, text = _cli(argv + ["--format", "text"])
+    assert code == 0, text
+    report = made[-1]
+    assert text == report.to_text() + "\n"
+    check_golden(request, golden_path(kind, target), text)
+    code, out = _cli(argv + ["--format", "json"])
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(made[-1].to_dict(), default=str))
+    code, page = _cli(argv + ["--format", "html"])
+    assert code == 0 and page.startswith("<!doctype html>")
+    assert made[-1].to_html() in page
+    missing = figures(text) - figures(html_text(page))
+    assert not missing, f"figures in the text but not in the HTML page: {sorted(missing)}"
