@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # device_check.sh: on a CUDA machine, build memtorch in place, run the CUDA tests (budget order, at_peak, estimate),
-# the track benchmark (overhead) and estimate-vs-this-GPU over 12 steps, print a table; BENCHMARKS.md's GPU sections
+# the track benchmark (overhead), estimate-vs-this-GPU over 12 steps and gpu_facts.py (a fresh process's
+# workspaces and attention kernels against the estimate's model), print a table; BENCHMARKS.md's GPU sections
 # are rewritten (copied to OUT).
 #
 # Usage (from anywhere):  bash benchmarks/device_check.sh
@@ -109,6 +110,16 @@ if [ "$DEVICE" = cuda ]; then
         tail -20 "$OUT/estimate_gpu.log"
         row "estimate vs this GPU" "FAILED (estimate_gpu.log)"; status=1
     fi
+fi
+# 6. What a fresh process does here against the estimate's assumptions (bf16-first cuBLAS workspace, SDPA dropout).
+if [ "$DEVICE" = cuda ]; then
+    if timeout 300 "$PY" benchmarks/gpu_facts.py --json "$OUT/gpu_facts.json" >"$OUT/gpu_facts.log" 2>&1; then
+        row "gpu facts vs the estimate" "all agree"
+    else
+        row "gpu facts vs the estimate" "SOME DIFFER (gpu_facts.log)"; status=1
+    fi
+    grep -E "agrees|DIFFERS|ERROR" "$OUT/gpu_facts.log" | sed 's/^/  /' >"$OUT/gpu_facts_rows.txt"
+    while IFS= read -r l; do ROWS+=("$l"); done <"$OUT/gpu_facts_rows.txt"
 fi
 [ -f BENCHMARKS.md ] && cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 table

@@ -70,11 +70,13 @@ class GPU:
     """The device modelled: name, compute capability (major, minor), cuDNN version, and the
     workspace sizes torch's handles get there."""
 
-    def __init__(self, name, capability, cudnn=CUDNN_VERSION, source="given"):
+    def __init__(self, name, capability, cudnn=CUDNN_VERSION, source="given", torch_version=None):
         self.name = name
         self.capability = (int(capability[0]), int(capability[1]))
         self.cudnn = int(cudnn)
         self.source = source  # "given", "this machine", "default"
+        # (major, minor) of the torch whose kernel choices are modelled: this process's torch by default
+        self.torch_version = tuple(torch_version) if torch_version is not None else _this_torch()
 
     @property
     def cublas_workspace(self):
@@ -102,6 +104,14 @@ class GPU:
 
     def __repr__(self):
         return f"GPU({self.name!r}, {self.capability})"
+
+
+def _this_torch():
+    """(major, minor) of the torch imported here ("2.13.0+cpu" -> (2, 13))."""
+    import torch
+
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def resolve_gpu(gpu=None):
@@ -190,6 +200,10 @@ def _sdpa_cudnn_ok(q, k, v, dropout, gpu, mask=None):
     if not _cudnn_mask_ok(q, k, mask):
         return False
     if dropout > 0 and 91100 < gpu.cudnn < 91400:
+        return False
+    # torch 2.12+ (PR 174245): some cuDNN kernels round the dropout probability to 1/16, so torch sends a
+    # dropout that is not a multiple of 1/16 (0.1, ...) elsewhere; torch 2.11 (the H200's) still ran cuDNN
+    if dropout > 0 and gpu.torch_version >= (2, 12) and (dropout * 16) % 1 != 0:
         return False
     limit = 256 if gpu.cudnn >= 91000 and gpu.capability == (9, 0) else 128
     d, dv, s_q, s_k = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]

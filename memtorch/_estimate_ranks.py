@@ -23,7 +23,9 @@ zero1: torch.distributed.optim.ZeroRedundancyOptimizer under DDP. Whole
 zero1-even: DeepSpeed's ZeRO stage 1 (deepspeed/runtime/zero/stage_1_and_2.py,
     DeepSpeedZeroOptimizer.__init__): each parameter group's trainable
     parameters are flattened into one buffer padded with zeros to a multiple of
-    nccl_start_alignment_factor (2) * N elements (flatten_dense_tensors_aligned),
+    nccl_start_alignment_factor (2: 4-byte alignment / 2-byte fp16, checked against
+    DeepSpeed's master in 2026-12; only MS-AMP's fp8 subclass uses 4) * N elements
+    (flatten_dense_tensors_aligned),
     which get_data_parallel_partitions cuts into N equal partitions; each rank's
     fp32 master weights and optimizer state are its partition, padding included
     (2 * ceil(E / 2N) elements of a group of E elements, on every rank). Here each

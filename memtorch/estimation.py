@@ -1289,7 +1289,8 @@ def _cuda_notes(state):
     gpu = state.gpu
     routed = ", ".join(f"{k} x{v}" for k, v in sorted(state.routed.items()))
     notes = [
-        f"device='cuda': modelled the step on {gpu.describe()}, torch 2.11+ rules: the kernels torch picks "
+        f"device='cuda': modelled the step on {gpu.describe()}, torch {'.'.join(map(str, gpu.torch_version))}'s "
+        "rules: the kernels torch picks "
         "there (SDPA backend, fused dropout, cuDNN RNN" + (f"; here: {routed}" if routed else "") + "), "
         f"a cuBLAS workspace of {gpu.cublas_workspace:,} B per thread that multiplies matrices (the Python "
         f"thread and the autograd engine's), a {gpu.cublaslt_workspace:,} B cuBLASLt one per thread that adds a "

@@ -1099,15 +1099,22 @@ marks_get_closure_hook(mt_marks *m, void *Py_UNUSED(closure))
     return Py_NewRef(m->closure_hook != NULL ? m->closure_hook : Py_None);
 }
 
+/* Stores value (a callable or None) in *slot; else TypeError(what) and -1. Shared by the setters below. */
+static int
+set_callable_or_none(PyObject **slot, PyObject *value, const char *what)
+{
+    if (value == NULL || (value != Py_None && !PyCallable_Check(value))) {
+        PyErr_SetString(PyExc_TypeError, what);
+        return -1;
+    }
+    Py_XSETREF(*slot, Py_NewRef(value));
+    return 0;
+}
+
 static int
 marks_set_closure_hook(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 {
-    if (value == NULL || (value != Py_None && !PyCallable_Check(value))) {
-        PyErr_SetString(PyExc_TypeError, "closure_hook is a callable (args, kwargs) or None");
-        return -1;
-    }
-    Py_XSETREF(m->closure_hook, Py_NewRef(value));
-    return 0;
+    return set_callable_or_none(&m->closure_hook, value, "closure_hook is a callable (args, kwargs) or None");
 }
 
 static PyObject *
@@ -1119,12 +1126,8 @@ marks_get_in_backward(mt_marks *m, void *Py_UNUSED(closure))
 static int
 marks_set_in_backward(mt_marks *m, PyObject *value, void *Py_UNUSED(closure))
 {
-    if (value == NULL || (value != Py_None && !PyCallable_Check(value))) {
-        PyErr_SetString(PyExc_TypeError, "in_backward is a callable returning autograd's graph task id, or None");
-        return -1;
-    }
-    Py_XSETREF(m->in_backward, Py_NewRef(value));
-    return 0;
+    return set_callable_or_none(&m->in_backward, value,
+                                "in_backward is a callable returning autograd's graph task id, or None");
 }
 
 static PyObject *

@@ -87,6 +87,8 @@ def test_cublaslt_workspace_for_a_bias_gemm():
 
 def test_sdpa_backend_rules():
     h100, a100, v100 = resolve_gpu("h100"), resolve_gpu("a100"), resolve_gpu("v100")
+    for g in (h100, a100, v100):
+        g.torch_version = (2, 11)  # the torch of the H200's facts (facts.json)
 
     def qkv(dtype, d=64, heads=8, lq=128, lk=128):
         q = torch.empty(2, heads, lq, d, dtype=dtype, device="meta", requires_grad=True)
@@ -98,6 +100,14 @@ def test_sdpa_backend_rules():
     assert sdpa_backend(*qkv(torch.float32), None, 0.1, False, h100) == "efficient"
     assert "aten::_scaled_dot_product_cudnn_attention" in FACTS["sdpa_ops_bfloat16"]
     assert sdpa_backend(*qkv(torch.bfloat16), None, 0.1, True, h100) == "cudnn"
+    assert FACTS["torch"].startswith("2.11")
+    # torch 2.12+ (PR 174245, in its release notes): a dropout that is not a multiple of 1/16 leaves cuDNN;
+    # the next backend in the order (flash, dropout allowed on sm90) takes it; multiples of 1/16 stay
+    h100_212 = GPU(h100.name, h100.capability, torch_version=(2, 12))
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.1, True, h100_212) == "flash"
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.125, True, h100_212) == "cudnn"
+    assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, True, h100_212) == "cudnn"
+    assert resolve_gpu("h100").torch_version == tuple(int(v) for v in torch.__version__.split(".")[:2])
     # sm80: cuDNN is not first in torch's order, flash is
     assert sdpa_backend(*qkv(torch.bfloat16), None, 0.0, True, a100) == "flash"
     # flash takes no mask: efficient does
@@ -184,3 +194,18 @@ def test_sdpa_under_autocast_runs_in_the_low_dtype():
     assert any("attention: cudnn x2" in n for n in est.notes)
     fp32 = memtorch.estimate(Attn(), (4, 32, 64), optimizer="sgd", device="cuda", gpu="h100")
     assert any("attention: efficient x2" in n for n in fp32.notes)
+
+
+def test_gpu_facts_probe_runs_here_and_says_it_has_no_device(monkeypatch):
+    """benchmarks/gpu_facts.py (device_check.sh step 6) asks a GPU what the estimate assumes; here it must
+    say it has no device (exit 2), and its children's code must at least compile."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_facts.py")
+    spec = importlib.util.spec_from_file_location("gpu_facts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    compile(mod.MATMUL.format(dtype="bfloat16"), "matmul", "exec")
+    compile(mod.SDPA.format(p=0.1), "sdpa", "exec")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: device_check.sh runs the probe itself")
+    monkeypatch.setattr("sys.argv", ["gpu_facts.py"])
+    assert mod.main() == 2

@@ -200,8 +200,12 @@ def test_marks_closure_hook_and_resume():
     marks = _C.ModuleMarks({}, 0, 1 << 24, [], torch.is_grad_enabled)
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     seen = []
-    with pytest.raises(TypeError, match="closure_hook"):
-        marks.closure_hook = 3
+    for name in ("closure_hook", "in_backward"):  # both setters take a callable or None, nothing else
+        with pytest.raises(TypeError, match=name):
+            setattr(marks, name, 3)
+        with pytest.raises(TypeError, match=name):
+            delattr(marks, name)
+        assert getattr(marks, name) is None  # a refused value leaves the slot as it was
     marks.closure_hook = lambda args, kwargs: seen.append((args, kwargs))
     assert marks.opt_pre(opt, (opt,), {}) is None and seen == []  # a step without arguments: no Python
     marks.opt_post(opt, (opt,), {})
