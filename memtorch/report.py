@@ -16,6 +16,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import units, words
+from .reports import plain as _plain
 
 __all__ = ["ModelMemory", "ModuleRow", "CATEGORIES", "MODULE_RULE"]
 
@@ -399,26 +400,40 @@ class ModelMemory:
         return f"<ModelMemory {self.root_type}: {units.format(self.total)} in {len(self._first)} storages>"
 
     def __str__(self):
-        from .display import model_memory_text
-
-        return model_memory_text(self)
+        return self.to_text()
 
     def _repr_html_(self):
-        from .display import model_memory_html
+        return self.to_html()
 
-        return model_memory_html(self)
-
-    def to_text(self, depth=None, max_rows=None):
-        """The table of str(), every module by default; depth / max_rows fold it (memtorch.display)."""
+    def to_text(self, depth=..., max_rows=...):
+        """The table print() shows: folded as memtorch.display.options says by default; depth=None,
+        max_rows=None: every module (memtorch.display)."""
         from . import display
 
         return display.model_memory_text(self, depth, max_rows)
 
-    def to_html(self, depth=None, max_rows=None):
-        """The notebook HTML, every module by default; depth / max_rows fold it (memtorch.display)."""
+    def to_html(self, depth=..., max_rows=...):
+        """The notebook HTML, folded as to_text() (memtorch.display)."""
         from . import display
 
         return display.model_memory_html(self, depth, max_rows)
+
+    def to_dict(self, depth=None):
+        """The totals and every module row (to ``depth`` levels below the model; None: all) as plain
+        JSON-ready values, bytes as ints: what ``memtorch inspect --format json`` prints."""
+        modules = []
+        for r in self.modules:
+            level = 0 if r.name == "" else r.name.count(".") + 1
+            if depth is None or level <= depth:
+                modules.append({k: _plain(v) for k, v in r._asdict().items()} | {"depth": level})
+        return {
+            "model": self.root_type,
+            "unit": "bytes",
+            **{k: _plain(v) for k, v in self.summary().items()},
+            "parameters": int(self.numel),
+            "shared": [list(g) for g in self.shared],
+            "modules": modules,
+        }
 
     def plot(self, kind="modules", **kw):
         """A matplotlib Figure: kind='modules' (per-module bars) or 'categories' (memtorch.plot)."""
