@@ -3,7 +3,7 @@
     memtorch inspect  pkg.module:make_model [--dtype bfloat16] [--format text|json|html]
     memtorch estimate pkg.module:make_model --input 8x3x224x224 --optimizer adamw --precision bf16-mixed
     memtorch estimate pkg.module:make_lm --input input_ids=1x2048:int64 --input labels=1x2048:int64
-    memtorch plan     pkg.module:make_lm --input input_ids=1x2048:int64 --device-memory "80 GiB"
+    memtorch plan     pkg.module:make_lm --input input_ids=1x2048:int64 --device-memory "80 GiB" [--format html]
     memtorch diagram  path/to/file.py:make_model [--kind class|er] [--depth 2] [--no-memory]
     memtorch advise   pkg.module:make_model --input 8x3x224x224 --optimizer adam [--budget "2 GiB"]
 
@@ -24,7 +24,6 @@ available in this install of memtorch.
 """
 
 import argparse
-import functools
 import importlib
 import importlib.util
 import json
@@ -243,16 +242,6 @@ def _prepare(args, progress, cast=True):
     return model, example
 
 
-def _module_dict(mm, depth):
-    rows = []
-    for r in mm.modules:
-        level = 0 if r.name == "" else r.name.count(".") + 1
-        if depth is not None and level > depth:
-            continue
-        rows.append({**r._asdict(), "depth": level})
-    return rows
-
-
 def cmd_inspect(args, out, progress):
     # lazy: each subcommand loads only the engines it runs
     import memtorch
@@ -260,25 +249,13 @@ def cmd_inspect(args, out, progress):
     model, _ = _prepare(args, progress)
     with progress.step("inspecting"):
         mm = memtorch.inspect(model)
+    # the report's own three renderings, as print(mm), a notebook and mm.to_dict() show them
     if args.format == "json":
-        data = {
-            "model": mm.root_type,
-            "unit": "bytes",
-            **mm.summary(),
-            "parameters": mm.numel,
-            "shared": [list(g) for g in mm.shared],
-            "modules": _module_dict(mm, args.depth),
-        }
-        _json(data, out)
+        _json(mm.to_dict() if args.depth is None else mm.to_dict(depth=args.depth), out)
     elif args.format == "html":
-        to_html = getattr(mm, "to_html", None) or mm._repr_html_
-        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(to_html, args.depth)), out)
+        _print(_html_page(f"memtorch inspect {args.target}", _call_with_depth(mm.to_html, args.depth)), out)
     else:
-        # lazy: each subcommand loads only the engines it runs
-        from . import display
-
-        to_text = getattr(mm, "to_text", None) or functools.partial(display.model_memory_text, mm)
-        _print(_call_with_depth(to_text, args.depth), out)
+        _print(_call_with_depth(mm.to_text, args.depth), out)
     return EXIT_OK
 
 
@@ -778,7 +755,7 @@ def make_parser():
     p = sub.add_parser(
         "plan", help="which world sizes, shardings, precisions and micro-batches fit a device, cheapest first"
     )
-    common(p, ["text", "json"], inputs=True)
+    common(p, ["text", "json", "html"], inputs=True)
     p.add_argument("--device-memory", default="80 GiB", help="memory of one device (default 80 GiB)")
     p.add_argument("--world-sizes", help="world sizes to try, comma-separated (default: powers of two)")
     p.add_argument("--max-world-size", type=int, help="largest world size tried (default 1024)")

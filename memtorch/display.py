@@ -328,8 +328,12 @@ def _tree_text(rows, header, cells):
     return _text_table(["module", "type"] + header, body, set(range(2, 2 + len(header))))
 
 
+class _Markup(str):
+    """HTML already escaped (a table cell with line breaks): _e() keeps it as it is."""
+
+
 def _e(s):
-    return html.escape(str(s), quote=True)
+    return s if isinstance(s, _Markup) else html.escape(str(s), quote=True)
 
 
 def _html_table(header, body, right=(), caption=None, title_col=None):
@@ -772,14 +776,23 @@ def at_peak_html(at_peak, limit=15):
     how = "" if at_peak.exact else ", not exact"
     kinds, mods = _at_peak_groups(at_peak)
     owners = [o for o in at_peak.owners if o.nbytes]
-    body = _capped([(o.nbytes, o.name, o.kind, o.phase or "") for o in owners], limit, "owner(s)")
+    # the kind as the text says it ("temporary, 4 storages"), the sites' lines under the owner's name
+    def kind(o):
+        n = getattr(o, "count", 1)
+        return o.kind + (f", {n} storages" if n > 1 else "")
+
+    def sites(o):
+        return o.site_lines() if hasattr(o, "site_lines") else ()
+
+    body = _capped([(o.nbytes, o.name, kind(o), o.phase or "", sites(o)) for o in owners], limit, "owner(s)")
     out = _html_table(["kind", "bytes", ""], [[k, _fmt(b), f"{b:,} B"] for b, k in kinds], right={1, 2},
                       caption=f"at the peak ({_fmt(at_peak.peak)}{how}), by kind")  # fmt: skip
     mods = _capped(mods, limit, "module(s)")
     out += _html_table(["module", "bytes", ""], [[m, _fmt(b), f"{b:,} B"] for b, m in mods], right={1, 2},
                        caption=_BY_MODULE)  # fmt: skip
     out += _html_table(["owner", "kind", "allocated in", "bytes", ""],
-                       [[n, k, ph, _fmt(b), f"{b:,} B"] for b, n, k, ph in body], right={3, 4},
+                       [[_Markup(_e(n) + "".join("<br><small>" + _e(x) + "</small>" for x in sites or ())),
+                         k, ph, _fmt(b), f"{b:,} B"] for b, n, k, ph, sites in body], right={3, 4},
                        caption=_BY_TENSOR)  # fmt: skip
     return out + "".join(f"<p>note: {_e(n)}</p>" for n in at_peak.notes)
 
@@ -813,18 +826,14 @@ def leak_report_text(leak):
 
 
 def leak_report_html(leak, wrap=True):
-    """Per-step growth (warm-up steps marked), the verdict and the surviving tensors."""
+    """The verdict with its evidence as the text says it, per-step growth (warm-up steps marked), the
+    tensors kept and the surviving tensors."""
     parts = ['<div class="memtorch memtorch-leak">'] if wrap else ['<div class="memtorch-leak">']
-    if leak.per_step is None:
-        parts.append(f"<p>leak: not judged ({len(leak.steps)} step(s), warm-up {leak.warmup})</p>")
-    else:
-        verdict = "LEAKING: every judged step grew" if leak.leaking else "not leaking"
-        parts.append(
-            f"<p><b>leak: {_e(format_rate(leak.per_step))} per step</b> after {leak.warmup} warm-up step(s); "
-            f"{_e(verdict)}</p>"
-        )
-        if not getattr(leak, "exact", True):
-            parts.append(f"<p>not exact: {_e(getattr(leak, 'why', None) or 'the counters are not exact')}</p>")
+    # the lines of leak_report_text (the verdict with its evidence, not exact, kept, notes), then the steps
+    head, *rest = leak_report_text(leak).split("\n")
+    parts.append(f"<p><b>{_e(head)}</b></p>")
+    if rest:
+        parts.append("<ul>" + "".join(f"<li>{_e(x.strip())}</li>" for x in rest) + "</ul>")
     if leak.steps:
         body = [
             [str(i + 1), units.format_delta(g), "warm-up (not judged)" if i < leak.warmup else ""]

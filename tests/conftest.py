@@ -54,3 +54,12 @@ def no_state_left_behind(request):
     problems = after + [f"thread {n!r} still running" for n in new_threads]
     if problems:
         pytest.fail("test left state behind:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        default=False,
+        help="rewrite tests/golden/*.txt from the current renderers instead of comparing (tests/test_golden.py)",
+    )

@@ -16,7 +16,7 @@ from collections import namedtuple
 import numpy as np
 
 from .. import units, words
-from . import render
+from . import plain as _plain, render
 
 __all__ = ["ModelMemory", "ModuleRow", "CATEGORIES", "MODULE_RULE"]
 
@@ -399,18 +399,36 @@ class ModelMemory:
         return f"<ModelMemory {self.root_type}: {units.format(self.total)} in {len(self._first)} storages>"
 
     def __str__(self):
-        return render("text", self)  # folded to display.options (to_text() shows every module)
+        return self.to_text()
 
     def _repr_html_(self):
-        return render("html", self)
+        return self.to_html()
 
-    def to_text(self, depth=None, max_rows=None):
-        """The table of str(), every module by default; depth / max_rows fold it (memtorch.display)."""
+    def to_text(self, depth=..., max_rows=...):
+        """The table print() shows: folded as memtorch.display.options says by default; depth=None,
+        max_rows=None: every module (memtorch.display)."""
         return render("text", self, depth, max_rows)
 
-    def to_html(self, depth=None, max_rows=None):
-        """The notebook HTML, every module by default; depth / max_rows fold it (memtorch.display)."""
+    def to_html(self, depth=..., max_rows=...):
+        """The notebook HTML, folded as to_text() (memtorch.display)."""
         return render("html", self, depth, max_rows)
+
+    def to_dict(self, depth=None):
+        """The totals and every module row (to ``depth`` levels below the model; None: all) as plain
+        JSON-ready values, bytes as ints: what ``memtorch inspect --format json`` prints."""
+        modules = []
+        for r in self.modules:
+            level = 0 if r.name == "" else r.name.count(".") + 1
+            if depth is None or level <= depth:
+                modules.append({k: _plain(v) for k, v in r._asdict().items()} | {"depth": level})
+        return {
+            "model": self.root_type,
+            "unit": "bytes",
+            **{k: _plain(v) for k, v in self.summary().items()},
+            "parameters": int(self.numel),
+            "shared": [list(g) for g in self.shared],
+            "modules": modules,
+        }
 
     def plot(self, kind="modules", **kw):
         """A matplotlib Figure: kind='modules' (per-module bars) or 'categories' (memtorch.plot)."""
