@@ -20,16 +20,19 @@ function, of a memtorch module):
 - no import reaches UP a floor;
 - the module-level imports have no cycle;
 - an import inside a function carries a comment on its line or in the comment block right above
-  it that starts with ``# lazy:`` and says why (keeping ``import memtorch`` or the pytest plugin torch-free and
-  cheap, an engine loaded only on the path that needs it);
+  it that starts with ``# lazy:`` and says why (keeping ``import memtorch`` or the pytest plugin
+  torch-free and cheap, an engine loaded only on the path that needs it);
 - a function-level import never hides a cycle: its target does not import its importer back at
   module level (then the lazy import would be the only thing holding the circle apart).
 
 The one way up: a Report's to_text()/to_html()/plot() turn to the renderer floor through the
 registries in memtorch.reports (filled by display.py and plot.py when they are imported); reports
-loads those two modules by name (importlib, in reports._renderer) the first time a report is
-rendered. That is a lookup by name, not an import statement, and it is the only one. One import
-still reaches up, listed in KNOWN with its reason: TrackReport.gather() calls memtorch.distributed.
+loads those two modules by name (importlib, in memtorch.reports.render) the first time a report is
+rendered. That is a lookup by name, not an import statement, and it is the only one. (Chosen over
+having memtorch/__init__'s lazy loader import display when a result type is first built: a report
+made through ``import memtorch.tracking``, not the package's names, would then find no renderer.)
+One import still reaches up, listed in KNOWN with its reason: TrackReport.gather() calls
+memtorch.distributed.
 """
 
 import ast
@@ -216,8 +219,8 @@ def test_targets_resolves_relative_imports(source, expected):
 def test_every_report_has_its_renderers():
     """Each result type's text and HTML (and plot, where it has one) are registered by the renderer
     floor, so to_text()/to_html()/plot() never import a renderer themselves."""
-    from memtorch import advice, display, distributed, estimation, leaks, peak, planning, plot, report, reports  # noqa: F401
-    from memtorch import tracking
+    from memtorch import advice, distributed, estimation, leaks, peak, planning, report, reports, tracking
+    from memtorch import display, plot  # noqa: F401 - they register their renderers at import
 
     types = [report.ModelMemory, tracking.TrackReport, estimation.Estimate, leaks.LeakReport, peak.AtPeak,
              planning.Plan, advice.Advice, distributed.MultiRankReport]  # fmt: skip
