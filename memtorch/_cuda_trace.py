@@ -38,6 +38,7 @@ the block sizes are the requested ones rounded (a note says so).
 import bisect
 import os
 import time
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = ["Recording", "Replayed", "replay", "tags_over_time", "cublas_workspace_bytes", "cublaslt_workspace_bytes",
            "workspaces", "MAX_ENTRIES"]
@@ -53,9 +54,7 @@ ENTER, EXIT, PHASE, PHASE_END = 1, 2, 3, 4
 
 
 def _torch():
-    from ._torch import torch
-
-    return torch()
+    return _load_torch()
 
 
 # --- recording ---------------------------------------------------------------
@@ -167,6 +166,7 @@ class Recording:
 
 def _at_peak(snap, index, start, peak, exact, marks, names, mod_rows, t0_ns, t1_ns, own, caveats):
     """The deferred part of a CUDA block's end: its AtPeak (memtorch.peak.attribute_cuda)."""
+    # lazy: peak loads _C and NumPy; only this path needs it (importing _cuda_trace stays cheap)
     from . import peak as attribution
 
     try:
@@ -226,6 +226,7 @@ def cublaslt_workspace_bytes(env=None):
 
 def workspaces(capability=None):
     """{bytes: owner name} of the workspaces cuBLAS keeps for the process (peak.py's names)."""
+    # lazy: peak loads _C and NumPy; only this path needs it (importing _cuda_trace stays cheap)
     from .peak import WORKSPACE, WORKSPACE_LT
 
     out = {cublaslt_workspace_bytes(): WORKSPACE_LT}

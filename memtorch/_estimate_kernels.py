@@ -19,6 +19,17 @@ correction is made and the estimate says so.
 
 import threading
 
+
+class Around:
+    """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, ledger, func, args, kwargs):
+        return self.fn(ledger, func, args, kwargs)
+
+
 _lock = threading.Lock()
 _rnn_cache = {}  # signature -> (workspace bytes, forward extra, backward extra)
 _pending_backward = []  # extras of forward calls whose backward is still to come (FIFO per signature)
@@ -44,6 +55,7 @@ def _probe_rnn(args):
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
     from . import cpu
 
     def measured(op, *a):
@@ -72,6 +84,7 @@ def _probe_rnn(args):
 
 
 def _rnn_forward(args, kwargs, out):
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
     from . import cpu
 
     if not cpu.exact():
@@ -168,7 +181,6 @@ def _grouped_mm(cuda):
     matrix products into the one output): a float32 MoE model ran on the CPU and failed in the
     dry run. CUDA pads the output's last dimension to 16 bytes (as torch's own meta function does
     on a CUDA build, _create_grouped_mm_output_tensor); the CPU does not."""
-    from ._estimate_run import Around
 
     def run(ledger, func, args, kwargs):
         import torch
@@ -253,6 +265,7 @@ def probe_extra(func, args, kwargs, out):
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
     from . import cpu
 
     if not _probeable(func) or not cpu.exact():
@@ -400,6 +413,7 @@ _RNN_MODES = {0: "RNN_RELU", 1: "RNN_TANH", 2: "LSTM", 3: "GRU"}
 
 
 def _cudnn_rnn_forward(state):
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
     from ._estimate_cuda import rnn_sizes
 
     def fix(args, kwargs, out):
@@ -424,8 +438,8 @@ def _cudnn_rnn_backward(state):
     """_cudnn_rnn_backward as RNN.cpp runs it: zeros for undefined output gradients, a contiguous
     copy of the output gradient, then backward_input (dx, dhx, dcx, workspace) and
     backward_weight (a flat dw like the weight buffer, workspace)."""
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
     from ._estimate_cuda import rnn_sizes
-    from ._estimate_run import Around
 
     def run(ledger, func, args, kwargs):
         import torch
@@ -516,7 +530,6 @@ def _conv_backward(state):
     """convolution_backward as cuDNN runs it: grad_input and its workspace (dgrad: grad_output,
     filter, grad_input transposed), then grad_weight and its workspace (wgrad: input, grad_output,
     grad_weight), then the bias gradient."""
-    from ._estimate_run import Around
 
     def run(ledger, func, args, kwargs):
         out = func(*args, **kwargs)
@@ -606,6 +619,7 @@ def cuda_routing(state):
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
     from ._estimate_cuda import sdpa_backend
 
     aten = torch.ops.aten

@@ -226,6 +226,7 @@ def _replay(ledger, size_of, inserts, spans, cuda=False):
     curve = []
     reserved = None
     if cuda:
+        # lazy: _estimate_cuda loads only when an estimate's dry run needs it
         from ._estimate_cuda import CachingAllocator
 
         alloc = CachingAllocator()

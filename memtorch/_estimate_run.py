@@ -20,7 +20,9 @@ torch.func.functional_call, which restores the module's own tensors on exit.
 import contextlib
 import weakref
 
+from ._estimate_kernels import Around, probe_extra, scalar_extra  # Around: the kernel tables' entry
 from .errors import MemtorchError
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 _torch_mod = None
 
@@ -28,9 +30,7 @@ _torch_mod = None
 def _torch():
     global _torch_mod
     if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
+        _torch_mod = _load_torch()
     return _torch_mod
 
 
@@ -135,8 +135,6 @@ class Ledger:
 
 
 def _accounting_mode(ledger, kernels, allow_item):
-    from ._estimate_kernels import probe_extra, scalar_extra
-
     probe = kernels.get("probe", True)
     after = kernels.get("after", {})
     scalars = kernels.get("scalars", True)  # Python numbers wrapped into CPU tensors (the CPU's memory)
@@ -230,16 +228,6 @@ def _owners(ledger, args, kwargs, out):
         per = [merge(of(a[i]) for a in lists) for i in range(len(out))]
         return lambda i: whole if i is None or i >= len(per) else per[i]
     return lambda i: whole
-
-
-class Around:
-    """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, ledger, func, args, kwargs):
-        return self.fn(ledger, func, args, kwargs)
 
 
 class _DataDependent(MemtorchError):

@@ -24,6 +24,7 @@ floating-point tensor in the output.
 from collections.abc import Mapping
 
 from .errors import MemtorchError
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = ["Inputs", "read", "from_texts", "parse_text", "default_loss", "sum_loss", "loss_of"]
 
@@ -40,9 +41,7 @@ _FORMS = (
 
 
 def _torch():
-    from ._torch import torch
-
-    return torch()
+    return _load_torch()
 
 
 def dtype_of(name, what="dtype"):

@@ -29,6 +29,7 @@ def _empty_container(obj):
 
 class _Walk:
     def __init__(self, torch):
+        # lazy: the pure-Python twin imports without _C (inspection loads it): it reaches it only to compare
         from .inspection import setup_info
 
         self.torch = torch
@@ -445,6 +446,7 @@ class _Walk:
                 self.any(obj, path, module, category)
 
     def result(self):
+        # lazy: the pure-Python twin imports without _C (inspection loads it): it reaches it only to compare
         from . import _C
 
         rows = np.array(self.rows, dtype=_C.row_dtype) if self.rows else np.zeros(0, dtype=_C.row_dtype)
@@ -456,6 +458,7 @@ class _Walk:
 def walk(obj, optimizer=None):
     """Same contract as memtorch._C._walk (see memtorch/_C.pyi)."""
     torch = _torch.torch()
+    # lazy: the pure-Python twin imports without _C (inspection loads it): it reaches it only to compare
     from .inspection import _ensure_setup
 
     _ensure_setup()
@@ -473,6 +476,7 @@ def walk(obj, optimizer=None):
 
 def inspect(model, optimizer=None):
     """memtorch.inspect() over the pure-Python walker."""
+    # lazy: the pure-Python twin imports without _C (inspection loads it): it reaches it only to compare
     from .report import ModelMemory
 
     torch = _torch.torch()
@@ -483,6 +487,7 @@ def inspect(model, optimizer=None):
 
 def sizeof(obj):
     """memtorch.sizeof() over the pure-Python walker."""
+    # lazy: the pure-Python twin imports without _C (inspection loads it): it reaches it only to compare
     from .report import ModelMemory
 
     return ModelMemory(*walk(obj, None), root_type=type(obj).__name__)

@@ -15,6 +15,7 @@ def torch():
     if not _ready:
         with _lock:
             if not _ready:
+                # lazy: _C loads NumPy; it is loaded, and given torch's types, when torch is first needed
                 from . import _C
 
                 _C._set_types(_t.Tensor, _t.nn.Parameter, _t.nn.Module, _t.optim.Optimizer)

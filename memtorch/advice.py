@@ -23,86 +23,15 @@ measured alone; they do not add up.
 """
 
 import copy
-import dataclasses
 import functools
 import gc
 
 from . import units
 from .errors import MemtorchError
-from .reports import Record, Report, field
+from .reports.advice import EXACT, ESTIMATED, MEASURED, Advice, Suggestion  # the result types' home
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = ["advise", "Advice", "Suggestion"]
-
-MEASURED = "measured"
-ESTIMATED = "estimated"
-EXACT = "exact arithmetic"
-
-
-@dataclasses.dataclass(eq=False)
-class Suggestion(Record):
-    """One change and the bytes it saves.
-
-    ``saves`` is the drop of the measured step peak where the change was run
-    (then ``before`` / ``after`` are the two peaks), otherwise the bytes the
-    change stops holding (parameters, gradients, optimizer state: alive all
-    through training, so at the peak too once gradients and state exist).
-    """
-
-    kind: str  # a key ("checkpointing", "bf16", ...)
-    title: str  # one line saying the change
-    saves: int  # bytes saved (see above)
-    basis: str  # how the figure was obtained (ESTIMATED, EXACT, measured)
-    how: str  # what to do, with code
-    detail: str  # the figures behind it
-    before: "int | None" = None  # the measured step peak without the change, or None
-    after: "int | None" = None  # with it, or None
-
-    def __post_init__(self):
-        self.saves = int(self.saves)
-
-    def __repr__(self):
-        return f"Suggestion({self.kind!r}, saves={self.saves}, basis={self.basis!r})"
-
-
-@dataclasses.dataclass(eq=False)
-class Advice(Report):
-    """advise()'s result: the suggestions, largest saving first (iterable, indexable)."""
-
-    model_type: str = field(key="model")  # the model's class name
-    items: list  # [Suggestion], largest saving first
-    peak: "int | None"  # the measured step peak, bytes, or None without inputs
-    held: int  # bytes the model and optimizer hold (inspect().total)
-    budget: "int | None"  # the budget asked for, bytes, or None
-    notes: list  # things checked that gave nothing
-
-    def __post_init__(self):
-        self.items = sorted(self.items, key=lambda s: -s.saves)
-        self.notes = list(self.notes)
-
-    def __iter__(self):
-        return iter(self.items)
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-    def by_kind(self, kind):
-        return [s for s in self.items if s.kind == kind]
-
-    def to_text(self):
-        from . import display
-
-        return display.advice_text(self)
-
-    def to_html(self):
-        from . import display
-
-        return display.advice_html(self)
-
-    def __repr__(self):
-        return f"<Advice for {self.model_type}: {len(self.items)} suggestion(s)>"
 
 
 # ---------------------------------------------------------------------------
@@ -110,14 +39,13 @@ class Advice(Report):
 
 
 def _torch():
-    from ._torch import torch
-
-    return torch()
+    return _load_torch()
 
 
 def default_loss(output, *inputs, **kw_inputs):
     """The loss of estimate(), plan() and advise() without loss_fn (memtorch._inputs.default_loss):
     the output's ``.loss`` when the model computes one, else the sum of its floating-point tensors."""
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from ._inputs import default_loss as loss
 
     return loss(output, *inputs, **kw_inputs)
@@ -127,6 +55,7 @@ def _copy_optimizer(optimizer, params, device="cpu"):
     """An optimizer over ``params`` as ``optimizer`` says (None: none): a name (estimate's names),
     an optimizer whose class and settings are copied, or a factory taking the parameters; the one
     rule of memtorch.estimate (estimation._make_optimizer)."""
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import _make_optimizer
 
     if optimizer is None:
@@ -152,6 +81,7 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     step's peak apart from the inputs, which every variant shares.
     """
     torch = _torch()
+    # lazy: tracking loads _C and NumPy; only this path needs it (importing advice stays cheap)
     from . import inspection, tracking
 
     base = base or {}
@@ -215,6 +145,7 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
 def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, base=None):
     """The same figures as _step_peak from memtorch.estimate (a dry run on fake tensors, no real memory)."""
     torch = _torch()
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import estimate
 
     base = dict(base or {})
@@ -419,6 +350,7 @@ def _sparse_measured(p):
     """{format: bytes} of p converted for real (memtorch.sizeof), and to_sparse_csr()'s bytes before .clone()."""
     import warnings
 
+    # lazy: inspection loads _C and NumPy; only this path needs it (importing advice stays cheap)
     from .inspection import sizeof
 
     w = p.detach()
@@ -891,7 +823,9 @@ def advise(
     or .to_dict().
     """
     torch = _torch()
+    # lazy: inspection loads _C and NumPy; only this path needs it (importing advice stays cheap)
     from . import _inputs, inspection
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import DEFAULT_DEVICE, _check_args
 
     if not isinstance(model, torch.nn.Module):
@@ -1061,6 +995,7 @@ def _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, cfg, lo
     states = getattr(est, "model_states", None)
     at_peak = getattr(est, "breakdown", None) or {}
     try:
+        # lazy: planning loads only when this path runs (importing advice stays cheap)
         from .planning import plan
 
         p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=0, precisions=[cfg["precision"]],

@@ -28,7 +28,7 @@ import re
 from fractions import Fraction
 
 from . import units, words
-from .cuda import MECHANISM as _CUDA_MECHANISM  # memtorch.cuda imports no torch at import
+from .units import format_rate
 from .errors import BudgetExceeded, BudgetInconclusive, MemtorchError
 
 __all__ = ["assert_budget", "breakdown", "check_budget", "failure_line", "figure_bounds", "format_pair",
@@ -99,7 +99,6 @@ def verdict_line(name, measured, limit, spelled=None):
     shown as written, so that "3 MB" reads 'budget 2.9 MiB (3 MB)'.
     """
     if getattr(measured, "denominator", 1) != 1:  # a leak rate in fractions of a byte: never floored
-        from .leaks import format_rate
 
         m, lim = format_rate(measured, signed=False), units.format(int(limit))
         return f"{name} {m} exceeds budget {_spelled_limit(lim, spelled)} by {format_rate(measured - int(limit), signed=False)}"
@@ -112,7 +111,6 @@ def failure_line(failure, spelled=None):
     """The one-line verdict of a Failure: exceeded (exact, or its lower bound over) or inconclusive."""
     name, low, limit = failure
     if getattr(low, "denominator", 1) != 1:  # a leak rate in fractions of a byte: never floored
-        from .leaks import format_rate
 
         if not failure.inconclusive:
             return verdict_line(name, low, limit, spelled)
@@ -176,7 +174,7 @@ def _one_report_bounds(report, name):
     value = _measured(report, name)
     exact = bool(getattr(report, "exact", True))
     mechanism = str(getattr(report, "mechanism", "") or "")
-    if name == "peak" and not exact and mechanism.startswith(_CUDA_MECHANISM):
+    if name == "peak" and not exact and mechanism.startswith(words.CUDA_MECHANISM):
         start = int(report.start)
         upper = getattr(report, "peak_upper", None)
         if upper is None:
@@ -232,12 +230,12 @@ def figure_bounds(report, name):
 
 def _as_report(obj, fname):
     """The report to judge: a TrackReport (or anything with its figures), or a Tracker's report."""
-    from .tracking import Tracker
-
-    if isinstance(obj, Tracker):
-        return obj.report  # the finished block's report (a clear error if it has not run)
     if hasattr(obj, "peak_above_start"):
         return obj
+    # a Tracker (told by its class's ``report`` property, so that budget, on the result types' floor,
+    # needs no import of memtorch.tracking): the finished block's report (a clear error if it has not run)
+    if isinstance(getattr(type(obj), "report", None), property):
+        return obj.report
     raise TypeError(
         f"{fname}() expects the report of a track() block (t.report) or the tracker itself (t), "
         f"got {type(obj).__name__}"
@@ -293,7 +291,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
     mechanism = str(_get(report, "mechanism", "") or "")
     if mechanism.startswith("estimate"):  # an Estimate: a dry run, no counter was read
         how = mechanism
-    if exact is False and str(_get(report, "mechanism", "") or "").startswith(_CUDA_MECHANISM):
+    if exact is False and str(_get(report, "mechanism", "") or "").startswith(words.CUDA_MECHANISM):
         upper = _get(report, "peak_upper")
         how = "counters that bound the peak" + ("" if upper is None else f": at most {_fmt(upper)}")
     lines.append(f"memtorch breakdown (device {device}, {how})")
@@ -364,7 +362,6 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         survivors = list(_get(leak, "survivors") or [])
         if isinstance(per_step, (list, tuple)):
             per_step = max(per_step, default=0)
-        from .leaks import format_rate
 
         rate = "n/a" if per_step is None else format_rate(per_step)
         how = "" if _get(leak, "exact", True) else f" (not exact: {_get(leak, 'why') or 'see the notes'})"

@@ -108,6 +108,7 @@ class _Step:
 def _parse_shape(text):
     """An --input value checked by memtorch._inputs.parse_text (the one reading of input specs):
     '8x3x224x224', '8x128:int64' or 'input_ids=1x2048:int64'; kept as text."""
+    # lazy: each subcommand loads only the engines it runs
     from . import _inputs
 
     try:
@@ -242,6 +243,7 @@ def _prepare(args, progress, cast=True):
 
 
 def cmd_inspect(args, out, progress):
+    # lazy: each subcommand loads only the engines it runs
     import memtorch
 
     model, _ = _prepare(args, progress)
@@ -271,6 +273,7 @@ def _inputs(args, example):
     """The example inputs as the Python functions take them: --input specs as meta tensors (the
     keyword ones, NAME=SHAPE, as one mapping after the positional ones: model(*args, **kwargs)),
     or the one TARGET returned. memtorch._inputs reads them, as it reads the functions' inputs."""
+    # lazy: each subcommand loads only the engines it runs
     from . import _inputs as spec
 
     if not args.input:
@@ -284,6 +287,7 @@ def _inputs(args, example):
 
 
 def _optional_api(name):
+    # lazy: each subcommand loads only the engines it runs
     import memtorch
 
     try:
@@ -342,6 +346,7 @@ def _loss(text):
     """--loss: 'sum' (the sum of the output's floating-point tensors), 'output' (the output's own
     .loss, a Hugging Face model given labels) or TARGET-style 'pkg.module:fn' / 'file.py:fn' taking
     (output, *inputs). Without --loss: the output's .loss when it has one, else the sum."""
+    # lazy: each subcommand loads only the engines it runs
     from . import _inputs as spec
 
     if text is None:
@@ -473,6 +478,7 @@ def cmd_advise(args, out, progress):
 
 
 def cmd_diagram(args, out, progress):
+    # lazy: each subcommand loads only the engines it runs
     import memtorch
 
     model, _ = _prepare(args, progress)
@@ -847,6 +853,7 @@ def _depth(text):
 
 
 def _version():
+    # lazy: each subcommand loads only the engines it runs
     from . import __version__
 
     return __version__

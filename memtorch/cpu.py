@@ -114,6 +114,24 @@ _held = False
 _atexit_registered = False
 
 
+# The one Python owner of _C's allocation-counter family (counters_*, scope_*, eventlog_*): this
+# module's Scope and functions call them, and tracking.py and peak.py reach the raw ones they need
+# through these names (no other module calls them on _C). Plain references: no wrapper on the
+# hooks' path. The module-name family (names_walk, modules_fingerprint, ModuleMarks) is
+# tracking.py's, the walker's (_walk, _walker_setup) inspection.py's; _torch.py hands _C torch's
+# types and its source folder (_set_types, eventlog_sites_skip) when torch loads.
+_counters_serials = _C.counters_serials
+_counters_sizes = _C.counters_sizes
+_scope_begin = _C.scope_begin
+_scope_end = _C.scope_end
+_eventlog_head = _C.eventlog_head
+_eventlog_mark = _C.eventlog_mark
+_eventlog_read_all = _C.eventlog_read_all
+_eventlog_sites = _C.eventlog_sites
+_eventlog_replay = _C.eventlog_replay
+_eventlog_names = _C.eventlog_names
+
+
 def _choice():
     value = os.environ.get(ENV, "").strip().lower() or "auto"
     if value not in _CHOICES:

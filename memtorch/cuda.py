@@ -32,7 +32,9 @@ is above what is allocated, so that every budgeted test starts at the peak.
 
 import weakref
 
+from . import words
 from .errors import DeviceUnavailable
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = [
     "is_available",
@@ -52,7 +54,7 @@ __all__ = [
 
 # The start of a CUDA TrackReport's ``mechanism``: memtorch.budget reads a CUDA report's
 # inexact peak as a range (lower bound, peak_upper), never as a figure.
-MECHANISM = "torch.cuda counters"
+MECHANISM = words.CUDA_MECHANISM
 
 # The Scopes open now, process-wide (reset_peak folds into them; _debug_leftovers).
 _open_scopes = weakref.WeakSet()
@@ -72,9 +74,7 @@ def _torch():
     (tests put a fake torch.cuda there)."""
     global _torch_mod
     if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
+        _torch_mod = _load_torch()
     return _torch_mod
 
 

@@ -15,7 +15,9 @@ and only when even that is too long are the last rows summed into one.
 
 import html
 
-from . import units, words
+from . import reports as _reports, units, words
+from .errors import MemtorchError
+from .units import format_rate
 
 __all__ = [
     "options",
@@ -432,9 +434,7 @@ def _mm_nodes(mm):
 
 def _rule_lines(mm):
     """What the per-module figures mean, printed under the table."""
-    from .report import MODULE_RULE
-
-    rule = MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
+    rule = words.MODULE_RULE.split(";")[0]  # the tree has no own/shared columns: the rule's first half
     shared = [m for m in mm.modules if m.shared]
     lines = []
     if shared or any(m.alias_of is not None for m in mm.modules):  # the rule matters only then
@@ -801,8 +801,6 @@ def leak_report_text(leak):
     """The verdict with its evidence, then what is not exact, the tensors kept and the notes."""
     from fractions import Fraction
 
-    from .leaks import format_rate
-
     if leak.per_step is None:
         return f"leak: not judged ({len(leak.steps)} step(s), warm-up {leak.warmup})"
     ev = leak.evidence
@@ -850,8 +848,6 @@ def leak_report_html(leak, wrap=True):
 
 
 def _tracker_state(tracker):
-    from .errors import MemtorchError
-
     try:
         return tracker.report
     except MemtorchError as exc:
@@ -1107,3 +1103,20 @@ def plan_html(plan, limit=40):
         f'<div class="memtorch memtorch-plan"><p><b>{_e(head)}</b></p><p>{_e(what)}</p>'
         f"{_html_table(header, rows, right=right)}" + "".join(f"<p>{_e(t)}</p>" for t in tail) + "</div>"
     )
+
+
+# What each result type's to_text(), to_html() (and AtPeak's lines) call: memtorch.reports.render
+# looks them up here by class name (the result types sit a floor below this module).
+for _what, _name, _fn in [
+    ("text", "ModelMemory", model_memory_text), ("html", "ModelMemory", model_memory_html),
+    ("text", "TrackReport", track_report_text), ("html", "TrackReport", track_report_html),
+    ("html", "Tracker", tracker_html),
+    ("text", "Estimate", estimate_text), ("html", "Estimate", estimate_html),
+    ("text", "LeakReport", leak_report_text), ("html", "LeakReport", leak_report_html),
+    ("lines", "AtPeak", at_peak_lines), ("kind_lines", "AtPeak", at_peak_kind_lines), ("html", "AtPeak", at_peak_html),
+    ("text", "Plan", plan_text), ("html", "Plan", plan_html),
+    ("text", "Advice", advice_text), ("html", "Advice", advice_html),
+    ("text", "MultiRankReport", multi_rank_text), ("html", "MultiRankReport", multi_rank_html),
+]:  # fmt: skip
+    _reports.renders(_what, _name)(_fn)
+del _what, _name, _fn

@@ -43,16 +43,19 @@ splits the peak by category (the words of track()'s and inspect()'s reports).
 """
 
 import contextlib
-import dataclasses
 import inspect
 import contextvars
 import functools
-import html
 
 from . import units, words
 from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
 from .errors import MemtorchError
-from .reports import Report, field, plain
+from .reports.estimate import Estimate  # the result type's home; its old name stays
+from .reports.track import ModuleStats, PhaseStats
+from . import _estimate_kernels, _estimate_ranks, _inputs
+from ._estimate_kernels import cuda_kernels, cuda_routing, CudaState, kernels_for
+from ._estimate_cuda import CachingAllocator, resolve_gpu, round_size
+from ._estimate_ranks import resolve_units, unit_params
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
 
@@ -76,201 +79,8 @@ DEFAULT_DEVICE = "cuda"  # one default for estimate(), plan(), advise() and the 
 _KEEP_RUNS = contextvars.ContextVar("memtorch_keep_runs", default=None)
 
 
-
 # ---------------------------------------------------------------------------
 # The report
-
-
-def _phases_json(phases):
-    return {n: {"calls": p.calls, "delta": p.delta, "peak": p.peak, "peak_above_start": p.peak_above_start}
-            for n, p in phases.items()}  # fmt: skip
-
-
-def _modules_json(modules):
-    keys = ("name", "type", "calls", "activation_bytes", "peak_above_start")
-    return [{k: getattr(m, k) for k in keys} for m in modules]
-
-
-def _per_rank_json(per_rank):
-    if per_rank is None:
-        return None
-    return [{k: plain(v) for k, v in r.items() if k != "spans"} for r in per_rank]
-
-
-@dataclasses.dataclass(eq=False)
-class Estimate(Report):
-    """What estimate() predicts for one training step. All sizes are ints of bytes.
-
-    start is 0, end = delta = steady and peak_above_start = peak, so that a budget check reads it
-    as it reads a track() report of a step that builds its model inside the block.
-    """
-
-    device: str  # "cpu" or "cuda"
-    precision: str  # "fp32", "bf16", ...
-    optimizer: str  # the optimizer's name ("adamw")
-    peak: int  # the step's high-water mark, parameters and inputs included (the highest rank's)
-    steady: int  # bytes held between steps
-    breakdown: dict  # {category: bytes at the peak}
-    model_states: dict  # {parameter, buffer, gradient, optimizer_state: bytes, exact}
-    world_size: int = 1  # ranks
-    sharding: "str | None" = None  # ddp, zero1, zero2, zero3 (memtorch.planning.SHARDINGS), or None on one rank
-    training: bool = True  # a training step; False: a forward under inference_mode (or generation)
-    max_new_tokens: "int | None" = None  # generation: the tokens generated after the prompt, else None
-    inputs: str = ""  # the inputs as estimate() read them (shapes, dtypes, keywords)
-    # phases {name: PhaseStats}; in the JSON their calls, delta, peak and peak_above_start
-    phases: dict = field(default_factory=dict, json=_phases_json)
-    # [ModuleStats] (activation_bytes: what the module's forward leaves alive); in the JSON name, type, calls,
-    # activation_bytes and peak_above_start
-    modules: list = field(default_factory=list, json=_modules_json)
-    # device="cuda": the caching allocator's segments at the peak (per rank, the highest rank's), else None
-    reserved_peak: "int | None" = None
-    reserved_steady: "int | None" = field(None, to_dict=False)  # the same between steps (not in the JSON)
-    # None on one rank, else one dict per rank: rank, peak, steady, parameter, gradient, optimizer_state,
-    # communication_buckets, gathered_parameters, breakdown, phases (and spans, not in the JSON)
-    per_rank: "list | None" = field(None, json=_per_rank_json)
-    peak_rank: "int | None" = None  # the first rank with the highest peak (peak, steady, breakdown, phases: its)
-    # zero2/zero3: [{name, gathered_bytes}], each unit's padded unsharded parameters, else None
-    fsdp_units: "list | None" = None
-    # per rank on the CPU: the peak when gloo frees each collective's scratch late (see _estimate_ranks);
-    # else None or the peak
-    peak_upper: "int | None" = None
-    notes: list = field(default_factory=list)  # sentences: what was modelled and what was not
-    seconds: float = field(0.0, to_dict=False)  # time the estimate took (not in the JSON: a timing)
-    _param_numels: "list | None" = field(None, repr=False)  # each trainable parameter's elements (for plan())
-    _param_groups: "list | None" = field(None, repr=False)  # their indices per optimizer group (for plan())
-    _step_scratch_at_peak: int = field(0, repr=False)  # the optimizer step's temporaries alive at the peak
-    exact: bool = field(False, init=False)  # always False: an estimate
-    live: bool = field(False, init=False, to_dict=False)  # always False (a budget reads it as track()'s)
-    start: int = field(0, init=False)  # 0
-    end: int = field(init=False)  # = steady
-    delta: int = field(init=False)  # = steady
-    peak_above_start: int = field(init=False)  # = peak
-    mechanism: str = field("estimate (dry run on fake tensors)", init=False, to_dict=False)  # (not in the JSON)
-
-    def __post_init__(self):
-        self.peak = int(self.peak)
-        self.steady = int(self.steady)
-        self.breakdown = dict(self.breakdown)
-        self.model_states = dict(self.model_states)
-        self.notes = list(self.notes)
-        self.end = self.delta = self.steady
-        self.peak_above_start = self.peak
-
-    def _dict_more(self, d):
-        rest = list(d.items())
-        d.clear()
-        d["kind"] = "estimate"  # first: what the JSON is (the CLI writes several kinds)
-        d.update(rest)
-
-    def check(self, peak=None, delta=None):
-        """Raise memtorch.BudgetExceeded if the estimated peak (or steady bytes, as delta) exceeds its budget."""
-        from .budget import assert_budget
-
-        assert_budget(self, peak=peak, delta=delta)
-
-    # -- presentation ------------------------------------------------------
-    def _title(self):
-        extra = f", {self.world_size} ranks, {self.sharding or 'replicated'}" if self.world_size > 1 else ""
-        if not self.training:
-            what = (f"generate, {self.max_new_tokens} new tokens" if self.max_new_tokens
-                    else "a forward under inference_mode")  # fmt: skip
-            return f"memtorch.estimate on {self.device} ({what}, {self.precision}): estimated, not measured"
-        return (
-            f"memtorch.estimate on {self.device} ({self.precision}, optimizer {self.optimizer}{extra}): "
-            f"estimated, not measured"
-        )
-
-    def _summary_rows(self):
-        f = units.format
-        rows = [
-            ("peak", f(self.peak), "the step's high-water mark, parameters and inputs included"),
-            ("steady", f(self.steady), "held between steps"),
-        ]
-        if self.peak_upper is not None and self.peak_upper > self.peak:
-            rows.append(("peak, scratch freed late", f(self.peak_upper),
-                         "gloo freeing each collective's scratch only at the next collective"))  # fmt: skip
-        if self.reserved_peak is not None:
-            who = "per rank, " if self.per_rank else ""
-            rows.append(("reserved peak", f(self.reserved_peak), f"{who}held by the CUDA caching allocator"))
-        return rows
-
-    def _category_rows(self):
-        total = max(1, self.peak)
-        return [
-            (words.label(c), units.format(b), f"{100 * b / total:.1f}%")
-            for c, b in self.breakdown.items()
-            if b
-        ]
-
-    def _phase_rows(self):
-        return [
-            (p.name, str(p.calls), units.format_delta(p.delta), units.format(p.peak_above_start))
-            for p in self.phases.values()
-            if p.calls
-        ]
-
-    _RANK_FIGURES = (("peak", "peak"), ("peak_upper", "scratch freed late"), ("reserved_peak", "reserved"),
-                     ("parameter", "parameters"), ("gradient", "gradients"),
-                     ("optimizer_state", "optimizer state"), ("communication_buckets", "DDP buckets"),
-                     ("gathered_parameters", "gathered at the peak"))  # fmt: skip
-
-    def _rank_figures(self):
-        def shown(k):
-            if k == "peak_upper":
-                return any(r.get(k, r["peak"]) != r["peak"] for r in self.per_rank)
-            return k == "peak" or any(r.get(k) for r in self.per_rank)
-
-        return [(k, t) for k, t in self._RANK_FIGURES if shown(k)]
-
-    def _rank_header(self):
-        return ["rank"] + [t for _, t in self._rank_figures()]
-
-    def _rank_rows(self, limit=16):
-        """One row per rank; ranks with the same figures are folded into one row (ranks 1-3)."""
-        if not self.per_rank:
-            return []
-        figs = self._rank_figures()
-        rows = []
-        for r in self.per_rank:
-            vals = tuple(units.format(r[k]) for k, _ in figs)
-            if rows and rows[-1][1] == vals and rows[-1][0][1] == r["rank"] - 1:
-                rows[-1][0][1] = r["rank"]
-            else:
-                rows.append(([r["rank"], r["rank"]], vals))
-        out = []
-        for (a, b), vals in rows[:limit]:
-            name = str(a) if a == b else f"{a}-{b}"
-            if self.peak_rank is not None and a <= self.peak_rank <= b:
-                name += " (highest)"
-            out.append((name,) + vals)
-        if len(rows) > limit:
-            out.append((f"... {len(rows) - limit} more rows",) + ("",) * len(figs))
-        return out
-
-    def to_text(self, depth=..., max_rows=...):
-        """The estimate as print() shows it (memtorch.display.estimate_text): its module tree folded to
-        display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
-        from . import display
-
-        return display.estimate_text(self, depth, max_rows)
-
-    def to_html(self, depth=..., max_rows=...):
-        """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
-        from . import display
-
-        return display.estimate_html(self, depth, max_rows)
-
-    def plot(self, kind="categories", **kw):
-        """A matplotlib Figure: kind='categories' (the breakdown at the peak), 'phases' or 'modules' (memtorch.plot)."""
-        from . import plot
-
-        return plot.estimate(self, kind=kind, **kw)
-
-    def __repr__(self):
-        return (
-            f"Estimate(device={self.device!r}, precision={self.precision!r}, peak={self.peak}, "
-            f"steady={self.steady})"
-        )
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +90,7 @@ class Estimate(Report):
 def default_loss(output, *inputs, **kw_inputs):
     """The loss estimate() uses without loss_fn: the output's ``.loss`` when the model computes one
     (a Hugging Face model given labels), else the sum of every floating-point tensor in the output."""
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from ._inputs import default_loss as loss
 
     return loss(output, *inputs, **kw_inputs)
@@ -456,8 +267,6 @@ class _Hooks:
     """Module forward hooks (per-module figures) and phase spans, recorded as event indices."""
 
     def __init__(self, ledger, model):
-        from .tracking import ModuleStats
-
         self.ledger = ledger
         self.rows = []
         self.ids = {}
@@ -626,8 +435,6 @@ def _inference(model, finputs, ledger, hooks, stack, fakes, autocast, low, max_n
     torch = _torch()
     stack.enter_context(_swapped(model, fakes))
     if cuda_state is not None:
-        from ._estimate_kernels import cuda_routing
-
         stack.enter_context(cuda_routing(cuda_state))
     hooks.install()
     stack.callback(hooks.remove)
@@ -742,13 +549,9 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     ledger = Ledger()
     hooks = _Hooks(ledger, model)
     allow_item = [False]
-    from ._estimate_kernels import kernels_for
-
     facts = {}
     cuda_state = None
     if device == "cuda":
-        from ._estimate_kernels import CudaState, cuda_kernels
-
         cuda_state = CudaState(gpu)
         facts["cuda_state"] = cuda_state
     params = _unique_tensors(model.named_parameters(remove_duplicate=False))
@@ -776,8 +579,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
         finputs = inputs.map(lambda t: fake_like(t, "cpu"))
         ledger.mark([ledger.key_of(t) for t in finputs.tensors()], "input")
-        from . import _estimate_kernels
-
         for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
             if p.device.type == "cpu" and p.dtype == f.dtype and not p.is_sparse:
                 _estimate_kernels.originals[id(f.untyped_storage())] = p  # detached when probed
@@ -795,8 +596,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             ledger.owner[ledger.key_of(t)] = i
         facts["unit_events"] = []
         if units is not None:
-            from ._estimate_ranks import unit_params
-
             facts["units"] = unit_params(units, orig_index)
             facts["unit_names"] = [name for name, _ in units]
             order = {id(m): j for j, (_, m) in enumerate(model.named_modules())}
@@ -861,8 +660,6 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         stack.enter_context(checkpointing(model, checkpoint_spec, _on_call=on_call, _dropped=dropped_cache))
         stack.enter_context(_swapped(model, fakes))
         if cuda_state is not None:
-            from ._estimate_kernels import cuda_routing
-
             routing.append(cuda_routing(cuda_state))
             stack.enter_context(routing[0])
         hooks.install()
@@ -1054,8 +851,6 @@ def estimate(
     _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn)
     if not inputs:
         raise MemtorchError("estimate() needs example inputs: estimate(model, x) with a tensor or a shape")
-    from . import _inputs
-
     inputs = _inputs.read(inputs)
     if training not in (True, False):
         raise MemtorchError(f"training must be True or False, got {training!r}")
@@ -1079,8 +874,6 @@ def estimate(
         raise MemtorchError(f"keep_output must be True or False, got {keep_output!r}")
     target = None
     if device == "cuda":
-        from ._estimate_cuda import resolve_gpu
-
         try:
             target = resolve_gpu(gpu)
         except ValueError as e:
@@ -1095,12 +888,8 @@ def estimate(
             f"fsdp_units applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
         )
     if world_size > 1 and sharding in ("zero2", "zero3"):
-        from ._estimate_ranks import resolve_units
-
         fsdp_mods = resolve_units(model, fsdp_units, torch)
     notes = []
-    from . import _estimate_kernels
-
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
         ledger, hooks, facts = _dry_run(
@@ -1128,6 +917,7 @@ def estimate(
         names = ", ".join(f"{k}={_NO_CACHE[k]}" for k in sorted(facts["cache_dropped"]))
         notes.append(f"the checkpointed blocks ran with {names}, as transformers' gradient checkpointing runs them "
                      "(a cache written in the forward would be written again by the recomputation)")
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing estimation stays cheap)
     from . import cpu
 
     if device != "cuda" and not cpu.exact():
@@ -1163,14 +953,10 @@ def _explain(e):
 
 
 def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds, checkpointing=None):
-    from .tracking import PhaseStats
-
     info = ledger.info
     sizes = None
     reserved_peak = reserved_steady = None
     if device == "cuda":
-        from ._estimate_cuda import CachingAllocator
-
         alloc_curve, reserved_curve = CachingAllocator().replay(ledger.events, {k: v[0] for k, v in info.items()})
         sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
         reserved_peak = max(reserved_curve, default=0)
@@ -1228,8 +1014,6 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     per_rank = peak_rank = fsdp_units = None
     peak_upper = None
     if world_size > 1:
-        from . import _estimate_ranks
-
         facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
         per_rank = _rank_results(ledger, hooks, facts, device, world_size, sharding)
         top = max(per_rank, key=lambda d: d["peak"])  # the first rank holding the most
@@ -1314,8 +1098,6 @@ def _cuda_notes(state):
 def _rank_results(ledger, hooks, facts, device, world_size, sharding):
     """Every rank's figures (memtorch._estimate_ranks.per_rank) from one classified dry run: what estimate()
     reports for world_size > 1, and what plan() reads for each world size and sharding."""
-    from . import _estimate_ranks
-
     if "last_grads" not in facts:
         facts["last_grads"] = _grads_of_last_step(ledger)
     facts["device"] = device
@@ -1324,8 +1106,6 @@ def _rank_results(ledger, hooks, facts, device, world_size, sharding):
 
 
 def _cuda_block(n):
-    from ._estimate_cuda import round_size
-
     return round_size(n)
 
 

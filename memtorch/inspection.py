@@ -14,7 +14,7 @@ import types
 import numpy as np
 
 from . import _torch
-from .report import ModelMemory
+from .reports.model import ModelMemory
 
 __all__ = ["inspect", "sizeof"]
 
@@ -138,12 +138,16 @@ def dtype_sizes():
     return {name: itemsize for name, itemsize, _q, _pb in setup_info(torch)["dtypes"].values()}
 
 
+ModelMemory._dtype_sizes = staticmethod(dtype_sizes)  # what its overflowed rows are recomputed with
+
+
 def _ensure_setup():
     global _setup_done
     torch = _torch.torch()
     if not _setup_done:
         with _setup_lock:
             if not _setup_done:
+                # lazy: the extension _C loads NumPy; only this path needs it (importing inspection stays cheap)
                 from . import _C
 
                 _C._walker_setup(setup_info(torch))
@@ -154,6 +158,7 @@ def _ensure_setup():
 def walk(obj, optimizer=None):
     """Raw walker output: (rows, paths, dtypes, devices, modules); see memtorch/_C.pyi."""
     torch = _ensure_setup()
+    # lazy: the extension _C loads NumPy; only this path needs it (importing inspection stays cheap)
     from . import _C
 
     # A subclass's __torch_function__ is user code: keep it out of the walk.

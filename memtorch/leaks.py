@@ -17,15 +17,13 @@ the rest, grouped by kind, with the container that holds them found by
 following the garbage collector's referrers (bounded too).
 """
 
-import dataclasses
 import gc
 import sys
 import time
 import weakref
-from fractions import Fraction
 
-from . import units
-from .reports import Record, Report, field
+from .units import format_rate  # its first home: leaks.format_rate still imports
+from .reports.leaks import LeakReport, SurvivorGroup, judge  # the result types' home; their old names stay
 
 __all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan", "format_rate"]
 
@@ -33,161 +31,6 @@ SCAN_SECONDS = 3.0  # a walk of gc objects stops after this long
 SCAN_OBJECTS = 5_000_000  # ... or after this many objects
 REFERRER_SECONDS = 2.0  # naming the holders of all groups stops after this long
 _HERE = __file__.rsplit("/", 1)[0].rsplit("\\", 1)[0]
-
-
-def judge(growth, warmup):
-    """(leaking, per_step, evidence dict) from per-step growth (bytes), warm-up steps skipped."""
-    judged = list(growth[warmup:])
-    if not judged:
-        return False, None, {}
-    net = sum(judged)
-    grew = [warmup + i + 1 for i, g in enumerate(judged) if g > 0]
-    n = len(judged)
-    # least-squares slope of the boundaries after warm-up (bytes per step)
-    ys = [0]
-    for g in judged:
-        ys.append(ys[-1] + g)
-    xs = range(len(ys))
-    mx = sum(xs) / len(ys)
-    my = sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    leaking = net > 0 and (len(grew) >= 2 or len(grew) == n)
-    evidence = {
-        "judged_steps": n, "steps_that_grew": grew, "net_growth": int(net), "slope_per_step": float(slope),
-        "largest_step_growth": int(max(judged)),
-    }  # fmt: skip
-    # exact: 7,996 B over 2,000 steps is 3.998 B a step, never floored to 3 (a budget of 3 B must fail)
-    return leaking, Fraction(int(net), n), evidence
-
-
-def format_rate(rate, signed=True):
-    """A per-step figure (bytes, possibly a fraction of a byte) as text that never reads lower
-    than it is: whole bytes as units.format does ('+4 B', '+1.5 MiB'); a fraction under 1 KiB
-    with up to 3 decimals, '≈' when those do not hold it exactly ('+3.998 B', '+≈1.333 B')."""
-    rate = Fraction(rate)
-    if rate.denominator == 1:
-        n = int(rate)
-        return units.format_delta(n) if signed else units.format(n)
-    sign = "-" if rate < 0 else ("+" if signed else "")
-    a = abs(rate)
-    if a < 1024:
-        return sign + units.format(a)  # up to 3 decimals, '≈' when they do not hold it
-    return f"{sign}≈{units.format(round(a))}"
-
-
-@dataclasses.dataclass(eq=False)
-class SurvivorGroup(Record):
-    """Tensors of one kind kept alive across steps: count, bytes, description, holder."""
-
-    dtype: str  # their dtype ("float32")
-    shape: "str | None"  # their sizes as text, or None (unknown)
-    has_graph: bool  # they hold autograd graphs
-    holder: "str | None"  # the container that holds them (found through gc's referrers), or None
-    expected: "str | None"  # why they are expected to live (an optimizer's state, ...), or None
-    count: int = field(0, init=False)  # tensors in the group
-    nbytes: int = field(0, init=False, key="bytes")  # their bytes
-    graph_bytes: int = field(0, init=False)  # bytes of the saved tensors their graphs keep
-    examples: list = field(init=False, default_factory=list, to_dict=False, repr=False)  # weakrefs to a few members
-
-    def describe(self, steps_after=None):
-        shape = self.shape if self.shape is not None else "?"
-        what = f"{self.count} tensor{'s' if self.count != 1 else ''} {self.dtype}[{shape}]"
-        text = f"{what}, {units.format(self.nbytes)}"
-        if self.has_graph:
-            text += " holding autograd graphs"
-            if self.graph_bytes:
-                text += f" (keeping {units.format(self.graph_bytes)} of saved tensors)"
-        if steps_after and self.count > 1 and abs(self.count - steps_after) <= 1:
-            text += ", one per step"
-        if self.holder:
-            text += f", {self.holder}"
-        if self.expected:
-            text += f" (expected to live: {self.expected})"
-        return text
-
-
-def _rate_json(rate):
-    """per_step for JSON: an int when whole bytes, else a float (per_step_fraction holds it exactly)."""
-    if rate is None:
-        return None
-    return int(rate) if rate.denominator == 1 else float(rate)
-
-
-def _fraction_json(rate):
-    return None if rate is None else [rate.numerator, rate.denominator]
-
-
-@dataclasses.dataclass(eq=False)
-class LeakReport(Report):
-    """Growth of allocated bytes per step, judged over the whole run.
-
-    A leak budget on a report that is not exact is inconclusive (it fails, never passes).
-    """
-
-    steps: list  # growth of each step, bytes (warm-up steps included)
-    warmup: int  # warm-up steps, not judged
-    survivors: list  # [TensorInfo] of a few of the tensors kept
-    # False when the counters could not see every allocation of the block (DataLoader workers'
-    # shared memory, another tool's hooks, ...); ``why`` then says why and the text says "not exact"
-    exact: bool = field(json=bool)
-    groups: list = ()  # [SurvivorGroup] of tensors kept, the unexpected first
-    notes: list = ()  # what the scan could not do (stopped early, ...)
-    steps_after: "int | None" = field(None, to_dict=False)  # steps after the first scan (not in the JSON)
-    # why the figure is not exact (a sentence), None when it is; track() fills it from the block's counters
-    # when the report is made
-    why: "str | None" = None
-    # net growth of the judged steps divided by their number, exactly (a fractions.Fraction of bytes:
-    # 7,996 B over 2,000 steps is 3.998 B, never floored); in the JSON an int when whole, else a float,
-    # and per_step_fraction [numerator, denominator]
-    per_step: "Fraction | None" = field(init=False, json=_rate_json)
-    # the run grew in two or more judged steps (or every one) and its net growth is positive
-    leaking: bool = field(init=False, json=bool)
-    # {judged_steps, steps_that_grew, net_growth, slope_per_step, largest_step_growth}
-    evidence: dict = field(init=False)
-
-    def __post_init__(self):
-        self.steps = list(self.steps)
-        self.leaking, self.per_step, self.evidence = judge(self.steps, self.warmup)
-        self.survivors = list(self.survivors)
-        self.exact = bool(self.exact)
-        self.groups = list(self.groups)
-        self.notes = list(self.notes)
-
-    def _dict_more(self, d):
-        d["per_step_fraction"] = _fraction_json(self.per_step)
-
-    def budget_bounds(self):
-        """(low, high, why, fix) of per_step for a leak budget (memtorch.budget): (per_step,
-        per_step, None, None) when exact; when not, nothing bounds it (an allocation the
-        counters cannot see may be kept, or freed, in any step): (per_step, None, why, fix),
-        and a budget on it is inconclusive whatever its limit."""
-        if self.per_step is None or self.exact:
-            return self.per_step, self.per_step, None, None
-        return self.per_step, None, self.why or "the block's counters are not exact", (
-            "measure the leak where the counters see every allocation: DataLoader(num_workers=0), "
-            "no other tool patching the allocator during the block"
-        )
-
-    def plot(self, **kw):
-        from . import plot
-
-        return plot.leak_report(self, **kw)
-
-    def to_text(self):
-        """The verdict, its evidence, the tensors kept (memtorch.display.leak_report_text)."""
-        from . import display
-
-        return display.leak_report_text(self)
-
-    def to_html(self):
-        from . import display
-
-        return display.leak_report_html(self)
-
-    def __repr__(self):
-        return f"LeakReport(per_step={self.per_step}, leaking={self.leaking}, groups={len(self.groups)})"
-
 
 
 # ---------------------------------------------------------------------------
@@ -227,6 +70,8 @@ class Scan:
 
 
 def storage_key(t):
+    """The identity of the storage a tensor views: (data pointer, device type); (id, "?") for tensors
+    with no single storage (nested, sparse, wrappers). The one definition: tracking uses it too."""
     try:
         return t.untyped_storage().data_ptr(), t.device.type
     except Exception:  # nested, sparse and wrapper tensors have no single storage
@@ -234,6 +79,8 @@ def storage_key(t):
 
 
 def storage_nbytes(t):
+    """Bytes of the storage a tensor keeps alive; its logical bytes (numel * element size) when it
+    has no single storage (sparse); 0 when even those cannot be read. The one definition."""
     try:
         return int(t.untyped_storage().nbytes())
     except Exception:

@@ -167,6 +167,7 @@ def _module_objects(model):
 
 def _build(model):
     """(root node, all nodes, ModelMemory, storage key -> bytes)."""
+    # lazy: inspection loads _C and NumPy; only this path needs it (importing mermaid stays cheap)
     from .inspection import inspect
 
     mm = inspect(model)

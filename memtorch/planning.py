@@ -61,13 +61,12 @@ least (ddp, zero1, zero1-even, zero2, zero3); then the largest micro-batch (fewe
 accumulation steps); then the precision in the order given.
 """
 
-import dataclasses
 import math
 from collections import namedtuple
 
 from . import units
 from .errors import MemtorchError
-from .reports import Report, field
+from .reports.plan import Plan  # the result type's home; its old name stays
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
 
@@ -193,6 +192,7 @@ def per_rank(b, world_size, sharding, pad=True):
 
 def _zero1(b, n, out):
     """torch's ZeroRedundancyOptimizer (under DDP): each rank's figures from its whole parameters."""
+    # lazy: _estimate_ranks loads only when an estimate's dry run needs it
     from ._estimate_ranks import zero_partition
 
     if b.param_numels is None:
@@ -256,41 +256,6 @@ def _order_key(opt, precisions):
         -opt.micro_batch,
         precisions.index(opt.precision) if opt.precision in precisions else len(precisions),
     )
-
-
-@dataclasses.dataclass(eq=False)
-class Plan(Report):
-    """The combinations tried, cheapest first."""
-
-    options: list  # [Option], cheapest first
-    device_memory: int  # the device's bytes the options were judged against
-    reserve: int  # bytes kept free of them
-    notes: list  # sentences: what was assumed, what could not be tried
-    seconds: float = field(to_dict=False)  # the planning's wall time (not in the JSON: a timing)
-    dry_runs: int = field(to_dict=False)  # estimate() runs made (not in the JSON)
-    fits: list = field(init=False, to_dict=False)  # the options that fit (in the JSON as each option's "fits")
-    best: "Option | None" = field(init=False)  # the first that fits, or None
-
-    def __post_init__(self):
-        self.options = list(self.options)
-        self.fits = [o for o in self.options if o.fits]
-        self.best = self.fits[0] if self.fits else None
-        self.notes = list(self.notes)
-
-    def to_text(self, limit=40):
-        """The combinations that fit, cheapest first, then those that do not, closest first; the first
-        ``limit`` rows, then a line saying how many more (memtorch.display.plan_text)."""
-        from . import display
-
-        return display.plan_text(self, limit)
-
-    def to_html(self, limit=40):
-        from . import display
-
-        return display.plan_html(self, limit)
-
-    def __repr__(self):
-        return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"
 
 
 def _world_sizes(world_sizes, max_world_size, global_batch):
@@ -394,6 +359,7 @@ def _largest_block(model, fsdp_units=None):
     model's model.layers.N, else each child holding parameters), the root holding what they leave."""
     import torch
 
+    # lazy: _estimate_ranks loads only when an estimate's dry run needs it
     from ._estimate_ranks import resolve_units
 
     taken, best = set(), 0
@@ -474,6 +440,7 @@ def plan(
 
     import torch
 
+    # lazy: estimation loads only when this path runs (importing planning stays cheap)
     from .estimation import _KEEP_RUNS, _rank_results, estimate
 
     t0 = time.perf_counter()
@@ -482,6 +449,7 @@ def plan(
         raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     if not inputs:
         raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
+    # lazy: _inputs loads only when an estimate's dry run needs it
     from . import _inputs
 
     given = _inputs.read(inputs, "plan()")  # the one reading of inputs (estimate's, advise's, the CLI's)

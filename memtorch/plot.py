@@ -14,7 +14,8 @@ state and nothing shown twice in a notebook); save it with fig.savefig(...).
 Axes carry binary units (KiB = 1024 B); the unit is chosen from the largest figure.
 """
 
-from . import units, words
+from . import reports as _reports, units, words
+from .units import format_rate
 from .errors import MemtorchError
 
 __all__ = [
@@ -347,7 +348,6 @@ def leak(report, ax=None, title=None):
     ax.set_xlabel("step")
     ax.set_ylabel(f"growth during the step ({name})")
     ax.set_xticks(x)
-    from .leaks import format_rate
 
     verdict = (
         "not judged" if lk.per_step is None else f"{format_rate(lk.per_step)} per step after warm-up"
@@ -390,3 +390,11 @@ def model_memory(mm, kind="modules", **kw):
 
 def leak_report(lk, **kw):
     return leak(lk, **kw)
+
+
+# What each result type's plot() calls: memtorch.reports.render looks them up here by class name.
+for _name, _fn in [
+    ("ModelMemory", model_memory), ("TrackReport", track_report), ("Estimate", estimate), ("LeakReport", leak_report),
+]:
+    _reports.renders("plot", _name)(_fn)
+del _name, _fn

@@ -21,7 +21,7 @@ from fractions import Fraction
 
 import pytest
 
-from . import units
+from . import _torch, units  # _torch: the loader only (torch loads on first call)
 from .errors import MemtorchError, UnitError
 
 __all__ = ["memory_budget"]
@@ -109,6 +109,7 @@ class _Budget:
         """
         if self.device == "cpu":
             return
+        # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
         from . import cuda
 
         index = cuda._index(self.device)
@@ -118,6 +119,7 @@ class _Budget:
 
     def make_tracker(self):
         if self.tracker is None:
+            # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
             from .tracking import track
 
             self.tracker = track(device=self.device)
@@ -136,6 +138,7 @@ def _start_cpu_counting():
     """Count CPU tensor memory from before this test's fixtures on, for the rest of the
     session: a body that frees what its fixtures (or an earlier test) made is then
     measured exactly, and the figures do not depend on which test ran first."""
+    # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
     from . import cpu
 
     cpu.start()
@@ -155,8 +158,6 @@ def _resolve_device(device, spelled):
     kind = m.group(1)
     if kind == "cpu":
         return "cpu"
-    from . import _torch
-
     torch = _torch.torch()
     available = torch.cuda.is_available()
     if kind == "auto":
@@ -384,6 +385,7 @@ class _Session:
         at_peak = getattr(report, "at_peak", None)
         if at_peak is not None:
             figures["at_peak"] = {o.name: int(o.nbytes) for o in at_peak.owners[:5]}
+        # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
         from .budget import check_budget, failure_line
 
         lines, problem, failures = [], None, []
@@ -401,6 +403,7 @@ class _Session:
         lines += [x for x in (regression, problem) if x]
         item.user_properties.append((_PROPERTY, json.dumps(figures, sort_keys=True)))
         if lines:
+            # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
             from .budget import breakdown
 
             pytest.fail("\n".join(lines) + "\n\n" + breakdown(report), pytrace=False)
@@ -440,6 +443,7 @@ class _Session:
                 continue
             new_text, old_text = units.format(now), units.format(before)
             if new_text == old_text:
+                # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
                 from .budget import format_pair
 
                 new_text, old_text = format_pair(now, before)
@@ -509,8 +513,6 @@ def _watch(tracker, values, names):
     """Hand the watched fixtures' values to the tracker: modules as the model, optimizers as the optimizer."""
     if not values:
         return
-    from . import _torch
-
     torch = _torch.torch()
     model = optimizer = None
     for name, v in zip(names, values):
@@ -604,6 +606,7 @@ def memtorch_estimate():
     """
 
     def check(model, *inputs, peak=None, delta=None, **options):
+        # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
         from .estimation import estimate
 
         est = estimate(model, *inputs, **options)

@@ -54,7 +54,6 @@ inputs or outputs, and named survivors are held by weakref.
 import dataclasses
 import functools
 import gc
-import html
 import sys
 import threading
 import time
@@ -66,7 +65,9 @@ from . import leaks
 from . import peak as attribution
 from .leaks import LeakReport
 from .errors import DeviceUnavailable, MemtorchError
-from .reports import Record, Report, field
+from .reports import Record, field, render
+from .reports.track import ModuleStats, PhaseStats, TrackReport  # the result types' home; old names stay
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
 
@@ -83,9 +84,7 @@ _torch_mod = None
 def _torch():
     global _torch_mod
     if _torch_mod is None:
-        from ._torch import torch
-
-        _torch_mod = torch()
+        _torch_mod = _load_torch()
     return _torch_mod
 
 
@@ -98,70 +97,6 @@ def _debug_leftovers():
 
 # ---------------------------------------------------------------------------
 # Report objects
-
-
-@dataclasses.dataclass(eq=False)
-class PhaseStats(Record):
-    """One phase (forward, backward, optimizer) aggregated over its occurrences; in to_dict() under its name."""
-
-    name: str = field(to_dict=False)  # forward, backward or optimizer (the key of TrackReport.phases)
-    calls: int = 0  # occurrences
-    delta: int = 0  # sum over the occurrences of (end - start), bytes
-    peak: int = 0  # the highest absolute bytes during any occurrence
-    peak_above_start: int = 0  # the largest (peak - start) of one occurrence: above the phase's own start
-    seconds: float = field(0.0, json=float)  # total time
-    exact: bool = field(True, json=bool)  # every peak exact
-    why: "str | None" = None  # why not exact (a sentence), None when exact or not known
-    _seen: int = field(0, repr=False)  # event-log mode: occurrences the replay saw whole
-
-    def _add_bytes(self, start, end, peak, exact):
-        self.delta += end - start
-        self.peak = max(self.peak, peak)
-        self.peak_above_start = max(self.peak_above_start, peak - start)
-        self.exact = self.exact and bool(exact)
-
-    def _add(self, start, end, peak, exact, seconds):
-        self.calls += 1
-        self.delta += end - start
-        self.peak = max(self.peak, peak)
-        self.peak_above_start = max(self.peak_above_start, peak - start)
-        self.seconds += seconds
-        self.exact = self.exact and bool(exact)
-
-    def __repr__(self):
-        return (
-            f"PhaseStats({self.name!r}, calls={self.calls}, delta={self.delta}, "
-            f"peak_above_start={self.peak_above_start}, exact={self.exact})"
-        )
-
-
-@dataclasses.dataclass(eq=False)
-class ModuleStats(Record):
-    """One module's forward: see the module docstring for the definitions."""
-
-    name: str  # the module's dotted name ("" the root)
-    type: str  # its class name
-    note: "str | None" = None  # what the row cannot show (a compiled region: its insides), or None
-    calls: int = 0  # forwards of the module (recomputations not counted)
-    activation_bytes: int = 0  # bytes its forward left allocated, per forward of the model
-    peak_above_start: int = 0  # the highest (peak - start) of one of its forwards
-    exact: bool = field(True, json=bool)  # every figure exact
-    why: "str | None" = None  # why not exact (a sentence), None when exact or not known
-    # recomputations: its forwards run again by autograd during backward (torch.utils.checkpoint),
-    # not counted in calls; the bytes they left allocated (what backward then uses), summed and
-    # per forward of the model as activation_bytes is
-    recomputed: int = 0  # recomputed forwards
-    recomputed_bytes: int = 0  # bytes they left allocated, per forward of the model
-    activation_total: int = field(0, to_dict=False)  # activation_bytes summed over every forward (not in the JSON)
-    recomputed_total: int = field(0, to_dict=False)  # recomputed_bytes summed likewise (not in the JSON)
-    _measured: int = field(0, repr=False)  # calls whose figures are known (event-log mode can drop old events)
-
-    def __repr__(self):
-        again = f", recomputed={self.recomputed}" if self.recomputed else ""
-        return (
-            f"ModuleStats({words.root_or(self.name)!r}, {self.type}, calls={self.calls}, "
-            f"activation_bytes={self.activation_bytes}, peak_above_start={self.peak_above_start}{again})"
-        )
 
 
 @dataclasses.dataclass(eq=False, init=False)
@@ -185,7 +120,7 @@ class TensorInfo(Record):
             self.shape = ("nested",)
         self.dtype = str(tensor.dtype).replace("torch.", "")
         self.device = str(tensor.device)
-        self.nbytes = _storage_nbytes(tensor)
+        self.nbytes = leaks.storage_nbytes(tensor)
         self.has_graph = tensor.grad_fn is not None
         self.graph_bytes = graph_bytes
         self.step = step
@@ -210,198 +145,6 @@ class TensorInfo(Record):
         return f"TensorInfo({self.describe()})"
 
 
-def _series_json(series):
-    return [{"step": i + 1, "peak": int(p), "end": int(e)} for i, (p, e) in enumerate(series)]
-
-
-def _timeline_json(timeline):
-    return {"times_ns": timeline[0].tolist(), "bytes": timeline[1].tolist()}
-
-
-@dataclasses.dataclass(eq=False)
-class TrackReport(Report):
-    """What a track() block measured. All sizes are ints of bytes."""
-
-    device: str  # "cpu" or "cuda:N"
-    exact: bool = field(json=bool)  # every figure exact (see caveats when not)
-    mechanism: str  # what counted the block (the allocator hook, the caching allocator's statistics, ...)
-    start: int  # allocated bytes when the block began
-    end: int  # allocated bytes when it ended
-    peak: int  # the highest allocated bytes during the block (absolute)
-    delta: int = field(init=False)  # end - start
-    peak_above_start: int = field(init=False)  # peak - start: what the block itself needed at its peak
-    peak_upper: "int | None" = field(None, omit_none=True)  # CUDA, when peak is a lower bound: an upper bound
-    reserved_peak: "int | None" = field(None, omit_none=True)  # CUDA: the caching allocator's reserved peak
-    seconds: float = field(0.0, json=float)  # the block's wall time
-    steps: int = 0  # t.step() calls
-    live: bool = field(False, json=bool)  # a snapshot read inside the block (figures so far)
-    # sentences saying what the counters could not see during the block
-    caveats: list = field(default_factory=list)
-    # None, or why start, end, peak and at_peak have an unknown baseline (memtorch re-took its
-    # hooks from another tool before the block: cpu.Scope.baseline); delta and peak_above_start stay exact
-    baseline: "str | None" = None
-    absolute_exact: bool = field(init=False)  # exact and the baseline known
-    # CPU: frees the counters saw of storages allocated before counting began, and their (malloc-usable)
-    # bytes: delta and peak are then upper bounds. Zero when counting was already running (the default
-    # after the first block: memtorch.cpu.keep_counting()).
-    unseen_frees: int = 0  # those frees
-    unseen_bytes: int = 0  # their bytes
-    # under an initialised torch.distributed process group (read at the first read of t.report), else None
-    rank: "int | None" = None  # this process's rank
-    world_size: "int | None" = None  # the world size
-    _phases: dict = field(default_factory=dict, key="phases")  # {name: PhaseStats} (read: .phases)
-    _modules: list = field(default_factory=list, key="modules")  # [ModuleStats] (read: .modules)
-    step_series: list = field(default_factory=list, json=_series_json)  # per step (t.step()): [(peak, end)]
-    leak: "LeakReport | None" = None  # growth per step and what was kept (with steps), else None
-    _at_peak: "attribution.AtPeak | None" = field(None, key="at_peak")  # who held the peak (read: .at_peak)
-    _largest: list = field(default_factory=list, key="largest")  # [TensorInfo] (read: .largest)
-    # (times_ns since the first event, bytes) NumPy arrays with timeline=True, else None
-    timeline: "tuple | None" = field(None, omit_none=True, json=_timeline_json)
-    # with timeline=True: [(ns on the timeline's clock, "phase" | "end" | "step", phase name or step number)]
-    marks: list = field(default_factory=list, to_dict=False)  # (not in the JSON: its times are the timeline's)
-    # the event log's replay (at_peak, the per-module figures), run when a figure it fills is first read
-    _pending: object = field(None, repr=False)
-    _row_notes: list = field(default_factory=list, repr=False)  # [(row name, note)]: rows inside a compiled region
-    _largest_n: int = field(0, repr=False)  # largest= of track(): how many of the storages at the peak to keep
-
-    def __post_init__(self):
-        self.delta = self.end - self.start
-        self.peak_above_start = self.peak - self.start
-        self.caveats = list(self.caveats or [])
-        self.step_series = list(self.step_series or [])
-        self._row_notes = self._row_notes or []
-        if self._pending is None:
-            _apply_notes(self._modules, self._row_notes)
-            self._largest_n = len(self._largest)
-        self.absolute_exact = bool(self.exact) and self.baseline is None
-
-    def _dict_more(self, d):
-        d["steps_series"] = d["step_series"]  # the key's first spelling, kept for readers of it
-
-    def _settle(self):
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._at_peak = pending()
-            _apply_notes(self._modules, self._row_notes)
-            if self.baseline is not None:  # the storages before the restart are not in the replay
-                self._at_peak.exact = False
-            if self._largest_n:
-                self._largest = self._at_peak.storages[: self._largest_n]
-
-    @property
-    def at_peak(self):
-        """Who held the bytes at the peak (memtorch.peak.AtPeak), or None without the event log."""
-        self._settle()
-        return self._at_peak
-
-    @property
-    def phases(self):
-        """{name: PhaseStats} of the phases that ran."""
-        self._settle()
-        return {k: v for k, v in self._phases.items() if v.calls}
-
-    @property
-    def modules(self):
-        """[ModuleStats] of the model's modules (per-module figures)."""
-        self._settle()
-        return self._modules
-
-    @property
-    def largest(self):
-        """The largest live tensors: at the peak with names (event log), else at the end."""
-        self._settle()
-        return self._largest
-
-    def gather(self, group=None, dst=0, timeout=60.0):
-        """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
-        from .distributed import gather
-
-        return gather(self, group=group, dst=dst, timeout=timeout)
-
-    def budget_bounds(self, name):
-        """(low, high, why, fix) of the leak figure for memtorch.budget (LeakReport.budget_bounds);
-        None for the other figures (budget's own rules)."""
-        if name == "leak" and self.leak is not None and self.leak.per_step is not None:
-            return self.leak.budget_bounds()
-        return None
-
-    def check(self, peak=None, delta=None, leak=None):
-        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse);
-        memtorch.errors.BudgetInconclusive (a BudgetExceeded) for a leak that is not exact."""
-        from .budget import assert_budget
-
-        assert_budget(self, peak=peak, delta=delta, leak=leak)
-
-    # -- presentation ------------------------------------------------------
-    def _summary_rows(self):
-        f = units.format
-        unknown = " (baseline unknown: see the note)" if self.baseline else ""
-        rows = [
-            ("start", f(self.start), unknown.strip()),
-            ("end", f(self.end), units.format_delta(self.delta) + unknown),
-            ("peak", f(self.peak), f"{units.format_delta(self.peak_above_start)} above block start{unknown}"),
-        ]
-        if not self.exact and self.peak_upper is not None:
-            rows.append(("peak at most", f(self.peak_upper), "counters cannot be more precise (sampled)"))
-        if self.reserved_peak is not None:
-            rows.append(("reserved peak", f(self.reserved_peak), "held by the caching allocator"))
-        if self.unseen_frees:
-            said = any("before counting began" in c for c in self.caveats)  # the note says the rest
-            rows.append((
-                "unseen frees", f(self.unseen_bytes),
-                f"{self.unseen_frees} free(s) of memory allocated before counting began"
-                + (" (see the note below)" if said else ": delta and peak may be that much too high "
-                   "(memtorch.cpu.start() at start-up counts from the start)"),
-            ))  # fmt: skip
-        return rows
-
-    def _phase_rows(self):
-        return [
-            (
-                p.name,
-                str(p.calls),
-                units.format_delta(p.delta),
-                units.format(p.peak_above_start) + ("" if p.exact else " (at least)"),
-                f"{p.seconds * 1e3:.1f} ms",
-            )
-            for p in self.phases.values()
-            if p.calls
-        ]
-
-    def _title(self):
-        how = "exact" if self.exact else "not exact"
-        return (
-            f"memtorch.track on {self.device} ({how}, {self.mechanism}){' so far' if self.live else ''}; "
-            f"{self.seconds * 1e3:.1f} ms"
-            + (f", {self.steps} step(s)" if self.steps else "")
-        )
-
-    def to_text(self, depth=..., max_rows=...):
-        """The report as print() shows it (memtorch.display.track_report_text): its module tree folded to
-        display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
-        from . import display
-
-        return display.track_report_text(self, depth, max_rows)
-
-    def to_html(self, depth=..., max_rows=...):
-        """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
-        from . import display
-
-        return display.track_report_html(self, depth, max_rows)
-
-    def plot(self, kind="timeline", **kw):
-        """A matplotlib Figure: kind='timeline', 'phases', 'modules', 'leak' or 'categories' (at the peak) (memtorch.plot)."""
-        from . import plot
-
-        return plot.track_report(self, kind=kind, **kw)
-
-    def __repr__(self):
-        return (
-            f"TrackReport(device={self.device!r}, exact={self.exact}, start={self.start}, end={self.end}, "
-            f"peak={self.peak}, peak_above_start={self.peak_above_start})"
-        )
-
-
 def _rank_info():
     """{"rank", "world_size"} under an initialised torch.distributed process group, else {}."""
     dist = sys.modules.get("torch.distributed")
@@ -412,6 +155,7 @@ def _rank_info():
             return {}
     except Exception:  # noqa: BLE001 - a build without distributed support, or one being torn down
         return {}
+    # lazy: distributed loads only when this path runs (importing tracking stays cheap)
     from .distributed import rank_info
 
     return rank_info()
@@ -458,20 +202,6 @@ def module_figures(times, nbytes, starts, ends, known_from=None):
 # Live tensors (only scanned when a leak is suspected or largest= asks)
 
 
-def _storage_nbytes(t):
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:  # sparse, nested, meta-less wrappers
-        return int(t.numel() * t.element_size())
-
-
-def _storage_key(t):
-    try:
-        return t.untyped_storage().data_ptr(), t.device.type
-    except Exception:
-        return id(t), "?"
-
-
 def _live_tensors(device_type):
     """Weak snapshot {id: weakref} of live torch.Tensor objects on a device type."""
     Tensor = _torch().Tensor
@@ -508,7 +238,7 @@ def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
         node = stack.pop()
         var = getattr(node, "variable", None)  # AccumulateGrad: the leaf (a parameter)
         if isinstance(var, Tensor):
-            leaves.add(_storage_key(var))
+            leaves.add(leaks.storage_key(var))
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue
@@ -519,9 +249,9 @@ def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
             for v in value if isinstance(value, (list, tuple)) else (value,):
                 # leaves that require grad are parameters (or inputs) kept anyway
                 if isinstance(v, Tensor) and not (v.is_leaf and v.requires_grad):
-                    k = _storage_key(v)
+                    k = leaks.storage_key(v)
                     if k not in keys:
-                        keys[k] = mine[k] = _storage_nbytes(v)
+                        keys[k] = mine[k] = leaks.storage_nbytes(v)
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and id(nxt) not in seen_nodes:
                 seen_nodes.add(id(nxt))
@@ -696,7 +426,7 @@ def _replay(ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs
     queries = list(sizes)  # every address the walks named (_finish read their sizes)
     # rows len(rows) + r: row r's recomputations (as marks.c marks them when they fit the tag)
     nrows = 2 * len(rows) if _splits_recomputation(len(rows)) else len(rows)
-    replayed = _C.eventlog_replay(ev, start, dropped, peak_bytes, token, nrows, queries)
+    replayed = cpu._eventlog_replay(ev, start, dropped, peak_bytes, token, nrows, queries)
     _apply_replay(replayed, len(ev), rows, phases)
     if totals is not None:
         _apply_totals(totals, rows, phases, dropped)
@@ -739,7 +469,7 @@ _dtype = []  # the numpy dtype of the event log's rows, read once
 
 def _log_dtype():
     if not _dtype:
-        _dtype.append(_C.eventlog_read_all(0, 0)[0].dtype)
+        _dtype.append(cpu._eventlog_read_all(0, 0)[0].dtype)
     return _dtype[0]
 
 
@@ -863,14 +593,6 @@ def _describe_tensor(t):
 
 # ---------------------------------------------------------------------------
 # Tracker
-
-
-def _apply_notes(rows, notes):
-    """Each row named in ``notes`` ([(name, note)]) gets its note (ModuleStats.note)."""
-    if notes:
-        by_name = dict(notes)
-        for row in rows:
-            row.note = by_name.get(row.name, row.note)
 
 
 def _is_compiled_wrapper(module):
@@ -1481,7 +1203,7 @@ class Tracker:
         cache = None if plan is None else plan.names
         if (
             cache is not None and (None if cache[0] is None else cache[0]()) is opt and cache[1] == m.state_n
-            and cache[2] == shape and _C.counters_serials(cache[4]) == cache[5]
+            and cache[2] == shape and cpu._counters_serials(cache[4]) == cache[5]
         ):  # fmt: skip
             del opt
             m.params = cache[3]
@@ -1505,7 +1227,7 @@ class Tracker:
                 addrs = list(names)
                 plan.names = (
                     None if opt is None else weakref.ref(opt), m.state_n, shape, params, addrs,
-                    _C.counters_serials(addrs), dict(names),
+                    cpu._counters_serials(addrs), dict(names),
                 )  # fmt: skip
             del opt
         _C.names_walk(names, m.params, None, 2 | shape)  # the gradients
@@ -1834,8 +1556,8 @@ class Tracker:
                 self._marks.closure_hook = functools.partial(_closure_args, weakref.ref(self))
                 # a module's forward run inside autograd's backward is a recomputation (checkpointing)
                 self._marks.in_backward = _in_backward_fn()
-                _C.eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
-                self._snapshots.append((_C.eventlog_head(), self._walk_names()))
+                cpu._eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
+                self._snapshots.append((cpu._eventlog_head(), self._walk_names()))
             self._boundaries.append(self._scope.start)
             self._install_hooks()
             if self._ctrace is not None:  # storages live at the start, by address
@@ -1862,7 +1584,7 @@ class Tracker:
         try:
             if cpu._held:  # counting held: one C call, the Scope object made only if asked for
                 try:
-                    self._raw = (_C.scope_begin(False), cpu._processes())
+                    self._raw = (cpu._scope_begin(False), cpu._processes())
                     return self
                 except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
                     pass
@@ -1891,6 +1613,7 @@ class Tracker:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and "torch.distributed" in sys.modules:
+            # lazy: distributed loads only when this path runs (importing tracking stays cheap)
             from .distributed import note_failure
 
             self._failure = f"{exc_type.__name__}: {exc}"
@@ -1913,7 +1636,7 @@ class Tracker:
             try:
                 raw, self._raw = self._raw, None
                 if raw is not None:  # ended by an exception before its report (_finish_counters)
-                    _C.scope_end(raw[0][0], raw[0][1])
+                    cpu._scope_end(raw[0][0], raw[0][1])
                 elif self._scope is not None:
                     self._scope.close()
             finally:
@@ -1960,7 +1683,7 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         raw, self._raw = self._raw, None
         if raw is not None:  # its own C calls: the closed Scope is made with the report
-            closing = (_C.scope_end(raw[0][0], raw[0][1]), cpu._processes())
+            closing = (cpu._scope_end(raw[0][0], raw[0][1]), cpu._processes())
             if not closing[0][5]:
                 return functools.partial(_make_counters_report, raw, closing, seconds)
             self._scope = cpu.Scope._from_calls(raw, closing)  # hooks lost: where they went is read now
@@ -1981,8 +1704,8 @@ class Tracker:
             self._close_scope(self._step_scope, r)
             self._step_scope = None
         if self._evmode:
-            _C.eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
-            head = _C.eventlog_head()
+            cpu._eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
+            head = cpu._eventlog_head()
             m = self._marks
             self._forwards = m.forwards
             for name, (calls, seconds) in zip(PHASES, m.phases):  # what marks.c timed
@@ -2011,8 +1734,8 @@ class Tracker:
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
             # as bytes: the array is made at the replay
-            ev, dropped = _C.eventlog_read_all(self._scope._ev0, head, True)
-            sites = _C.eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
+            ev, dropped = cpu._eventlog_read_all(self._scope._ev0, head, True)
+            sites = cpu._eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
             # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
@@ -2020,7 +1743,7 @@ class Tracker:
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
-            sizes = dict(zip(addrs, _C.counters_sizes(addrs)))
+            sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
@@ -2114,7 +1837,7 @@ class Tracker:
             t = ref()
             if t is None:
                 continue
-            k = _storage_key(t)
+            k = leaks.storage_key(t)
             if k not in seen:
                 seen[k] = TensorInfo(t)
             del t
@@ -2281,9 +2004,7 @@ class Tracker:
         return wrapper
 
     def _repr_html_(self):
-        from . import display
-
-        return display.tracker_html(self)
+        return render("html", self)
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"

@@ -2,7 +2,7 @@
 
 tests/test_typing.py checks that every public name of tracking.py (module level,
 and each class's methods, properties and attributes) is declared here. The result types
-are dataclasses (memtorch.reports.Record / Report): their fields are declared in tracking.py,
+are dataclasses (memtorch.reports.Record / Report): their fields are declared in memtorch/reports/track.py,
 with a comment each; this stub exists for track() and Tracker, whose code carries no types.
 """
 

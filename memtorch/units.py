@@ -145,3 +145,18 @@ def format_delta(nbytes, **kwargs):
     """Like format() but always signed: '+1.5 KiB', '-12 B', '+0 B'."""
     text = format(nbytes, **kwargs)
     return text if text.startswith("-") else "+" + text
+
+
+def format_rate(rate, signed=True):
+    """A per-step figure (bytes, possibly a fraction of a byte) as text that never reads lower
+    than it is: whole bytes as units.format does ('+4 B', '+1.5 MiB'); a fraction under 1 KiB
+    with up to 3 decimals, '≈' when those do not hold it exactly ('+3.998 B', '+≈1.333 B')."""
+    rate = Fraction(rate)
+    if rate.denominator == 1:
+        n = int(rate)
+        return format_delta(n) if signed else format(n)
+    sign = "-" if rate < 0 else ("+" if signed else "")
+    a = abs(rate)
+    if a < 1024:
+        return sign + format(a)  # up to 3 decimals, '≈' when they do not hold it
+    return f"{sign}≈{format(round(a))}"

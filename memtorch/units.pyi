@@ -3,6 +3,7 @@
 tests/test_typing.py checks that every public name of units.py is declared here.
 """
 
+from fractions import Fraction
 from typing import Optional, Union
 
 UNITS: dict[str, int]
@@ -13,3 +14,4 @@ def format(nbytes: int, unit: Optional[str] = ..., binary: bool = ..., precision
 def format_delta(
     nbytes: int, *, unit: Optional[str] = ..., binary: bool = ..., precision: int = ...
 ) -> str: ...
+def format_rate(rate: Union[int, float, Fraction], signed: bool = ...) -> str: ...

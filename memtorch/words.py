@@ -32,6 +32,15 @@ __all__ = [
 ROOT = "(model)"
 
 # The phases of a training step, in the order they run.
+# how ModelMemory's module table charges a storage (printed under it; memtorch.report.MODULE_RULE)
+MODULE_RULE = (
+    "each storage is counted once, under the first module that holds it in registration order; "
+    "a module that also holds it (a tied weight) shows it under 'shared', not in 'own'"
+)
+
+# what counted a CUDA block (TrackReport.mechanism starts with it; memtorch.cuda.MECHANISM)
+CUDA_MECHANISM = "torch.cuda counters"
+
 PHASES = ("forward", "backward", "optimizer")
 
 # inspect()'s categories; index = the category code in a walker row (src/rows.h MT_CAT_*).

@@ -13,6 +13,8 @@ checks the budgets given (peak=, delta=, leak=: memtorch.BudgetExceeded).
 
 import sys
 
+from .. import units
+
 __all__ = ["Session"]
 
 
@@ -24,7 +26,6 @@ class Session:
 
     def __init__(self, peak=None, delta=None, leak=None, warmup=1, modules=True, timeline=False, largest=0,
                  print_report=True, file=None):  # fmt: skip
-        from .. import units
 
         for name, value in (("peak", peak), ("delta", delta), ("leak", leak)):
             if value is not None:
@@ -38,6 +39,7 @@ class Session:
 
     def open(self, model, optimizer):
         """Open the block (a block left open by a run that raised is closed first, its report dropped)."""
+        # lazy: tracking loads _C and NumPy; only this path needs it (importing integrations stays cheap)
         from ..tracking import track
 
         self.close()

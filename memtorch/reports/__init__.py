@@ -7,15 +7,48 @@ another line; a field's metadata (made by ``field()`` below) renames its key, co
 leaves it out when None, or leaves it out of the JSON. A leading underscore keeps a field out unless
 it names a key (then the public attribute of that name is read: a property over the private field).
 ``Report`` adds ``__str__`` = ``to_text()`` and ``_repr_html_`` = ``to_html()``: the text and HTML
-are made by memtorch.display, never here.
+are made by memtorch.display and the figures by memtorch.plot, never here. Those renderers sit a
+floor above the result types (tests/test_imports.py), so a report reaches them through ``render()``:
+a registry they fill when imported (``renders``), keyed by the result type's class name.
 
 This module imports neither torch nor NumPy (``import memtorch`` stays torch-free).
 """
 
 import dataclasses
+import importlib
 import numbers
 
-__all__ = ["Record", "Report", "field", "plain"]
+__all__ = ["Record", "Report", "field", "plain", "render", "renders"]
+
+# (what, class name) -> function(obj, *args, **kw); what is "text", "html", "plot" or a renderer's
+# own part ("lines"). Filled by memtorch.display ("plot": memtorch.plot) at their import.
+_RENDERERS = {}
+_HOMES = {"plot": "memtorch.plot"}  # the module that registers each `what`; memtorch.display for the rest
+
+
+def renders(what, *class_names):
+    """Register the decorated function as the renderer of `what` for the classes named (a renderer
+    module's registration: ``@renders("text", "TrackReport")``)."""
+
+    def register(fn):
+        for name in class_names:
+            _RENDERERS[(what, name)] = fn
+        return fn
+
+    return register
+
+
+def render(what, obj, *args, **kw):
+    """obj rendered as `what` by the function registered for its class (or the nearest base)."""
+    home = _HOMES.get(what, "memtorch.display")
+    # The one reach up the import floors: the renderer module is loaded by name, the first time a
+    # report is rendered, and registers its functions here (tests/test_imports.py says why).
+    importlib.import_module(home)
+    for cls in type(obj).__mro__:
+        fn = _RENDERERS.get((what, cls.__name__))
+        if fn is not None:
+            return fn(obj, *args, **kw)
+    raise NotImplementedError(f"{home} renders no {what} for {type(obj).__name__}")
 
 
 def field(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, key=None, json=None,
@@ -79,10 +112,17 @@ class Report(Record):
     """A result a user prints: print() shows to_text(), a notebook to_html() (both memtorch.display)."""
 
     def to_text(self):
-        raise NotImplementedError(f"{type(self).__name__}.to_text")
+        """The report as print() shows it (memtorch.display)."""
+        return render("text", self)
 
     def to_html(self):
-        raise NotImplementedError(f"{type(self).__name__}.to_html")
+        """The same content as HTML: the notebook's view (memtorch.display)."""
+        return render("html", self)
+
+    def plot(self, *args, **kw):
+        """A matplotlib Figure of the report (memtorch.plot; the ``plot`` extra): NotImplementedError
+        for a kind that has none."""
+        return render("plot", self, *args, **kw)
 
     def __str__(self):
         return self.to_text()

@@ -1,0 +1,39 @@
+"""The result of memtorch.plan(): the combinations tried, cheapest first (each an Option of
+memtorch.planning). Data only: the search stays in memtorch.planning."""
+
+import dataclasses
+
+from . import Report, field, render
+
+__all__ = ["Plan"]
+
+
+@dataclasses.dataclass(eq=False)
+class Plan(Report):
+    """The combinations tried, cheapest first."""
+
+    options: list  # [Option], cheapest first
+    device_memory: int  # the device's bytes the options were judged against
+    reserve: int  # bytes kept free of them
+    notes: list  # sentences: what was assumed, what could not be tried
+    seconds: float = field(to_dict=False)  # the planning's wall time (not in the JSON: a timing)
+    dry_runs: int = field(to_dict=False)  # estimate() runs made (not in the JSON)
+    fits: list = field(init=False, to_dict=False)  # the options that fit (in the JSON as each option's "fits")
+    best: "Option | None" = field(init=False)  # the first that fits, or None
+
+    def __post_init__(self):
+        self.options = list(self.options)
+        self.fits = [o for o in self.options if o.fits]
+        self.best = self.fits[0] if self.fits else None
+        self.notes = list(self.notes)
+
+    def to_text(self, limit=40):
+        """The combinations that fit, cheapest first, then those that do not, closest first; the first
+        ``limit`` rows, then a line saying how many more (memtorch.display.plan_text)."""
+        return render("text", self, limit)
+
+    def to_html(self, limit=40):
+        return render("html", self, limit)
+
+    def __repr__(self):
+        return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"
