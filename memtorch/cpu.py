@@ -454,6 +454,7 @@ class Scope:
     _lost_entries = 0
     _lost0 = 0
     _restart = 0  # counters_restarted() at the open: the baseline unknown since then (0: known)
+    _fresh = False  # counting began when this scope opened: storages made before it are not counted
 
     def __init__(self, timeline=False):
         if timeline is not False and timeline is not True:
@@ -470,9 +471,11 @@ class Scope:
                 raise MemtorchError("a memtorch.cpu.Scope can be opened only once")
             mech = EXACT if _held else mechanism()  # held: installed, so exact (_resolve)
             if mech != FALLBACK:
+                fresh = False  # counting begins with this scope (set below)
                 if _held:  # one call: an installation of its own, the scope, the statistics it starts from
                     raw = _C.scope_begin(self._want_timeline)
                 else:
+                    fresh = not _C.counters_installed()
                     _C.counters_install()  # the first installation patches (and may raise)
                     try:
                         raw = _C.scope_open(self._want_timeline)
@@ -484,6 +487,7 @@ class Scope:
                     if _keep:
                         _take_hold()
                 self._set_open(raw, _processes())
+                self._fresh = fresh
                 return self
             _rss_installs += 1
             _rss_open += 1
@@ -709,6 +713,12 @@ class Scope:
         base = _baseline_sentence(self._restart)
         if base:
             out.append((base, False))
+        elif self._fresh:
+            out.append((
+                "Counting began when this block opened: start, end and peak count only the storages allocated "
+                "since (not the model's parameters or a batch made before it); delta and peak above start are "
+                "exact. Call memtorch.cpu.start() at start-up to count from the start.", False,
+            ))  # fmt: skip
         if unseen_n:
             before = (
                 "before memtorch re-took its allocation hooks (the table started afresh then)" if base

@@ -83,11 +83,43 @@ def test_two_threads_tracking_see_each_others_bytes(exact_mode):
     del kept
 
 
+def _began(s):
+    """The caveats of Scope s other than the one saying that counting began with it."""
+    return [c for c in s.caveats if not c.startswith("Counting began when this block opened")]
+
+
 def test_a_quiet_scope_has_no_caveats(exact_mode):
     with cpu.Scope() as s:
         x = torch.empty(1000, 1000)
         del x
+    assert _began(s) == [] and s.exact and s.peak_above_start == EMPTY
+    cpu.install()  # counting already on: the only caveat below is gone too
+    try:
+        with cpu.Scope() as s:
+            x = torch.empty(1000, 1000)
+            del x
+    finally:
+        cpu.uninstall()
     assert s.caveats == [] and s.exact and s.peak_above_start == EMPTY
+
+
+def test_a_scope_that_begins_counting_says_its_start_is_not_the_tensors_made_before(exact_mode):
+    """start counts from zero when counting began with the block, though a tensor made before it is
+    alive: the block says so (not inexact: delta and peak above start are exact); a block opened
+    while counting is on, and so sees that tensor, does not."""
+    kept = torch.empty(1000, 1000)
+    with cpu.Scope() as s:
+        x = torch.empty(1000, 1000)
+        del x
+    assert s.start == 0 and s.peak_above_start == EMPTY and s.exact
+    assert len(s.caveats) == 1 and "Counting began when this block opened" in s.caveats[0]
+    assert "memtorch.cpu.start()" in s.caveats[0]
+    cpu.start()
+    y = torch.empty(1000, 1000)  # made while counting: in the next block's start
+    with cpu.Scope() as s2:
+        pass
+    assert s2.start >= EMPTY and s2.caveats == []
+    del kept, y
 
 
 # ---------------------------------------------------------------------------
@@ -207,7 +239,7 @@ def test_demangled_names_are_not_unseen_frees(exact_mode):
         names = {node.name() for _ in range(20)}
         foreign = _C.counters_stats()[6] - foreign0
     assert names == {"torch::autograd::AccumulateGrad"}
-    assert s.unseen_frees == 0 and s.caveats == []
+    assert s.unseen_frees == 0 and _began(s) == []
     assert foreign >= 20  # seen, and recognised as not tensor storage
 
 

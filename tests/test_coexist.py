@@ -181,7 +181,9 @@ def test_a_tool_that_writes_libc_back_is_noticed_and_the_scope_is_not_exact():
     assert any("Another tool replaced memtorch's allocation hooks" in c for c in r["caveats"])
     assert any("libc" in c for c in r["caveats"])  # names what sat in the slot
     assert r["losses"] >= 1
-    assert r["next"][:2] == [EMPTY, 0] and r["next_exact"] is True and r["next_caveats"] == []
+    assert r["next"][:2] == [EMPTY, 0] and r["next_exact"] is True
+    # counting is not kept here (MEMTORCH_CPU_KEEP=0), so the next block begins it and says only that
+    assert [c[:37] for c in r["next_caveats"]] == ["Counting began when this block opened"]
 
 
 def test_a_naive_tool_restoring_under_memtorch_is_noticed():
