@@ -39,6 +39,20 @@ def trace_workspaces(path=os.path.join(HERE, "resnet18-fp32.snapshot.pickle.gz")
     ]  # fmt: skip
 
 
+def workspace_segments(path=os.path.join(HERE, "resnet18-fp32.snapshot.pickle.gz")):
+    """(bytes of the segments cudaMalloc'd for a workspace, the largest workspace): a segment_alloc whose next
+    event is an alloc that the event after frees."""
+    with gzip.open(path) as f:
+        snap = pickle.load(f)
+    trace = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed", "segment_alloc")]
+    segs = 0
+    for seg, a, b in zip(trace, trace[1:], trace[2:]):
+        if seg["action"] == "segment_alloc" and a["action"] == "alloc" and b["action"] == "free_completed":
+            if a["addr"] == b["addr"] == seg["addr"]:
+                segs += seg["size"]
+    return segs, max(trace_workspaces(path))
+
+
 class TraceWorkspaces:
     """A stand-in for memtorch._estimate_kernels._conv_transposes: each call gets the trace's next workspace,
     0 for the passes in NO_WORKSPACE. ``left`` is what no call took (empty when the two line up)."""
