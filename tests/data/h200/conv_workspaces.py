@@ -57,9 +57,11 @@ class TraceWorkspaces:
     """A stand-in for memtorch._estimate_kernels._conv_transposes: each call gets the trace's next workspace,
     0 for the passes in NO_WORKSPACE. ``left`` is what no call took (empty when the two line up)."""
 
-    def __init__(self, sizes=None):
+    def __init__(self, sizes=None, modelled=None):
         self.left = list(trace_workspaces() if sizes is None else sizes)
         self.calls = 0
+        self.modelled = modelled  # memtorch's own rule, to compare: then passes holds (pass, modelled, traced)
+        self.passes = []
 
     def __call__(self, state, *tensors):
         import torch
@@ -75,7 +77,11 @@ class TraceWorkspaces:
         else:
             raise AssertionError(f"unrecognised convolution pass: {flags}")
         if (kind, tuple(w.shape)) in NO_WORKSPACE:
-            return 0
-        if not self.left:
+            size = 0
+        elif not self.left:
             raise AssertionError("more convolution passes than workspaces in the trace")
-        return self.left.pop(0)
+        else:
+            size = self.left.pop(0)
+        if self.modelled is not None:
+            self.passes.append((kind, self.modelled(state, *tensors), size))
+        return size
