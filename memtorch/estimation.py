@@ -1066,6 +1066,12 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     )  # fmt: skip
 
 
+# Measured (tests/data/h200/resnet18-fp32.snapshot.pickle.gz, H200, cuDNN 9.19, ResNet-18 fp32, batch 32): the
+# bytes of the segments cudaMalloc'd for a cuDNN convolution workspace in its training steps, and the largest
+# workspace (conv1's grad_weight pass); tests/test_estimate_cuda.py reads both off the trace
+CUDNN_CONV_FACT = (876_609_536, 134_522_000)
+
+
 def _cuda_notes(state):
     """What estimate(device="cuda") modelled and what it did not, for the report."""
     if state is None:
@@ -1085,9 +1091,15 @@ def _cuda_notes(state):
         "cast lists (precision='*-mixed' runs the CPU's), and a torch.compile'd graph's fusion",
     ]
     if state.routed.get("cuDNN convolution"):
-        notes.append("device='cuda': cuDNN convolution workspaces are modelled as the transposed copies of the "
-                     "operands its NHWC engines make (freed inside the kernel); cuDNN's heuristics may pick engines "
-                     "with other workspaces, so reserved_peak is the least certain figure for convolutions")
+        notes.append(
+            "device='cuda': reserved_peak can be low for convolutions: each cuDNN convolution pass allocates the "
+            "workspace of the engine cuDNN's heuristics pick for its shape (Conv_v8.cpp: plan.getWorkspaceSize()), "
+            "a size only cuDNN knows; memtorch models it as the transposed copies of the operands (NHWC engines), "
+            "which many passes match and weight-gradient engines exceed. Measured on an H200 (cuDNN 9.19): a "
+            f"ResNet-18 step (batch 32) made {CUDNN_CONV_FACT[0]:,} B of segments for its convolution workspaces, "
+            f"{CUDNN_CONV_FACT[1]:,} B for the largest one, and this estimate's reserved_peak is 25% below its "
+            "true one (BENCHMARKS.md, 'estimate on CUDA')"
+        )
     if any(k.startswith("cuDNN RNN") for k in state.routed):
         notes.append("device='cuda': cuDNN RNN reserve and workspace sizes follow a layout inferred from one "
                      "measured LSTM (see memtorch._estimate_cuda.rnn_sizes): not exact for other shapes or modes")

@@ -34,10 +34,12 @@ def _json(name):
 
 TRUTH = {c["case"]: c for c in _json("cases.json")["cases"]}
 FACTS = _json("facts.json")
-# cuDNN convolution workspaces depend on the engine cuDNN's heuristics pick per shape: the peak holds,
-# the segments the allocator reserves for them do not (the estimate's workspaces fit cached blocks
-# that the real, slightly larger ones do not)
-RESERVED_OFF = {"resnet18-fp32": "cuDNN's convolution workspaces per engine are not modelled to the byte"}
+# cuDNN convolution workspaces are plan.getWorkspaceSize() of the engine cuDNN's heuristics rank first per shape
+# and pass (Conv_v8.cpp): known to cuDNN only. The peak holds; reserved does not: the real weight-gradient
+# workspaces are larger than the modelled ones and take segments of their own in the backward. With the trace's
+# workspaces the replay gives the true reserved to the byte (test_resnet18_reserved_with_the_traces_workspaces).
+RESERVED_OFF = {"resnet18-fp32": "cuDNN's convolution workspaces (engine per shape, known to cuDNN only) are not "
+                "modelled to the byte: the backward's real ones take segments the estimate does not"}
 
 
 @pytest.mark.parametrize("case", list(TRUTH))
@@ -58,9 +60,49 @@ def test_shipped_h200_case(case):
     assert abs(peak_err) <= 0.03, (case, peak_err)
     if case in RESERVED_OFF:
         assert abs(res_err) > 0.10, "reserved now within 10%: drop the case from RESERVED_OFF"
+        # the report says so plainly, with the trace's figures (test_resnet18_conv_workspace_fact) and this error
+        (note,) = [n for n in est.notes if "reserved_peak can be low for convolutions" in n]
+        assert f"reserved_peak is {-res_err:.0%} below its true one" in note
         pytest.xfail(RESERVED_OFF[case])
     assert abs(res_err) <= 0.10, (case, res_err)
     assert "NVIDIA H200 (compute capability 9.0" in str(est)
+
+
+@pytest.mark.slow
+def test_resnet18_reserved_with_the_traces_workspaces(monkeypatch):
+    # Where ResNet-18's reserved goes wrong, and only there: give every cuDNN convolution pass the workspace it
+    # took on the H200 (read off the shipped snapshot, tests/data/h200/conv_workspaces.py) in place of the
+    # modelled one, and the rest of the estimate (every other allocation, the caching allocator's rounding,
+    # splitting and segments) reproduces the true peak and the true reserved to the byte.
+    spec = importlib.util.spec_from_file_location("h200_conv_workspaces", os.path.join(DATA, "conv_workspaces.py"))
+    cw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cw)
+    sizes = cw.trace_workspaces()
+    assert len(sizes) == 2 * (19 + 37) and sizes[:56] == sizes[56:]  # two identical steps
+    traced = cw.TraceWorkspaces(sizes)
+    monkeypatch.setattr("memtorch._estimate_kernels._conv_transposes", traced)
+    torch.manual_seed(0)
+    model, inputs, loss_fn, opt, precision, _ck = _cases().build("resnet18-fp32")
+    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
+                            device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+    # 20 convolutions: 20 forward, 19 grad_input (not the first: the input needs no gradient), 20 grad_weight
+    assert traced.calls == 2 * (20 + 19 + 20) and traced.left == []
+    assert est.peak == TRUTH["resnet18-fp32"]["true_peak"]
+    assert est.reserved_peak == TRUTH["resnet18-fp32"]["true_reserved"]
+
+
+def test_resnet18_conv_workspace_fact():
+    # the figures the report's convolution note quotes are the trace's: segments cudaMalloc'd for a workspace
+    spec = importlib.util.spec_from_file_location("h200_conv_workspaces", os.path.join(DATA, "conv_workspaces.py"))
+    cw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cw)
+    from memtorch.estimation import CUDNN_CONV_FACT
+
+    assert cw.workspace_segments() == CUDNN_CONV_FACT
+    # by hand from the trace's segment_alloc events: the forward's conv1 (118 MiB), layer1 and layer2 (8 x 26 MiB),
+    # layer3 (20 + 16 MiB), layer4 (22 + 16 MiB); the backward's 16, 22, 24, 26, 34, 40, 42, 50, 52, 130 MiB
+    assert CUDNN_CONV_FACT[0] == (118 + 8 * 26 + 20 + 16 + 22 + 16 + 16 + 22 + 24 + 26 + 34 + 40 + 42 + 50 + 52
+                                  + 130) * MiB  # fmt: skip
 
 
 def test_cublas_workspace_per_thread_from_facts():
