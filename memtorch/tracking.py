@@ -51,7 +51,6 @@ memtorch keeps no strong reference to the user's tensors: hooks never capture
 inputs or outputs, and named survivors are held by weakref.
 """
 
-import dataclasses
 import functools
 import gc
 import sys
@@ -63,9 +62,9 @@ from . import _C, cpu, cuda, units, words
 from . import _cuda_trace
 from . import leaks
 from . import peak as attribution
-from .leaks import LeakReport
+from .leaks import LeakReport, TensorInfo  # TensorInfo's home: memtorch/reports/leaks.py
 from .errors import DeviceUnavailable, MemtorchError
-from .reports import Record, field, render
+from .reports import render
 from .reports.track import ModuleStats, PhaseStats, TrackReport  # the result types' home; old names stay
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
@@ -97,52 +96,6 @@ def _debug_leftovers():
 
 # ---------------------------------------------------------------------------
 # Report objects
-
-
-@dataclasses.dataclass(eq=False, init=False)
-class TensorInfo(Record):
-    """A live tensor described without keeping it alive (``ref`` is a weakref)."""
-
-    name: "str | None"  # who holds it (an attribute path), or None
-    shape: tuple  # its sizes (("nested",) for a nested tensor)
-    dtype: str  # "float32", ...
-    device: str  # "cpu", "cuda:0", ...
-    nbytes: int = field(key="bytes")  # its storage's bytes
-    has_graph: bool = field(json=bool)  # it holds an autograd graph (grad_fn is set)
-    graph_bytes: "int | None" = None  # bytes of the saved tensors its graph keeps, or None (not measured)
-    step: "int | None" = None  # the step that created it, or None
-    ref: object = field(None, to_dict=False, repr=False)  # a weakref to the tensor, or None (not weak-referenceable)
-
-    def __init__(self, tensor, step=None, name=None, graph_bytes=None):
-        try:
-            self.shape = tuple(tensor.shape)
-        except RuntimeError:  # a nested tensor has no single shape
-            self.shape = ("nested",)
-        self.dtype = str(tensor.dtype).replace("torch.", "")
-        self.device = str(tensor.device)
-        self.nbytes = leaks.storage_nbytes(tensor)
-        self.has_graph = tensor.grad_fn is not None
-        self.graph_bytes = graph_bytes
-        self.step = step
-        self.name = name
-        try:
-            self.ref = weakref.ref(tensor)
-        except TypeError:
-            self.ref = None
-
-    def describe(self):
-        shape = "x".join(str(s) for s in self.shape) or "scalar"
-        text = f"{self.name or 'tensor'}: {self.dtype}[{shape}] {units.format(self.nbytes)}"
-        if self.has_graph:
-            text += " holds an autograd graph"
-            if self.graph_bytes:
-                text += f" keeping {units.format(self.graph_bytes)} of saved tensors"
-        if self.step is not None:
-            text += f" (created in step {self.step})"
-        return text
-
-    def __repr__(self):
-        return f"TensorInfo({self.describe()})"
 
 
 def _rank_info():

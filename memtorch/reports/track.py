@@ -1,5 +1,5 @@
 """What a track() block measured: the report, its phases and its modules. Data only: the hooks and
-counters that fill it stay in memtorch.tracking (TensorInfo too: it is built from a live tensor)."""
+counters that fill it stay in memtorch.tracking (TensorInfo, the largest tensors' record, is in reports/leaks.py)."""
 
 import dataclasses
 
