@@ -4,7 +4,6 @@ counters that fill it stay in memtorch.tracking (TensorInfo, the largest tensors
 import dataclasses
 
 from .. import units, words
-from ..budget import assert_budget
 from . import Record, Report, field, render
 
 __all__ = ["TrackReport", "PhaseStats", "ModuleStats"]
@@ -85,6 +84,8 @@ def _timeline_json(timeline):
 @dataclasses.dataclass(eq=False)
 class TrackReport(Report):
     """What a track() block measured. All sizes are ints of bytes."""
+
+    _budgets = ("peak", "delta", "leak")  # the figures check() (Report.check) takes a budget on
 
     device: str  # "cpu" or "cuda:N"
     exact: bool = field(json=bool)  # every figure exact (see caveats when not)
@@ -190,11 +191,6 @@ class TrackReport(Report):
         if name == "leak" and self.leak is not None and self.leak.per_step is not None:
             return self.leak.budget_bounds()
         return None
-
-    def check(self, peak=None, delta=None, leak=None):
-        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse);
-        memtorch.errors.BudgetInconclusive (a BudgetExceeded) for a leak that is not exact."""
-        assert_budget(self, peak=peak, delta=delta, leak=leak)
 
     # -- presentation ------------------------------------------------------
     def _summary_rows(self):
