@@ -1956,7 +1956,13 @@ class Tracker:
         wrapper.tracker = self
         return wrapper
 
-    def _repr_html_(self):
+    def __str__(self) -> str:
+        """print(t): its report after the block; inside it, a snapshot that says the block is still
+        running (figures so far); before it, or after a block that raised, why there is no report."""
+        return render("text", self)
+
+    def _repr_html_(self) -> str:
+        """The notebook's view: what __str__ shows, as HTML."""
         return render("html", self)
 
     def _describe(self):
