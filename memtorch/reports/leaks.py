@@ -1,6 +1,8 @@
 """The result of a leak check (memtorch.leaks): growth per step judged over the run, and the groups of
 tensors kept. Data only: the scans that find the tensors stay in memtorch.leaks."""
 
+from __future__ import annotations
+
 import dataclasses
 import weakref
 from fractions import Fraction
@@ -80,7 +82,7 @@ class TensorInfo(Record):
         return f"TensorInfo({self.describe()})"
 
 
-def judge(growth, warmup):
+def judge(growth: list[int], warmup: int) -> tuple[bool, Fraction | None, dict[str, Any]]:
     """(leaking, per_step, evidence dict) from per-step growth (bytes), warm-up steps skipped."""
     judged = list(growth[warmup:])
     if not judged:
@@ -120,7 +122,7 @@ class SurvivorGroup(Record):
     graph_bytes: int = field(0, init=False)  # bytes of the saved tensors their graphs keep
     examples: list = field(init=False, default_factory=list, to_dict=False, repr=False)  # weakrefs to a few members
 
-    def describe(self, steps_after=None):
+    def describe(self, steps_after: int | None = None) -> str:
         shape = self.shape if self.shape is not None else "?"
         what = f"{self.count} tensor{'s' if self.count != 1 else ''} {self.dtype}[{shape}]"
         text = f"{what}, {units.format(self.nbytes)}"
@@ -187,7 +189,7 @@ class LeakReport(Report):
     def _dict_more(self, d):
         d["per_step_fraction"] = _fraction_json(self.per_step)
 
-    def budget_bounds(self):
+    def budget_bounds(self) -> tuple[Fraction | None, Fraction | None, str | None, str | None]:
         """(low, high, why, fix) of per_step for a leak budget (memtorch.budget): (per_step,
         per_step, None, None) when exact; when not, nothing bounds it (an allocation the
         counters cannot see may be kept, or freed, in any step): (per_step, None, why, fix),
@@ -199,11 +201,11 @@ class LeakReport(Report):
             "no other tool patching the allocator during the block"
         )
 
-    def to_text(self):
+    def to_text(self) -> str:
         """The verdict, its evidence, the tensors kept (memtorch.display.leak_report_text)."""
         return render("text", self)
 
-    def to_html(self):
+    def to_html(self) -> str:
         return render("html", self)
 
     def __repr__(self):
