@@ -70,13 +70,19 @@ The environment variable ``MEMTORCH_CPU_MECHANISM`` chooses: ``auto``
 an error) or ``rss`` (always the fallback).
 """
 
+from __future__ import annotations
+
 import itertools
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING, Literal
 
 from . import _C, _torch, units
 from .errors import MemtorchError
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no NumPy
+    import numpy as np
 
 __all__ = [
     "allocated",
@@ -162,17 +168,17 @@ def _resolve():
     return FALLBACK, reason
 
 
-def mechanism():
+def mechanism() -> str:
     """"libc10-got" (exact) or "rss-fallback" (approximate): what this process counts with."""
     return _resolve()[0]
 
 
-def fallback_reason():
+def fallback_reason() -> str | None:
     """Why the exact mechanism is not used (str), or None when it is."""
     return _resolve()[1]
 
 
-def exact():
+def exact() -> bool:
     """True if CPU figures are exact bytes of tensor storage in this process."""
     return mechanism() != FALLBACK
 
@@ -195,7 +201,7 @@ def _rss_peak(hwm0, seen):
     return max(seen, hwm) if hwm > hwm0 else seen
 
 
-def install():
+def install() -> None:
     """Start counting (refcounted). Exact mechanism: patch libc10's imports on the first call."""
     global _rss_installs
     with _lock:
@@ -205,7 +211,7 @@ def install():
             _rss_installs += 1
 
 
-def uninstall():
+def uninstall() -> None:
     """Undo one install(); the last one restores libc10's original import entries."""
     global _rss_installs
     with _lock:
@@ -220,7 +226,7 @@ def uninstall():
             raise MemtorchError("memtorch.cpu.uninstall() without a matching install()")
 
 
-def keep_counting(on=True):
+def keep_counting(on: bool = True) -> None:
     """Keep counting between Scopes (default on): see the module docstring.
 
     Turning it off releases memtorch's own installation now (restoring the
@@ -235,7 +241,7 @@ def keep_counting(on=True):
             stop()
 
 
-def start():
+def start() -> None:
     """Start counting now and keep counting (memtorch's own installation) until stop().
 
     Unlike install(), needs no matching uninstall(); tensors allocated from now on
@@ -247,7 +253,7 @@ def start():
             _take_hold()
 
 
-def stop():
+def stop() -> None:
     """Release memtorch's own installation (held since the first Scope or start()). Idempotent."""
     global _held
     with _lock:
@@ -278,12 +284,12 @@ def _release_at_exit():
         _C.counters_uninstall()
 
 
-def installed():
+def installed() -> bool:
     """True while counting (some install() or Scope is open)."""
     return bool(_C.counters_installed() or _rss_installs)
 
 
-def check():
+def check() -> bool:
     """Check that memtorch's allocation hooks are still in libc10's import slots.
 
     Another tool that patches the same slots (memray and pytest-memray do, and
@@ -297,7 +303,7 @@ def check():
     return bool(_C.counters_installed() and _C.counters_check())
 
 
-def allocated():
+def allocated() -> int:
     """Bytes of live CPU tensor memory counted now (see the module docstring for exactly what)."""
     if _C.counters_installed():
         _C.counters_check()
@@ -307,7 +313,7 @@ def allocated():
     return 0
 
 
-def peak():
+def peak() -> int:
     """Highest allocated() since installation or the last reset_peak(), process-wide."""
     if _C.counters_installed():
         _C.counters_check()
@@ -319,7 +325,7 @@ def peak():
     return 0
 
 
-def reset_peak():
+def reset_peak() -> None:
     """Set the process-wide peak to allocated(); open Scopes keep their own peaks."""
     global _rss_hwm0, _rss_seen
     if _C.counters_installed():
@@ -394,7 +400,7 @@ def _baseline_sentence(restart_ns):
     )
 
 
-def baseline():
+def baseline() -> str | None:
     """None when allocated() counts every storage since counting began; else why its baseline
     is unknown (memtorch re-took its hooks from another tool and started its table afresh)."""
     if not _C.counters_installed():
@@ -438,12 +444,12 @@ class Scope:
     _samples = None
     _hwm0 = -1
     _exact = False
-    timeline_dropped = 0
+    timeline_dropped: int = 0  # timeline samples the event log dropped (its ring overwritten)
     # Frees the exact counters saw of storages they never saw allocated (made before
     # counting began) while this scope was open, and their usable bytes: when non-zero,
     # delta and peak may be too high.
-    unseen_frees = 0
-    unseen_bytes = 0
+    unseen_frees: int = 0  # those frees
+    unseen_bytes: int = 0  # their usable bytes
     _unseen0 = (0, 0)
     # Integrity: hooks found gone while open, other threads' allocations, processes made /
     # DataLoader workers alive (at open, at close).
@@ -456,14 +462,14 @@ class Scope:
     _restart = 0  # counters_restarted() at the open: the baseline unknown since then (0: known)
     _fresh = False  # counting began when this scope opened: storages made before it are not counted
 
-    def __init__(self, timeline=False):
+    def __init__(self, timeline: bool = False) -> None:
         if timeline is not False and timeline is not True:
             raise TypeError(f"Scope(timeline=...) must be a bool, not {type(timeline).__name__}")
         self._want_timeline = timeline
         self._state = "new"
 
     # -- opening and closing -------------------------------------------------
-    def open(self):
+    def open(self) -> Scope:
         """Open the scope (what ``with`` does); returns self."""
         global _rss_open, _rss_installs
         with _lock:
@@ -499,7 +505,7 @@ class Scope:
             self._opened(mech, _processes())
         return self
 
-    def close(self):
+    def close(self) -> None:
         """Close the scope and release its share of the installation. Idempotent."""
         global _rss_open, _rss_installs
         if self._state != "open":  # it never opens again once closed
@@ -568,10 +574,10 @@ class Scope:
             s._set_closed(*closing)
         return s
 
-    def __enter__(self):
+    def __enter__(self) -> Scope:
         return self.open()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
@@ -598,12 +604,12 @@ class Scope:
         return now
 
     @property
-    def mechanism(self):
+    def mechanism(self) -> str | None:
         self._need_opened()
         return self._mechanism
 
     @property
-    def exact(self):
+    def exact(self) -> bool:
         """True if this scope's figures are exact bytes of tensor storage.
 
         False with the fallback mechanism, when memtorch's hooks were taken by
@@ -633,7 +639,7 @@ class Scope:
         return (started, workers) if (started or workers) else ()
 
     @property
-    def other_thread_bytes(self):
+    def other_thread_bytes(self) -> int:
         """Bytes allocated while open by other threads than the one that opened the scope.
 
         They are in the figures (the counters are process-wide); ``caveats`` says so.
@@ -644,7 +650,7 @@ class Scope:
         return self._other_bytes if self._state == "closed" else self._live()[4]
 
     @property
-    def other_thread_allocations(self):
+    def other_thread_allocations(self) -> int:
         """Number of allocations behind other_thread_bytes."""
         self._need_opened()
         if self._mechanism == FALLBACK:
@@ -652,12 +658,12 @@ class Scope:
         return self._other_allocs if self._state == "closed" else self._live()[5]
 
     @property
-    def caveats(self):
+    def caveats(self) -> list[str]:
         """What these figures could not see, as sentences for a user; [] when all is well."""
         return [text for text, _ in self._caveats()]
 
     @property
-    def baseline(self):
+    def baseline(self) -> str | None:
         """None when start, end and peak count every storage since counting began; else a
         sentence: memtorch re-took its hooks (from memray, say) before this scope opened and
         started its table afresh, so absolute figures count only what was allocated since
@@ -666,7 +672,7 @@ class Scope:
         return _baseline_sentence(self._restart) if self._mechanism != FALLBACK else None
 
     @property
-    def why_not_exact(self):
+    def why_not_exact(self) -> list[str]:
         """The sentences of ``caveats`` that make the figures not exact ([] when ``exact``)."""
         return [text for text, inexact in self._caveats() if inexact]
 
@@ -754,17 +760,17 @@ class Scope:
         )
 
     @property
-    def is_open(self):
+    def is_open(self) -> bool:
         return self._state == "open"
 
     @property
-    def start(self):
+    def start(self) -> int:
         """allocated() when the scope was opened (bytes)."""
         self._need_opened()
         return self._start
 
     @property
-    def current(self):
+    def current(self) -> int:
         """allocated() now while open; at the close once closed (bytes)."""
         self._need_opened()
         if self._state == "closed":
@@ -776,7 +782,7 @@ class Scope:
     end = current
 
     @property
-    def peak(self):
+    def peak(self) -> int:
         """Highest allocated() while the scope was open (absolute bytes)."""
         self._need_opened()
         if self._state == "closed":
@@ -787,16 +793,16 @@ class Scope:
         return _rss_peak(self._hwm0, self._peak)
 
     @property
-    def peak_above_start(self):
+    def peak_above_start(self) -> int:
         """peak - start: what the scope itself added at its highest (bytes)."""
         return self.peak - self.start
 
     @property
-    def delta(self):
+    def delta(self) -> int:
         """current - start (bytes)."""
         return self.current - self.start
 
-    def timeline(self):
+    def timeline(self) -> tuple[np.ndarray, np.ndarray]:
         """(times_ns, bytes) as int64 NumPy arrays; needs Scope(timeline=True).
 
         Times are CLOCK_MONOTONIC nanoseconds (time.monotonic_ns() on Linux);

@@ -30,11 +30,21 @@ pytest plugin calls it at the start of a budgeted CUDA test whose device peak
 is above what is allocated, so that every budgeted test starts at the peak.
 """
 
+from __future__ import annotations
+
 import weakref
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from . import words
 from .errors import DeviceUnavailable
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
+
+if TYPE_CHECKING:  # annotations only: importing this module loads neither torch nor NumPy
+    import numpy as np
+    import torch
+
+# what a device argument may be: an index, "cuda", "cuda:N", a torch.device, or None (the current device)
+_Device = Union[int, str, "torch.device", None]
 
 __all__ = [
     "is_available",
@@ -83,7 +93,7 @@ def _available():
     return _torch().cuda.is_available()
 
 
-def is_available():
+def is_available() -> bool:
     """True when CUDA can be used (torch.cuda.is_available())."""
     return bool(_available())
 
@@ -138,32 +148,32 @@ def _memory_stats(index):
     return _torch().cuda.memory_stats(index)
 
 
-def stats(device=None):
+def stats(device: _Device = None) -> dict[str, Any]:
     """The raw ``torch.cuda.memory_stats(device)`` dict (a copy)."""
     return dict(_memory_stats(_index(device)))
 
 
-def allocated(device=None):
+def allocated(device: _Device = None) -> int:
     """Bytes held by live tensors on the device (torch.cuda.memory_allocated)."""
     return int(_memory_stats(_index(device)).get(ALLOCATED, 0))
 
 
-def reserved(device=None):
+def reserved(device: _Device = None) -> int:
     """Bytes the caching allocator holds from the driver (torch.cuda.memory_reserved)."""
     return int(_memory_stats(_index(device)).get(RESERVED, 0))
 
 
-def peak(device=None):
+def peak(device: _Device = None) -> int:
     """torch's peak of allocated() since its last (global) reset (torch.cuda.max_memory_allocated)."""
     return int(_memory_stats(_index(device)).get(ALLOCATED_PEAK, 0))
 
 
-def reserved_peak(device=None):
+def reserved_peak(device: _Device = None) -> int:
     """torch's peak of reserved() since its last reset (torch.cuda.max_memory_reserved)."""
     return int(_memory_stats(_index(device)).get(RESERVED_PEAK, 0))
 
 
-def reset_peak(device=None):
+def reset_peak(device: _Device = None) -> None:
     """torch.cuda.reset_peak_memory_stats(device), keeping memtorch's open blocks exact.
 
     torch's reset is global to the device: afterwards torch.cuda.max_memory_allocated()
@@ -192,7 +202,7 @@ def _reset_peak(index):
     _torch().cuda.reset_peak_memory_stats(index)
 
 
-def mem_info(device=None):
+def mem_info(device: _Device = None) -> tuple[int, int]:
     """(free, total) bytes of the device as the driver sees them (torch.cuda.mem_get_info).
 
     ``total - free`` includes the CUDA context (hundreds of MiB), libraries'
@@ -206,7 +216,7 @@ def _mem_get_info(index):
     return _torch().cuda.mem_get_info(index)
 
 
-def outside_torch(device=None):
+def outside_torch(device: _Device = None) -> int:
     """Bytes in use on the device but outside torch's caching allocator.
 
     ``total - free - reserved``: the CUDA context, allocations by libraries that
@@ -230,8 +240,12 @@ class BlockPeak:
     """
 
     __slots__ = ("peak", "exact", "upper", "how")
+    peak: int  # the block's largest counter value (exact when exact, else a lower bound)
+    exact: bool  # peak is the block's own
+    upper: int | None  # an upper bound (== peak when exact; None: none known)
+    how: str  # how it was found (a sentence)
 
-    def __init__(self, peak, exact, upper, how):
+    def __init__(self, peak: int, exact: bool, upper: int | None, how: str) -> None:
         self.peak = int(peak)
         self.exact = bool(exact)
         self.upper = None if upper is None else int(upper)
@@ -241,7 +255,7 @@ class BlockPeak:
         return f"BlockPeak(peak={self.peak}, exact={self.exact}, upper={self.upper}, how={self.how!r})"
 
 
-def block_peak(start, start_peak, end, end_peak, seen_max=None):
+def block_peak(start: int, start_peak: int, end: int, end_peak: int, seen_max: int | None = None) -> BlockPeak:
     """The peak of a block from the device counters read around it, never resetting them.
 
     start, end: the counter (e.g. allocated bytes) at entry and exit;
@@ -270,7 +284,7 @@ def block_peak(start, start_peak, end, end_peak, seen_max=None):
     return BlockPeak(seen, False, start_peak, "below an older peak: sampled")
 
 
-def combine_peaks(first, then):
+def combine_peaks(first: BlockPeak, then: BlockPeak) -> BlockPeak:
     """The peak of a block made of two parts (a BlockPeak each), e.g. around a reset of torch's peak.
 
     The block's peak is the larger of the parts' peaks: at least the larger lower
@@ -330,7 +344,7 @@ class Scope:
     ``reserved_peak`` and ``peak_upper``. Never resets torch's counters.
     """
 
-    def __init__(self, device=None, timeline=False, _index_checked=None):
+    def __init__(self, device: _Device = None, timeline: bool = False, _index_checked: int | None = None) -> None:
         # _index_checked: a device index the caller has already checked (track()'s scopes: one
         # check per block, not one per phase and step)
         self.index = _index(device) if _index_checked is None else _index_checked
@@ -345,7 +359,7 @@ class Scope:
         self.reserved_start = self.reserved_peak = 0
         self.exact = False
         self.reserved_exact = False
-        self.peak_upper = None
+        self.peak_upper: int | None = None
         self.how = ""
         self._end = None
         self._r0 = None
@@ -353,10 +367,10 @@ class Scope:
         self._carry = None
         self._carry_reserved = None
 
-    def __enter__(self):
+    def __enter__(self) -> Scope:
         return self.open()
 
-    def open(self, reading=None):
+    def open(self, reading: Any = None) -> Scope:
         """Enter the scope, from ``reading`` (a _Reading shared with other scopes) or a fresh read."""
         if self._open or self._closed:
             raise RuntimeError("a Scope can be entered only once")
@@ -373,11 +387,11 @@ class Scope:
             self._bytes.append(r.allocated)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
-    def see(self, reading=None):
+    def see(self, reading: Any = None) -> None:
         """Take one sample (or use ``reading``, a _Reading shared by several scopes)."""
         if not self._open:
             return
@@ -393,13 +407,13 @@ class Scope:
             self._bytes.append(r.allocated)
 
     @property
-    def current(self):
+    def current(self) -> int:
         if self._closed:
             return self._end
         return _read(self.index).allocated
 
     @property
-    def peak_above_start(self):
+    def peak_above_start(self) -> int:
         return self.peak - self.start
 
     def _parts(self, r):
@@ -427,7 +441,7 @@ class Scope:
         self._r0 = after  # the next part starts at the reset
         self._seen, self._seen_reserved = after.allocated, after.reserved
 
-    def close(self, reading=None):
+    def close(self, reading: Any = None) -> None:
         if not self._open:
             self._closed = True
             return
@@ -443,7 +457,7 @@ class Scope:
         self.peak, self.exact, self.peak_upper, self.how = p.peak, p.exact, p.upper, p.how
         self.reserved_peak, self.reserved_exact = rp.peak, rp.exact
 
-    def timeline(self):
+    def timeline(self) -> tuple[np.ndarray, np.ndarray]:
         import numpy as np
 
         return np.asarray(self._times, dtype=np.int64), np.asarray(self._bytes, dtype=np.int64)

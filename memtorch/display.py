@@ -860,10 +860,14 @@ def _device_of(tracker):
 
 
 def tracker_text(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
+    """print(t): the block's report; inside the block a snapshot under a line saying it still runs."""
     r = _tracker_state(tracker)
     if isinstance(r, Exception):
         return f"memtorch.track on {_device_of(tracker)}: {r}"
-    return track_report_text(r, depth, max_rows)
+    text = track_report_text(r, depth, max_rows)
+    if getattr(r, "live", False):
+        text = f"memtorch.track on {_device_of(tracker)}: the block is still running; its figures so far:\n{text}"
+    return text
 
 
 def tracker_html(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
@@ -1110,7 +1114,7 @@ def plan_html(plan, limit=40):
 for _what, _name, _fn in [
     ("text", "ModelMemory", model_memory_text), ("html", "ModelMemory", model_memory_html),
     ("text", "TrackReport", track_report_text), ("html", "TrackReport", track_report_html),
-    ("html", "Tracker", tracker_html),
+    ("text", "Tracker", tracker_text), ("html", "Tracker", tracker_html),
     ("text", "Estimate", estimate_text), ("html", "Estimate", estimate_html),
     ("text", "LeakReport", leak_report_text), ("html", "LeakReport", leak_report_html),
     ("lines", "AtPeak", at_peak_lines), ("kind_lines", "AtPeak", at_peak_kind_lines), ("html", "AtPeak", at_peak_html),

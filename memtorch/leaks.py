@@ -23,7 +23,8 @@ import time
 import weakref
 
 from .units import format_rate  # its first home: leaks.format_rate still imports
-from .reports.leaks import LeakReport, SurvivorGroup, judge  # the result types' home; their old names stay
+# the result types' home; their old names stay (storage_nbytes too: TensorInfo, built there from a tensor, reads it)
+from .reports.leaks import LeakReport, SurvivorGroup, TensorInfo, judge, storage_nbytes
 
 __all__ = ["LeakReport", "SurvivorGroup", "judge", "Scan", "format_rate"]
 
@@ -76,18 +77,6 @@ def storage_key(t):
         return t.untyped_storage().data_ptr(), t.device.type
     except Exception:  # nested, sparse and wrapper tensors have no single storage
         return id(t), "?"
-
-
-def storage_nbytes(t):
-    """Bytes of the storage a tensor keeps alive; its logical bytes (numel * element size) when it
-    has no single storage (sparse); 0 when even those cannot be read. The one definition."""
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:
-        try:
-            return int(t.numel() * t.element_size())
-        except Exception:
-            return 0
 
 
 def shape_text(t):

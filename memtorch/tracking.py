@@ -51,23 +51,31 @@ memtorch keeps no strong reference to the user's tensors: hooks never capture
 inputs or outputs, and named survivors are held by weakref.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import functools
 import gc
 import sys
 import threading
 import time
+import types
 import weakref
+from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar
 
 from . import _C, cpu, cuda, units, words
 from . import _cuda_trace
 from . import leaks
 from . import peak as attribution
-from .leaks import LeakReport
+from .leaks import LeakReport, TensorInfo  # TensorInfo's home: memtorch/reports/leaks.py
 from .errors import DeviceUnavailable, MemtorchError
-from .reports import Record, field, render
+from .reports import render
 from .reports.track import ModuleStats, PhaseStats, TrackReport  # the result types' home; old names stay
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
+
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
+
+_F = TypeVar("_F", bound=Callable[..., Any])  # a function track() decorates: its wrapper has its type
 
 __all__ = ["track", "Tracker", "TrackReport", "PhaseStats", "ModuleStats", "LeakReport", "TensorInfo"]
 
@@ -99,52 +107,6 @@ def _debug_leftovers():
 # Report objects
 
 
-@dataclasses.dataclass(eq=False, init=False)
-class TensorInfo(Record):
-    """A live tensor described without keeping it alive (``ref`` is a weakref)."""
-
-    name: "str | None"  # who holds it (an attribute path), or None
-    shape: tuple  # its sizes (("nested",) for a nested tensor)
-    dtype: str  # "float32", ...
-    device: str  # "cpu", "cuda:0", ...
-    nbytes: int = field(key="bytes")  # its storage's bytes
-    has_graph: bool = field(json=bool)  # it holds an autograd graph (grad_fn is set)
-    graph_bytes: "int | None" = None  # bytes of the saved tensors its graph keeps, or None (not measured)
-    step: "int | None" = None  # the step that created it, or None
-    ref: object = field(None, to_dict=False, repr=False)  # a weakref to the tensor, or None (not weak-referenceable)
-
-    def __init__(self, tensor, step=None, name=None, graph_bytes=None):
-        try:
-            self.shape = tuple(tensor.shape)
-        except RuntimeError:  # a nested tensor has no single shape
-            self.shape = ("nested",)
-        self.dtype = str(tensor.dtype).replace("torch.", "")
-        self.device = str(tensor.device)
-        self.nbytes = leaks.storage_nbytes(tensor)
-        self.has_graph = tensor.grad_fn is not None
-        self.graph_bytes = graph_bytes
-        self.step = step
-        self.name = name
-        try:
-            self.ref = weakref.ref(tensor)
-        except TypeError:
-            self.ref = None
-
-    def describe(self):
-        shape = "x".join(str(s) for s in self.shape) or "scalar"
-        text = f"{self.name or 'tensor'}: {self.dtype}[{shape}] {units.format(self.nbytes)}"
-        if self.has_graph:
-            text += " holds an autograd graph"
-            if self.graph_bytes:
-                text += f" keeping {units.format(self.graph_bytes)} of saved tensors"
-        if self.step is not None:
-            text += f" (created in step {self.step})"
-        return text
-
-    def __repr__(self):
-        return f"TensorInfo({self.describe()})"
-
-
 def _rank_info():
     """{"rank", "world_size"} under an initialised torch.distributed process group, else {}."""
     dist = sys.modules.get("torch.distributed")
@@ -161,7 +123,7 @@ def _rank_info():
     return rank_info()
 
 
-def module_figures(times, nbytes, starts, ends, known_from=None):
+def module_figures(times: Any, nbytes: Any, starts: Any, ends: Any, known_from: Any = None) -> Any:
     """Bytes left alive and peak above start of calls [start, end] from an event log.
 
     times/nbytes: the log, (time, allocated bytes after the event), sorted by
@@ -939,8 +901,9 @@ class Tracker:
     _cuda_specs = ()
 
     def __init__(
-        self, model=None, optimizer=None, device="auto", timeline=False, modules=True, leaks=True, warmup=1, largest=0
-    ):
+        self, model: torch.nn.Module | None = None, optimizer: Any = None, device: str | torch.device = "auto",
+        timeline: bool = False, modules: bool = True, leaks: bool = True, warmup: int = 1, largest: int = 0,
+    ) -> None:  # fmt: skip
         torch = _torch_mod or _torch()
         if model is not None and not isinstance(model, torch.nn.Module):
             if callable(model) and not isinstance(model, type) and optimizer is None:
@@ -1442,7 +1405,7 @@ class Tracker:
             self._handles.append(opt.register_step_pre_hook(pre))
             self._handles.append(opt.register_step_post_hook(post))
 
-    def watch(self, model=None, optimizer=None):
+    def watch(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> Tracker:
         """Give the block the model and/or optimizer to name (phases, per-module figures,
         at_peak names), also once it is open (the pytest fixture's tracker is). Returns self."""
         torch = _torch()
@@ -1506,7 +1469,7 @@ class Tracker:
         d["_tl_marks"] = []  # timeline=True: (clock ns, kind, label) of phase starts/ends and steps
         d["_step_series"] = []  # [(peak, end)] per step
 
-    def __enter__(self):
+    def __enter__(self) -> Tracker:
         if self._open:
             raise MemtorchError("this track() block is already open; use a new memtorch.track() to nest blocks")
         if (
@@ -1611,7 +1574,9 @@ class Tracker:
             self._reset_state()
             self._boundaries.append(self._scope.start)
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
+    ) -> Literal[False]:
         if exc_type is not None and "torch.distributed" in sys.modules:
             # lazy: distributed loads only when this path runs (importing tracking stays cheap)
             from .distributed import note_failure
@@ -1844,7 +1809,7 @@ class Tracker:
         return sorted(seen.values(), key=lambda s: -s.nbytes)[:n]
 
     # -- steps -------------------------------------------------------------
-    def step(self):
+    def step(self) -> None:
         """Mark a step boundary (call it at the end of each training step)."""
         if not self._open:
             raise MemtorchError("Tracker.step() called outside its block: call it inside `with memtorch.track() as t:`")
@@ -1969,7 +1934,7 @@ class Tracker:
 
     # -- report and decorator ----------------------------------------------
     @property
-    def report(self):
+    def report(self) -> TrackReport:
         """The TrackReport of the finished block (of the last call when used as a decorator)."""
         if self._last is not None:
             return self._last.report
@@ -1982,7 +1947,7 @@ class Tracker:
             report = self._report = report()
         return report
 
-    def __call__(self, fn):
+    def __call__(self, fn: _F) -> _F:
         if not callable(fn):
             raise TypeError(f"memtorch.track() decorates a callable, got {type(fn).__name__}")
         args = self._args
@@ -2000,17 +1965,26 @@ class Tracker:
             self._last = inner
             return result
 
-        wrapper.tracker = self
-        return wrapper
+        wrapper.tracker = self  # type: ignore[attr-defined]  # f.tracker: the decorator's Tracker
+        return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature
 
-    def _repr_html_(self):
+    def __str__(self) -> str:
+        """print(t): its report after the block; inside it, a snapshot that says the block is still
+        running (figures so far); before it, or after a block that raised, why there is no report."""
+        return render("text", self)
+
+    def _repr_html_(self) -> str:
+        """The notebook's view: what __str__ shows, as HTML."""
         return render("html", self)
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"
 
 
-def track(model=None, optimizer=None, device="auto", timeline=False, modules=True, leaks=True, warmup=1, largest=0):
+def track(
+    model: torch.nn.Module | None = None, optimizer: Any = None, device: str | torch.device = "auto",
+    timeline: bool = False, modules: bool = True, leaks: bool = True, warmup: int = 1, largest: int = 0,
+) -> Tracker:  # fmt: skip
     """Measure the memory of a block: ``with memtorch.track(model, optimizer=opt) as t: ...``.
 
     Also a decorator: ``@memtorch.track()`` tracks each call, the report of the

@@ -5,12 +5,15 @@ GB, TB) are powers of 1000, as in IEC 80000-13. Parsing accepts both; output
 is binary by default and always carries its unit.
 """
 
+from __future__ import annotations
+
 import decimal
 import math
 import numbers
 import operator
 import re
 from fractions import Fraction
+from typing import Any
 
 from .errors import UnitError
 
@@ -52,7 +55,7 @@ def _checked(n, size):
     return n
 
 
-def parse(size):
+def parse(size: int | float | str) -> int:
     """Return the number of bytes in ``size`` as an int.
 
     ``size`` is a non-negative integer (int, numpy.int64 or any integer-like
@@ -96,7 +99,7 @@ def parse(size):
     return _checked(int(value.to_integral_value(rounding=decimal.ROUND_HALF_EVEN, context=ctx)), size)
 
 
-def format(nbytes, unit=None, binary=True, precision=1):
+def format(nbytes: int | float | Fraction, unit: str | None = None, binary: bool = True, precision: int = 1) -> str:
     """Format a byte count with its unit, e.g. ``format(1536) == '1.5 KiB'``.
 
     ``unit`` forces one unit ("MiB", "MB", "B"...); otherwise the largest unit
@@ -141,13 +144,13 @@ def _format_fraction(q, unit, binary, precision):
     return f"{sign}{'' if exact else '≈'}{text} B"
 
 
-def format_delta(nbytes, **kwargs):
+def format_delta(nbytes: int | float | Fraction, **kwargs: Any) -> str:
     """Like format() but always signed: '+1.5 KiB', '-12 B', '+0 B'."""
     text = format(nbytes, **kwargs)
     return text if text.startswith("-") else "+" + text
 
 
-def format_rate(rate, signed=True):
+def format_rate(rate: int | float | Fraction, signed: bool = True) -> str:
     """A per-step figure (bytes, possibly a fraction of a byte) as text that never reads lower
     than it is: whole bytes as units.format does ('+4 B', '+1.5 MiB'); a fraction under 1 KiB
     with up to 3 decimals, '≈' when those do not hold it exactly ('+3.998 B', '+≈1.333 B')."""

@@ -333,3 +333,17 @@ def test_estimate_html_and_text():
     assert "estimated, not measured" in page
     text = est.to_text(depth=1)
     assert "0 [+5]" in text and "0.2.0" not in text and "at the peak:" in text
+
+
+def test_tracker_prints_its_report_or_that_its_block_still_runs():
+    fresh = memtorch.track()
+    assert str(fresh) == "memtorch.track on cpu: no report: this track() block has not run (or ended with an exception)"
+    with memtorch.track() as live:
+        keep = torch.ones(1000)  # 4,000 B of float32
+        inside = str(live)
+        snapshot = live.report
+    head, rest = inside.split("\n", 1)
+    assert head == "memtorch.track on cpu: the block is still running; its figures so far:"
+    assert snapshot.live and "so far" in rest and snapshot.peak_above_start >= keep.nbytes == 4000
+    assert str(live) == str(live.report) == live.report.to_text() and not live.report.live
+    del keep

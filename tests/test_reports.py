@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import memtorch
-from memtorch import advice, distributed, estimation, leaks, peak, planning, tracking
+from memtorch import advice, distributed, estimation, leaks, peak, planning, report, tracking
 from memtorch.reports import Record, Report, field
 
 REPORTS = [
     tracking.TrackReport, leaks.LeakReport, peak.AtPeak, estimation.Estimate, planning.Plan,
-    advice.Advice, distributed.MultiRankReport,
+    advice.Advice, distributed.MultiRankReport, report.ModelMemory,
 ]  # fmt: skip
 ROWS = [
     tracking.PhaseStats, tracking.ModuleStats, tracking.TensorInfo, leaks.SurvivorGroup, peak.Owner,
-    peak.StorageAtPeak, advice.Suggestion, distributed.RankReport, distributed._Leak,
+    peak.StorageAtPeak, advice.Suggestion, distributed.RankReport, distributed._Leak, report.ModuleRow,
 ]  # fmt: skip
 
 
@@ -62,6 +62,8 @@ def made():
     group.count, group.nbytes = 2, 1024
     owner = peak.Owner("other", "other", "forward", 96, 2)
     owner.sites, owner.sites_note = [("train.py", 3, "step", 96, 2)], "no line for 0 B"
+    mm = memtorch.inspect(model, opt)
+    sizes = memtorch.sizeof([torch.zeros(3), {"a": torch.ones(2)}])
     sugg = advice.Suggestion("bf16", "train in bf16", 1000, advice.EXACT, "model.to(torch.bfloat16)", "1000 B")
     out = {
         tracking.TrackReport: [r, t2.report],
@@ -80,6 +82,8 @@ def made():
         distributed.RankReport: ranks,
         distributed._Leak: [ranks[0].leak],
         distributed.MultiRankReport: [distributed.MultiRankReport(ranks)],
+        report.ModelMemory: [mm, sizes],
+        report.ModuleRow: mm.modules,
     }
     del kept
     return out
@@ -121,7 +125,11 @@ def test_each_field_is_annotated_once_with_a_comment(cls):
     lines, _ = inspect.getsourcelines(cls)
     tree = ast.parse(textwrap.dedent("".join(lines)))
     body = tree.body[0].body
-    declared = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
+    # a ClassVar or InitVar is declared the same way (annotated, commented) but is no field
+    not_fields = ("ClassVar", "dataclasses.InitVar")
+    declared = [
+        n.target.id for n in body if isinstance(n, ast.AnnAssign) and not ast.unparse(n.annotation).startswith(not_fields)
+    ]
     assert sorted(declared) == sorted(f.name for f in dataclasses.fields(cls) if f.name in declared)
     assert len(declared) == len(set(declared))
     own = {n.target.id: n for n in body if isinstance(n, ast.AnnAssign)}
@@ -155,3 +163,60 @@ def test_print_and_the_notebook_show_to_text_and_to_html(made):
         x = made[cls][0]
         assert str(x) == x.to_text() and x.to_text().strip(), cls
         assert x._repr_html_() == x.to_html() and x.to_html().lstrip().startswith("<"), cls
+
+
+def test_check_is_one_entry_point_on_the_report_base(made):
+    """TrackReport, Estimate and MultiRankReport check() through Report.check, with assert_budget's verdict."""
+    from memtorch.budget import assert_budget
+
+    for cls in (tracking.TrackReport, estimation.Estimate, distributed.MultiRankReport):
+        assert cls.check is Report.check, cls
+    r = made[tracking.TrackReport][0]
+    r.check(peak=r.peak_above_start, delta=r.delta)  # a limit equal to an exact figure passes
+    limit = r.peak_above_start - 1
+    with pytest.raises(memtorch.BudgetExceeded) as by_check:
+        r.check(peak=limit)
+    with pytest.raises(memtorch.BudgetExceeded) as by_assert:
+        assert_budget(r, peak=limit)
+    assert str(by_check.value) == str(by_assert.value) and by_check.value.failures == [("peak", limit + 1, limit)]
+    est = made[estimation.Estimate][0]
+    with pytest.raises(memtorch.BudgetExceeded, match="^delta "):
+        est.check(None, est.delta - 1)  # positional: (peak, delta), as before
+    with pytest.raises(TypeError, match=r"Estimate.check\(\) takes no leak budget; its budgets: peak, delta"):
+        est.check(leak=1)
+    multi = made[distributed.MultiRankReport][0]
+    with pytest.raises(memtorch.BudgetExceeded, match="^peak "):
+        multi.check(peak=multi.peak_above_start - 1)
+
+
+@pytest.mark.parametrize("cls", [report.ModelMemory, leaks.LeakReport, peak.AtPeak, planning.Plan, advice.Advice])
+def test_check_on_a_report_without_budgets_says_what_to_do(made, cls):
+    with pytest.raises(TypeError, match=f"^{cls.__name__} has no figure a budget applies to: check\\(\\) a track"):
+        made[cls][0].check(peak="1 MiB")
+
+
+def test_module_row_still_unpacks_indexes_and_compares_as_its_namedtuple(made):
+    row = next(m for m in made[report.ModuleRow] if m.name == "0")
+    fields = ("name", "type", "own", "subtree", "parameters", "buffers", "gradients", "optimizer_state",
+              "alias_of", "attributes", "shared")  # fmt: skip
+    assert report.ModuleRow._fields == fields == tuple(f.name for f in dataclasses.fields(report.ModuleRow))
+    name, kind, own, *rest = row
+    # Linear(16, 16) under Adam: weight + bias, their gradients and two Adam moments each (+ steps)
+    assert (name, kind) == ("0", "Linear") and own == row.own == row[2] and len(rest) == len(row) - 3 == 8
+    assert row.parameters == (16 * 16 + 16) * 4 and row[-1] == row.shared and row[:2] == ("0", "Linear")
+    assert row == tuple(row) and hash(row) == hash(tuple(row)) and row._asdict() == dict(zip(fields, row))
+    assert row._replace(own=1) == (*row[:2], 1, *row[3:]) and row.own != 1
+    assert row.to_dict() == row._asdict()
+
+
+def test_model_memory_pickles_and_keeps_its_figures(made):
+    import pickle
+
+    mm = made[report.ModelMemory][0]
+    back = pickle.loads(pickle.dumps(mm))
+    assert json.dumps(back.to_dict()) == json.dumps(mm.to_dict()) and str(back) == str(mm)
+    # depth cuts the rows and nothing else: depth 0 keeps the model's row
+    top = mm.to_dict(depth=0)
+    assert [m["name"] for m in top["modules"]] == [""] and {k: v for k, v in top.items() if k != "modules"} == {
+        k: v for k, v in mm.to_dict().items() if k != "modules"
+    }

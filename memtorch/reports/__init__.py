@@ -14,9 +14,14 @@ a registry they fill when imported (``renders``), keyed by the result type's cla
 This module imports neither torch nor NumPy (``import memtorch`` stays torch-free).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import importlib
 import numbers
+from typing import Any, Callable, ClassVar
+
+from ..budget import assert_budget
 
 __all__ = ["Record", "Report", "field", "plain", "render", "renders"]
 
@@ -109,7 +114,36 @@ class Record:
 
 @dataclasses.dataclass(eq=False)
 class Report(Record):
-    """A result a user prints: print() shows to_text(), a notebook to_html() (both memtorch.display)."""
+    """A result a user prints: print() shows to_text(), a notebook to_html() (both memtorch.display).
+
+    check() judges the figures a budget applies to (``_budgets``: TrackReport, MultiRankReport and
+    Estimate have them) through memtorch.budget.assert_budget, the one verdict.
+    """
+
+    # the figures check() takes a budget on ("peak", "delta", "leak"); () for a report with none
+    _budgets: ClassVar[tuple[str, ...]] = ()
+
+    def check(
+        self, peak: int | str | None = None, delta: int | str | None = None, leak: int | str | None = None
+    ) -> None:
+        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (bytes, or sizes as in
+        memtorch.units.parse), memtorch.BudgetInconclusive (a BudgetExceeded) if a figure is only
+        bounded and its limit lies between the bounds: ``peak`` is compared with peak_above_start,
+        ``delta`` with delta, ``leak`` with leak.per_step (a multi-rank report: the highest rank's).
+        TypeError for a report without that figure."""
+        name = type(self).__name__
+        if not self._budgets:
+            raise TypeError(
+                f"{name} has no figure a budget applies to: check() a track() block's report (t.report), "
+                f"an Estimate or a MultiRankReport, e.g. memtorch.estimate(model, batch).check(peak='8 GiB')"
+            )
+        given = {"peak": peak, "delta": delta, "leak": leak}
+        for figure, limit in given.items():
+            if limit is not None and figure not in self._budgets:
+                raise TypeError(
+                    f"{name}.check() takes no {figure} budget; its budgets: {', '.join(self._budgets)}"
+                )
+        assert_budget(self, peak=peak, delta=delta, leak=leak)
 
     def to_text(self):
         """The report as print() shows it (memtorch.display)."""

@@ -5,7 +5,6 @@ import dataclasses
 
 from .. import units, words
 from ..errors import MemtorchError
-from ..budget import assert_budget
 from . import Record, Report, field, render
 
 __all__ = ["MultiRankReport", "RankReport"]
@@ -97,6 +96,8 @@ class MultiRankReport(Report):
     leak.per_step.
     """
 
+    _budgets = ("peak", "delta", "leak")  # the figures check() (Report.check) takes a budget on
+
     ranks: list  # [RankReport] in rank order
     world_size: int = field(init=False)  # how many were gathered
     max_rank: int = field(init=False)  # the rank with the highest peak above start
@@ -158,15 +159,6 @@ class MultiRankReport(Report):
         }
 
     # -- budgets ---------------------------------------------------------------
-    def check(self, peak=None, delta=None, leak=None):
-        """Raise memtorch.BudgetExceeded when the highest rank's figure exceeds its budget.
-
-        peak is compared with the largest peak above start over ranks, delta
-        with the largest delta, leak with the largest per-step leak; the
-        message names the rank.
-        """
-        assert_budget(self, peak=peak, delta=delta, leak=leak)
-
     def budget_breakdown(self):
         """The text memtorch.assert_budget prints under its verdict."""
         return str(self)

@@ -4,7 +4,6 @@ rank where sharded. Data only: the dry run that fills it stays in memtorch.estim
 import dataclasses
 
 from .. import units, words
-from ..budget import assert_budget
 from . import Report, field, plain, render
 
 __all__ = ["Estimate"]
@@ -33,6 +32,8 @@ class Estimate(Report):
     start is 0, end = delta = steady and peak_above_start = peak, so that a budget check reads it
     as it reads a track() report of a step that builds its model inside the block.
     """
+
+    _budgets = ("peak", "delta")  # the figures check() (Report.check) takes a budget on
 
     device: str  # "cpu" or "cuda"
     precision: str  # "fp32", "bf16", ...
@@ -90,10 +91,6 @@ class Estimate(Report):
         d.clear()
         d["kind"] = "estimate"  # first: what the JSON is (the CLI writes several kinds)
         d.update(rest)
-
-    def check(self, peak=None, delta=None):
-        """Raise memtorch.BudgetExceeded if the estimated peak (or steady bytes, as delta) exceeds its budget."""
-        assert_budget(self, peak=peak, delta=delta)
 
     # -- presentation ------------------------------------------------------
     def _title(self):

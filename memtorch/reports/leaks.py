@@ -1,16 +1,88 @@
 """The result of a leak check (memtorch.leaks): growth per step judged over the run, and the groups of
 tensors kept. Data only: the scans that find the tensors stay in memtorch.leaks."""
 
+from __future__ import annotations
+
 import dataclasses
+import weakref
 from fractions import Fraction
+from typing import TYPE_CHECKING, Any
 
 from .. import units
 from . import Record, Report, field, render
 
-__all__ = ["LeakReport", "SurvivorGroup", "judge"]
+if TYPE_CHECKING:  # annotations only: importing this module loads no torch
+    import torch
+
+__all__ = ["LeakReport", "SurvivorGroup", "TensorInfo", "judge", "storage_nbytes"]
 
 
-def judge(growth, warmup):
+def storage_nbytes(t: Any) -> int:
+    """Bytes of the storage a tensor keeps alive; its logical bytes (numel * element size) when it
+    has no single storage (sparse); 0 when even those cannot be read. The one definition (memtorch.leaks
+    re-exports it)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        try:
+            return int(t.numel() * t.element_size())
+        except Exception:
+            return 0
+
+
+@dataclasses.dataclass(eq=False, init=False)
+class TensorInfo(Record):
+    """A live tensor described without keeping it alive (``ref`` is a weakref): ``TensorInfo(tensor,
+    step=None, name=None, graph_bytes=None)`` reads its figures from the tensor (so __init__ is written
+    here, not generated: the tensor is no field). A leak's survivors and TrackReport.largest."""
+
+    name: "str | None"  # who holds it (an attribute path), or None
+    shape: tuple  # its sizes (("nested",) for a nested tensor)
+    dtype: str  # "float32", ...
+    device: str  # "cpu", "cuda:0", ...
+    nbytes: int = field(key="bytes")  # its storage's bytes
+    has_graph: bool = field(json=bool)  # it holds an autograd graph (grad_fn is set)
+    graph_bytes: "int | None" = None  # bytes of the saved tensors its graph keeps, or None (not measured)
+    step: "int | None" = None  # the step that created it, or None
+    ref: "weakref.ref[Any] | None" = field(None, to_dict=False, repr=False)  # a weakref to it (None: not possible)
+
+    def __init__(
+        self, tensor: "torch.Tensor", step: "int | None" = None, name: "str | None" = None,
+        graph_bytes: "int | None" = None,
+    ) -> None:  # fmt: skip
+        try:
+            self.shape = tuple(tensor.shape)
+        except RuntimeError:  # a nested tensor has no single shape
+            self.shape = ("nested",)
+        self.dtype = str(tensor.dtype).replace("torch.", "")
+        self.device = str(tensor.device)
+        self.nbytes = storage_nbytes(tensor)
+        self.has_graph = tensor.grad_fn is not None
+        self.graph_bytes = graph_bytes
+        self.step = step
+        self.name = name
+        try:
+            self.ref = weakref.ref(tensor)
+        except TypeError:
+            self.ref = None
+
+    def describe(self) -> str:
+        """One line: its name, dtype[shape], bytes, and the graph it holds."""
+        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        text = f"{self.name or 'tensor'}: {self.dtype}[{shape}] {units.format(self.nbytes)}"
+        if self.has_graph:
+            text += " holds an autograd graph"
+            if self.graph_bytes:
+                text += f" keeping {units.format(self.graph_bytes)} of saved tensors"
+        if self.step is not None:
+            text += f" (created in step {self.step})"
+        return text
+
+    def __repr__(self) -> str:
+        return f"TensorInfo({self.describe()})"
+
+
+def judge(growth: list[int], warmup: int) -> tuple[bool, Fraction | None, dict[str, Any]]:
     """(leaking, per_step, evidence dict) from per-step growth (bytes), warm-up steps skipped."""
     judged = list(growth[warmup:])
     if not judged:
@@ -50,7 +122,7 @@ class SurvivorGroup(Record):
     graph_bytes: int = field(0, init=False)  # bytes of the saved tensors their graphs keep
     examples: list = field(init=False, default_factory=list, to_dict=False, repr=False)  # weakrefs to a few members
 
-    def describe(self, steps_after=None):
+    def describe(self, steps_after: int | None = None) -> str:
         shape = self.shape if self.shape is not None else "?"
         what = f"{self.count} tensor{'s' if self.count != 1 else ''} {self.dtype}[{shape}]"
         text = f"{what}, {units.format(self.nbytes)}"
@@ -117,7 +189,7 @@ class LeakReport(Report):
     def _dict_more(self, d):
         d["per_step_fraction"] = _fraction_json(self.per_step)
 
-    def budget_bounds(self):
+    def budget_bounds(self) -> tuple[Fraction | None, Fraction | None, str | None, str | None]:
         """(low, high, why, fix) of per_step for a leak budget (memtorch.budget): (per_step,
         per_step, None, None) when exact; when not, nothing bounds it (an allocation the
         counters cannot see may be kept, or freed, in any step): (per_step, None, why, fix),
@@ -129,11 +201,11 @@ class LeakReport(Report):
             "no other tool patching the allocator during the block"
         )
 
-    def to_text(self):
+    def to_text(self) -> str:
         """The verdict, its evidence, the tensors kept (memtorch.display.leak_report_text)."""
         return render("text", self)
 
-    def to_html(self):
+    def to_html(self) -> str:
         return render("html", self)
 
     def __repr__(self):

@@ -11,12 +11,15 @@ Sums are taken in Python ints: two meta storages of 2**62 bytes add up to
 2**63, past int64.
 """
 
-from collections import namedtuple
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 
 from .. import units, words
-from . import plain as _plain, render
+from . import Record, Report, field, plain, render
 
 __all__ = ["ModelMemory", "ModuleRow", "CATEGORIES", "MODULE_RULE"]
 
@@ -28,26 +31,66 @@ _NBYTES_OVERFLOW = -1
 
 MODULE_RULE = words.MODULE_RULE
 
-ModuleRow = namedtuple(
-    "ModuleRow",
-    "name type own subtree parameters buffers gradients optimizer_state alias_of attributes shared",
-)
-ModuleRow.__doc__ = """One module of the walk, in walk (pre-)order; bytes, each storage once.
+@dataclasses.dataclass(eq=False)
+class ModuleRow(Record):
+    """One module of the walk, in walk (pre-)order; bytes, each storage once.
 
-The rule (MODULE_RULE): a storage's bytes are charged to the first module
-that holds it, in registration (walk) order; its optimizer state goes with
-it. So the `own` column adds up, over all modules, to the bytes held by
-modules, and `subtree` is the sum of `own` over the module and its
-descendants. own = parameters + buffers + gradients + optimizer_state +
-attributes (plain tensor attributes, arrays and other tensors the module
-holds). shared: bytes this module holds that are charged to an earlier
-module (a tied weight). alias_of: the name this module was first met under,
-if it is met again (one submodule registered under two names; its row then
-holds 0 B), else None.
-"""
+    The rule (MODULE_RULE): a storage's bytes are charged to the first module
+    that holds it, in registration (walk) order; its optimizer state goes with
+    it. So the `own` column adds up, over all modules, to the bytes held by
+    modules, and `subtree` is the sum of `own` over the module and its
+    descendants. own = parameters + buffers + gradients + optimizer_state +
+    attributes.
+
+    A ModuleRow was a namedtuple: it still unpacks, indexes, compares and hashes as the tuple of its
+    fields in order (``name, type, own, *rest = row``; ``row._asdict()``).
+    """
+
+    name: str  # the module's path in the model ("" for the model itself)
+    type: str  # its class name
+    own: int  # bytes charged to it (MODULE_RULE): parameters + buffers + gradients + optimizer_state + attributes
+    subtree: int  # the sum of own over the module and its descendants
+    parameters: int  # its parameters' bytes charged to it
+    buffers: int  # its buffers' bytes charged to it
+    gradients: int  # its parameters' gradients' bytes charged to it
+    optimizer_state: int  # the optimizer state of its parameters charged to it, bytes
+    alias_of: "str | None"  # the name it was first met under if met again (then its row holds 0 B), else None
+    attributes: int  # plain tensor attributes, arrays and other tensors it holds, bytes charged to it
+    shared: int  # bytes it holds that are charged to an earlier module (a tied weight)
+
+    # the field names in order, as a namedtuple's _fields (set below the class)
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([getattr(self, name) for name in self._fields])
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __getitem__(self, index: Any) -> Any:
+        return tuple(self)[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ModuleRow, tuple)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def _asdict(self) -> dict[str, Any]:
+        """{field: value} in field order (a namedtuple's _asdict)."""
+        return dict(zip(self._fields, self))
+
+    def _replace(self, **changes: Any) -> "ModuleRow":
+        """A copy with the fields named changed (a namedtuple's _replace)."""
+        return dataclasses.replace(self, **changes)
 
 
-def _unique_storage_bytes(keys, nbytes):
+ModuleRow._fields = tuple(f.name for f in dataclasses.fields(ModuleRow))
+
+
+def _unique_storage_bytes(keys: np.ndarray, nbytes: np.ndarray) -> int:
     """Sum of nbytes over unique keys, taking the largest figure per key (Python int)."""
     if len(keys) == 0:
         return 0
@@ -58,7 +101,7 @@ def _unique_storage_bytes(keys, nbytes):
     return sum(nbytes[order][first].tolist())
 
 
-def _merge_shared_memory(rows, devices):
+def _merge_shared_memory(rows: np.ndarray, devices: list[str]) -> np.ndarray:
     """Rows whose storages overlap in memory (same device, data != 0) get one
     key (the first row's) and the size of the merged range.
 
@@ -113,29 +156,45 @@ def _merge_shared_memory(rows, devices):
     return out
 
 
-class ModelMemory:
+@dataclasses.dataclass(eq=False)
+class ModelMemory(Report):
     """What a model (and optimizer), or any nest of tensors, holds.
 
     Attributes (bytes, ints): total, logical, by_dtype, by_device,
     by_category, trainable, frozen; shared (groups of names sharing one
     storage); modules (list of ModuleRow); to_numpy() for the rows.
+
+    Built by memtorch.inspection from the walker's tables: ``ModelMemory(rows, paths, dtypes,
+    devices, walk, root_type)``. Its figures are properties derived from the rows, not fields: in
+    to_dict() they follow the one field in the JSON (``model``; see _dict_more).
     """
+
+    rows: np.ndarray = field(to_dict=False, repr=False)  # one per tensor met (src/rows.h), shared memory merged
+    paths: list[str] = field(to_dict=False, repr=False)  # the names a row's path code indexes
+    dtypes: list[str] = field(to_dict=False, repr=False)  # the dtype names a row's dtype code indexes
+    devices: list[str] = field(to_dict=False, repr=False)  # the device names a row's device code indexes
+    # the walk's modules: (paths, type names, links: [[parent index, alias-of index]] with -1 for none)
+    walk: dataclasses.InitVar[Any]
+    root_type: str = field("", key="model")  # the class name of what was walked
+    _mod_paths: list[str] = field(init=False, repr=False)  # each module's path, in walk order
+    _mod_types: list[str] = field(init=False, repr=False)  # each module's class name
+    _links: np.ndarray = field(init=False, repr=False)  # each module's [parent index, alias-of index], -1 for none
+    _first: np.ndarray = field(init=False, repr=False)  # the row of each storage's first occurrence, in walk order
+    _first_size: np.ndarray = field(init=False, repr=False)  # each such storage's bytes (its largest figure)
+    _module_table: "list[tuple[str, str, int, int]] | None" = field(None, init=False, repr=False)  # cache
+    _modules: "list[ModuleRow] | None" = field(None, init=False, repr=False)  # cache of .modules
+    _shared: "list[tuple[str, ...]] | None" = field(None, init=False, repr=False)  # cache of .shared
 
     # {dtype name: bytes per element}() for the rows whose bytes overflowed int64: set by
     # memtorch.inspection, the engine that builds every ModelMemory (this floor imports no engine)
-    _dtype_sizes = None
+    _dtype_sizes: ClassVar[Callable[[], dict[str, int]] | None] = None
 
-    def __init__(self, rows, paths, dtypes, devices, modules, root_type=""):
-        self.rows = rows
-        self.paths = list(paths)
-        self.dtypes = list(dtypes)
-        self.devices = list(devices)
-        self._mod_paths, self._mod_types, self._links = modules
-        self._module_table = None
-        self.root_type = root_type
-        self._modules = None
-        self._shared = None
-        rows = self.rows = _merge_shared_memory(rows, self.devices)
+    def __post_init__(self, walk: Any) -> None:
+        self.paths = list(self.paths)
+        self.dtypes = list(self.dtypes)
+        self.devices = list(self.devices)
+        self._mod_paths, self._mod_types, self._links = walk
+        rows = self.rows = _merge_shared_memory(self.rows, self.devices)
         keys = rows["storage"]
         snb = rows["storage_nbytes"]
         if len(rows):
@@ -153,7 +212,7 @@ class ModelMemory:
             self._first_size = np.zeros(0, dtype=np.int64)
 
     @property
-    def module_table(self):
+    def module_table(self) -> list[tuple[str, str, int, int]]:
         """[(path, type name, parent index, alias-of index)] of the walk, -1 for none."""
         if self._module_table is None:
             self._module_table = list(
@@ -163,12 +222,12 @@ class ModelMemory:
 
     # ------------------------------------------------------------ totals
     @property
-    def total(self):
+    def total(self) -> int:
         """Bytes of the unique storages held."""
         return sum(self._first_size.tolist())
 
     @property
-    def logical(self):
+    def logical(self) -> int:
         """Sum of numel * element size over distinct tensors (views and tied
         weights once each); differs from total where views keep larger
         storages alive or expanded tensors share one."""
@@ -181,7 +240,7 @@ class ModelMemory:
         if _NBYTES_OVERFLOW in nbytes:
             # numel * element size past int64 (a huge expanded or meta tensor):
             # recomputed exactly in Python ints.
-            sizes = self._dtype_sizes()
+            sizes = type(self)._dtype_sizes()  # type: ignore[misc]  # set by memtorch.inspection
             numel, dt = r["numel"][idx].tolist(), r["dtype"][idx].tolist()
             for i, b in enumerate(nbytes):
                 if b == _NBYTES_OVERFLOW:
@@ -189,42 +248,43 @@ class ModelMemory:
         return sum(nbytes)
 
     @property
-    def count(self):
+    def count(self) -> int:
         """Number of tensor occurrences (rows)."""
         return len(self.rows)
 
     @property
-    def numel(self):
+    def numel(self) -> int:
         """Elements of the parameters, each parameter once (a tied weight once; three
         parameters that are views of one storage three times), as a summary counts them."""
         r = self.rows[self.rows["category"] == 0]
         _, idx = np.unique(r["tensor"], return_index=True)
         return sum(r["numel"][idx].tolist())
 
-    def _group(self, field, names):
+    def _group(self, column: str, names: list[str] | tuple[str, ...]) -> dict[str, int]:
+        """{name: bytes} of the unique storages, by the row column given (each storage once)."""
         r = self.rows[self._first]
-        out = {}
-        for code, size in zip(r[field].tolist(), self._first_size.tolist()):
+        out: dict[str, int] = {}
+        for code, size in zip(r[column].tolist(), self._first_size.tolist()):
             name = names[code]
             out[name] = out.get(name, 0) + size
         return out
 
     @property
-    def by_dtype(self):
+    def by_dtype(self) -> dict[str, int]:
         """{dtype name: bytes}, e.g. {'float32': 407080}."""
         return self._group("dtype", self.dtypes)
 
     @property
-    def by_device(self):
+    def by_device(self) -> dict[str, int]:
         """{device: bytes}, e.g. {'cpu': 407080, 'meta': 0}."""
         return self._group("device", self.devices)
 
     @property
-    def by_category(self):
+    def by_category(self) -> dict[str, int]:
         """{category: bytes}: parameter, buffer, gradient, optimizer_state, tensor, array."""
         return self._group("category", CATEGORIES)
 
-    def _param_storages(self, trainable):
+    def _param_storages(self, trainable: bool) -> int:
         r = self.rows
         sel = r["category"] == 0
         keys, rg, snb = r["storage"][sel], r["requires_grad"][sel], r["storage_nbytes"][sel]
@@ -234,25 +294,25 @@ class ModelMemory:
         return _unique_storage_bytes(keys[pick], snb[pick])
 
     @property
-    def trainable(self):
+    def trainable(self) -> int:
         """Bytes of parameter storages some parameter of which requires grad."""
         return self._param_storages(True)
 
     @property
-    def frozen(self):
+    def frozen(self) -> int:
         """Bytes of parameter storages no parameter of which requires grad."""
         return self._param_storages(False)
 
     # ------------------------------------------------------------ names
     @property
-    def shared(self):
+    def shared(self) -> list[tuple[str, ...]]:
         """Groups (tuples) of names whose tensors share one storage, each group
         once, in walk order: tied weights, views, a submodule under two names."""
         if self._shared is None:
             self._shared = self._compute_shared()
         return self._shared
 
-    def _compute_shared(self):
+    def _compute_shared(self) -> list[tuple[str, ...]]:
         names_by_key = {}
         for key, p in zip(self.rows["storage"].tolist(), self.rows["path"].tolist()):
             names = names_by_key.setdefault(key, [])
@@ -278,13 +338,13 @@ class ModelMemory:
 
     # ------------------------------------------------------------ modules
     @property
-    def modules(self):
+    def modules(self) -> list[ModuleRow]:
         """Per-module rows (ModuleRow), in walk order."""
         if self._modules is None:
             self._modules = self._compute_modules()
         return self._modules
 
-    def _compute_modules(self):
+    def _compute_modules(self) -> list[ModuleRow]:
         table = self.module_table
         n = len(table)
         if n == 0:
@@ -341,14 +401,14 @@ class ModelMemory:
         return out
 
     @property
-    def outside_modules(self):
+    def outside_modules(self) -> int:
         """Bytes of storages no module holds (tensors of an optimizer's param
         groups outside the model, a sizeof() container's tensors): total =
         sum of ModuleRow.own + outside_modules."""
         return self.total - sum(m.own for m in self.modules)
 
     # ------------------------------------------------------------ output
-    def to_numpy(self):
+    def to_numpy(self) -> np.ndarray:
         """The rows as a structured array with names spelled out: path,
         category, dtype, device (str), numel, nbytes (logical), storage (key),
         storage_nbytes, requires_grad, module (index into .modules, -1 none)."""
@@ -383,7 +443,7 @@ class ModelMemory:
             out[f] = r[f]
         return out
 
-    def summary(self):
+    def summary(self) -> dict[str, Any]:
         """Totals as a dict of plain ints and dicts (bytes)."""
         return {
             "total": self.total,
@@ -395,41 +455,38 @@ class ModelMemory:
             "frozen": self.frozen,
         }
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<ModelMemory {self.root_type}: {units.format(self.total)} in {len(self._first)} storages>"
 
-    def __str__(self):
-        return self.to_text()
-
-    def _repr_html_(self):
-        return self.to_html()
-
-    def to_text(self, depth=..., max_rows=...):
+    def to_text(self, depth: int | None = ..., max_rows: int | None = ...) -> str:  # type: ignore[assignment]
         """The table print() shows: folded as memtorch.display.options says by default; depth=None,
         max_rows=None: every module (memtorch.display)."""
         return render("text", self, depth, max_rows)
 
-    def to_html(self, depth=..., max_rows=...):
+    def to_html(self, depth: int | None = ..., max_rows: int | None = ...) -> str:  # type: ignore[assignment]
         """The notebook HTML, folded as to_text() (memtorch.display)."""
         return render("html", self, depth, max_rows)
 
-    def to_dict(self, depth=None):
+    def to_dict(self, depth: int | None = None) -> dict[str, Any]:
         """The totals and every module row (to ``depth`` levels below the model; None: all) as plain
-        JSON-ready values, bytes as ints: what ``memtorch inspect --format json`` prints."""
-        modules = []
-        for r in self.modules:
-            level = 0 if r.name == "" else r.name.count(".") + 1
-            if depth is None or level <= depth:
-                modules.append({k: _plain(v) for k, v in r._asdict().items()} | {"depth": level})
-        return {
-            "model": self.root_type,
-            "unit": "bytes",
-            **{k: _plain(v) for k, v in self.summary().items()},
-            "parameters": int(self.numel),
-            "shared": [list(g) for g in self.shared],
-            "modules": modules,
-        }
+        JSON-ready values, bytes as ints: what ``memtorch inspect --format json`` prints.
 
-    def plot(self, kind="modules", **kw):
+        Record.to_dict() with the module rows cut at ``depth``: the one argument the base has not."""
+        d = super().to_dict()
+        if depth is not None:
+            d["modules"] = [m for m in d["modules"] if m["depth"] <= depth]
+        return d
+
+    def _dict_more(self, d: dict[str, Any]) -> None:
+        """The figures, after the one field in the JSON (model): they are derived from the rows."""
+        d["unit"] = "bytes"
+        d.update(plain(self.summary()))
+        d["parameters"] = int(self.numel)
+        d["shared"] = [list(g) for g in self.shared]
+        d["modules"] = [
+            m.to_dict() | {"depth": 0 if m.name == "" else m.name.count(".") + 1} for m in self.modules
+        ]
+
+    def plot(self, kind: str = "modules", **kw: Any) -> Any:
         """A matplotlib Figure: kind='modules' (per-module bars) or 'categories' (memtorch.plot)."""
         return render("plot", self, kind=kind, **kw)

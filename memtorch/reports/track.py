@@ -1,10 +1,12 @@
 """What a track() block measured: the report, its phases and its modules. Data only: the hooks and
-counters that fill it stay in memtorch.tracking (TensorInfo too: it is built from a live tensor)."""
+counters that fill it stay in memtorch.tracking (TensorInfo, the largest tensors' record, is in reports/leaks.py)."""
+
+from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from .. import units, words
-from ..budget import assert_budget
 from . import Record, Report, field, render
 
 __all__ = ["TrackReport", "PhaseStats", "ModuleStats"]
@@ -86,6 +88,8 @@ def _timeline_json(timeline):
 class TrackReport(Report):
     """What a track() block measured. All sizes are ints of bytes."""
 
+    _budgets = ("peak", "delta", "leak")  # the figures check() (Report.check) takes a budget on
+
     device: str  # "cpu" or "cuda:N"
     exact: bool = field(json=bool)  # every figure exact (see caveats when not)
     mechanism: str  # what counted the block (the allocator hook, the caching allocator's statistics, ...)
@@ -153,30 +157,30 @@ class TrackReport(Report):
                 self._largest = self._at_peak.storages[: self._largest_n]
 
     @property
-    def at_peak(self):
+    def at_peak(self) -> Any:
         """Who held the bytes at the peak (memtorch.peak.AtPeak), or None without the event log."""
         self._settle()
         return self._at_peak
 
     @property
-    def phases(self):
+    def phases(self) -> dict[str, PhaseStats]:
         """{name: PhaseStats} of the phases that ran."""
         self._settle()
         return {k: v for k, v in self._phases.items() if v.calls}
 
     @property
-    def modules(self):
+    def modules(self) -> list[ModuleStats]:
         """[ModuleStats] of the model's modules (per-module figures)."""
         self._settle()
         return self._modules
 
     @property
-    def largest(self):
+    def largest(self) -> list[Any]:
         """The largest live tensors: at the peak with names (event log), else at the end."""
         self._settle()
         return self._largest
 
-    def gather(self, group=None, dst=0, timeout=60.0):
+    def gather(self, group: Any = None, dst: int = 0, timeout: float = 60.0) -> Any:
         """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
         # lazy: the one engine a result type calls (gather() is torch.distributed's collective, an
         # engine's action kept on the report for its users); floors: an exception in tests/test_imports.py
@@ -184,17 +188,12 @@ class TrackReport(Report):
 
         return gather(self, group=group, dst=dst, timeout=timeout)
 
-    def budget_bounds(self, name):
+    def budget_bounds(self, name: str) -> tuple[Any, Any, str | None, str | None] | None:
         """(low, high, why, fix) of the leak figure for memtorch.budget (LeakReport.budget_bounds);
         None for the other figures (budget's own rules)."""
         if name == "leak" and self.leak is not None and self.leak.per_step is not None:
             return self.leak.budget_bounds()
         return None
-
-    def check(self, peak=None, delta=None, leak=None):
-        """Raise memtorch.BudgetExceeded if a figure exceeds its budget (sizes as in memtorch.units.parse);
-        memtorch.errors.BudgetInconclusive (a BudgetExceeded) for a leak that is not exact."""
-        assert_budget(self, peak=peak, delta=delta, leak=leak)
 
     # -- presentation ------------------------------------------------------
     def _summary_rows(self):
@@ -240,16 +239,16 @@ class TrackReport(Report):
             + (f", {self.steps} step(s)" if self.steps else "")
         )
 
-    def to_text(self, depth=..., max_rows=...):
+    def to_text(self, depth: Any = ..., max_rows: Any = ...) -> str:
         """The report as print() shows it (memtorch.display.track_report_text): its module tree folded to
         display.options (``...``, the default), or to depth / max_rows (None: no limit, every module)."""
         return render("text", self, depth, max_rows)
 
-    def to_html(self, depth=..., max_rows=...):
+    def to_html(self, depth: Any = ..., max_rows: Any = ...) -> str:
         """The same content as HTML (the notebook's view); depth / max_rows as in to_text()."""
         return render("html", self, depth, max_rows)
 
-    def plot(self, kind="timeline", **kw):
+    def plot(self, kind: str = "timeline", **kw: Any) -> Any:
         """A matplotlib Figure: kind='timeline', 'phases', 'modules', 'leak' or 'categories' (at the peak) (memtorch.plot)."""
         return render("plot", self, kind=kind, **kw)
 
