@@ -16,7 +16,7 @@ The groups add up to the peak: bytes counted live before the block opened and
 never named are one group ("allocated before the block, not identified").
 """
 
-from . import cpu, units
+from . import cpu, units, words
 from .reports.peak import AtPeak, Owner, StorageAtPeak, where  # the result types' home; old names stay
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
@@ -59,13 +59,13 @@ def owner_label(row, phase, rows):
     if 0 <= row < len(rows):
         mod = rows[row]
         if len(mod) > 2 and mod[2] == "recomputed":  # a forward autograd ran again during backward
-            return f"recomputed activations of {mod[0] or '(model)'} ({mod[1]}), backward", "activation"
-        label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
+            return f"recomputed activations of {words.module_label(mod[0], mod[1])}, backward", "activation"
+        label = f"activations of {words.module_label(mod[0], mod[1])}"
         return (label if phase in (None, "forward") else f"{label}, {phase}"), "activation"
     if phase == "backward":
-        return "backward temporaries (not gradients)", "temporary"
+        return words.BACKWARD_TEMPORARIES, "temporary"
     if phase == "optimizer":
-        return "optimizer temporaries (not its state)", "temporary"
+        return words.OPTIMIZER_TEMPORARIES, "temporary"
     if phase == "forward":
         return "forward, outside any module", "activation"
     return OTHER_IN_BLOCK, "other"
@@ -201,7 +201,7 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         add(f"other ({what}, not identified)", "other", None, pre_rest, group=True)
     if at != peak:
         add("not replayed (the log missed the peak)", "other", None, int(peak) - at, group=True)
-    return AtPeak(int(peak), list(owners.values()), storages, exact, notes)
+    return AtPeak(int(peak), list(owners.values()), storages, exact, notes, {r[0]: r[1] for r in rows})
 
 
 # --- CUDA: the caching allocator's own trace (memtorch._cuda_trace) -------------
@@ -318,4 +318,4 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
             f"the allocator's history gives it, {units.format(at)}"
         )
         reported = at
-    return AtPeak(reported, list(owners.values()), storages, exact, notes)
+    return AtPeak(reported, list(owners.values()), storages, exact, notes, {r[0]: r[1] for r in rows})

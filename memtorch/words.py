@@ -26,6 +26,10 @@ __all__ = [
     "PEAK_ABOVE_START",
     "PEAK_ABOVE_BLOCK_START",
     "PEAK_ABOVE_PHASE_START",
+    "BACKWARD_TEMPORARIES",
+    "OPTIMIZER_TEMPORARIES",
+    "module_label",
+    "MODEL_MEMORY_TOTALS",
 ]
 
 # The root module's row in every table, budget message and listing (its dotted name is "").
@@ -56,6 +60,11 @@ AT_PEAK_KINDS = (
     "parameter", "gradient", "optimizer state", "buffer", "input", "activation", "temporary", "other",
 )  # fmt: skip
 
+# at_peak's groups of unnamed storages made in a phase outside any module's forward. An owner prints
+# as "name (kind)": a name with no parentheses of its own reads without doubled ones.
+BACKWARD_TEMPORARIES = "backward temporaries, not gradients"
+OPTIMIZER_TEMPORARIES = "optimizer temporaries, not its state"
+
 # Column titles. Every "peak" title says what it is above: "peak above block start" (peak - the
 # block's start: TrackReport.peak_above_start), "peak above phase start" (a phase table: above
 # each occurrence's own start). PEAK_ABOVE_START, the attribute's words, is kept for readers of it.
@@ -67,6 +76,9 @@ PHASE_HEADER = ("phase", "calls", "delta", PEAK_ABOVE_PHASE_START, "time")
 MODULE_TREE_HEADER = ("calls", "left alive (activations)", "peak inside")
 # "param count" counts elements; "parameters" is their bytes.
 MODEL_MEMORY_HEADER = ("param count", "parameters", "buffers", "gradients", "optimizer state", "total")
+# ModelMemory's totals under the table: a category key -> the word of its column above (other
+# categories, which have no column, print as label() spells them)
+MODEL_MEMORY_TOTALS = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients"}
 
 
 def label(name):
@@ -82,6 +94,11 @@ def key(name):
 def root_or(name):
     """A module's dotted name, or ROOT for the root module (name '')."""
     return name or ROOT
+
+
+def module_label(name, type_name):
+    """A module as a list names it, with its type: '0 (Linear)', '(model) (Sequential)'."""
+    return f"{root_or(name)} ({type_name})"
 
 
 def sibling_run(first, last, n=2):
