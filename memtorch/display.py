@@ -563,7 +563,7 @@ def _totals_html(lines):
 _TR_HEADER = list(words.MODULE_TREE_HEADER)
 _TR_AGG = ["sum", "sum", "max"]
 # with recomputations (torch.utils.checkpoint): their calls and what they left alive, apart
-_TR_AGAIN = ["recomputed", "left alive by recomputing"]
+_TR_AGAIN = list(words.RECOMPUTE_HEADER)
 
 
 def _tr_again(report):
@@ -1113,7 +1113,7 @@ def plan_html(plan, limit=40):
 for _what, _name, _fn in [
     ("text", "ModelMemory", model_memory_text), ("html", "ModelMemory", model_memory_html),
     ("text", "TrackReport", track_report_text), ("html", "TrackReport", track_report_html),
-    ("html", "Tracker", tracker_html),
+    ("text", "Tracker", tracker_text), ("html", "Tracker", tracker_html),
     ("text", "Estimate", estimate_text), ("html", "Estimate", estimate_html),
     ("text", "LeakReport", leak_report_text), ("html", "LeakReport", leak_report_html),
     ("lines", "AtPeak", at_peak_lines), ("kind_lines", "AtPeak", at_peak_kind_lines), ("html", "AtPeak", at_peak_html),

@@ -2003,8 +2003,19 @@ class Tracker:
         wrapper.tracker = self
         return wrapper
 
-    def _repr_html_(self):
+    def to_text(self):
+        """The block's report as text (a snapshot while the block is open), or why there is none."""
+        return render("text", self)
+
+    def to_html(self):
+        """The same as HTML: the notebook's view of the Tracker."""
         return render("html", self)
+
+    def __str__(self):
+        return self.to_text()
+
+    def _repr_html_(self):
+        return self.to_html()
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"

@@ -22,6 +22,7 @@ __all__ = [
     "SUMMARY_HEADER",
     "PHASE_HEADER",
     "MODULE_TREE_HEADER",
+    "RECOMPUTE_HEADER",
     "MODEL_MEMORY_HEADER",
     "PEAK_ABOVE_START",
     "PEAK_ABOVE_BLOCK_START",
@@ -74,6 +75,9 @@ PEAK_ABOVE_PHASE_START = "peak above phase start"
 SUMMARY_HEADER = ("figure", "bytes", "detail")
 PHASE_HEADER = ("phase", "calls", "delta", PEAK_ABOVE_PHASE_START, "time")
 MODULE_TREE_HEADER = ("calls", "left alive (activations)", "peak inside")
+# the module tree's two more columns when a forward ran again in backward (torch.utils.checkpoint):
+# its recomputations (a count, as "calls") and the bytes they left alive for the backward
+RECOMPUTE_HEADER = ("recomputed calls", "left alive by recomputing")
 # "param count" counts elements; "parameters" is their bytes.
 MODEL_MEMORY_HEADER = ("param count", "parameters", "buffers", "gradients", "optimizer state", "total")
 # ModelMemory's totals under the table: a category key -> the word of its column above (other
