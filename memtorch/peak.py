@@ -48,8 +48,9 @@ def module_of(name, kind, modules):
     return "" if "" in modules else None
 
 
-OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
-OTHER_THREADS = "other threads (allocated by threads with no block open)"
+# the groups' names have no parentheses of their own: an owner prints as "name (kind, N storages)"
+OTHER_IN_BLOCK = "other, allocated in the block outside its phases"
+OTHER_THREADS = "other threads, allocated by threads with no block open"
 
 
 def owner_label(row, phase, rows):
@@ -198,16 +199,16 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         )
     if pre_rest:
         what = "allocated before the block" if not dropped else "allocated before the oldest event kept"
-        add(f"other ({what}, not identified)", "other", None, pre_rest, group=True)
+        add(f"other, {what}, not identified", "other", None, pre_rest, group=True)
     if at != peak:
-        add("not replayed (the log missed the peak)", "other", None, int(peak) - at, group=True)
+        add("not replayed: the log missed the peak", "other", None, int(peak) - at, group=True)
     return AtPeak(int(peak), list(owners.values()), storages, exact, notes, {r[0]: r[1] for r in rows})
 
 
 # --- CUDA: the caching allocator's own trace (memtorch._cuda_trace) -------------
 
-WORKSPACE = "cuBLAS workspace (kept by cuBLAS for the process)"
-WORKSPACE_LT = "cuBLASLt workspace (kept by cuBLAS for the process)"
+WORKSPACE = "cuBLAS workspace, kept by cuBLAS for the process"
+WORKSPACE_LT = "cuBLASLt workspace, kept by cuBLAS for the process"
 
 
 def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, rows, t0_ns=None, t1_ns=None,
@@ -291,7 +292,7 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
             f"{units.format(abs(pre_total + in_block - at))} at the block's start"
         )
     if pre_rest:
-        add("other (allocated before the block, not identified)", "other", None, pre_rest, group=True)
+        add("other, allocated before the block, not identified", "other", None, pre_rest, group=True)
     if r.estimated:
         exact = False
         notes.append(
@@ -311,7 +312,7 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
                 f"the allocator's history reaches {units.format(at)} at its highest, the counters "
                 f"{units.format(reported)}: the difference is not replayed"
             )
-            add("not replayed (the history missed the peak)", "other", None, reported - at, group=True)
+            add("not replayed: the history missed the peak", "other", None, reported - at, group=True)
     elif at >= reported:
         notes.append(
             "the counters only bound this block's peak (it stayed below an older peak of the device): "

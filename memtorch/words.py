@@ -56,9 +56,10 @@ ESTIMATE_CATEGORIES = (
     "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace",
 )  # fmt: skip
 
-# at_peak's owner kinds (Owner.kind), as tables print them: the same words as the categories above.
+# at_peak's owner kinds (Owner.kind), as tables print them: the same words as the categories above
+# (workspace: a CUDA block's cuBLAS/cuBLASLt workspaces).
 AT_PEAK_KINDS = (
-    "parameter", "gradient", "optimizer state", "buffer", "input", "activation", "temporary", "other",
+    "parameter", "gradient", "optimizer state", "buffer", "input", "activation", "temporary", "workspace", "other",
 )  # fmt: skip
 
 # at_peak's groups of unnamed storages made in a phase outside any module's forward. An owner prints
