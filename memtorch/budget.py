@@ -313,7 +313,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         width = max(len(str(n)) for n in phases)
         for name, ph in phases.items():
             lines.append(
-                f"    {name!s:<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above its "
+                f"    {name!s:<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above phase "
                 f"start, delta {_fmt(_get(ph, 'delta'), signed=True)}"
             )
     rows = list(_get(report, "modules") or [])
@@ -328,7 +328,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
             label = words.module_label(_get(row, "name", "?"), _get(row, "type", "?"))
             lines.append(
                 f"    {label}: activations {_fmt(_get(row, 'activation_bytes'))}, "
-                f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its start"
+                f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its entry"
             )
     at_peak = _get(report, "at_peak")
     if at_peak is not None:
