@@ -11,6 +11,12 @@ Regenerate the files after a deliberate change of what a report prints, and revi
 
     python -m pytest tests/test_golden.py --update-golden
 
+Besides the reports of memtorch's calls on the CPU: a Tracker (what a notebook shows for ``t``) of a
+step with torch.utils.checkpoint; a CUDA at_peak replayed from a shipped H200 trace (tests/data/h200,
+the hooks' marks made from the trace as tests/test_cuda_at_peak.py makes them; its peak is the
+device's own max_memory_allocated()); a checkpointed and a sharded (zero3 on 2 ranks) estimate; the
+Mermaid class and ER diagrams (plain text: no HTML of their own; checked against the CLI's output).
+
 What is not golden: wall-clock times. A track() block's ``seconds`` and its phases' ``seconds`` and a
 plan's ``seconds`` are the only figures of these reports that vary between runs; the builders below set
 them to fixed values (``_fix_times``) before rendering, so the files show how a time is printed without
