@@ -40,7 +40,7 @@ def main():
             opt.step()
             opt.zero_grad()
             t.step()
-    print(f"rank {rank}: peak {memtorch.units.format(t.report.peak_above_start)} above start", flush=True)
+    print(f"rank {rank}: peak {memtorch.units.format(t.report.peak_above_start)} above block start", flush=True)
     multi = t.report.gather()  # every rank calls it; the report lands on rank 0
     if rank == 0:
         print(multi)

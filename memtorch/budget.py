@@ -296,7 +296,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         how = "counters that bound the peak" + ("" if upper is None else f": at most {_fmt(upper)}")
     lines.append(f"memtorch breakdown (device {device}, {how})")
     lines.append(
-        "  start {}, end {} (delta {}), peak {} ({} above start)".format(
+        "  start {}, end {} (delta {}), peak {} ({} above block start)".format(
             _fmt(_get(report, "start")),
             _fmt(_get(report, "end")),
             _fmt(_get(report, "delta"), signed=True),
@@ -313,7 +313,7 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         width = max(len(str(n)) for n in phases)
         for name, ph in phases.items():
             lines.append(
-                f"    {name!s:<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above its "
+                f"    {name!s:<{width}}  peak {_fmt(_get(ph, 'peak_above_start'), signed=True)} above phase "
                 f"start, delta {_fmt(_get(ph, 'delta'), signed=True)}"
             )
     rows = list(_get(report, "modules") or [])
@@ -325,10 +325,10 @@ def breakdown(report, modules=5, tensors=5, owners=5):
         rows.sort(key=held, reverse=True)
         lines.append(f"  modules that hold the most (top {min(modules, len(rows))} of {len(rows)}):")
         for row in rows[:modules]:
-            label = f"{words.root_or(_get(row, 'name', '?'))} ({_get(row, 'type', '?')})"
+            label = words.module_label(_get(row, "name", "?"), _get(row, "type", "?"))
             lines.append(
                 f"    {label}: activations {_fmt(_get(row, 'activation_bytes'))}, "
-                f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its start"
+                f"peak {_fmt(_get(row, 'peak_above_start'), signed=True)} above its entry"
             )
     at_peak = _get(report, "at_peak")
     if at_peak is not None:

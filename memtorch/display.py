@@ -478,9 +478,9 @@ def _totals(mm):
         lines.append(("logical", _fmt(mm.logical) + f"  ({mm.logical:,} B, numel x element size)"))
     n_all, n_train = _param_counts(mm)
     if n_all or "parameter" in mm.by_category:
-        lines.append(("parameter count", f"{_count(n_all)} elements, {_count(n_train)} trainable"))
+        lines.append((words.MODEL_MEMORY_HEADER[0], f"{_count(n_all)} elements, {_count(n_train)} trainable"))
     for name, b in mm.by_category.items():
-        lines.append((words.label(name), _fmt(b)))
+        lines.append((words.MODEL_MEMORY_TOTALS.get(name, words.label(name)), _fmt(b)))
     by_cat = mm.by_category
     if "parameter" in by_cat:
         lines.append(("trainable", _fmt(mm.trainable)))
@@ -563,7 +563,7 @@ def _totals_html(lines):
 _TR_HEADER = list(words.MODULE_TREE_HEADER)
 _TR_AGG = ["sum", "sum", "max"]
 # with recomputations (torch.utils.checkpoint): their calls and what they left alive, apart
-_TR_AGAIN = ["recomputed", "left alive by recomputing"]
+_TR_AGAIN = list(words.RECOMPUTE_HEADER)
 
 
 def _tr_again(report):
@@ -736,7 +736,9 @@ def _at_peak_groups(at_peak):
         else:
             mods[m] = mods.get(m, 0) + o.nbytes
     by_kind = sorted(((b, words.label(k)) for k, b in kinds.items() if b), key=lambda r: (-r[0], r[1]))
-    by_mod = [(b, words.root_or(m)) for m, b in mods.items() if b] + ([(outside, _OUTSIDE_MODULES)] if outside else [])
+    types = getattr(at_peak, "module_types", None) or {}
+    by_mod = [(b, words.module_label(m, types[m]) if m in types else words.root_or(m)) for m, b in mods.items() if b]
+    by_mod += [(outside, _OUTSIDE_MODULES)] if outside else []
     return by_kind, sorted(by_mod, key=lambda r: (-r[0], r[1]))
 
 
@@ -874,7 +876,8 @@ def tracker_html(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
     """A Tracker shows its report (a snapshot while the block is open), or why there is none."""
     r = _tracker_state(tracker)
     if isinstance(r, Exception):
-        return f'<div class="memtorch memtorch-tracker"><p>memtorch.track on {_e(_device_of(tracker))}: {_e(r)}</p></div>'
+        where = _e(_device_of(tracker))
+        return f'<div class="memtorch memtorch-tracker"><p>memtorch.track on {where}: {_e(r)}</p></div>'
     return track_report_html(r, depth, max_rows)
 
 

@@ -1058,7 +1058,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         kept.append((ledger, hooks, facts, one_process))
     return Estimate(
         device=device, precision=precision, optimizer=facts["optimizer_name"], world_size=world_size,
-        sharding=sharding, peak=peak, steady=steady, breakdown={k: v for k, v in breakdown.items()},
+        sharding=sharding, checkpointing=checkpointing, peak=peak, steady=steady,
+        breakdown={k: v for k, v in breakdown.items()},
         model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
         reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, fsdp_units=fsdp_units,
         peak_upper=peak_upper, notes=notes, seconds=seconds,

@@ -66,9 +66,10 @@ def _esc(text, member=False):
 
 
 def _bytes(n):
-    """'16 B', or '392.0 KiB (401408 B)': the binary unit with the exact count."""
+    """'16 B', or '392.0 KiB (401,408 B)': the binary unit with the exact count (separated as the
+    reports print it)."""
     n = int(n)
-    return f"{n} B" if abs(n) < 1024 else f"{units.format(n)} ({n} B)"
+    return f"{n} B" if abs(n) < 1024 else f"{units.format(n)} ({n:,} B)"
 
 
 def _names_label(names):
@@ -370,7 +371,7 @@ def _class_diagram(root, nodes, mm, size, limit, memory):
                 groups[sig].setdefault((c.alias_of is not None, target), []).append(c)
 
     lines = ["classDiagram"]
-    total_line = f"model total {_bytes(mm.total)}, {mm.numel} parameter elements" if memory else None
+    total_line = f"model total {_bytes(mm.total)}, {mm.numel:,} parameter elements" if memory else None
     for sig, inst in classes.items():
         if sig in stateless:
             continue
@@ -525,9 +526,9 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
         lines.append(attr("string", "type", node.type))
         if node is root and memory:
             lines.append(attr("int", "total", _bytes(mm.total) + ", each storage once"))
-            lines.append(attr("int", "parameters", f"{mm.numel} elements"))
+            lines.append(attr("int", "param_count", f"{mm.numel:,} elements"))
         elif node is root:
-            lines.append(attr("int", "parameters", f"{mm.numel} elements"))
+            lines.append(attr("int", "param_count", f"{mm.numel:,} elements"))
         if memory:
             lines.append(attr("int", "own", _bytes(node.own) + (" each" if mult > 1 else "")))
             if node.children:

@@ -16,7 +16,7 @@ The groups add up to the peak: bytes counted live before the block opened and
 never named are one group ("allocated before the block, not identified").
 """
 
-from . import cpu, units
+from . import cpu, units, words
 from .reports.peak import AtPeak, Owner, StorageAtPeak, where  # the result types' home; old names stay
 
 __all__ = ["AtPeak", "Owner", "StorageAtPeak", "attribute", "TAG_BITS"]
@@ -48,8 +48,9 @@ def module_of(name, kind, modules):
     return "" if "" in modules else None
 
 
-OTHER_IN_BLOCK = "other (allocated in the block outside its phases)"
-OTHER_THREADS = "other threads (allocated by threads with no block open)"
+# the groups' names have no parentheses of their own: an owner prints as "name (kind, N storages)"
+OTHER_IN_BLOCK = "other, allocated in the block outside its phases"
+OTHER_THREADS = "other threads, allocated by threads with no block open"
 
 
 def owner_label(row, phase, rows):
@@ -59,13 +60,13 @@ def owner_label(row, phase, rows):
     if 0 <= row < len(rows):
         mod = rows[row]
         if len(mod) > 2 and mod[2] == "recomputed":  # a forward autograd ran again during backward
-            return f"recomputed activations of {mod[0] or '(model)'} ({mod[1]}), backward", "activation"
-        label = f"activations of {mod[0] or '(model)'} ({mod[1]})"
+            return f"recomputed activations of {words.module_label(mod[0], mod[1])}, backward", "activation"
+        label = f"activations of {words.module_label(mod[0], mod[1])}"
         return (label if phase in (None, "forward") else f"{label}, {phase}"), "activation"
     if phase == "backward":
-        return "backward temporaries (not gradients)", "temporary"
+        return words.BACKWARD_TEMPORARIES, "temporary"
     if phase == "optimizer":
-        return "optimizer temporaries (not its state)", "temporary"
+        return words.OPTIMIZER_TEMPORARIES, "temporary"
     if phase == "forward":
         return "forward, outside any module", "activation"
     return OTHER_IN_BLOCK, "other"
@@ -198,16 +199,16 @@ def attribute(replayed, queries, kept, dropped, peak, snapshots, sizes_now, toke
         )
     if pre_rest:
         what = "allocated before the block" if not dropped else "allocated before the oldest event kept"
-        add(f"other ({what}, not identified)", "other", None, pre_rest, group=True)
+        add(f"other, {what}, not identified", "other", None, pre_rest, group=True)
     if at != peak:
-        add("not replayed (the log missed the peak)", "other", None, int(peak) - at, group=True)
-    return AtPeak(int(peak), list(owners.values()), storages, exact, notes)
+        add("not replayed: the log missed the peak", "other", None, int(peak) - at, group=True)
+    return AtPeak(int(peak), list(owners.values()), storages, exact, notes, {r[0]: r[1] for r in rows})
 
 
 # --- CUDA: the caching allocator's own trace (memtorch._cuda_trace) -------------
 
-WORKSPACE = "cuBLAS workspace (kept by cuBLAS for the process)"
-WORKSPACE_LT = "cuBLASLt workspace (kept by cuBLAS for the process)"
+WORKSPACE = "cuBLAS workspace, kept by cuBLAS for the process"
+WORKSPACE_LT = "cuBLASLt workspace, kept by cuBLAS for the process"
 
 
 def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, rows, t0_ns=None, t1_ns=None,
@@ -291,7 +292,7 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
             f"{units.format(abs(pre_total + in_block - at))} at the block's start"
         )
     if pre_rest:
-        add("other (allocated before the block, not identified)", "other", None, pre_rest, group=True)
+        add("other, allocated before the block, not identified", "other", None, pre_rest, group=True)
     if r.estimated:
         exact = False
         notes.append(
@@ -311,11 +312,11 @@ def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, 
                 f"the allocator's history reaches {units.format(at)} at its highest, the counters "
                 f"{units.format(reported)}: the difference is not replayed"
             )
-            add("not replayed (the history missed the peak)", "other", None, reported - at, group=True)
+            add("not replayed: the history missed the peak", "other", None, reported - at, group=True)
     elif at >= reported:
         notes.append(
             "the counters only bound this block's peak (it stayed below an older peak of the device): "
             f"the allocator's history gives it, {units.format(at)}"
         )
         reported = at
-    return AtPeak(reported, list(owners.values()), storages, exact, notes)
+    return AtPeak(reported, list(owners.values()), storages, exact, notes, {r[0]: r[1] for r in rows})

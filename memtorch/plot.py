@@ -197,7 +197,7 @@ def modules(report, top=15, ax=None, title=None):
     leaves = set(_leaf_modules(m.name for m in mods))
     rows = sorted((m for m in mods if m.name in leaves), key=lambda m: -m.activation_bytes)
     shown, rest = rows[:top], rows[top:]
-    labels = [f"{words.root_or(m.name)} ({m.type})" for m in shown]
+    labels = [words.module_label(m.name, m.type) for m in shown]
     vals = [m.activation_bytes for m in shown]
     if rest:
         labels.append(f"{len(rest)} other module(s)")
@@ -221,7 +221,7 @@ def _mm_modules(mm, top, ax, title):
     _require("modules", **{"no module holds any tensor": bool(rows)})
     rows.sort(key=lambda m: -m.own)
     shown, rest = rows[:top], rows[top:]
-    labels = [f"{words.root_or(m.name)} ({m.type})" for m in shown]
+    labels = [words.module_label(m.name, m.type) for m in shown]
     data = [[m.parameters, m.buffers, m.gradients, m.optimizer_state] for m in shown]
     if rest:
         labels.append(f"{len(rest)} other module(s)")

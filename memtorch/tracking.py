@@ -1968,14 +1968,20 @@ class Tracker:
         wrapper.tracker = self  # type: ignore[attr-defined]  # f.tracker: the decorator's Tracker
         return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature
 
-    def __str__(self) -> str:
+    def to_text(self) -> str:
         """print(t): its report after the block; inside it, a snapshot that says the block is still
         running (figures so far); before it, or after a block that raised, why there is no report."""
         return render("text", self)
 
-    def _repr_html_(self) -> str:
-        """The notebook's view: what __str__ shows, as HTML."""
+    def to_html(self) -> str:
+        """The same as HTML: the notebook's view of the Tracker."""
         return render("html", self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"

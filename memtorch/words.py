@@ -22,10 +22,15 @@ __all__ = [
     "SUMMARY_HEADER",
     "PHASE_HEADER",
     "MODULE_TREE_HEADER",
+    "RECOMPUTE_HEADER",
     "MODEL_MEMORY_HEADER",
     "PEAK_ABOVE_START",
     "PEAK_ABOVE_BLOCK_START",
     "PEAK_ABOVE_PHASE_START",
+    "BACKWARD_TEMPORARIES",
+    "OPTIMIZER_TEMPORARIES",
+    "module_label",
+    "MODEL_MEMORY_TOTALS",
 ]
 
 # The root module's row in every table, budget message and listing (its dotted name is "").
@@ -51,10 +56,16 @@ ESTIMATE_CATEGORIES = (
     "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace",
 )  # fmt: skip
 
-# at_peak's owner kinds (Owner.kind), as tables print them: the same words as the categories above.
+# at_peak's owner kinds (Owner.kind), as tables print them: the same words as the categories above
+# (workspace: a CUDA block's cuBLAS/cuBLASLt workspaces).
 AT_PEAK_KINDS = (
-    "parameter", "gradient", "optimizer state", "buffer", "input", "activation", "temporary", "other",
+    "parameter", "gradient", "optimizer state", "buffer", "input", "activation", "temporary", "workspace", "other",
 )  # fmt: skip
+
+# at_peak's groups of unnamed storages made in a phase outside any module's forward. An owner prints
+# as "name (kind)": a name with no parentheses of its own reads without doubled ones.
+BACKWARD_TEMPORARIES = "backward temporaries, not gradients"
+OPTIMIZER_TEMPORARIES = "optimizer temporaries, not its state"
 
 # Column titles. Every "peak" title says what it is above: "peak above block start" (peak - the
 # block's start: TrackReport.peak_above_start), "peak above phase start" (a phase table: above
@@ -65,8 +76,14 @@ PEAK_ABOVE_PHASE_START = "peak above phase start"
 SUMMARY_HEADER = ("figure", "bytes", "detail")
 PHASE_HEADER = ("phase", "calls", "delta", PEAK_ABOVE_PHASE_START, "time")
 MODULE_TREE_HEADER = ("calls", "left alive (activations)", "peak inside")
+# the module tree's two more columns when a forward ran again in backward (torch.utils.checkpoint):
+# its recomputations (a count, as "calls") and the bytes they left alive for the backward
+RECOMPUTE_HEADER = ("recomputed calls", "left alive by recomputing")
 # "param count" counts elements; "parameters" is their bytes.
 MODEL_MEMORY_HEADER = ("param count", "parameters", "buffers", "gradients", "optimizer state", "total")
+# ModelMemory's totals under the table: a category key -> the word of its column above (other
+# categories, which have no column, print as label() spells them)
+MODEL_MEMORY_TOTALS = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients"}
 
 
 def label(name):
@@ -82,6 +99,11 @@ def key(name):
 def root_or(name):
     """A module's dotted name, or ROOT for the root module (name '')."""
     return name or ROOT
+
+
+def module_label(name, type_name):
+    """A module as a list names it, with its type: '0 (Linear)', '(model) (Sequential)'."""
+    return f"{root_or(name)} ({type_name})"
 
 
 def sibling_run(first, last, n=2):

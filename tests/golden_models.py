@@ -47,3 +47,26 @@ def lm_batch():
 
 
 LM_INPUT_FLAGS = ["--input", f"input_ids={BATCH}x{SEQ}:int64", "--input", f"labels={BATCH}x{SEQ}:int64"]
+
+
+class Checkpointed(nn.Module):
+    """Two blocks Linear(64, 64), ReLU, each run under torch.utils.checkpoint (non-reentrant: its
+    activations recomputed in backward), then Linear(64, 10) (float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(2))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def mlp_checkpointed():
+    """Checkpointed(), from a fixed seed."""
+    torch.manual_seed(0)
+    return Checkpointed()

@@ -101,7 +101,7 @@ def test_after_a_nested_block_the_outer_block_keeps_its_phase():
         opt.step()
     at = outer.report.at_peak
     nbytes = kept.untyped_storage().nbytes()
-    assert at["backward temporaries (not gradients)"] >= nbytes
+    assert at["backward temporaries, not gradients"] >= nbytes
     assert OTHER not in at or at[OTHER] < nbytes
     del kept
 

@@ -113,7 +113,7 @@ def test_breakdown_lists_phases_modules_and_largest_tensors():
         per_step=0,
     )
     text = breakdown(r)
-    assert "    forward  peak +2.0 KiB above its start, delta +1.0 KiB" in text
+    assert "    forward  peak +2.0 KiB above phase start, delta +1.0 KiB" in text
     # fc2 holds more (4096 > 512) and is listed first.
     assert text.index("fc2 (Linear)") < text.index("fc1 (Linear)")
     assert "    32.0 KiB  (64, 128) float32, holds autograd graph" in text

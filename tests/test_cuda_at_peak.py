@@ -255,7 +255,7 @@ def test_mlp_owners_at_the_peak_against_hand_counts():
     # temporary per parameter (torch._foreach_sqrt of exp_avg_sq), each as large as the parameters
     assert k["gradient"] == params
     assert k["optimizer state"] == 2 * params
-    assert k["temporary"] == params and at["optimizer temporaries (not its state)"] == params
+    assert k["temporary"] == params and at["optimizer temporaries, not its state"] == params
     # cuBLAS: a 32 MiB workspace per handle (the forward's thread and the autograd engine's),
     # and cuBLASLt's 1 MiB (F.linear with a bias)
     assert at[mpeak.WORKSPACE] == 2 * 32 * MiB
@@ -308,7 +308,7 @@ def test_resnet18_owners_at_the_peak_against_hand_counts():
     # what the forward saved for the backward, and the backward's own temporaries
     assert k["activation"] > 0 and k["temporary"] > 0
     assert at[mpeak.WORKSPACE] == 2 * 32 * MiB  # the fc layer's matmul, forward and backward
-    assert at["backward temporaries (not gradients)"] == k["temporary"]
+    assert at["backward temporaries, not gradients"] == k["temporary"]
 
 
 def test_user_history_window_leaves_out_events_before_the_block():
@@ -414,7 +414,7 @@ def test_track_on_cuda_names_activations_and_restores_the_history(fake_history):
     assert at is not None and at.exact, at and at.notes
     assert at.peak == at.total == r.peak == 15 * MiB
     assert at["activations of 0 (Keeps)"] == 3 * MiB and at["activations of 1 (Keeps)"] == 5 * MiB
-    assert at["backward temporaries (not gradients)"] == 7 * MiB
+    assert at["backward temporaries, not gradients"] == 7 * MiB
     # the history was off before the block: on for the block, then off (and cleared) again
     assert h.calls == ["all", None] and not h.on and h.trace == []
     h.free(tmp)

@@ -101,12 +101,12 @@ def test_class_diagram_of_the_seed_model():
     assert 'class Linear_2["Linear (fc2)"] {' in lines
     # Bytes by hand: 128*784*4, 128*4, 10*128*4, 10*4.
     body = decode(text)
-    assert "+weight float32[128, 784] 392.0 KiB (401408 B)" in body
+    assert "+weight float32[128, 784] 392.0 KiB (401,408 B)" in body
     assert "+bias float32[128] 512 B" in body
-    assert "+weight float32[10, 128] 5.0 KiB (5120 B)" in body
+    assert "+weight float32[10, 128] 5.0 KiB (5,120 B)" in body
     assert "+bias float32[10] 40 B" in body
     assert (
-        f"model total 397.5 KiB ({401408 + 512 + 5120 + 40} B), {128 * 784 + 128 + 1280 + 10} parameter"
+        f"model total 397.5 KiB ({401408 + 512 + 5120 + 40:,} B), {128 * 784 + 128 + 1280 + 10:,} parameter"
         in body
     )
     assert "SimpleModel *-- Linear : fc1" in lines
@@ -117,7 +117,7 @@ def test_figures_come_from_inspect():
     model = transformer(3)
     mm = memtorch.inspect(model)
     body = decode(memtorch.diagram(model))
-    assert f"model total {memtorch.units.format(mm.total)} ({mm.total} B)" in body
+    assert f"model total {memtorch.units.format(mm.total)} ({mm.total:,} B)" in body
     assert mm.total == storage_bytes(*model.parameters())
 
 
@@ -131,7 +131,7 @@ def test_repeated_blocks_collapse_to_one_class_and_one_arrow():
     assert '    ModuleList *-- "12" TransformerEncoderLayer : 0-11 x 12' in text.splitlines()
     # All 12 layers together: the bytes of their storages, each once, as torch counts them.
     together = storage_bytes(*model.layers.parameters())
-    assert f"x 12 instances: {memtorch.units.format(together)} ({together} B) together" in decode(text)
+    assert f"x 12 instances: {memtorch.units.format(together)} ({together:,} B) together" in decode(text)
 
 
 def test_er_collapses_runs_and_counts_the_run_once():
@@ -140,9 +140,9 @@ def test_er_collapses_runs_and_counts_the_run_once():
     assert text.startswith("erDiagram\n")
     assert 'MODULE layers.0-11: TransformerEncoderLayer x 12"]' in text
     one = storage_bytes(*model.layers[0].parameters())
-    assert f'int subtree "{memtorch.units.format(one)} ({one} B) each"' in text
+    assert f'int subtree "{memtorch.units.format(one)} ({one:,} B) each"' in text
     together = storage_bytes(*model.layers.parameters())
-    assert f'int all "{memtorch.units.format(together)} ({together} B) for the 12 together"' in text
+    assert f'int all "{memtorch.units.format(together)} ({together:,} B) for the 12 together"' in text
     # Inside the run, each parameter is drawn once with its count.
     assert "PARAMETER layers.0-11.linear1.weight x 12" in text
     assert text.count("linear1.weight") == 1
@@ -250,7 +250,7 @@ def test_meta_model_and_empty_model():
     with torch.device("meta"):
         model = SimpleModel()
     text = decode(memtorch.diagram(model))
-    assert "+weight float32[128, 784] 392.0 KiB (401408 B)" in text
+    assert "+weight float32[128, 784] 392.0 KiB (401,408 B)" in text
     empty = decode(memtorch.diagram(nn.Module(), kind="er"))
     assert 'MODEL["MODEL Module"]' in empty and 'int total "0 B' in empty
 

@@ -130,7 +130,7 @@ def test_the_report_lives_on_dst_only(basic):
 def test_text_and_dict(basic):
     text = basic[0]["text"]
     assert "2 rank(s)" in text
-    assert "rank 1 holds the most, peak 512.0 KiB above its start" in text
+    assert "rank 1 holds the most, peak 512.0 KiB above its block start" in text
     assert "256.0 KiB" in text and "imbalance: highest / mean = 1.333" in text
     d = basic[0]["dict"]
     assert d["world_size"] == 2 and d["max_rank"] == 1

@@ -179,9 +179,9 @@ def test_other_threads_allocations_flag_at_peak_phases_and_modules():
 
     assert ap[OTHER_THREADS] == 256 * 1024 * 4
     # each live storage under one owner: the owners add up to the peak (the other thread's 1 MiB was
-    # once counted twice, as "other threads" and again as "other (allocated in the block ...)")
+    # once counted twice, as "other threads" and again as "other, allocated in the block ...")
     assert sum(o.nbytes for o in ap.owners) == ap.peak
-    assert not any(o.name.startswith("other (allocated in the block") for o in ap.owners if o.nbytes)
+    assert not any(o.name.startswith("other, allocated in the block") for o in ap.owners if o.nbytes)
     assert not any(o.kind in ("activation", "temporary") and o.nbytes >= 256 * 1024 * 4 for o in ap.owners)
     for m in r.modules:
         assert not m.exact and "other threads" in m.why

@@ -11,6 +11,12 @@ Regenerate the files after a deliberate change of what a report prints, and revi
 
     python -m pytest tests/test_golden.py --update-golden
 
+Besides the reports of memtorch's calls on the CPU: a Tracker (what a notebook shows for ``t``) of a
+step with torch.utils.checkpoint; a CUDA at_peak replayed from a shipped H200 trace (tests/data/h200,
+the hooks' marks made from the trace as tests/test_cuda_at_peak.py makes them; its peak is the
+device's own max_memory_allocated()); a checkpointed and a sharded (zero3 on 2 ranks) estimate; the
+Mermaid class and ER diagrams (plain text: no HTML of their own; checked against the CLI's output).
+
 What is not golden: wall-clock times. A track() block's ``seconds`` and its phases' ``seconds`` and a
 plan's ``seconds`` are the only figures of these reports that vary between runs; the builders below set
 them to fixed values (``_fix_times``) before rendering, so the files show how a time is printed without
@@ -83,6 +89,23 @@ def _track_mlp(leak):
     return report
 
 
+def tracker_checkpointed():
+    """The Tracker (what a notebook shows for ``t``) of three Adam steps of golden_models.Checkpointed:
+    two blocks under torch.utils.checkpoint, recomputed in backward."""
+    gc.collect()
+    model = gm.mlp_checkpointed()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.ones(8, 64)
+    with memtorch.track(model, optimizer=opt) as t:
+        for _ in range(3):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            t.step()
+    _fix_times(t.report)  # the Tracker shows this report: its times fixed in place
+    return t
+
+
 def multi_rank_mlp():
     """Two ranks' figures as gather() makes them (memtorch.distributed.figures, through JSON): rank 0 the
     MLP's step, rank 1 the same step with the leak."""
@@ -111,6 +134,7 @@ TRACKED = {
     "at_peak": ("mlp_adam", lambda: track_mlp().at_peak),
     "leak": ("mlp_adam_kept_loss", lambda: track_mlp(leak=True).leak),
     "multirank": ("mlp_adam", multi_rank_mlp),
+    "tracker": ("mlp_checkpointed_adam", tracker_checkpointed),
 }
 MLP_START = (64 * 128 + 128 + 128 * 10 + 10) * 4 + 8 * 64 * 4  # parameters 38,440 + batch 2,048 = 40,488 bytes
 
@@ -127,6 +151,10 @@ def child_main():
             report = build()
             text = report.to_text()
             assert str(report) == text, "str(report) != report.to_text()"
+            if isinstance(report, memtorch.tracking.Tracker):  # the Tracker shows its report, as it is
+                assert text == report.report.to_text(), "the Tracker's text is not its report's"
+                assert report.to_html() == report._repr_html_() == report.report.to_html()
+                report = report.report
             check_same_content(report, text)
             out[kind] = {"text": text, "error": None}
             if kind == "track":
@@ -169,7 +197,30 @@ CASES = {
     "estimate": ("gpt2_32", lambda: memtorch.estimate(gm.gpt2_32(), gm.lm_batch(), **ESTIMATE_KW), True),
     "plan": ("gpt2_2", plan_gpt2, True),
     "advise": ("gpt2_2", lambda: memtorch.advise(gm.gpt2_2(), gm.lm_batch(), **ADVISE_KW), True),
+    # the GPT-2 blocks recomputed in backward (torch.utils.checkpoint), on the CPU's rules
+    "estimate_checkpointed": ("gpt2_2", lambda: memtorch.estimate(
+        gm.gpt2_2(), gm.lm_batch(), device="cpu", checkpointing="blocks"), True),  # fmt: skip
+    # per rank on 2 GPUs, FSDP2 (zero3): the per-rank table and the CUDA model's notes
+    "estimate_zero3": ("gpt2_2", lambda: memtorch.estimate(
+        gm.gpt2_2(), gm.lm_batch(), device="cuda", world_size=2, sharding="zero3"), True),  # fmt: skip
+    # a CUDA block's owners at its peak, from the shipped H200 trace of the MLP's two Adam steps
+    "at_peak_cuda": ("mlp_fp32_h200", lambda: cuda_at_peak_mlp(), False),
 }
+
+
+def cuda_at_peak_mlp():
+    """AtPeak of tests/data/h200/mlp-fp32 (two Adam steps of Linear(1024, 4096), ReLU, Linear(4096, 4096),
+    ReLU, Linear(4096, 1000) on an H200), replayed from the allocator's history as a CUDA track() block
+    does, the hooks' marks and names made from the trace as tests/test_cuda_at_peak.py makes them (its
+    hand counts check the owners; here: the peak is the device's own max_memory_allocated())."""
+    import test_cuda_at_peak as tc
+
+    snap, marks, walks, rows = tc._synth("mlp-fp32", tc._mlp_rows)
+    start = sum(b for _, b, _, _ in tc.ct.replay(snap).pre_live)
+    true_peak = tc._truth("mlp-fp32")["true_peak"]
+    at = tc.mpeak.attribute_cuda(snap, 0, start, true_peak, True, marks, walks, rows, workspaces=tc.WS)
+    assert at.exact and at.peak == at.total == true_peak, (at.notes, at.peak, true_peak)
+    return at
 
 
 def _case(kind):
@@ -267,6 +318,16 @@ def test_golden(request, kind):
     assert str(report) == text
     check_golden(request, golden_path(kind, model), text)
     check_same_content(report, text)
+
+
+@pytest.mark.parametrize("kind", ["class", "er"])
+def test_golden_diagram(request, kind):
+    """memtorch.diagram's Mermaid text of golden_models.Checkpointed (a ModuleList of two identical
+    blocks, a head): the file, and what `memtorch diagram --kind` prints."""
+    text = memtorch.diagram(gm.mlp_checkpointed(), kind=kind)
+    check_golden(request, golden_path(f"diagram_{kind}", "mlp_checkpointed"), text)
+    code, out = _cli(["diagram", f"{MODELS_FILE}:mlp_checkpointed", "--kind", kind, "--quiet"])
+    assert code == 0 and out == (text if text.endswith("\n") else text + "\n")
 
 
 def test_figures_reads_units():

@@ -166,10 +166,10 @@ def test_closure_step_at_peak_names_the_update():
     assert by["optimizer state"] == ADAM_STATE
     owners = {(o.name, o.kind): o.nbytes for o in closed.owners}
     # the update's temporaries are the optimizer's, as in the plain loop (they were "backward temporaries")
-    assert owners[("optimizer temporaries (not its state)", "temporary")] == {
+    assert owners[("optimizer temporaries, not its state", "temporary")] == {
         (o.name, o.kind): o.nbytes for o in plain.owners
-    }[("optimizer temporaries (not its state)", "temporary")]
-    assert owners.get(("backward temporaries (not gradients)", "temporary"), 0) < 64
+    }[("optimizer temporaries, not its state", "temporary")]
+    assert owners.get(("backward temporaries, not gradients", "temporary"), 0) < 64
 
 
 def test_lbfgs_calls_its_closure_many_times(hook_path):
@@ -550,7 +550,7 @@ def test_lightning_callback_phases_are_the_plain_loops():
         assert p["optimizer"][1] == ADAM_STATE  # 0 B before: the update was filed as backward
         assert p["optimizer"][2] == q["optimizer"][2]
         owners = {(o.name, o.kind): o.nbytes for o in r.at_peak.owners}
-        assert owners.get(("backward temporaries (not gradients)", "temporary"), 0) < 64
+        assert owners.get(("backward temporaries, not gradients", "temporary"), 0) < 64
 
 
 @needs_pl

@@ -140,7 +140,7 @@ def test_at_peak_by_module_is_each_modules_gradients_and_state_at_the_peak():
 
 
 def test_at_peak_text_answers_per_kind_then_module_then_tensor():
-    _, _, r = _mlp_step()
+    model, _, r = _mlp_step()
     ap = r.at_peak
     lines = ap.lines(limit=4)
     heads = [i for i, line in enumerate(lines) if not line.startswith(" ")]
@@ -148,7 +148,10 @@ def test_at_peak_text_answers_per_kind_then_module_then_tensor():
     kinds = lines[heads[0] + 1 : heads[1]]
     assert [line.split(None, 2)[2] for line in kinds] == [words.label(k) for k, b in ap.by_kind().items() if b]
     mods = lines[heads[1] + 1 : heads[2]]
-    expected = [words.root_or(m) for m in ap.by_module()] + ["outside any module (inputs, temporaries, other)"]
+    # each module named with its type, as the other tables name it ("0 (Linear)")
+    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    expected = [f"{words.root_or(m)} ({types[m]})" for m in ap.by_module()]
+    expected += ["outside any module (inputs, temporaries, other)"]
     assert sorted(line.split(None, 2)[2] for line in mods) == sorted(expected)
     # the tensors: the first 4, then one line with how many more and their bytes
     tensors = [line for line in lines[heads[2] + 1 :] if not line.startswith("  note")]

@@ -184,7 +184,7 @@ class MultiRankReport(Report):
         f = units.format
         n = self.world_size
         lines = [
-            f"highest: rank {self.max_rank} holds the most, peak {f(self.peak_above_start)} above its start",
+            f"highest: rank {self.max_rank} holds the most, peak {f(self.peak_above_start)} above its block start",
             f"lowest:  rank {self.min_rank}, {f(self.min_peak_above_start)}; "
             f"mean {f(int(round(self.mean_peak)))} over {n} rank(s)",
             f"imbalance: highest / mean = {self.imbalance:.3f}; highest - lowest = {f(self.spread)}",

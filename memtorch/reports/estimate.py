@@ -44,6 +44,8 @@ class Estimate(Report):
     model_states: dict  # {parameter, buffer, gradient, optimizer_state: bytes, exact}
     world_size: int = 1  # ranks
     sharding: "str | None" = None  # ddp, zero1, zero2, zero3 (memtorch.planning.SHARDINGS), or None on one rank
+    # None, "blocks" or the module names recomputed in backward (torch.utils.checkpoint), as estimate() was given
+    checkpointing: "str | list | None" = None
     training: bool = True  # a training step; False: a forward under inference_mode (or generation)
     max_new_tokens: "int | None" = None  # generation: the tokens generated after the prompt, else None
     inputs: str = ""  # the inputs as estimate() read them (shapes, dtypes, keywords)
@@ -95,6 +97,9 @@ class Estimate(Report):
     # -- presentation ------------------------------------------------------
     def _title(self):
         extra = f", {self.world_size} ranks, {self.sharding or 'replicated'}" if self.world_size > 1 else ""
+        if self.checkpointing is not None:
+            names = self.checkpointing if isinstance(self.checkpointing, str) else ", ".join(self.checkpointing)
+            extra += f", checkpointing {names}"
         if not self.training:
             what = (f"generate, {self.max_new_tokens} new tokens" if self.max_new_tokens
                     else "a forward under inference_mode")  # fmt: skip

@@ -18,7 +18,7 @@ def _sites_json(sites):
 class Owner(Record):
     """One owner at the peak: a tensor, or a group of storages of one kind (largest first in AtPeak)."""
 
-    name: str  # the tensor's name ("0.weight.grad") or the group's ("optimizer temporaries (not its state)")
+    name: str  # the tensor's name ("0.weight.grad") or the group's ("optimizer temporaries, not its state")
     kind: str  # parameter, gradient, optimizer state, buffer, input, activation, temporary, other
     phase: "str | None" = None  # when it was allocated: forward, backward, optimizer, or None
     nbytes: int = field(0, key="bytes")  # bytes of its storages
@@ -111,6 +111,8 @@ class AtPeak(Report):
     _storages: list = field(repr=False)  # (name, kind, phase, nbytes, shape, dtype) tuples until first read (.storages)
     exact: bool  # False when the event log lost events or the replay disagrees with the counters
     notes: list  # sentences saying what is not exact and why
+    # {module's dotted name: its type's name} of the block's modules (the tables print "0 (Linear)")
+    module_types: dict = field(default_factory=dict, repr=False, to_dict=False)
 
     def __post_init__(self):
         self.owners = sorted(self.owners, key=lambda o: (-o.nbytes, o.name))
