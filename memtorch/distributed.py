@@ -37,6 +37,7 @@ import math
 import time
 
 from .errors import MemtorchError
+from .reports import renders
 from .reports.distributed import MultiRankReport, RankReport, _Leak  # the result types' home; old names stay
 
 __all__ = ["MultiRankReport", "RankReport", "gather", "rank_info"]
@@ -289,6 +290,7 @@ def _own_figures(report):
     return "ready", figures(report)
 
 
+@renders("gather", "TrackReport")  # TrackReport.gather() reaches this by name (no import up a floor)
 def gather(report, group=None, dst=0, timeout=60.0):
     """Gather every rank's figures: a MultiRankReport on ``dst``, None on the other ranks.
 

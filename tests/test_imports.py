@@ -31,8 +31,8 @@ loads those two modules by name (importlib, in memtorch.reports.render) the firs
 rendered. That is a lookup by name, not an import statement, and it is the only one. (Chosen over
 having memtorch/__init__'s lazy loader import display when a result type is first built: a report
 made through ``import memtorch.tracking``, not the package's names, would then find no renderer.)
-One import still reaches up, listed in KNOWN with its reason: TrackReport.gather() calls
-memtorch.distributed.
+TrackReport.gather() (an engine's action kept on the report) reaches memtorch.distributed the same way:
+distributed registers gather() under "gather", and is loaded by name on the first call.
 """
 
 import ast
@@ -57,11 +57,7 @@ FLOOR = {name: floor for floor, names in FLOORS.items() for name in names}
 
 # Violations not yet removed: (importer, imported, rule). The list only shrinks: a pair that no
 # longer breaks its rule fails the test until it is taken off.
-KNOWN = {
-    # TrackReport.gather() runs memtorch.distributed.gather (a collective): an engine's action kept on
-    # the report for its users; moving it off the report changes the public API (not done)
-    ("memtorch.reports.track", "memtorch.distributed", "up"),
-}
+KNOWN = set()
 
 
 def _module_name(path):

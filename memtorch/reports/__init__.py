@@ -26,9 +26,11 @@ from ..budget import assert_budget
 __all__ = ["Record", "Report", "field", "plain", "render", "renders"]
 
 # (what, class name) -> function(obj, *args, **kw); what is "text", "html", "plot" or a renderer's
-# own part ("lines"). Filled by memtorch.display ("plot": memtorch.plot) at their import.
+# own part ("lines"), or "gather" (an engine's action kept on a report: TrackReport.gather()). Filled
+# by memtorch.display ("plot": memtorch.plot; "gather": memtorch.distributed) at their import.
 _RENDERERS = {}
-_HOMES = {"plot": "memtorch.plot"}  # the module that registers each `what`; memtorch.display for the rest
+# the module that registers each `what`; memtorch.display for the rest
+_HOMES = {"plot": "memtorch.plot", "gather": "memtorch.distributed"}
 
 
 def renders(what, *class_names):
@@ -46,8 +48,8 @@ def renders(what, *class_names):
 def render(what, obj, *args, **kw):
     """obj rendered as `what` by the function registered for its class (or the nearest base)."""
     home = _HOMES.get(what, "memtorch.display")
-    # The one reach up the import floors: the renderer module is loaded by name, the first time a
-    # report is rendered, and registers its functions here (tests/test_imports.py says why).
+    # The one reach up the import floors: the renderer (or engine) module is loaded by name, the first
+    # time a report is rendered, and registers its functions here (tests/test_imports.py says why).
     importlib.import_module(home)
     for cls in type(obj).__mro__:
         fn = _RENDERERS.get((what, cls.__name__))

@@ -182,11 +182,9 @@ class TrackReport(Report):
 
     def gather(self, group: Any = None, dst: int = 0, timeout: float = 60.0) -> Any:
         """Every rank's figures on ``dst`` (a MultiRankReport; None elsewhere): see memtorch.distributed.gather."""
-        # lazy: the one engine a result type calls (gather() is torch.distributed's collective, an
-        # engine's action kept on the report for its users); floors: an exception in tests/test_imports.py
-        from ..distributed import gather
-
-        return gather(self, group=group, dst=dst, timeout=timeout)
+        # an engine's action kept on the report for its users: memtorch.distributed registers it, and
+        # is loaded by name as the renderers are (no import reaches up a floor)
+        return render("gather", self, group=group, dst=dst, timeout=timeout)
 
     def budget_bounds(self, name: str) -> tuple[Any, Any, str | None, str | None] | None:
         """(low, high, why, fix) of the leak figure for memtorch.budget (LeakReport.budget_bounds);
