@@ -904,7 +904,8 @@ def estimate(
     except MemtorchError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with what failed
-        raise MemtorchError(_explain(e)) from e
+        run = "training step" if training else ("generate call" if max_new_tokens else "forward")
+        raise MemtorchError(_explain(e, run)) from e
     _classify(ledger, hooks)
     skipped = _estimate_kernels.probe_stats["skipped_large"] - skipped0
     if skipped:
@@ -940,7 +941,7 @@ def estimate(
     return est
 
 
-def _explain(e):
+def _explain(e, run="training step"):
     name = type(e).__name__
     text = str(e).strip().splitlines()[0] if str(e).strip() else name
     if "DataDependent" in name or "data-dependent" in text.lower():
@@ -949,7 +950,7 @@ def _explain(e):
     if "Unsupported" in name or "meta" in text.lower() or "no fake impl" in text.lower():
         return (f"an operation of the model cannot run on fake tensors ({name}: {text}): a custom operator "
                 "needs a meta/fake kernel for estimate() to run it")  # fmt: skip
-    return f"the model's training step failed on fake tensors: {name}: {text}"
+    return f"the model's {run} failed on fake tensors: {name}: {text}"
 
 
 def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes, seconds, checkpointing=None):
@@ -1026,9 +1027,9 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         if sharding in ("zero2", "zero3"):
             notes.append(
                 "FSDP units: " + ", ".join(u["name"] for u in _estimate_ranks.unit_sizes(facts, world_size))
-                + (" (device='cpu': gloo's all-gather and reduce-scatter use a scratch tensor as large as the "
-                   "gathered output / the reduce-scatter input, included)" if device == "cpu" else
-                   " (device='cuda': NCCL's collectives are taken to allocate no tensor of their own)")
+                + ("; device='cpu': gloo's all-gather and reduce-scatter use a scratch tensor as large as the "
+                   "gathered output / the reduce-scatter input, included" if device == "cpu" else
+                   "; device='cuda': NCCL's collectives are taken to allocate no tensor of their own")
             )  # fmt: skip
             if checkpointing is not None:
                 notes.append("with checkpointing, FSDP gathering a unit again for its recomputation is not modelled")

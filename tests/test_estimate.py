@@ -239,8 +239,11 @@ def test_data_dependent_model(model_cls, match):
 def test_input_rejected_by_model():
     model = small_mlp()
     forwards = [type(m).forward for m in model.modules()]
-    with pytest.raises(MemtorchError, match="failed on fake tensors.*same reduction dim"):
+    with pytest.raises(MemtorchError, match="training step failed on fake tensors.*same reduction dim"):
         cpu_estimate(model, (4, 31))
+    _state_is_clean(model, forwards)
+    with pytest.raises(MemtorchError, match="model's forward failed on fake tensors"):  # says what it ran
+        cpu_estimate(model, (4, 31), training=False)
     _state_is_clean(model, forwards)
 
 
@@ -885,6 +888,23 @@ def test_tables_describe_one_step():
 def test_default_device_is_cuda_and_said():
     est = memtorch.estimate(small_mlp(), (4, 32))
     assert est.device == "cuda" and any("by default" in n for n in est.notes)
+
+
+def test_summary_names_what_was_run():
+    # the summary's words follow the run: a training step, a forward, a generate call; on cuda the steady
+    # figure says it holds the cuBLAS workspaces, which stay allocated for the process
+    def detail(est, figure):
+        return next(r[2] for r in est._summary_rows() if r[0] == figure)
+
+    train = cpu_estimate(small_mlp(), (4, 32))
+    assert detail(train, "peak").startswith("the step's high-water mark")
+    assert detail(train, "steady") == "held between steps"
+    fwd = cpu_estimate(small_mlp(), (4, 32), training=False)
+    assert detail(fwd, "peak").startswith("the forward's high-water mark")
+    assert detail(fwd, "steady") == "held after the forward returns"
+    on_cuda = memtorch.estimate(small_mlp(), (4, 32), device="cuda", gpu="h100", training=False)
+    assert detail(on_cuda, "steady") == "held after the forward returns, the cuBLAS workspaces included"
+    assert "held after the forward returns" in str(fwd)
 
 
 def test_training_false_bad_arguments():

@@ -127,6 +127,32 @@ def test_cublaslt_workspace_for_a_bias_gemm():
     assert with_bias.breakdown["workspace"] == 2 * 32 * MiB + 1 * MiB
 
 
+def test_inference_forward_runs_the_cuda_kernels_of_composites():
+    # Under inference_mode autograd is off and aten.linear / aten.conv2d reach the dry run whole; they must
+    # still run as the kernels CUDA runs (addmm, convolution), with those kernels' workspaces. The H200 MLP
+    # trace: the first Linear's forward (addmm with a bias) allocates a 32 MiB cuBLAS and a 1 MiB cuBLASLt
+    # workspace on the Python thread.
+    with gzip.open(os.path.join(DATA, "mlp-fp32.snapshot.pickle.gz")) as f:
+        import pickle
+
+        trace = pickle.load(f)["device_traces"][0]
+    freed = {e["addr"] for e in trace if e["action"] == "free_completed"}
+    # what a Linear's forward allocates and the trace never frees: the workspaces
+    first = [e["size"] for e in trace if e["action"] == "alloc" and e["addr"] not in freed and e["frames"]
+             and e["frames"][0]["filename"].endswith("linear.py")]  # fmt: skip
+    assert first == [32 * MiB, 1 * MiB]
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    est = memtorch.estimate(model, (4, 32), device="cuda", gpu="h100", training=False)
+    # by hand, each tensor rounded up to 512 B: weights 8,192 + 2,560, biases 2 x 512, input 512
+    params, x = 8192 + 2560 + 2 * 512, 4 * 32 * 4
+    assert est.steady == params + x + sum(first)
+    # at the peak also the first Linear's and the ReLU's outputs (4 x 64 floats each), the last output not yet
+    assert est.peak == est.steady + 2 * 4 * 64 * 4
+    conv = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU())
+    est = memtorch.estimate(conv, (2, 3, 32, 32), device="cuda", gpu="h100", training=False)
+    assert any("cuDNN convolution x1" in n for n in est.notes)
+
+
 def test_sdpa_backend_rules():
     h100, a100, v100 = resolve_gpu("h100"), resolve_gpu("a100"), resolve_gpu("v100")
     for g in (h100, a100, v100):

@@ -111,9 +111,13 @@ class Estimate(Report):
 
     def _summary_rows(self):
         f = units.format
+        run = "step" if self.training else ("generate call" if self.max_new_tokens else "forward")
+        kept = "held between steps" if self.training else f"held after the {run} returns"
+        if self.device == "cuda":
+            kept += ", the cuBLAS workspaces included"
         rows = [
-            ("peak", f(self.peak), "the step's high-water mark, parameters and inputs included"),
-            ("steady", f(self.steady), "held between steps"),
+            ("peak", f(self.peak), f"the {run}'s high-water mark, parameters and inputs included"),
+            ("steady", f(self.steady), kept),
         ]
         if self.peak_upper is not None and self.peak_upper > self.peak:
             rows.append(("peak, scratch freed late", f(self.peak_upper),
