@@ -59,13 +59,25 @@ class Ledger:
         self.elements = {}  # key -> elements of an owned storage (its parameter's numel: elementwise)
         self.attribute = False
         self._round = rounding or (lambda n: n)
+        self.host = set()  # id(storage) of host memory a device step keeps (Adam's step counts on CUDA)
+        self.to_host = False  # set while a factory makes a tensor in host memory (host_factories)
+
+    def add_host(self, storage):
+        """``storage`` lives in host memory: never counted, whatever operator returns it later."""
+        sid = id(storage)
+        if sid not in self.live:
+            self.host.add(sid)
+            weakref.finalize(storage, self.host.discard, sid)
 
     def add_storage(self, storage, category=None):
         """Count ``storage`` as allocated now unless it is already counted; returns its key."""
         sid = id(storage)
         key = self.live.get(sid)
-        if key is not None:
+        if key is not None or sid in self.host:
             return key
+        if self.to_host:
+            self.add_host(storage)
+            return None
         nbytes = self._round(int(storage.nbytes()))
         key = self._next
         self._next += 1
@@ -132,6 +144,35 @@ class Ledger:
             else:
                 live.discard(key)
         return best, at, live
+
+
+def host_factories(ledger):
+    """While entered, a tensor factory (torch.tensor, torch.zeros...) called without ``device=`` or with
+    ``device="cpu"`` makes host memory: on a GPU run the default device is the CPU's. Entered for the
+    optimizer's step on CUDA: the step counts torch's optimizers keep unless capturable or fused (Adam:
+    torch.tensor(0.0, device="cpu") since torch 2.12, torch.tensor(0.0) before; RMSprop, Adadelta:
+    torch.zeros(())) and the one-element tensors their step adds are the host's. The capturable and
+    fused ones, made with ``device=p.device`` (a torch.device: the fake parameters' is the CPU's too,
+    so only a device named by a string counts as the host), stay counted."""
+    from torch.overrides import TorchFunctionMode
+
+    torch = _torch()
+    factories = {torch.tensor, torch.scalar_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
+                 torch.arange, torch.empty_strided}  # fmt: skip
+
+    class HostFactories(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            device = kwargs.get("device")
+            if func not in factories or not (device is None or (isinstance(device, str) and device == "cpu")):
+                return func(*args, **kwargs)
+            ledger.to_host = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                ledger.to_host = False
+
+    return HostFactories()
 
 
 def _accounting_mode(ledger, kernels, allow_item):

@@ -432,7 +432,7 @@ def _dead(mm, base, items, notes):
         )
 
 
-def _optimizer(mm_opt, optimizer, items, notes):
+def _optimizer(mm_opt, optimizer, items, notes, device="cpu"):
     """Switching to SGD (no state) or SGD with momentum (one buffer per parameter): exact arithmetic
     from the measured state of the optimizer after a step of the copy."""
     torch = _torch()
@@ -449,7 +449,7 @@ def _optimizer(mm_opt, optimizer, items, notes):
     how_known = f"{name} holds {_fmt(total)} of state after a step ({len(state)} tensors)"
     if total == 0 and not optimizer.state:
         # before its first step: the state each optimizer creates, counted from the parameters
-        total, how_known = _state_arithmetic(optimizer, params)
+        total, how_known = _state_arithmetic(optimizer, params, device)
         basis = EXACT
         if total is None:
             notes.append(
@@ -487,9 +487,9 @@ def _optimizer(mm_opt, optimizer, items, notes):
         )
 
 
-def _state_arithmetic(optimizer, params):
-    """(bytes, explanation) of the state ``optimizer`` creates at its first step, or (None, '') for
-    classes not modelled. params: the trainable parameter rows."""
+def _state_arithmetic(optimizer, params, device="cpu"):
+    """(bytes, explanation) of the state ``optimizer`` creates at its first step on ``device``, or (None, '')
+    for classes not modelled. params: the trainable parameter rows."""
     torch = _torch()
     o = torch.optim
     pbytes = int(params["storage_nbytes"].sum())
@@ -498,11 +498,17 @@ def _state_arithmetic(optimizer, params):
     d = optimizer.defaults
     if isinstance(optimizer, (o.Adam, o.AdamW)):
         k = 3 if d.get("amsgrad") else 2
-        step = (
-            0 if d.get("fused") or d.get("capturable") else 4
-        )  # a float32 'step' scalar per parameter on the CPU
+        # a float32 'step' scalar per parameter, on the parameters' device when fused or capturable,
+        # else in host memory: the CPU's own on device="cpu", none of a GPU's
+        on_device = d.get("fused") or d.get("capturable")
+        step = 4 if on_device or device == "cpu" else 0
         keys = "exp_avg, exp_avg_sq" + (", max_exp_avg_sq" if k == 3 else "")
         total = k * pbytes + step * n
+        if not step:
+            return total, (
+                f"{name} creates {keys} of each parameter's size ({k} x {_fmt(pbytes)}) at its first step: "
+                f"{_fmt(total)} (its 'step' scalar per parameter is in host memory, none on {device})"
+            )
         return total, (
             f"{name} creates {keys} of each parameter's size ({k} x {_fmt(pbytes)}) and a 'step' scalar per "
             f"parameter ({n} x {step} B) at its first step: {_fmt(total)}"
@@ -516,7 +522,7 @@ def _state_arithmetic(optimizer, params):
     return None, ""
 
 
-def _freeze(mm_opt, model, optimizer, items, notes):
+def _freeze(mm_opt, model, optimizer, items, notes, device="cpu"):
     """Freezing the largest trainable child saves its gradients and its optimizer state (exact arithmetic)."""
     children = list(model.named_children())
     if len(children) < 2:
@@ -542,7 +548,7 @@ def _freeze(mm_opt, model, optimizer, items, notes):
         # no state exists yet (an estimate, or before the first step): the same arithmetic as _optimizer
         rows_p = rows[(rows["category"] == "parameter") & rows["requires_grad"]]
         mine = rows_p[[_in_module(p, name) for p in rows_p["path"].tolist()]]
-        counted, _ = _state_arithmetic(optimizer, mine)
+        counted, _ = _state_arithmetic(optimizer, mine, device)
         child_state = counted or 0
     saves = grad_bytes + child_state
     items.append(
@@ -937,9 +943,9 @@ def advise(
                 _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, base_cfg, loss_fn, items, notes)
     stepped = base is not None and base["optimizer"] is not None
     opt_now = base["optimizer"] if stepped else opt_inst
-    _optimizer(mm_step, opt_now, items, notes)
+    _optimizer(mm_step, opt_now, items, notes, device)
     _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, opt_now, items,
-            notes)  # fmt: skip
+            notes, device)  # fmt: skip
     reference = base["peak"] if base is not None else held.total
     items = _grouped(items)
     small = [s for s in items if s.saves < 0.01 * reference]

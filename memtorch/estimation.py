@@ -46,9 +46,10 @@ import contextlib
 import inspect
 import contextvars
 import functools
+import importlib
 
 from . import units, words
-from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode
+from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode, host_factories
 from .errors import MemtorchError
 from .reports.estimate import Estimate  # the result type's home; its old name stays
 from .reports.track import ModuleStats, PhaseStats
@@ -316,6 +317,33 @@ class _Hooks:
         finally:
             self.spans.append((name, start, len(self.ledger.events)))
             self.ledger.phase = None
+
+
+@contextlib.contextmanager
+def _capturable_on_fakes(opt):
+    """A capturable optimizer (CUDA graphs: its step counts and bias corrections on the GPU) stepping the
+    dry run's parameters, which are fake tensors on the CPU: torch asserts that a capturable step's
+    tensors are on a GPU, so the optimizer modules' list of such devices includes the CPU while the dry
+    run steps (restored on exit; another thread's real step meanwhile only has that assert loosened)."""
+    if not any(g.get("capturable") for g in opt.param_groups):
+        yield
+        return
+    saved = []
+    try:
+        for name in ("optimizer", "adam", "adamw", "adamax", "adadelta", "asgd", "nadam", "radam", "rmsprop", "rprop"):
+            try:
+                mod = importlib.import_module(f"torch.optim.{name}")
+            except ImportError:
+                continue
+            orig = getattr(mod, "_get_capturable_supported_devices", None)
+            if orig is None:
+                continue
+            saved.append((mod, orig))
+            mod._get_capturable_supported_devices = lambda *a, _o=orig, **k: [*_o(*a, **k), "cpu"]
+        yield
+    finally:
+        for mod, orig in saved:
+            mod._get_capturable_supported_devices = orig
 
 
 @contextlib.contextmanager
@@ -622,7 +650,11 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         else:
             masters = None
             opt_params = trainable
-        opt = _make_optimizer(optimizer, opt_params, device)
+        # Adagrad makes its state in its constructor: its step counts are host memory on CUDA as well
+        with host_factories(ledger) if cuda_state is not None else contextlib.nullcontext():
+            opt = _make_optimizer(optimizer, opt_params, device)
+        if device == "cuda":
+            stack.enter_context(_capturable_on_fakes(opt))
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
         ledger.phase = None
         rng_held = []
@@ -689,7 +721,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             allow_item[0] = True
             _own(ledger, trainable, masters, grad_of)  # whose is what, for the per-rank figures
             ledger.attribute = True
-            with hooks.phase("optimizer"):
+            on_host = host_factories(ledger) if cuda_state is not None else contextlib.nullcontext()
+            with hooks.phase("optimizer"), on_host:
                 if masters is not None:
                     for m, p in zip(masters, trainable):
                         m.grad = None if p.grad is None else p.grad.to(torch.float32)
@@ -708,7 +741,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             index = {id(t): i for i, t in enumerate(opt_params)}
             for p_, st in opt.state.items():
                 for v in st.values():
-                    if isinstance(v, torch.Tensor):
+                    if isinstance(v, torch.Tensor) and ledger.key_of(v) is not None:  # None: host memory
                         state_keys.add(ledger.key_of(v))
                         if id(p_) in index:
                             ledger.owner[ledger.key_of(v)] = index[id(p_)]

@@ -361,6 +361,17 @@ def test_estimate_mode_copies_adamw():
     assert s.saves == 2 * lin(100, 50) + 2 * 4 and s.basis == "exact arithmetic"
 
 
+def test_step_scalars_are_host_memory_on_cuda():
+    # on a GPU, Adam's 'step' scalars stay in host memory unless fused or capturable: switching to SGD
+    # saves exp_avg and exp_avg_sq there, not the 2 x 4 B
+    model = nn.Linear(100, 50)
+    for kw, steps in (({}, 0), ({"fused": True}, 2 * 4), ({"capturable": True}, 2 * 4)):
+        adv = memtorch.advise(model, optimizer=torch.optim.AdamW(model.parameters(), **kw), device="cuda")
+        (s,) = adv.by_kind("optimizer_sgd")
+        assert s.saves == 2 * lin(100, 50) + steps, kw
+        assert ("in host memory, none on cuda" in s.detail) == (steps == 0)
+
+
 def _gpt2_4_layers():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
