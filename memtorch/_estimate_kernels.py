@@ -409,6 +409,35 @@ def _blas_after(state, lt=False):
     return after
 
 
+def _reduce_after(state):
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
+    from ._estimate_cuda import reduce_staging
+
+    def after(ledger, args, kwargs, out):
+        """A sum or mean split across thread blocks (Reduce.cuh): its staging buffer and semaphores,
+        taken after the output and given back when the kernel ends, semaphores first (the DataPtrs'
+        order)."""
+        import torch
+
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.is_complex():
+            return
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            dims = range(x.dim())
+        elif isinstance(dims, int):
+            dims = [dims]
+        dims = {d % max(1, x.dim()) for d in dims}
+        acc = 8 if x.dtype == torch.float64 else 4  # acc_type: double for double, float otherwise
+        buffer, semaphores = reduce_staging(tuple(x.shape), x.stride(), dims, acc, state.gpu, x.storage_offset())
+        if buffer:
+            key = ledger.add_extra(buffer, "temporary", transient=False)
+            ledger.add_extra(semaphores)
+            ledger.free_key(key)
+
+    return after
+
+
 _RNN_MODES = {0: "RNN_RELU", 1: "RNN_TANH", 2: "LSTM", 3: "GRU"}
 
 
@@ -575,6 +604,8 @@ def cuda_kernels(state):
         after[op] = _blas_after(state)
     for op in (aten.addmm.default, aten._addmm_activation.default, aten.addmm.out):
         after[op] = _blas_after(state, lt=True)
+    for op in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default):
+        after[op] = _reduce_after(state)
     return {
         "probe": False,  # the CPU kernels' scratch space is not the GPU's
         "scalars": False,  # Python numbers passed to CUDA kernels stay on the host

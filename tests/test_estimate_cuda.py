@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import memtorch
-from memtorch._estimate_cuda import GPU, resolve_gpu, rnn_sizes, sdpa_backend
+from memtorch._estimate_cuda import GPU, reduce_staging, resolve_gpu, rnn_sizes, sdpa_backend
 from memtorch.errors import MemtorchError
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "h200")
@@ -270,6 +270,46 @@ def test_lstm_reserve_and_workspace_from_the_trace():
     output, h_n, c_n, workspace, reserve = fwd[:5]
     assert (output, h_n, c_n) == (128 * 32 * 1024 * 4, 2 * 32 * 1024 * 4, 2 * 32 * 1024 * 4)
     assert rnn_sizes("LSTM", 128, 32, 512, 1024, 2, 1, 4) == (reserve, workspace)
+
+
+def _encoder_rows():
+    with gzip.open(os.path.join(DATA, "encoder-fp32.events.json.gz")) as f:
+        return json.load(f)["events"]
+
+
+def test_reduction_staging_from_the_trace():
+    # the encoder's trace: a reduction split across thread blocks allocates its staging buffer, then its
+    # semaphores, and frees them in the other order, right after its output. The bias gradients sum
+    # 16 x 256 rows of the out_proj and linear2 (512), linear1 (2048) and in_proj (1536) biases; the
+    # loss sums all 16 x 256 x 512 outputs
+    rows = [r for r in _encoder_rows() if r[0] in ("alloc", "free_completed")]
+    found = set()
+    for a, b, f1, f2 in zip(rows, rows[1:], rows[2:], rows[3:]):
+        pattern = (a[0], b[0], f1[0], f2[0]) == ("alloc", "alloc", "free_completed", "free_completed")
+        if pattern and f1[2] == b[2] and f2[2] == a[2] and b[1] < a[1]:
+            found.add((a[1], b[1]))
+    h200 = resolve_gpu("h200")
+    rows_ = 16 * 256
+    model = {reduce_staging((rows_, n), (n, 1), {0}, 4, h200) for n in (512, 2048, 1536)}
+    model.add(reduce_staging((16, 256, 512), (256 * 512, 512, 1), {0, 1, 2}, 4, h200))
+    assert found == model
+    # by hand, Reduce.cuh on 132 SMs of 2048 threads: 512 columns of 4096 rows, blocks of 32 x 4 threads
+    # with 4 outputs per thread, 4 warps splitting the rows, 64 blocks per output column
+    assert reduce_staging((rows_, 512), (512, 1), {0}, 4, h200) == (4 * 512 * 64 * 32 * 4, 4 * 4)
+    # too little to split across blocks (mlp-fp32's bias gradients, 512 rows): nothing
+    assert reduce_staging((512, 4096), (4096, 1), {0}, 4, h200) == (0, 0)
+
+
+def test_reduction_staging_in_the_estimate(monkeypatch):
+    # a bias gradient of 4096 rows after a ReLU: the backward's peak holds the 16 MiB staging buffer and
+    # the semaphores, one 512-byte block, on top of what it held without them
+    import memtorch._estimate_cuda as cuda
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU())
+    with_staging = memtorch.estimate(model, (4096, 512), optimizer="sgd", device="cuda", gpu="h200")
+    monkeypatch.setattr(cuda, "reduce_staging", lambda *a, **k: (0, 0))
+    without = memtorch.estimate(model, (4096, 512), optimizer="sgd", device="cuda", gpu="h200")
+    assert with_staging.peak - without.peak == 16 * MiB + 512
 
 
 def test_gpu_argument():
