@@ -24,7 +24,10 @@ The rules (PyTorch's c10/cuda/CUDACachingAllocator.cpp, default settings):
 - requests of at most 1 MiB come from the small pool, whose segments are 2 MiB;
   larger ones from the large pool: a 20 MiB segment for requests under 10 MiB,
   a segment of the request rounded up to 2 MiB from 10 MiB on;
-- a request takes the smallest free block of its pool that fits (best fit);
+- a request takes the smallest free block of its pool that fits (best fit), the
+  lowest address among equal sizes (BlockComparatorSize); the model lays the
+  segments out in the order they were reserved (cudaMalloc's addresses are the
+  driver's: an assumption);
   the block is split when what remains is at least 512 bytes (small pool) or
   more than 1 MiB (large pool), otherwise the whole block is handed out and
   counted as allocated;
@@ -399,13 +402,14 @@ def segment_size(n):
 
 
 class _Block:
-    __slots__ = ("size", "free", "prev", "next", "small")
+    __slots__ = ("size", "free", "prev", "next", "small", "addr")
 
-    def __init__(self, size, small):
+    def __init__(self, size, small, addr=0):
         self.size = size
         self.free = True
         self.prev = self.next = None
         self.small = small
+        self.addr = addr
 
 
 class CachingAllocator:
@@ -420,12 +424,12 @@ class CachingAllocator:
 
     def _insert(self, b):
         self._serial += 1
-        bisect.insort(self._free[b.small], (b.size, self._serial, b))
+        bisect.insort(self._free[b.small], (b.size, b.addr, self._serial, b))
 
     def _remove(self, b):
         lst = self._free[b.small]
         for i in range(bisect.bisect_left(lst, (b.size,)), len(lst)):
-            if lst[i][2] is b:
+            if lst[i][3] is b:
                 del lst[i]
                 return
         raise AssertionError("free block not in its pool")
@@ -438,14 +442,14 @@ class CachingAllocator:
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size,))
         if i < len(lst):
-            block = lst.pop(i)[2]
+            block = lst.pop(i)[3]
         else:
             seg = segment_size(size)
+            block = _Block(seg, small, self.reserved)
             self.reserved += seg
-            block = _Block(seg, small)
         remaining = block.size - size
         if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = _Block(remaining, small)
+            rest = _Block(remaining, small, block.addr + size)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -467,6 +471,7 @@ class CachingAllocator:
                 self._remove(nb)
                 block.size += nb.size
                 if nb is block.prev:
+                    block.addr = nb.addr
                     block.prev = nb.prev
                     if nb.prev is not None:
                         nb.prev.next = block

@@ -312,6 +312,101 @@ def test_reduction_staging_in_the_estimate(monkeypatch):
     assert with_staging.peak - without.peak == 16 * MiB + 512
 
 
+def _dry_run_events(model, *inputs, **kwargs):
+    """The dry run's allocation events: [(+1 or -1, bytes rounded as the caching allocator does, phase)]."""
+    from memtorch._estimate_cuda import round_size
+    from memtorch.estimation import _KEEP_RUNS
+
+    kept = []
+    token = _KEEP_RUNS.set(kept)
+    try:
+        memtorch.estimate(model, *inputs, device="cuda", gpu="h200", **kwargs)
+    finally:
+        _KEEP_RUNS.reset(token)
+    ledger = kept[0][0]
+    return [(sign, round_size(ledger.info[k][0]), ledger.info[k][1]) for k, sign in ledger.events]
+
+
+def _json_gz_base():
+    with gzip.open(os.path.join(DATA, "encoder-fp32.events.json.gz")) as f:
+        return json.load(f)["base_allocated"]
+
+
+def test_encoder_step_allocates_as_its_trace():
+    # every allocation and free of the encoder's first step and the next forward and backward, in the trace's
+    # order and sizes: the packed in-projection's bias added in place to its matmul (at::linear), dropout's
+    # mask before its output, layer_norm_backward's copy of the sum's expanded gradient, the efficient
+    # attention backward's gradient copy, delta's temporaries and workspace (below), the reductions' staging
+    # buffers, and the residual gradients summed in place (autograd's InputBuffer). Replayed through the
+    # caching allocator model from the same parameters, the trace's own events give the estimate's figures
+    from memtorch._estimate_cuda import CachingAllocator, round_size
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, opt, precision, _ = _cases().build("encoder-fp32")
+    events = _dry_run_events(model, *inputs, optimizer=opt, loss_fn=loss_fn, keep_output=False)
+    run = [(sign, size) for sign, size, phase in events if phase != "setup" and size]
+    rows = [r for r in _encoder_rows() if r[0] in ("alloc", "free_completed")]
+    real = [(1 if r[0] == "alloc" else -1, round_size(r[1])) for r in rows]
+    assert run[:len(real)] == real
+    first = next(i for i, e in enumerate(events) if e[2] != "setup")
+    setup = [size for sign, size, phase in events[:first]]
+    # 6 layers' parameters and the input; the trace's base, 86,142,976 B, adds two blocks' unsplit MiB
+    assert sum(setup) == 6 * 4 * (3 * 512 * 512 + 3 * 512 + 512 * 512 + 512 + 2 * 2048 * 512 + 2048 + 512 + 4 * 512) + 8 * MiB
+
+    # the efficient attention backward's workspace by hand: per batch and head, 4 blocks of 64 queries of one
+    # 64-column GradQTempStorage, 4 ints and 64 x 64 floats
+    assert 8396800 in [r[1] for r in rows]
+    assert 16 * 8 * 4 * (4 + 64 * 64) * 4 == 8396800
+    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, device="cuda", gpu="h200",
+                            keep_output=False)  # fmt: skip
+    assert est.reserved_peak == TRUTH["encoder-fp32"]["true_reserved"]
+    alloc = CachingAllocator()
+    for k, size in enumerate(setup):
+        alloc.malloc(k, size)
+    assert alloc.allocated == _json_gz_base()
+    peak = reserved = 0
+    for r in _encoder_rows():
+        if r[0] == "alloc":
+            alloc.malloc(("trace", r[2]), r[1])
+        elif r[0] == "free_completed":
+            alloc.free(("trace", r[2]))
+        peak, reserved = max(peak, alloc.allocated), max(reserved, alloc.reserved)
+    assert (peak, reserved) == (est.peak, est.reserved_peak)
+
+
+def test_linear_of_a_transposed_input_adds_its_bias_in_place():
+    # at::linear on a 3-D input that is not contiguous: matmul copies the input contiguous (8 x 4 x 16 floats,
+    # 2 KiB), multiplies (32 x 32 floats, 4 KiB) and adds the bias in place: no second 4 KiB block
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.lin(x.transpose(0, 1))
+
+    events = _dry_run_events(Transposed(), (4, 8, 16), optimizer="sgd")
+    forward = [size for sign, size, phase in events if phase == "forward" and sign > 0 and size < MiB]
+    assert forward == [8 * 4 * 16 * 4, 32 * 32 * 4] * 2  # each of the dry run's two steps
+
+
+def test_caching_allocator_takes_the_lowest_address_of_equal_blocks():
+    # BlockComparatorSize (CUDACachingAllocator.cpp): free blocks ordered by size, then address. Two full
+    # 20 MiB segments, each an 8 MiB block and a 12 MiB one; the 8 MiB blocks freed high then low: the next
+    # 8 MiB request takes the low one (the model's segments lie in the order they were reserved)
+    from memtorch._estimate_cuda import CachingAllocator
+
+    alloc = CachingAllocator()
+    for first, rest in (("a", "f"), ("b", "g")):
+        alloc.malloc(first, 8 * MiB)
+        alloc.malloc(rest, 12 * MiB)
+    assert alloc.reserved == 40 * MiB
+    alloc.free("b")
+    alloc.free("a")
+    alloc.malloc("c", 8 * MiB)
+    assert alloc._blocks["c"].addr == 0
+
+
 def test_gpu_argument():
     assert resolve_gpu("9.0").capability == (9, 0)
     assert resolve_gpu((8, 9)).capability == (8, 9)
