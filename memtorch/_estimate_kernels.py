@@ -513,16 +513,19 @@ def _grad_accumulate(ledger, func, args, kwargs):
     first when it holds that tensor's only reference (can_accumulate_inplace); a fake tensor counts as
     a tensor subclass there and gets the out-of-place sum, one more gradient-sized block (the encoder's
     residual connections, 8 MiB each in its trace: none there)."""
-    import torch
+    import sys
 
+    import torch
     from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 
-    # the only reference: its tensor's, and the Python storage object this check makes
     a = args[0]
     b = args[1] if len(args) > 1 else None
-    if (torch._C._current_graph_task_id() != -1 and len(args) == 2 and not kwargs and isinstance(b, torch.Tensor)
-            and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and not a._is_view()
-            and dense(a) and torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2):
+    # a tensor a Python backward holds by a name (a custom autograd.Function's) is not the buffer's: only
+    # the references of this call itself, 4 as measured here, leave it to autograd's buffer alone; its
+    # storage's only references are its tensor's and the Python storage object this check makes
+    if (torch._C._current_graph_task_id() != -1 and sys.getrefcount(a) <= 4 and len(args) == 2 and not kwargs
+            and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and not a._is_view() and dense(a) and torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2):
         return torch.ops.aten.add_.Tensor(a, b)
     return func(*args, **kwargs)
 

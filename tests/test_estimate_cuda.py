@@ -390,6 +390,23 @@ def test_linear_of_a_transposed_input_adds_its_bias_in_place():
     assert forward == [8 * 4 * 16 * 4, 32 * 32 * 4] * 2  # each of the dry run's two steps
 
 
+def test_backward_sums_a_second_gradient_in_place():
+    # y = linear(x) feeds a ReLU and a sigmoid: their backwards each make one 64 x 1024 float gradient
+    # (256 KiB) for y, and autograd's buffer adds the second into the first: two such blocks a step, not three
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 1024)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y.relu() + y.sigmoid()
+
+    events = _dry_run_events(Two(), (64, 256), optimizer="sgd")
+    grads = [size for sign, size, phase in events if phase == "backward" and sign > 0 and size == 64 * 1024 * 4]
+    assert len(grads) == 2 * 2  # each of the dry run's two steps
+
+
 def test_caching_allocator_takes_the_lowest_address_of_equal_blocks():
     # BlockComparatorSize (CUDACachingAllocator.cpp): free blocks ordered by size, then address. Two full
     # 20 MiB segments, each an 8 MiB block and a 12 MiB one; the 8 MiB blocks freed high then low: the next
