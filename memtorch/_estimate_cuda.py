@@ -69,7 +69,8 @@ GPUS = {
     "t4": ("NVIDIA T4", (7, 5)),
 }
 DEFAULT_GPU = "h100"
-# name -> streaming multiprocessors (the SXM parts; NVIDIA's specifications): Reduce.cuh sizes its grid from them
+# name -> streaming multiprocessors (the SXM parts, NVIDIA's specifications): Reduce.cuh sizes its
+# grid from them
 SMS = {"h100": 132, "h200": 132, "gh200": 132, "b200": 148, "a100": 108, "a10": 72, "a10g": 80, "l4": 58,
        "l40s": 142, "v100": 80, "t4": 40}
 CUDNN_VERSION = 91900  # cuDNN of torch 2.11+ CUDA wheels (measured: 9.19 on the H200)
@@ -320,7 +321,8 @@ def reduce_staging(shape, strides, dims, acc_size, gpu, offset=0):
     the block does not reduce along x; an int per output block.
     """
     def groups(reduced):
-        group = sorted((st, n) for i, (n, st) in enumerate(zip(shape, strides)) if n != 1 and (i in dims) == reduced)
+        dims_ = enumerate(zip(shape, strides))
+        group = sorted((st, n) for i, (n, st) in dims_ if n != 1 and (i in dims) == reduced)
         merged = []
         for st, n in group:
             if merged and merged[-1][0] * merged[-1][1] == st:

@@ -429,7 +429,8 @@ def _reduce_after(state):
             dims = [dims]
         dims = {d % max(1, x.dim()) for d in dims}
         acc = 8 if x.dtype == torch.float64 else 4  # acc_type: double for double, float otherwise
-        buffer, semaphores = reduce_staging(tuple(x.shape), x.stride(), dims, acc, state.gpu, x.storage_offset())
+        shape, strides = tuple(x.shape), x.stride()
+        buffer, semaphores = reduce_staging(shape, strides, dims, acc, state.gpu, x.storage_offset())
         if buffer:
             key = ledger.add_extra(buffer, "temporary", transient=False)
             ledger.add_extra(semaphores)
@@ -523,9 +524,11 @@ def _grad_accumulate(ledger, func, args, kwargs):
     # a tensor a Python backward holds by a name (a custom autograd.Function's) is not the buffer's: only
     # the references of this call itself, 4 as measured here, leave it to autograd's buffer alone; its
     # storage's only references are its tensor's and the Python storage object this check makes
-    if (torch._C._current_graph_task_id() != -1 and sys.getrefcount(a) <= 4 and len(args) == 2 and not kwargs
-            and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-            and not a._is_view() and dense(a) and torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2):
+    if torch._C._current_graph_task_id() == -1 or sys.getrefcount(a) > 4 or len(args) != 2 or kwargs:
+        return func(*args, **kwargs)
+    alike = isinstance(b, torch.Tensor) and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+    only = torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2
+    if alike and only and not a._is_view() and dense(a):
         return torch.ops.aten.add_.Tensor(a, b)
     return func(*args, **kwargs)
 
