@@ -408,6 +408,16 @@ def test_backward_sums_a_second_gradient_in_place():
     assert len(grads) == 2 * 2  # each of the dry run's two steps
 
 
+def test_layer_norm_backward_copies_an_expanded_gradient():
+    # a LayerNorm's output summed: its gradient is one number expanded, which layer_norm_backward_cuda reads
+    # through a contiguous copy (4096 x 64 floats, 1 MiB) made after dX, dgamma and dbeta and freed at once
+    events = _dry_run_events(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)), (4096, 64), optimizer="sgd")
+    backward = [(sign, size) for sign, size, phase in events if phase == "backward" and size]
+    x, g = 4096 * 64 * 4, 512  # dgamma, dbeta: 64 floats, one 512-byte block each
+    first = backward.index((1, x))
+    assert backward[first:first + 5] == [(1, x), (1, g), (1, g), (1, x), (-1, x)]
+
+
 def test_caching_allocator_takes_the_lowest_address_of_equal_blocks():
     # BlockComparatorSize (CUDACachingAllocator.cpp): free blocks ordered by size, then address. Two full
     # 20 MiB segments, each an 8 MiB block and a 12 MiB one; the 8 MiB blocks freed high then low: the next
