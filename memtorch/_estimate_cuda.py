@@ -14,6 +14,9 @@ Libraries (torch's own sources, named where each rule is used):
   select_sdp_backend's checks (dtype, head dim, mask, causal shapes, compute capability) and its
   priority order (cuDNN attention first on 9.0 and 10.0 with cuDNN >= 9.9).
 - cuDNN RNN: rnn_sizes() (reserve and workspace, see there).
+- Reductions (aten/src/ATen/native/cuda/Reduce.cuh): reduce_staging() follows setReduceConfig; a
+  reduction split across thread blocks takes a staging buffer and semaphores from the caching
+  allocator for the kernel's duration, sized from the GPU's SM count.
 
 The rules (PyTorch's c10/cuda/CUDACachingAllocator.cpp, default settings):
 - every request is rounded up to a multiple of 512 bytes (512 at least); a
@@ -21,7 +24,10 @@ The rules (PyTorch's c10/cuda/CUDACachingAllocator.cpp, default settings):
 - requests of at most 1 MiB come from the small pool, whose segments are 2 MiB;
   larger ones from the large pool: a 20 MiB segment for requests under 10 MiB,
   a segment of the request rounded up to 2 MiB from 10 MiB on;
-- a request takes the smallest free block of its pool that fits (best fit);
+- a request takes the smallest free block of its pool that fits (best fit), the
+  lowest address among equal sizes (BlockComparatorSize); the model lays the
+  segments out in the order they were reserved (cudaMalloc's addresses are the
+  driver's: an assumption);
   the block is split when what remains is at least 512 bytes (small pool) or
   more than 1 MiB (large pool), otherwise the whole block is handed out and
   counted as allocated;
@@ -36,7 +42,7 @@ import bisect
 import os
 import re
 
-__all__ = ["GPU", "GPUS", "resolve_gpu", "sdpa_backend", "rnn_sizes", "round_size", "segment_size", "CachingAllocator", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
+__all__ = ["GPU", "GPUS", "resolve_gpu", "sdpa_backend", "rnn_sizes", "reduce_staging", "round_size", "segment_size", "CachingAllocator", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
            "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]  # fmt: skip
 
 MIN_BLOCK = 512
@@ -63,6 +69,10 @@ GPUS = {
     "t4": ("NVIDIA T4", (7, 5)),
 }
 DEFAULT_GPU = "h100"
+# name -> streaming multiprocessors (the SXM parts, NVIDIA's specifications): Reduce.cuh sizes its
+# grid from them
+SMS = {"h100": 132, "h200": 132, "gh200": 132, "b200": 148, "a100": 108, "a10": 72, "a10g": 80, "l4": 58,
+       "l40s": 142, "v100": 80, "t4": 40}
 CUDNN_VERSION = 91900  # cuDNN of torch 2.11+ CUDA wheels (measured: 9.19 on the H200)
 
 
@@ -70,13 +80,24 @@ class GPU:
     """The device modelled: name, compute capability (major, minor), cuDNN version, and the
     workspace sizes torch's handles get there."""
 
-    def __init__(self, name, capability, cudnn=CUDNN_VERSION, source="given", torch_version=None):
+    def __init__(self, name, capability, cudnn=CUDNN_VERSION, source="given", torch_version=None, sms=None):
         self.name = name
+        # multiProcessorCount; a GPU given by its compute capability only: an H100's, the default device
+        self.sms = int(sms) if sms else SMS[DEFAULT_GPU]
         self.capability = (int(capability[0]), int(capability[1]))
         self.cudnn = int(cudnn)
         self.source = source  # "given", "this machine", "default"
         # (major, minor) of the torch whose kernel choices are modelled: this process's torch by default
         self.torch_version = tuple(torch_version) if torch_version is not None else _this_torch()
+
+    @property
+    def threads_per_sm(self):
+        """maxThreadsPerMultiProcessor (CUDA's compute capability table)."""
+        if self.capability in ((7, 5),):
+            return 1024
+        if self.capability in ((8, 6), (8, 9)) or self.capability[0] == 12:
+            return 1536
+        return 2048
 
     @property
     def cublas_workspace(self):
@@ -126,16 +147,17 @@ def resolve_gpu(gpu=None):
             if torch.cuda.is_available():
                 major, minor = torch.cuda.get_device_capability()
                 cudnn = torch.backends.cudnn.version() or CUDNN_VERSION
-                return GPU(torch.cuda.get_device_name(), (major, minor), cudnn, "this machine")
+                sms = torch.cuda.get_device_properties().multi_processor_count
+                return GPU(torch.cuda.get_device_name(), (major, minor), cudnn, "this machine", sms=sms)
         except Exception:  # noqa: BLE001 - a broken CUDA setup: model the default device
             pass
         name, cap = GPUS[DEFAULT_GPU]
-        return GPU(name, cap, source="default: no GPU here")
+        return GPU(name, cap, source="default: no GPU here", sms=SMS[DEFAULT_GPU])
     if isinstance(gpu, str):
         key = gpu.strip().lower().replace("nvidia", "").replace(" ", "").replace("-", "")
         if key in GPUS:
             name, cap = GPUS[key]
-            return GPU(name, cap)
+            return GPU(name, cap, sms=SMS.get(key))
         m = re.fullmatch(r"(?:sm_?)?(\d+)\.(\d)", key) or re.fullmatch(r"sm_?(\d)(\d)", key)
         if m:
             return GPU(f"compute capability {m.group(1)}.{m.group(2)}", (int(m.group(1)), int(m.group(2))))
@@ -278,6 +300,91 @@ def rnn_sizes(mode, seq, batch, input_size, hidden, layers, directions, elem):
     return reserve, workspace
 
 
+def _last_pow2(n):
+    """Reduce.cuh's last_pow2: the largest power of two at most n, 1 at least."""
+    return max(1, 1 << (int(n).bit_length() - 1)) if n > 0 else 1
+
+
+def reduce_staging(shape, strides, dims, acc_size, gpu, offset=0):
+    """(staging buffer, semaphores) bytes a CUDA reduction of a tensor takes for the kernel's duration;
+    (0, 0) when it is not split across thread blocks.
+
+    Follows setReduceConfig (aten/src/ATen/native/cuda/Reduce.cuh) for one reduction of the input
+    ``shape``/``strides`` (elements, ``offset`` its storage offset) over ``dims``, accumulated in
+    ``acc_size``-byte values: TensorIterator drops size-1 dimensions, puts the reduced ones first,
+    each group by stride, and merges adjacent ones; the block's width goes along the faster of the
+    two groups, vectorized by 4 along it when its stride is 1; the input is split across warps when
+    each thread would sum at least min(16 x block height, 256) values, and across blocks when it would
+    still sum 256 or more and the outputs' blocks leave SMs idle (ctas_per_output, from the SM count
+    and the threads an SM holds). Then launch_reduce_kernel allocates global_memory_size() and
+    semaphore_size() bytes: acc_size x outputs x ctas_per_output, x block width x output vector when
+    the block does not reduce along x; an int per output block.
+    """
+    def groups(reduced):
+        dims_ = enumerate(zip(shape, strides))
+        group = sorted((st, n) for i, (n, st) in dims_ if n != 1 and (i in dims) == reduced)
+        merged = []
+        for st, n in group:
+            if merged and merged[-1][0] * merged[-1][1] == st:
+                merged[-1] = (merged[-1][0], merged[-1][1] * n)
+            else:
+                merged.append((st, n))
+        return merged
+
+    red, kept = groups(True), groups(False)
+    inputs, outputs = 1, 1
+    for _, n in red:
+        inputs *= n
+    for _, n in kept:
+        outputs *= n
+    if not red or inputs * outputs == 0:
+        return 0, 0
+    fastest = not kept or red[0][0] < kept[0][0]  # reduction_on_fastest_striding_dimension
+    dim0, dim1 = (inputs, outputs) if fastest else (outputs, inputs)
+    stride = red[0][0] if fastest else kept[0][0]
+    out_vec = 1
+    if stride == 1:
+        if fastest and dim0 > 128 and len(red) == 1:
+            dim0 //= 4  # vectorize along the input: input_vec_size is vt0, 4
+        elif not fastest:
+            # get_output_vec_size: 4, halved until it divides the input's offset, the outputs' extent
+            # along the block and every other stride of the input
+            out_vec = 4
+            while any(v % out_vec for v in [offset, kept[0][1]] + [st for st, _ in red + kept[1:]]):
+                out_vec //= 2
+    dim0 //= out_vec
+    # set_block_dimension
+    most = 512 // out_vec
+    d0 = most if dim0 >= most else _last_pow2(dim0)
+    d1 = most if dim1 >= most else _last_pow2(dim1)
+    width = min(d0, 32)
+    height = min(d1, most // width)
+    width = min(d0, most // height)
+    threads = width * height
+    step_in = step_out = 1
+    if fastest:
+        step_in *= width
+    else:
+        step_out *= width
+    split_warps = -(-inputs // step_in) >= min(height * 16, 256)
+    if split_warps:
+        step_in *= height
+    else:
+        step_out *= height
+    per_thread = -(-inputs // step_in)
+    grid = -(-(outputs // out_vec) // step_out)
+    target = gpu.sms * (gpu.threads_per_sm // threads)
+    if not split_warps or per_thread < 256 or grid > target:
+        return 0, 0
+    ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return 0, 0
+    size = acc_size * outputs * ctas
+    if not fastest:
+        size *= width * out_vec
+    return size, 4 * grid
+
+
 def round_size(n):
     """Bytes of the block a request of n bytes gets (before any unsplit remainder)."""
     if n <= 0:
@@ -297,13 +404,14 @@ def segment_size(n):
 
 
 class _Block:
-    __slots__ = ("size", "free", "prev", "next", "small")
+    __slots__ = ("size", "free", "prev", "next", "small", "addr")
 
-    def __init__(self, size, small):
+    def __init__(self, size, small, addr=0):
         self.size = size
         self.free = True
         self.prev = self.next = None
         self.small = small
+        self.addr = addr
 
 
 class CachingAllocator:
@@ -318,12 +426,12 @@ class CachingAllocator:
 
     def _insert(self, b):
         self._serial += 1
-        bisect.insort(self._free[b.small], (b.size, self._serial, b))
+        bisect.insort(self._free[b.small], (b.size, b.addr, self._serial, b))
 
     def _remove(self, b):
         lst = self._free[b.small]
         for i in range(bisect.bisect_left(lst, (b.size,)), len(lst)):
-            if lst[i][2] is b:
+            if lst[i][3] is b:
                 del lst[i]
                 return
         raise AssertionError("free block not in its pool")
@@ -336,14 +444,14 @@ class CachingAllocator:
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size,))
         if i < len(lst):
-            block = lst.pop(i)[2]
+            block = lst.pop(i)[3]
         else:
             seg = segment_size(size)
+            block = _Block(seg, small, self.reserved)
             self.reserved += seg
-            block = _Block(seg, small)
         remaining = block.size - size
         if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = _Block(remaining, small)
+            rest = _Block(remaining, small, block.addr + size)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -365,6 +473,7 @@ class CachingAllocator:
                 self._remove(nb)
                 block.size += nb.size
                 if nb is block.prev:
+                    block.addr = nb.addr
                     block.prev = nb.prev
                     if nb.prev is not None:
                         nb.prev.next = block

@@ -409,6 +409,130 @@ def _blas_after(state, lt=False):
     return after
 
 
+def _reduce_after(state):
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
+    from ._estimate_cuda import reduce_staging
+
+    def after(ledger, args, kwargs, out):
+        """A sum or mean split across thread blocks (Reduce.cuh): its staging buffer and semaphores,
+        taken after the output and given back when the kernel ends, semaphores first (the DataPtrs'
+        order)."""
+        import torch
+
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.is_complex():
+            return
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            dims = range(x.dim())
+        elif isinstance(dims, int):
+            dims = [dims]
+        dims = {d % max(1, x.dim()) for d in dims}
+        acc = 8 if x.dtype == torch.float64 else 4  # acc_type: double for double, float otherwise
+        shape, strides = tuple(x.shape), x.stride()
+        buffer, semaphores = reduce_staging(shape, strides, dims, acc, state.gpu, x.storage_offset())
+        if buffer:
+            key = ledger.add_extra(buffer, "temporary", transient=False)
+            ledger.add_extra(semaphores)
+            ledger.free_key(key)
+
+    return after
+
+
+def _layer_norm_backward_after(ledger, args, kwargs, out):
+    """layer_norm_backward_cuda allocates dX, dgamma and dbeta, then its kernel reads the incoming gradient
+    through a contiguous copy, freed when it ends: the gradient of a sum, expanded from one number, is
+    copied whole (the encoder's trace: 8 MiB after the 2 KiB dgamma and dbeta, freed at once)."""
+    import torch
+
+    grad = args[0]
+    if isinstance(grad, torch.Tensor) and not grad.is_contiguous():
+        ledger.add_extra(grad.numel() * grad.element_size())
+
+
+def _dropout_mask_first(ledger, func, args, kwargs):
+    """dropout_cuda (Dropout.cu) allocates the bool mask before the output: the caching allocator hands
+    out blocks in that order (the encoder's trace: 2 MiB mask, then the 8 MiB output)."""
+    import torch
+
+    out = func(*args, **kwargs)
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+        ledger.add_storage(out[1].untyped_storage())
+    return out
+
+
+def _efficient_attention_backward(state):
+    def run(ledger, func, args, kwargs):
+        """_efficient_attention_backward (attention_backward.cu) on CUDA, in its order: a contiguous copy of
+        the incoming gradient (in the kernel's B x M x H x K layout), grad_q, grad_k and grad_v, then
+        delta: where the kernel does not compute it (float32), (grad_out * out).sum(-1) made contiguous
+        as B x H x M floats, its two temporaries freed at once; then the kernel's workspace, and at the
+        end delta and the copy. The workspace, for float32 heads of at most 64 on compute capability
+        8.0 on (the 64 x 64 kernel, split keys on), holds per batch and head a GradQTempStorage, 4 ints and
+        64 x 64 floats, per block of 64 queries and 64 columns (kernel_backward.h workspace_size). Checked
+        against the encoder's trace, float32 heads of 64 on the H200."""
+        import torch
+
+        grad_out, query, key, value, out = args[0], args[1], args[2], args[3], args[5]
+        result = func(*args, **kwargs)
+        B, H, M, K = query.shape
+        Kv = value.shape[-1]
+        g = grad_out.transpose(1, 2)
+        copy = None
+        if not g.is_contiguous():
+            copy = ledger.add_extra(g.numel() * g.element_size(), "temporary", transient=False)
+        for t in result[:3]:
+            if isinstance(t, torch.Tensor):
+                ledger.add_storage(t.untyped_storage())
+        fp32 = query.dtype == torch.float32
+        if fp32:
+            product = ledger.add_extra(B * M * H * Kv * 4, "temporary", transient=False)
+            summed = ledger.add_extra(B * M * H * 4, "temporary", transient=False)
+            delta = ledger.add_extra(B * H * M * 4, "temporary", transient=False)
+            ledger.free_key(summed)
+            ledger.free_key(product)
+        else:
+            # the half kernels compute delta themselves into an empty B x H x M float tensor
+            delta = ledger.add_extra(B * H * M * 4, "temporary", transient=False)
+        workspace = None
+        if fp32 and max(K, Kv) <= 64 and state.gpu.capability >= (8, 0):
+            per_head = -(-M // 64) * -(-K // 64) * (4 + 64 * 64)
+            workspace = ledger.add_extra(B * H * (-(-per_head // 4) * 4) * 4, "workspace", transient=False)
+        # delta lives in the launching lambda, the workspace and the copy in the function: freed in that order
+        ledger.free_key(delta)
+        if workspace is not None:
+            ledger.free_key(workspace)
+        if copy is not None:
+            ledger.free_key(copy)
+        return result
+
+    return Around(run)
+
+
+def _grad_accumulate(ledger, func, args, kwargs):
+    """autograd's InputBuffer::accumulate adds a second gradient for the same input in place into the
+    first when it holds that tensor's only reference (can_accumulate_inplace); a fake tensor counts as
+    a tensor subclass there and gets the out-of-place sum, one more gradient-sized block (the encoder's
+    residual connections, 8 MiB each in its trace: none there)."""
+    import sys
+
+    import torch
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    a = args[0]
+    b = args[1] if len(args) > 1 else None
+    # a tensor a Python backward holds by a name (a custom autograd.Function's) is not the buffer's: only
+    # the references of this call itself, 4 as measured here, leave it to autograd's buffer alone; its
+    # storage's only references are its tensor's and the Python storage object this check makes
+    if torch._C._current_graph_task_id() == -1 or sys.getrefcount(a) > 4 or len(args) != 2 or kwargs:
+        return func(*args, **kwargs)
+    alike = isinstance(b, torch.Tensor) and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+    only = torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2
+    if alike and only and not a._is_view() and dense(a):
+        return torch.ops.aten.add_.Tensor(a, b)
+    return func(*args, **kwargs)
+
+
 _RNN_MODES = {0: "RNN_RELU", 1: "RNN_TANH", 2: "LSTM", 3: "GRU"}
 
 
@@ -575,6 +699,9 @@ def cuda_kernels(state):
         after[op] = _blas_after(state)
     for op in (aten.addmm.default, aten._addmm_activation.default, aten.addmm.out):
         after[op] = _blas_after(state, lt=True)
+    for op in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default):
+        after[op] = _reduce_after(state)
+    after[aten.native_layer_norm_backward.default] = _layer_norm_backward_after
     return {
         "probe": False,  # the CPU kernels' scratch space is not the GPU's
         "scalars": False,  # Python numbers passed to CUDA kernels stay on the host
@@ -587,6 +714,9 @@ def cuda_kernels(state):
         aten.convolution.default: _conv_forward(state),
         aten.convolution_backward.default: _conv_backward(state),
         aten._grouped_mm.default: _grouped_mm(cuda=True),
+        aten.native_dropout.default: Around(_dropout_mask_first),
+        aten.add.Tensor: Around(_grad_accumulate),
+        aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward(state),
     }
 
 
@@ -720,7 +850,19 @@ def cuda_routing(state):
 
         return run
 
+    def linear(input, weight, bias=None):
+        """at::linear's last branch (Linear.cpp): an input neither 2-D (addmm) nor contiguous (flattened to
+        one addmm) goes through matmul, and the bias is added in place to its output. On fake tensors
+        torch takes the out-of-place add meant for tensor subclasses, a second output-sized block
+        (the encoder's packed in-projection of its transposed input, 24 MiB, not in the trace). Under
+        autocast the dispatcher casts linear's arguments first: left to it."""
+        if (bias is None or not isinstance(input, torch.Tensor) or input.dim() == 2 or input.is_contiguous()
+                or torch.is_autocast_enabled("cpu")):
+            return F.linear(input, weight, bias)
+        return torch.matmul(input, weight.t()).add_(bias)
+
     handlers = {
+        torch._C._nn.linear: linear,
         torch._C._nn.scaled_dot_product_attention: sdpa,
         F.dropout: dropout_fn,
         VF.dropout: vf_dropout,

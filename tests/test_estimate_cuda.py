@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import memtorch
-from memtorch._estimate_cuda import GPU, resolve_gpu, rnn_sizes, sdpa_backend
+from memtorch._estimate_cuda import GPU, reduce_staging, resolve_gpu, rnn_sizes, sdpa_backend
 from memtorch.errors import MemtorchError
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "h200")
@@ -270,6 +270,169 @@ def test_lstm_reserve_and_workspace_from_the_trace():
     output, h_n, c_n, workspace, reserve = fwd[:5]
     assert (output, h_n, c_n) == (128 * 32 * 1024 * 4, 2 * 32 * 1024 * 4, 2 * 32 * 1024 * 4)
     assert rnn_sizes("LSTM", 128, 32, 512, 1024, 2, 1, 4) == (reserve, workspace)
+
+
+def _encoder_rows():
+    with gzip.open(os.path.join(DATA, "encoder-fp32.events.json.gz")) as f:
+        return json.load(f)["events"]
+
+
+def test_reduction_staging_from_the_trace():
+    # the encoder's trace: a reduction split across thread blocks allocates its staging buffer, then its
+    # semaphores, and frees them in the other order, right after its output. The bias gradients sum
+    # 16 x 256 rows of the out_proj and linear2 (512), linear1 (2048) and in_proj (1536) biases; the
+    # loss sums all 16 x 256 x 512 outputs
+    rows = [r for r in _encoder_rows() if r[0] in ("alloc", "free_completed")]
+    found = set()
+    for a, b, f1, f2 in zip(rows, rows[1:], rows[2:], rows[3:]):
+        pattern = (a[0], b[0], f1[0], f2[0]) == ("alloc", "alloc", "free_completed", "free_completed")
+        if pattern and f1[2] == b[2] and f2[2] == a[2] and b[1] < a[1]:
+            found.add((a[1], b[1]))
+    h200 = resolve_gpu("h200")
+    rows_ = 16 * 256
+    model = {reduce_staging((rows_, n), (n, 1), {0}, 4, h200) for n in (512, 2048, 1536)}
+    model.add(reduce_staging((16, 256, 512), (256 * 512, 512, 1), {0, 1, 2}, 4, h200))
+    assert found == model
+    # by hand, Reduce.cuh on 132 SMs of 2048 threads: 512 columns of 4096 rows, blocks of 32 x 4 threads
+    # with 4 outputs per thread, 4 warps splitting the rows, 64 blocks per output column
+    assert reduce_staging((rows_, 512), (512, 1), {0}, 4, h200) == (4 * 512 * 64 * 32 * 4, 4 * 4)
+    # too little to split across blocks (mlp-fp32's bias gradients, 512 rows): nothing
+    assert reduce_staging((512, 4096), (4096, 1), {0}, 4, h200) == (0, 0)
+
+
+def test_reduction_staging_in_the_estimate(monkeypatch):
+    # a bias gradient of 4096 rows after a ReLU: the backward's peak holds the 16 MiB staging buffer and
+    # the semaphores, one 512-byte block, on top of what it held without them
+    import memtorch._estimate_cuda as cuda
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU())
+    with_staging = memtorch.estimate(model, (4096, 512), optimizer="sgd", device="cuda", gpu="h200")
+    monkeypatch.setattr(cuda, "reduce_staging", lambda *a, **k: (0, 0))
+    without = memtorch.estimate(model, (4096, 512), optimizer="sgd", device="cuda", gpu="h200")
+    assert with_staging.peak - without.peak == 16 * MiB + 512
+
+
+def _dry_run_events(model, *inputs, **kwargs):
+    """The dry run's allocation events: [(+1 or -1, bytes rounded as the caching allocator does, phase)]."""
+    from memtorch._estimate_cuda import round_size
+    from memtorch.estimation import _KEEP_RUNS
+
+    kept = []
+    token = _KEEP_RUNS.set(kept)
+    try:
+        memtorch.estimate(model, *inputs, device="cuda", gpu="h200", **kwargs)
+    finally:
+        _KEEP_RUNS.reset(token)
+    ledger = kept[0][0]
+    return [(sign, round_size(ledger.info[k][0]), ledger.info[k][1]) for k, sign in ledger.events]
+
+
+def _json_gz_base():
+    with gzip.open(os.path.join(DATA, "encoder-fp32.events.json.gz")) as f:
+        return json.load(f)["base_allocated"]
+
+
+def test_encoder_step_allocates_as_its_trace():
+    # every allocation and free of the encoder's first step and the next forward and backward, in the trace's
+    # order and sizes: the packed in-projection's bias added in place to its matmul (at::linear), dropout's
+    # mask before its output, layer_norm_backward's copy of the sum's expanded gradient, the efficient
+    # attention backward's gradient copy, delta's temporaries and workspace (below), the reductions' staging
+    # buffers, and the residual gradients summed in place (autograd's InputBuffer). Replayed through the
+    # caching allocator model from the same parameters, the trace's own events give the estimate's figures
+    from memtorch._estimate_cuda import CachingAllocator, round_size
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, opt, precision, _ = _cases().build("encoder-fp32")
+    events = _dry_run_events(model, *inputs, optimizer=opt, loss_fn=loss_fn, keep_output=False)
+    run = [(sign, size) for sign, size, phase in events if phase != "setup" and size]
+    rows = [r for r in _encoder_rows() if r[0] in ("alloc", "free_completed")]
+    real = [(1 if r[0] == "alloc" else -1, round_size(r[1])) for r in rows]
+    assert run[:len(real)] == real
+    first = next(i for i, e in enumerate(events) if e[2] != "setup")
+    setup = [size for sign, size, phase in events[:first]]
+    # 6 layers' parameters and the input; the trace's base, 86,142,976 B, adds two blocks' unsplit MiB
+    layer = 3 * 512 * 512 + 3 * 512 + 512 * 512 + 512 + 2 * 2048 * 512 + 2048 + 512 + 4 * 512
+    assert sum(setup) == 6 * 4 * layer + 8 * MiB
+
+    # the efficient attention backward's workspace by hand: per batch and head, 4 blocks of 64 queries of one
+    # 64-column GradQTempStorage, 4 ints and 64 x 64 floats
+    assert 8396800 in [r[1] for r in rows]
+    assert 16 * 8 * 4 * (4 + 64 * 64) * 4 == 8396800
+    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, device="cuda", gpu="h200",
+                            keep_output=False)  # fmt: skip
+    assert est.reserved_peak == TRUTH["encoder-fp32"]["true_reserved"]
+    alloc = CachingAllocator()
+    for k, size in enumerate(setup):
+        alloc.malloc(k, size)
+    assert alloc.allocated == _json_gz_base()
+    peak = reserved = 0
+    for r in _encoder_rows():
+        if r[0] == "alloc":
+            alloc.malloc(("trace", r[2]), r[1])
+        elif r[0] == "free_completed":
+            alloc.free(("trace", r[2]))
+        peak, reserved = max(peak, alloc.allocated), max(reserved, alloc.reserved)
+    assert (peak, reserved) == (est.peak, est.reserved_peak)
+
+
+def test_linear_of_a_transposed_input_adds_its_bias_in_place():
+    # at::linear on a 3-D input that is not contiguous: matmul copies the input contiguous (8 x 4 x 16 floats,
+    # 2 KiB), multiplies (32 x 32 floats, 4 KiB) and adds the bias in place: no second 4 KiB block
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.lin(x.transpose(0, 1))
+
+    events = _dry_run_events(Transposed(), (4, 8, 16), optimizer="sgd")
+    forward = [size for sign, size, phase in events if phase == "forward" and sign > 0 and size < MiB]
+    assert forward == [8 * 4 * 16 * 4, 32 * 32 * 4] * 2  # each of the dry run's two steps
+
+
+def test_backward_sums_a_second_gradient_in_place():
+    # y = linear(x) feeds a ReLU and a sigmoid: their backwards each make one 64 x 1024 float gradient
+    # (256 KiB) for y, and autograd's buffer adds the second into the first: two such blocks a step, not three
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 1024)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y.relu() + y.sigmoid()
+
+    events = _dry_run_events(Two(), (64, 256), optimizer="sgd")
+    grads = [size for sign, size, phase in events if phase == "backward" and sign > 0 and size == 256 * 1024]
+    assert len(grads) == 2 * 2  # each of the dry run's two steps
+
+
+def test_layer_norm_backward_copies_an_expanded_gradient():
+    # a LayerNorm's output summed: its gradient is one number expanded, which layer_norm_backward_cuda reads
+    # through a contiguous copy (4096 x 64 floats, 1 MiB) made after dX, dgamma and dbeta and freed at once
+    events = _dry_run_events(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)), (4096, 64), optimizer="sgd")
+    backward = [(sign, size) for sign, size, phase in events if phase == "backward" and size]
+    x, g = 4096 * 64 * 4, 512  # dgamma, dbeta: 64 floats, one 512-byte block each
+    first = backward.index((1, x))
+    assert backward[first:first + 5] == [(1, x), (1, g), (1, g), (1, x), (-1, x)]
+
+
+def test_caching_allocator_takes_the_lowest_address_of_equal_blocks():
+    # BlockComparatorSize (CUDACachingAllocator.cpp): free blocks ordered by size, then address. Two full
+    # 20 MiB segments, each an 8 MiB block and a 12 MiB one; the 8 MiB blocks freed high then low: the next
+    # 8 MiB request takes the low one (the model's segments lie in the order they were reserved)
+    from memtorch._estimate_cuda import CachingAllocator
+
+    alloc = CachingAllocator()
+    for first, rest in (("a", "f"), ("b", "g")):
+        alloc.malloc(first, 8 * MiB)
+        alloc.malloc(rest, 12 * MiB)
+    assert alloc.reserved == 40 * MiB
+    alloc.free("b")
+    alloc.free("a")
+    alloc.malloc("c", 8 * MiB)
+    assert alloc._blocks["c"].addr == 0
 
 
 def test_gpu_argument():
