@@ -1122,7 +1122,7 @@ def _cuda_notes(state):
         "bias in the GEMM, and the caching allocator's 512 B blocks and segments; these workspaces stay "
         "allocated for the process, as in a fresh process's first steps",
         "device='cuda': not modelled: the CUDA context (typically 300-600 MiB per process, outside "
-        "torch.cuda.memory_allocated()), NCCL's buffers, CUDA reductions' staging buffers, CUDA autocast's own "
+        "torch.cuda.memory_allocated()), NCCL's buffers, CUDA autocast's own "
         "cast lists (precision='*-mixed' runs the CPU's), and a torch.compile'd graph's fusion",
     ]
     if state.routed.get("cuDNN convolution"):
