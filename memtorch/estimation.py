@@ -49,7 +49,8 @@ import functools
 import importlib
 
 from . import units, words
-from ._estimate_run import Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode, host_factories
+from ._estimate_run import (Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode,
+                            host_factories)
 from .errors import MemtorchError
 from .reports.estimate import Estimate  # the result type's home; its old name stays
 from .reports.track import ModuleStats, PhaseStats
@@ -330,7 +331,8 @@ def _capturable_on_fakes(opt):
         return
     saved = []
     try:
-        for name in ("optimizer", "adam", "adamw", "adamax", "adadelta", "asgd", "nadam", "radam", "rmsprop", "rprop"):
+        modules = ("optimizer", "adam", "adamw", "adamax", "adadelta", "asgd", "nadam", "radam", "rmsprop", "rprop")
+        for name in modules:
             try:
                 mod = importlib.import_module(f"torch.optim.{name}")
             except ImportError:

@@ -95,11 +95,11 @@ def test_optimizer_step_counts_stay_on_the_host(name):
     cls = getattr(torch.optim, name)
 
     def steady(device="cuda", **kw):
-        opt = cls(model.parameters(), **kw) if cls is not None else kw.pop("opt")
-        return memtorch.estimate(model, x, optimizer=opt, device=device, gpu="h200" if device == "cuda" else None).steady
+        gpu = "h200" if device == "cuda" else None
+        return memtorch.estimate(model, x, optimizer=cls(model.parameters(), **kw), device=device, gpu=gpu).steady
 
     host = steady(foreach=True)
-    if name == "Adagrad":  # neither capturable nor fused on CUDA: its one state, sum, is as large as SGD's momentum
+    if name == "Adagrad":  # neither capturable nor fused on CUDA; its one state, sum, is as large as SGD's momentum
         sgd = memtorch.estimate(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                 device="cuda", gpu="h200")  # fmt: skip
         assert host == sgd.steady
@@ -109,7 +109,8 @@ def test_optimizer_step_counts_stay_on_the_host(name):
         assert steady(fused=True) - host == 512 * n
     # the capturable step ran on the fakes; torch's check of its devices is as it was
     for module in ("optimizer", "adam", "rmsprop"):
-        assert "cpu" not in importlib.import_module(f"torch.optim.{module}")._get_capturable_supported_devices()
+        devices = importlib.import_module(f"torch.optim.{module}")._get_capturable_supported_devices()
+        assert "cpu" not in devices
     # the CPU's step counts are its memory: counted there, 4 B each (fp32, no rounding on the CPU).
     # Held between steps: the parameters, each parameter's elementwise states (Adam: exp_avg and
     # exp_avg_sq; Adagrad: sum; RMSprop: square_avg), the input, the step counts.
