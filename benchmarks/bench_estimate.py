@@ -156,6 +156,10 @@ def cuda_section(write):
         "| case | true peak | estimate | error | true reserved | estimated reserved | error | estimate time |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    def error(got, true, pct):
+        # a percentage rounds a few bytes to +0.00%: say "exact" only when it is
+        return "exact" if got == true else f"{pct:+.2f}% ({got - true:+,} B)"
+
     worst = worst_r = 0.0
     exact = []  # cases whose peak and reserved are the H200's to the byte
     for c in shipped["cases"]:
@@ -172,11 +176,6 @@ def cuda_section(write):
         worst, worst_r = max(worst, abs(err)), max(worst_r, abs(err_r))
         if (est.peak, est.reserved_peak) == (c["true_peak"], c["true_reserved"]):
             exact.append(c["case"])
-
-        def error(got, true, pct):
-            # a percentage rounds a few bytes to +0.00%: say "exact" only when it is
-            return "exact" if got == true else f"{pct:+.2f}% ({got - true:+,} B)"
-
         lines.append(
             f"| {c['case']} | {c['true_peak']:,} B | {est.peak:,} B | {error(est.peak, c['true_peak'], err)} | "
             f"{c['true_reserved']:,} B | {est.reserved_peak:,} B | "

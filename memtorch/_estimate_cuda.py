@@ -420,21 +420,20 @@ class CachingAllocator:
     def __init__(self):
         self.allocated = 0
         self.reserved = 0
-        self._free = {True: [], False: []}  # small? -> sorted [(size, serial, block)]
-        self._serial = 0
+        # small? -> sorted [(size, address, block)]; addresses are unique (segments laid out one after
+        # another, never given back), so equal sizes order by address and blocks are never compared
+        self._free = {True: [], False: []}
         self._blocks = {}  # key -> block handed out
 
     def _insert(self, b):
-        self._serial += 1
-        bisect.insort(self._free[b.small], (b.size, b.addr, self._serial, b))
+        bisect.insort(self._free[b.small], (b.size, b.addr, b))
 
     def _remove(self, b):
         lst = self._free[b.small]
-        for i in range(bisect.bisect_left(lst, (b.size,)), len(lst)):
-            if lst[i][3] is b:
-                del lst[i]
-                return
-        raise AssertionError("free block not in its pool")
+        i = bisect.bisect_left(lst, (b.size, b.addr))
+        if i == len(lst) or lst[i][2] is not b:
+            raise AssertionError("free block not in its pool")
+        del lst[i]
 
     def malloc(self, key, nbytes):
         size = round_size(nbytes)
@@ -444,7 +443,7 @@ class CachingAllocator:
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size,))
         if i < len(lst):
-            block = lst.pop(i)[3]
+            block = lst.pop(i)[2]
         else:
             seg = segment_size(size)
             block = _Block(seg, small, self.reserved)

@@ -201,8 +201,8 @@ def _accounting_mode(ledger, kernels, allow_item):
                     return 1.0 if args[0].dtype.is_floating_point else 1
                 raise _DataDependent("calls .item() (or converts a tensor to a Python number or bool)")
             fix = kernels.get(func)
-            composite = func.namespace == "aten" and func not in after and func._can_decompose()
-            if not probe and fix is None and composite:
+            if (not probe and fix is None and func.namespace == "aten" and func not in after
+                    and func._can_decompose()):
                 # Under inference_mode autograd is off, so a composite operator (aten.linear, matmul)
                 # reaches this mode whole. Without the CPU's probe to measure it, it runs as its
                 # decomposition, so that the kernels the target device runs (addmm and its cuBLAS

@@ -652,8 +652,10 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         else:
             masters = None
             opt_params = trainable
-        # Adagrad makes its state in its constructor: its step counts are host memory on CUDA as well
-        with host_factories(ledger) if cuda_state is not None else contextlib.nullcontext():
+        # on CUDA, tensors the optimizer makes without a device are host memory (host_factories); entered for
+        # its constructor too: Adagrad makes its state there
+        on_host = functools.partial(host_factories, ledger) if cuda_state is not None else contextlib.nullcontext
+        with on_host():
             opt = _make_optimizer(optimizer, opt_params, device)
         if device == "cuda":
             stack.enter_context(_capturable_on_fakes(opt))
@@ -723,8 +725,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             allow_item[0] = True
             _own(ledger, trainable, masters, grad_of)  # whose is what, for the per-rank figures
             ledger.attribute = True
-            on_host = host_factories(ledger) if cuda_state is not None else contextlib.nullcontext()
-            with hooks.phase("optimizer"), on_host:
+            with hooks.phase("optimizer"), on_host():
                 if masters is not None:
                     for m, p in zip(masters, trainable):
                         m.grad = None if p.grad is None else p.grad.to(torch.float32)

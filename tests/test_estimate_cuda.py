@@ -42,16 +42,20 @@ RESERVED_OFF = {"resnet18-fp32": "cuDNN's convolution workspaces (engine per sha
                 "modelled to the byte: the backward's real ones take segments the estimate does not"}
 
 
-@pytest.mark.parametrize("case", list(TRUTH))
-def test_shipped_h200_case(case):
+def _estimate_shipped(case):
+    """estimate() of a shipped case's step as the H200 ran it."""
     if case == "gpt2-fp32":
         pytest.importorskip("transformers")
-    cases = _cases()
     torch.manual_seed(0)
-    model, inputs, loss_fn, opt, precision, ck = cases.build(case)
+    model, inputs, loss_fn, opt, precision, _ck = _cases().build(case)
     # the measured loop deletes the output before backward (cases.measured_loop)
-    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
-                            device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+    return memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
+                             device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TRUTH))
+def test_shipped_h200_case(case):
+    est = _estimate_shipped(case)
     true_peak, true_reserved = TRUTH[case]["true_peak"], TRUTH[case]["true_reserved"]
     peak_err = est.peak / true_peak - 1
     res_err = est.reserved_peak / true_reserved - 1
@@ -74,12 +78,7 @@ EXACT = ("mlp-fp32", "gpt2-fp32", "lstm-fp32")
 
 @pytest.mark.parametrize("case", EXACT)
 def test_shipped_h200_case_exact(case):
-    if case == "gpt2-fp32":
-        pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model, inputs, loss_fn, opt, precision, ck = _cases().build(case)
-    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
-                            device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+    est = _estimate_shipped(case)
     assert (est.peak, est.reserved_peak) == (TRUTH[case]["true_peak"], TRUTH[case]["true_reserved"])
 
 
@@ -132,10 +131,7 @@ def test_resnet18_reserved_with_the_traces_workspaces(monkeypatch):
     assert len(sizes) == 2 * (19 + 37) and sizes[:56] == sizes[56:]  # two identical steps
     traced = cw.TraceWorkspaces(sizes)
     monkeypatch.setattr("memtorch._estimate_kernels._conv_transposes", traced)
-    torch.manual_seed(0)
-    model, inputs, loss_fn, opt, precision, _ck = _cases().build("resnet18-fp32")
-    est = memtorch.estimate(model, *inputs, optimizer=opt, loss_fn=loss_fn, precision=precision,
-                            device="cuda", gpu="h200", keep_output=False)  # fmt: skip
+    est = _estimate_shipped("resnet18-fp32")
     # 20 convolutions: 20 forward, 19 grad_input (not the first: the input needs no gradient), 20 grad_weight
     assert traced.calls == 2 * (20 + 19 + 20) and traced.left == []
     assert est.peak == TRUTH["resnet18-fp32"]["true_peak"]
