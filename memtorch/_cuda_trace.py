@@ -23,7 +23,8 @@ the replay (``replay``) runs when the report is first read:
   times are the same clock (CLOCK_REALTIME, microseconds). Each allocation
   live at the peak is named by address when a walk saw it alive, else filed
   under the module whose forward or the phase that was running when it was
-  made, with memtorch.peak's vocabulary. A trace time is a whole microsecond:
+  made, with memtorch.peak's vocabulary (``attribute_cuda``; this module reads
+  peak's words, peak never imports it). A trace time is a whole microsecond:
   an allocation made within 1 µs of a mark is filed by the middle of its
   microsecond and said in a note.
 * cuBLAS keeps one workspace per handle (one per thread: the forward's and
@@ -38,10 +39,12 @@ the block sizes are the requested ones rounded (a note says so).
 import bisect
 import os
 import time
+from . import units
+from .reports.peak import AtPeak, Owner
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
-__all__ = ["Recording", "Replayed", "replay", "tags_over_time", "cublas_workspace_bytes", "cublaslt_workspace_bytes",
-           "workspaces", "MAX_ENTRIES"]
+__all__ = ["Recording", "Replayed", "replay", "tags_over_time", "cublas_workspace_bytes",
+           "cublaslt_workspace_bytes", "workspaces", "attribute_cuda", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 1 << 19  # a block's own history: the latest 524,288 entries (a few hundred bytes each)
 
@@ -165,16 +168,13 @@ class Recording:
 
 
 def _at_peak(snap, index, start, peak, exact, marks, names, mod_rows, t0_ns, t1_ns, own, caveats):
-    """The deferred part of a CUDA block's end: its AtPeak (memtorch.peak.attribute_cuda)."""
-    # lazy: peak loads _C and NumPy; only this path needs it (importing _cuda_trace stays cheap)
-    from . import peak as attribution
-
+    """The deferred part of a CUDA block's end: its AtPeak (attribute_cuda)."""
     try:
         cap = tuple(_torch().cuda.get_device_capability(index))
     except Exception:  # no device left to ask (the report read later): the default workspace size
         cap = None
     rows = [(r.name, r.type) for r in mod_rows]
-    at = attribution.attribute_cuda(
+    at = attribute_cuda(
         snap, index, start, peak, exact, marks, names, rows, t0_ns, t1_ns, workspaces(cap), own,
     )  # fmt: skip
     at.notes += [c for c in caveats if c not in at.notes]
@@ -492,3 +492,119 @@ def name_of(a, t0_us, t1_us, snaps):
     return None
 
 
+# --- the owners at the peak -------------------------------------------------
+
+
+def attribute_cuda(snapshot, device, start, peak, peak_exact, marks, snapshots, rows, t0_ns=None, t1_ns=None,
+                   workspaces=None, own=True):
+    """Who held the bytes at a CUDA block's peak, from the allocator's history.
+
+    snapshot: torch.cuda.memory._snapshot()'s dict read when the block closed; device: its
+    index; start: the block's allocated bytes when it opened; peak: the block's peak from
+    the counters (absolute), a lower bound when not ``peak_exact``; marks: the hooks'
+    (time.time_ns(), kind, number) (ENTER, EXIT, PHASE, PHASE_END above);
+    snapshots: [(time.time_ns(), {address: (name, kind, None, shape, dtype)})] names walks;
+    rows: the modules' (name, type) by row; t0_ns/t1_ns: the block's open and close (None:
+    the whole trace is the block's); workspaces: {bytes: name} of the libraries' workspaces
+    (an unnamed block of exactly that size, made by a module or the backward and never freed
+    in the block, is named so; None: none);
+    own: the history was the block's own (started empty), not the user's.
+    Returns an AtPeak with the CPU's vocabulary."""
+    # lazy: peak loads _C and NumPy; only this path needs it (importing _cuda_trace stays cheap)
+    from .peak import PHASE_NAMES, module_of, owner_label
+
+    t0_us = None if t0_ns is None else t0_ns // 1000
+    t1_us = None if t1_ns is None else t1_ns // 1000 + 1
+    r = replay(snapshot, device, t0_us, t1_us)
+    notes = list(r.notes)
+    exact = not notes
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    if own and len(trace) >= MAX_ENTRIES:
+        exact = False
+        notes.append(
+            f"the allocator's history kept only its latest {MAX_ENTRIES} entries: "
+            "bytes allocated before the oldest one kept are grouped as not identified"
+        )
+    changes = tags_over_time(marks)
+    times = [c[0] for c in changes]
+    owners = {}
+    storages = []
+
+    modules = {r[0] for r in rows}
+
+    def add(name, kind, phase, nbytes, shape=None, dtype=None, group=False, row=-1):
+        o = owners.get((name, kind))
+        if o is None:
+            if kind == "activation" and 0 <= row < len(rows):
+                module = rows[row][0]
+            else:
+                module = module_of(name, kind, modules)
+            o = owners[(name, kind)] = Owner(name, kind, phase, module=module)
+        o.nbytes += nbytes
+        o.count += 1
+        if not group:
+            storages.append((name, kind, phase, nbytes, shape, dtype))
+
+    snaps = sorted(snapshots, key=lambda s: s[0])
+    in_block = ambiguous = 0
+    for a, size, t_alloc, t_free in r.live:
+        in_block += size
+        row, code, amb = owner_at(changes, times, t_alloc)
+        phase = PHASE_NAMES.get(code)
+        named = name_of(a, t_alloc, t_free, snaps)
+        if named is not None:
+            add(named[0], named[1], phase, size, named[3], named[4])
+            continue
+        if amb:
+            ambiguous += size
+        ws = workspaces.get(size) if workspaces else None
+        if ws is not None and a in r.kept and (row >= 0 or phase in ("forward", "backward")):
+            add(ws, "workspace", phase, size)
+            continue
+        label, kind = owner_label(row, phase, rows)
+        add(label, kind, phase if kind != "other" else None, size, row=row)
+    at = start + r.peak_delta
+    pre_named = pre_total = 0
+    for a, size, _, t_free in r.pre_live:
+        pre_total += size
+        named = name_of(a, None, t_free, snaps)
+        if named is not None:
+            add(named[0], named[1], None, size, named[3], named[4])
+            pre_named += size
+    pre_rest = at - in_block - pre_named
+    if pre_total + in_block != at:
+        exact = False
+        notes.append(
+            "the replay of the allocator's history and the counters disagree by "
+            f"{units.format(abs(pre_total + in_block - at))} at the block's start"
+        )
+    if pre_rest:
+        add("other, allocated before the block, not identified", "other", None, pre_rest, group=True)
+    if r.estimated:
+        exact = False
+        notes.append(
+            f"{units.format(r.estimated)} freed in the block were allocated before the history began: "
+            "their blocks' sizes are the requests rounded to 512 B"
+        )
+    if ambiguous:
+        notes.append(
+            f"{units.format(ambiguous)} were allocated within a microsecond of a module or phase boundary "
+            "(the history's clock): filed by the middle of their microsecond"
+        )
+    reported = int(peak)
+    if peak_exact:
+        if at != reported:
+            exact = False
+            notes.append(
+                f"the allocator's history reaches {units.format(at)} at its highest, the counters "
+                f"{units.format(reported)}: the difference is not replayed"
+            )
+            add("not replayed: the history missed the peak", "other", None, reported - at, group=True)
+    elif at >= reported:
+        notes.append(
+            "the counters only bound this block's peak (it stayed below an older peak of the device): "
+            f"the allocator's history gives it, {units.format(at)}"
+        )
+        reported = at
+    return AtPeak(reported, list(owners.values()), storages, exact, notes, {r[0]: r[1] for r in rows})

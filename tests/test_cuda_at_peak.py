@@ -240,7 +240,7 @@ def test_mlp_owners_at_the_peak_against_hand_counts():
     snap, marks, walks, rows = _synth("mlp-fp32", _mlp_rows)
     truth = _truth("mlp-fp32")
     start = sum(b for _, b, _, _ in ct.replay(snap).pre_live)
-    at = mpeak.attribute_cuda(snap, 0, start, truth["true_peak"], True, marks, walks, rows, workspaces=WS)
+    at = ct.attribute_cuda(snap, 0, start, truth["true_peak"], True, marks, walks, rows, workspaces=WS)
     assert at.exact, at.notes
     assert at.peak == at.total == truth["true_peak"]
     # hand counts: Linear(1024, 4096), Linear(4096, 4096), Linear(4096, 1000), fp32; each
@@ -272,7 +272,7 @@ def test_mlp_activations_by_module_at_the_forwards_peak():
     trace = snap["device_traces"][0]
     start = sum(b for _, b, _, _ in ct.replay(snap).pre_live)
     t1 = next(e["time_us"] for e in trace if e["frames"] and e["frames"][0]["filename"] == "cases.py")
-    at = mpeak.attribute_cuda(snap, 0, start, start, False, marks, walks, rows, t1_ns=t1 * 1000 - 1000,
+    at = ct.attribute_cuda(snap, 0, start, start, False, marks, walks, rows, t1_ns=t1 * 1000 - 1000,
                               workspaces=WS)  # fmt: skip
     out = 512 * 4096 * 4  # a (512, 4096) fp32 activation: 8 MiB
     assert at["activations of 1 (ReLU)"] == out  # saved by ReLU for its backward
@@ -290,7 +290,7 @@ def test_resnet18_owners_at_the_peak_against_hand_counts():
     truth = _truth("resnet18-fp32")
     model, inputs, *_ = _cases().build("resnet18-fp32")
     start = sum(b for _, b, _, _ in ct.replay(snap).pre_live)
-    at = mpeak.attribute_cuda(snap, 0, start, truth["true_peak"], True, marks, walks, rows, workspaces=WS)
+    at = ct.attribute_cuda(snap, 0, start, truth["true_peak"], True, marks, walks, rows, workspaces=WS)
     assert at.exact, at.notes
     assert at.peak == at.total == truth["true_peak"]
     k = at.by_kind()
@@ -323,7 +323,7 @@ def test_user_history_window_leaves_out_events_before_the_block():
     upto = ct.replay(snap, t1_us=t0 - 1)
     start = sum(b for _, b, _, _ in upto.live + upto.pre_live) - upto.peak_delta + upto.end_delta
     assert set(_live_at(trace, t0)) <= {a for a, *_ in upto.live + upto.pre_live}
-    at = mpeak.attribute_cuda(snap, 0, start, start + r.peak_delta, True, marks, walks, rows, t0_ns=t0 * 1000,
+    at = ct.attribute_cuda(snap, 0, start, start + r.peak_delta, True, marks, walks, rows, t0_ns=t0 * 1000,
                               workspaces=WS, own=False)  # fmt: skip
     assert at.exact, at.notes
     assert at.total == at.peak == start + r.peak_delta

@@ -218,7 +218,7 @@ def cuda_at_peak_mlp():
     snap, marks, walks, rows = tc._synth("mlp-fp32", tc._mlp_rows)
     start = sum(b for _, b, _, _ in tc.ct.replay(snap).pre_live)
     true_peak = tc._truth("mlp-fp32")["true_peak"]
-    at = tc.mpeak.attribute_cuda(snap, 0, start, true_peak, True, marks, walks, rows, workspaces=tc.WS)
+    at = tc.ct.attribute_cuda(snap, 0, start, true_peak, True, marks, walks, rows, workspaces=tc.WS)
     assert at.exact and at.peak == at.total == true_peak, (at.notes, at.peak, true_peak)
     return at
 
