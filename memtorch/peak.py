@@ -30,7 +30,7 @@ def make_tag(token, row, phase_code):
     return (token << TAG_BITS) | ((row + 1) << 2) | phase_code
 
 
-_MODULE_KINDS = ("parameter", "buffer", "gradient", "optimizer state")
+_MODULE_KINDS = tuple(words.label(c) for c in words.MODULE_CATEGORIES)  # as owners spell them
 
 
 def module_of(name, kind, modules):

@@ -216,21 +216,17 @@ def modules(report, top=15, ax=None, title=None):
 
 
 def _mm_modules(mm, top, ax, title):
-    cats = ("parameter", "buffer", "gradient", "optimizer_state")
+    cats = words.MODULE_CATEGORIES
+    fields = ("parameters", "buffers", "gradients", "optimizer_state")  # ModuleRow's figures of cats
     rows = [m for m in mm.modules if m.alias_of is None and m.own > 0]
     _require("modules", **{"no module holds any tensor": bool(rows)})
     rows.sort(key=lambda m: -m.own)
     shown, rest = rows[:top], rows[top:]
     labels = [words.module_label(m.name, m.type) for m in shown]
-    data = [[m.parameters, m.buffers, m.gradients, m.optimizer_state] for m in shown]
+    data = [[getattr(m, f) for f in fields] for m in shown]
     if rest:
         labels.append(f"{len(rest)} other module(s)")
-        data.append(
-            [
-                sum(getattr(m, f) for m in rest)
-                for f in ("parameters", "buffers", "gradients", "optimizer_state")
-            ]
-        )
+        data.append([sum(getattr(m, f) for m in rest) for f in fields])
     totals = [sum(d) for d in data]
     fig, ax = _fig_ax(ax, figsize=(8, 1.2 + 0.32 * len(data)))
     name, factor = _unit(max(totals))

@@ -14,6 +14,7 @@ __all__ = [
     "PHASES",
     "INSPECT_CATEGORIES",
     "ESTIMATE_CATEGORIES",
+    "MODULE_CATEGORIES",
     "AT_PEAK_KINDS",
     "label",
     "key",
@@ -50,6 +51,10 @@ PHASES = ("forward", "backward", "optimizer")
 
 # inspect()'s categories; index = the category code in a walker row (src/rows.h MT_CAT_*).
 INSPECT_CATEGORIES = ("parameter", "buffer", "gradient", "optimizer_state", "tensor", "array", "attribute")
+
+# the categories a module holds as its own: its parameters and buffers, their gradients and optimizer
+# state (ModelMemory's per-module columns; at the peak, the kinds named after a module)
+MODULE_CATEGORIES = INSPECT_CATEGORIES[:4]
 
 # estimate()'s breakdown at the peak.
 ESTIMATE_CATEGORIES = (
