@@ -78,7 +78,7 @@ def test_inspect_text_json_html(models, capsys):
     assert code == 0
     data = json.loads(text)
     assert data["total"] == MLP_BYTES and data["unit"] == "bytes"
-    assert data["parameters"] == MLP_BYTES // 4
+    assert data["numel"] == MLP_BYTES // 4  # elements (float32: 4 bytes each)
     assert [m["name"] for m in data["modules"]] == ["", "0", "1", "2"]
     code, text = run("inspect", f"{name}:mlp", "--format", "json", "--depth", "0")
     assert [m["name"] for m in json.loads(text)["modules"]] == [""]

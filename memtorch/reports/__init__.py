@@ -6,6 +6,8 @@ the peak) or of ``Report`` (a result a user prints: what track(), estimate(), pl
 another line; a field's metadata (made by ``field()`` below) renames its key, converts its value,
 leaves it out when None, or leaves it out of the JSON. A leading underscore keeps a field out unless
 it names a key (then the public attribute of that name is read: a property over the private field).
+Every key of a report's JSON names an attribute of the report (a field, or a property of that name:
+a reader finds each figure under the same name on the object; tests/test_reports.py holds it).
 ``Report`` adds ``__str__`` = ``to_text()`` and ``_repr_html_`` = ``to_html()``: the text and HTML
 are made by memtorch.display and the figures by memtorch.plot, never here. Those renderers sit a
 floor above the result types (tests/test_imports.py), so a report reaches them through ``render()``:

@@ -116,6 +116,12 @@ class MultiRankReport(Report):
     device: str = field(init=False, to_dict=False)  # the ranks' devices, ", "-joined (not in the JSON)
     phases: dict = field(init=False, to_dict=False)  # {name: {peak_above_start, delta}}, maxima (not in the JSON)
 
+    @property
+    def leak_per_step(self) -> "int | float | None":
+        """The highest rank's leak per step in bytes (``leak.per_step``: the rank is ``leak_rank``), or
+        None when no rank measured one: the JSON's leak_per_step."""
+        return None if self.leak is None else self.leak.per_step
+
     def __post_init__(self):
         ranks = self.ranks
         if not ranks:

@@ -88,10 +88,15 @@ class Estimate(Report):
         self.end = self.delta = self.steady
         self.peak_above_start = self.peak
 
+    @property
+    def kind(self) -> str:
+        """What this report is, ``"estimate"``: the first key of its JSON (the CLI writes several kinds)."""
+        return "estimate"
+
     def _dict_more(self, d):
         rest = list(d.items())
         d.clear()
-        d["kind"] = "estimate"  # first: what the JSON is (the CLI writes several kinds)
+        d["kind"] = self.kind  # first: what the JSON is
         d.update(rest)
 
     # -- presentation ------------------------------------------------------

@@ -9,7 +9,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from .. import units
-from . import Record, Report, field, render
+from . import Record, Report, field, plain, render
 
 if TYPE_CHECKING:  # annotations only: importing this module loads no torch
     import torch
@@ -146,10 +146,6 @@ def _rate_json(rate):
     return int(rate) if rate.denominator == 1 else float(rate)
 
 
-def _fraction_json(rate):
-    return None if rate is None else [rate.numerator, rate.denominator]
-
-
 @dataclasses.dataclass(eq=False)
 class LeakReport(Report):
     """Growth of allocated bytes per step, judged over the whole run.
@@ -186,8 +182,14 @@ class LeakReport(Report):
         self.groups = list(self.groups)
         self.notes = list(self.notes)
 
+    @property
+    def per_step_fraction(self) -> tuple[int, int] | None:
+        """per_step exactly, as (numerator, denominator) of bytes, or None: the JSON's per_step is an
+        int or a float, its per_step_fraction this pair."""
+        return None if self.per_step is None else (self.per_step.numerator, self.per_step.denominator)
+
     def _dict_more(self, d):
-        d["per_step_fraction"] = _fraction_json(self.per_step)
+        d["per_step_fraction"] = plain(self.per_step_fraction)
 
     def budget_bounds(self) -> tuple[Fraction | None, Fraction | None, str | None, str | None]:
         """(low, high, why, fix) of per_step for a leak budget (memtorch.budget): (per_step,

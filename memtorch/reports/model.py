@@ -166,7 +166,7 @@ class ModelMemory(Report):
 
     Built by memtorch.inspection from the walker's tables: ``ModelMemory(rows, paths, dtypes,
     devices, walk, root_type)``. Its figures are properties derived from the rows, not fields: in
-    to_dict() they follow the one field in the JSON (``model``; see _dict_more).
+    to_dict() they follow the one field in the JSON (``root_type``; see _dict_more).
     """
 
     rows: np.ndarray = field(to_dict=False, repr=False)  # one per tensor met (src/rows.h), shared memory merged
@@ -175,7 +175,7 @@ class ModelMemory(Report):
     devices: list[str] = field(to_dict=False, repr=False)  # the device names a row's device code indexes
     # the walk's modules: (paths, type names, links: [[parent index, alias-of index]] with -1 for none)
     walk: dataclasses.InitVar[Any]
-    root_type: str = field("", key="model")  # the class name of what was walked
+    root_type: str = field("")  # the class name of what was walked
     _mod_paths: list[str] = field(init=False, repr=False)  # each module's path, in walk order
     _mod_types: list[str] = field(init=False, repr=False)  # each module's class name
     _links: np.ndarray = field(init=False, repr=False)  # each module's [parent index, alias-of index], -1 for none
@@ -251,6 +251,11 @@ class ModelMemory(Report):
     def count(self) -> int:
         """Number of tensor occurrences (rows)."""
         return len(self.rows)
+
+    @property
+    def unit(self) -> str:
+        """The unit of every size figure: ``"bytes"`` (each an int; said in the JSON as ``unit``)."""
+        return "bytes"
 
     @property
     def numel(self) -> int:
@@ -478,10 +483,10 @@ class ModelMemory(Report):
         return d
 
     def _dict_more(self, d: dict[str, Any]) -> None:
-        """The figures, after the one field in the JSON (model): they are derived from the rows."""
-        d["unit"] = "bytes"
+        """The figures, after the one field in the JSON (root_type): they are derived from the rows."""
+        d["unit"] = self.unit
         d.update(plain(self.summary()))
-        d["parameters"] = int(self.numel)
+        d["numel"] = int(self.numel)
         d["shared"] = [list(g) for g in self.shared]
         d["modules"] = [
             m.to_dict() | {"depth": 0 if m.name == "" else m.name.count(".") + 1} for m in self.modules

@@ -144,7 +144,7 @@ class TrackReport(Report):
         self.absolute_exact = bool(self.exact) and self.baseline is None
 
     def _dict_more(self, d):
-        d["steps_series"] = d["step_series"]  # the key's first spelling, kept for readers of it
+        d["steps_series"] = d["step_series"]  # the first spelling (.steps_series), kept for its readers
 
     def _settle(self):
         pending, self._pending = self._pending, None
@@ -155,6 +155,11 @@ class TrackReport(Report):
                 self._at_peak.exact = False
             if self._largest_n:
                 self._largest = self._at_peak.storages[: self._largest_n]
+
+    @property
+    def steps_series(self) -> list[tuple[int, int]]:
+        """step_series under its first spelling (the same list), kept for readers of that key."""
+        return self.step_series
 
     @property
     def at_peak(self) -> Any:
