@@ -29,6 +29,8 @@ _EXPORTS = {
     "distributed": ("distributed", None),
     "MultiRankReport": ("distributed", "MultiRankReport"),
     "plan": ("planning", "plan"),
+    "fit": ("fitting", "fit"),
+    "Fit": ("fitting", "Fit"),
     "units": ("units", None),
     "cpu": ("cpu", None),
     "cuda": ("cuda", None),

@@ -21,6 +21,8 @@ from .advice import Advice as Advice
 from .advice import advise as advise
 from .distributed import MultiRankReport as MultiRankReport
 from .planning import plan as plan
+from .fitting import Fit as Fit
+from .fitting import fit as fit
 from .errors import BudgetExceeded as BudgetExceeded
 from .errors import BudgetInconclusive as BudgetInconclusive
 from .errors import DeviceUnavailable as DeviceUnavailable

@@ -42,7 +42,7 @@ import bisect
 import os
 import re
 
-__all__ = ["GPU", "GPUS", "resolve_gpu", "sdpa_backend", "rnn_sizes", "reduce_staging", "round_size", "segment_size", "CachingAllocator", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
+__all__ = ["GPU", "GPUS", "GPU_MEMORY", "resolve_gpu", "sdpa_backend", "rnn_sizes", "reduce_staging", "round_size", "segment_size", "CachingAllocator", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
            "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]  # fmt: skip
 
 MIN_BLOCK = 512
@@ -73,6 +73,16 @@ DEFAULT_GPU = "h100"
 # grid from them
 SMS = {"h100": 132, "h200": 132, "gh200": 132, "b200": 148, "a100": 108, "a10": 72, "a10g": 80, "l4": 58,
        "l40s": 142, "v100": 80, "t4": 40}
+# name -> (bytes, name) of the board's memory as NVIDIA specifies it ("80GB" of HBM3 on an H100: the
+# memory chips' 80 GiB), for fit(gpu=...) without device_memory=; names whose boards come in several sizes
+# carry the size. torch's total_memory reports a little less (what the driver keeps): pass device_memory=
+# torch.cuda.get_device_properties(0).total_memory for the exact figure.
+GPU_MEMORY = {
+    "h100": (80 << 30, "H100 80GB"), "h200": (141 << 30, "H200 141GB"), "a100-40gb": (40 << 30, "A100 40GB"),
+    "a100-80gb": (80 << 30, "A100 80GB"), "a10": (24 << 30, "A10 24GB"), "a10g": (24 << 30, "A10G 24GB"),
+    "l4": (24 << 30, "L4 24GB"), "l40s": (48 << 30, "L40S 48GB"), "rtx4090": (24 << 30, "RTX 4090 24GB"),
+    "t4": (16 << 30, "T4 16GB"), "v100-16gb": (16 << 30, "V100 16GB"), "v100-32gb": (32 << 30, "V100 32GB"),
+}  # fmt: skip
 CUDNN_VERSION = 91900  # cuDNN of torch 2.11+ CUDA wheels (measured: 9.19 on the H200)
 
 
@@ -155,6 +165,9 @@ def resolve_gpu(gpu=None):
         return GPU(name, cap, source="default: no GPU here", sms=SMS[DEFAULT_GPU])
     if isinstance(gpu, str):
         key = gpu.strip().lower().replace("nvidia", "").replace(" ", "").replace("-", "")
+        sized = re.fullmatch(r"(.+?)-(\d+)gb", gpu.strip().lower().replace("nvidia", "").replace(" ", ""))
+        if key not in GPUS and sized:  # a name with its board's memory ("a100-80gb", GPU_MEMORY's names)
+            key = sized.group(1).replace("-", "")
         if key in GPUS:
             name, cap = GPUS[key]
             return GPU(name, cap, sms=SMS.get(key))

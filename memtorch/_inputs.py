@@ -161,6 +161,35 @@ class Inputs:
             lambda t: torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") if t.dim() > 0 else t
         )
 
+    def seq_len(self):
+        """Dimension 1 of the first tensor with two dimensions (the sequence of token ids, say); None without one."""
+        for t in self.tensors():
+            if t.dim() > 1:
+                return int(t.shape[1])
+        return None
+
+    def with_seq(self, n):
+        """The inputs with dimension 1 set to ``n`` in every tensor whose dimension 1 is the sequence length
+        (seq_len(): input_ids, labels, an attention mask alike), as meta tensors."""
+        torch = _torch()
+        old = self.seq_len()
+        return self.map(
+            lambda t: torch.empty((t.shape[0], n) + tuple(t.shape[2:]), dtype=t.dtype, device="meta")
+            if t.dim() > 1 and t.shape[1] == old else t
+        )
+
+    def signature(self):
+        """What a dry run reads of the inputs: each tensor's shape and dtype, other values' repr."""
+        torch = _torch()
+        first = {}  # a tensor given twice ({"input_ids": ids, "labels": ids}) is one allocation
+
+        def one(t):
+            if not isinstance(t, torch.Tensor):
+                return repr(t)
+            return (tuple(t.shape), str(t.dtype), first.setdefault(id(t), len(first)))
+
+        return tuple(one(t) for t in self.args) + tuple((k, one(v)) for k, v in sorted(self.kwargs.items()))
+
     def real(self, device=None):
         """Real tensors for a measured run: tensors given stay as they are (meta ones and shapes become
         random floats / zero integers, token ids 0 being valid ones)."""

@@ -4,15 +4,16 @@
     memtorch estimate pkg.module:make_model --input 8x3x224x224 --optimizer adamw --precision bf16-mixed
     memtorch estimate pkg.module:make_lm --input input_ids=1x2048:int64 --input labels=1x2048:int64
     memtorch plan     pkg.module:make_lm --input input_ids=1x2048:int64 --device-memory "80 GiB" [--format html]
+    memtorch fit      pkg.module:make_lm --input input_ids=4x2048:int64 --gpu h100 [--vary batch|seq|max_new_tokens]
     memtorch diagram  path/to/file.py:make_model [--kind class|er] [--depth 2] [--no-memory]
     memtorch advise   pkg.module:make_model --input 8x3x224x224 --optimizer adam [--budget "2 GiB"]
 
-estimate, plan and advise take the same step options, spelled as the Python
-functions' arguments: --input (SHAPE[:DTYPE] or NAME=SHAPE[:DTYPE] for a keyword
-input, repeated), --optimizer, --precision, --device (default cuda for all
-three: the question is a GPU's; said in the output), --gpu, --checkpointing,
---sharding, --world-size, --loss, --fsdp-units; estimate also --inference and
---max-new-tokens.
+estimate, plan, fit and advise take the same step options, spelled as the Python
+functions' arguments and with their defaults: --input (SHAPE[:DTYPE] or
+NAME=SHAPE[:DTYPE] for a keyword input, repeated), --optimizer (adamw), --precision
+(fp32), --device (cuda: the question is a GPU's; said in the output), --gpu,
+--checkpointing, --sharding, --world-size, --loss, --fsdp-units; estimate and fit
+also --inference and --max-new-tokens.
     memtorch diff     OLD.json NEW.json     # two files written by pytest --memtorch-save
 
 TARGET names a callable that returns a torch.nn.Module, or a (module, example
@@ -309,7 +310,13 @@ def _accepts(fn, name):
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _render_report(report, fmt, title, out):
+def _render_report(report, fmt, title, out, show_all=False):
+    if show_all and fmt == "text":  # every row (a plan's table)
+        _print(report.to_text(limit=None), out)
+        return
+    if show_all and fmt == "html":
+        _print(_html_page(title, report.to_html(limit=None)), out)
+        return
     if fmt == "json":
         to_dict = getattr(report, "to_dict", None)
         if to_dict is None:
@@ -334,11 +341,11 @@ def _run_report(api, name, step, args, out, progress, *call_args, **kwargs):
         except (TypeError, ValueError, MemtorchError) as e:
             raise UsageError(f"{name}: {e}") from None
     notes = getattr(report, "notes", None)
-    if name in ("plan", "advise") and "device" not in kwargs and isinstance(notes, list):
+    if name in ("plan", "advise", "fit") and "device" not in kwargs and isinstance(notes, list):
         if not any("by default" in str(n) and "cuda" in str(n) for n in notes):
             notes.insert(0, "device 'cuda' by default (as estimate, plan and advise; the question is a GPU's): "
                             "--device cpu models the CPU")  # fmt: skip
-    _render_report(report, args.format, f"memtorch {name} {args.target}", out)
+    _render_report(report, args.format, f"memtorch {name} {args.target}", out, getattr(args, "all", False))
     return EXIT_OK
 
 
@@ -459,8 +466,29 @@ def cmd_plan(args, out, progress):
             if not _accepts(plan, name):
                 raise UsageError(f"memtorch.plan() in this install takes no {name}")
             kwargs[name] = {"loss": _loss, "fsdp_units": lambda v: v.split(",")}.get(option, lambda v: v)(value)
+    if args.all:
+        kwargs["exhaustive"] = True
     return _run_report(plan, "plan", "planning: one dry run per precision, checkpointing and micro-batch",
                        args, out, progress, model, *inputs, **kwargs)
+
+
+def cmd_fit(args, out, progress):
+    fit = _optional_api("fit")
+    model, example = _prepare(args, progress)
+    inputs = _inputs(args, example)
+    if not inputs:
+        raise UsageError("fit needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
+    kwargs = _step_kwargs(fit, args, "fit", _STEP + ("inference", "max_new_tokens"))
+    if args.device_memory is None and args.gpu is None:
+        raise UsageError("fit needs --device-memory (a size such as '24 GiB') or --gpu (a GPU's name)")
+    for option in ("device_memory", "vary", "reserve", "max_value"):
+        value = getattr(args, option)
+        if value is not None:
+            kwargs[option] = value
+    if args.vary == "max_new_tokens" or args.max_new_tokens is not None:
+        kwargs["training"] = False  # generation is inference
+    return _run_report(fit, "fit", f"finding the largest {args.vary} that fits", args, out, progress, model,
+                       *inputs, **kwargs)  # fmt: skip
 
 
 def cmd_advise(args, out, progress):
@@ -724,7 +752,7 @@ def make_parser():
     )
     parser.add_argument("--version", action="version", version=f"memtorch {_version()}")
     sub = parser.add_subparsers(
-        dest="command", metavar="{inspect,estimate,plan,diagram,advise,diff}", parser_class=_Parser
+        dest="command", metavar="{inspect,estimate,plan,fit,diagram,advise,diff}", parser_class=_Parser
     )
     sub.required = True
 
@@ -764,7 +792,23 @@ def make_parser():
     p.add_argument("--micro-batches", help="micro-batch sizes, comma-separated (default: the input's)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all ranks")
     p.add_argument("--reserve", help="memory kept free per device (default 1 GiB)")
+    p.add_argument("--all", action="store_true",
+                   help="every world size up to --max-world-size, and every row shown (default: each combination "
+                        "up to the first world size that fits, 40 rows)")  # fmt: skip
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("fit", help="the largest batch, sequence length or number of new tokens that fits a device")
+    common(p, ["text", "json", "html"], inputs=True)
+    p.add_argument("--device-memory", help="memory of one device, e.g. '24 GiB' (or --gpu NAME: its nominal memory)")
+    p.add_argument("--vary", choices=["batch", "seq", "max_new_tokens"], default="batch",
+                   help="what to vary: batch (dimension 0 of the inputs, the default), seq (dimension 1), or "
+                        "max_new_tokens (generation after the --input prompt)")  # fmt: skip
+    p.add_argument("--reserve", help="memory kept free per device (default 1 GiB, as plan)")
+    p.add_argument("--max-value", type=_positive, help="the largest value tried (seq: default the model's positions)")
+    p.add_argument("--inference", action="store_true", help="a forward under torch.inference_mode, no training")
+    p.add_argument("--max-new-tokens", type=_positive, metavar="N",
+                   help="with --vary max_new_tokens: the value the search starts from (default 16)")
+    p.set_defaults(func=cmd_fit)
 
     p = sub.add_parser("diagram", help="Mermaid class or ER diagram with each module's memory")
     common(p, ["mermaid", "json", "html"])

@@ -1058,23 +1058,37 @@ def _multi_rank_title(report):
     return f"memtorch.track over {report.world_size} rank(s) on {report.device}"
 
 
+def _devices(n, device):
+    """'1 GPU', '8 GPUs' (cuda); '1 process', '8 processes' (the CPU)."""
+    if device == "cuda":
+        return f"{n} GPU" + ("s" if n != 1 else "")
+    return f"{n} process" + ("es" if n != 1 else "")
+
+
 def _plan_parts(plan, limit):
-    """(title, what the table lists, header, rows, right-aligned columns, trailing lines) of a Plan."""
+    """(title, what the table lists, header, rows, right-aligned columns, trailing lines) of a Plan: one
+    device's rows first, then those that fit on more, cheapest first, then those that do not, closest
+    first; ``limit`` rows (None: all), then how many more and how to see them."""
     f = _fmt
+    n_fit = len(plan.fits)
     head = (
-        f"memtorch.plan: {len(plan.fits)} of {len(plan.options)} combination(s) fit in "
+        f"memtorch.plan: {n_fit or 'none'} of {len(plan.options)} combination(s) fit in "
         f"{f(plan.device_memory)} per device"
         + (f" ({f(plan.reserve)} kept free)" if plan.reserve else "")
         + f"; {plan.dry_runs} dry run(s), {plan.seconds:.1f} s"
     )
     cuda = any(o.reserved is not None for o in plan.options)
+    device = plan.device or ("cuda" if cuda else "cpu")
     upper = any(o.peak_upper is not None and o.peak_upper != o.peak for o in plan.options)
-    over = sorted((o for o in plan.options if not o.fits), key=lambda o: -o.margin)
-    shown = (plan.fits + over)[:limit]
+    one = [o for o in plan.options if o.world_size == 1]
+    fits = [o for o in plan.fits if o.world_size > 1]
+    over = sorted((o for o in plan.options if not o.fits and o.world_size > 1), key=lambda o: -o.margin)
+    ordered = one + fits + over
+    shown = ordered if limit is None else ordered[:limit]
     rows = []
     for o in shown:
-        row = [str(o.world_size), o.sharding, o.precision, o.checkpointing or "-", str(o.micro_batch),
-               "-" if o.accumulation is None else str(o.accumulation), f(o.peak)]  # fmt: skip
+        row = [_devices(o.world_size, device), o.sharding or "-", o.precision, o.checkpointing or "-",
+               str(o.micro_batch), "-" if o.accumulation is None else str(o.accumulation), f(o.peak)]  # fmt: skip
         if upper:
             row.append(f(o.peak_upper if o.peak_upper is not None else o.peak))
         if cuda:
@@ -1082,18 +1096,24 @@ def _plan_parts(plan, limit):
         row.append(units.format_delta(o.margin))
         row.append("yes" if o.fits else f"no, over by {f(-o.margin)}")
         rows.append(row)
-    header = ["ranks", "sharding", "precision", "checkpointing", "micro-batch", "accumulation", "peak per rank"]
+    header = ["devices", "sharding", "precision", "checkpointing", "micro-batch", "accumulation", "peak per rank"]
     header += ["peak, scratch late"] if upper else []
     header += ["reserved per rank"] if cuda else []
     header += ["margin", "fits"]
     judged = "reserved" if cuda else "peak, scratch late" if upper else "peak per rank"
-    what = (f"the {len(plan.fits)} that fit, cheapest first, then the {len(over)} that do not, closest "
-            f"first (fit judged on {judged!r}; first {len(rows)} shown):")  # fmt: skip
+    parts = []
+    if one:
+        parts.append(f"on one {'GPU' if device == 'cuda' else 'process'} ({sum(o.fits for o in one)} of {len(one)} fit)")
+    parts.append(f"on more, the {len(fits)} that fit, cheapest first" if fits else "on more, none fit")
+    if over:
+        parts.append(f"then the {len(over)} that do not, closest first")
+    what = "; ".join(parts) + f" (fit judged on {judged!r}; {len(rows)} of {len(ordered)} rows shown):"
     tail = []
-    if len(plan.options) > len(rows):
-        tail.append(f"... {len(plan.options) - len(rows)} more (Plan.options has them all)")
+    if len(ordered) > len(rows):
+        tail.append(f"... {len(ordered) - len(rows)} more row(s): `memtorch plan ... --all` shows every row "
+                    "(Plan.options in Python)")  # fmt: skip
     tail += ["note: " + n for n in plan.notes]
-    return head, what, header, rows, {0, 4, 5} | set(range(6, len(header) - 1)), tail
+    return head, what, header, rows, {4, 5} | set(range(6, len(header) - 1)), tail
 
 
 def plan_text(plan, limit=40):
@@ -1112,6 +1132,55 @@ def plan_html(plan, limit=40):
     )
 
 
+def _fit_lines(f):
+    """(title, lines, notes) of a Fit: the answer, the estimate at it and at the value above, the line."""
+    fmt = _fmt
+    word = {"batch": "batch", "seq": "sequence length", "max_new_tokens": "number of new tokens"}[f.vary]
+    where = f"{fmt(f.device_memory)} per {'GPU' if f.device == 'cuda' else 'device'}" + (
+        f" ({fmt(f.reserve)} kept free)" if f.reserve else "")
+    if f.value >= 1:
+        title = f"memtorch.fit: the largest {word} that fits in {where} is {f.value:,}"
+    else:
+        title = f"memtorch.fit: no {word} fits in {where}, not even 1"
+    budget = f.device_memory - f.reserve
+    lines = []
+
+    def row(v, figs):
+        reserved = "" if figs["reserved"] is None else f", reserved {fmt(figs['reserved'])}"
+        left = budget - figs["judged"]
+        verdict = f"fits, {fmt(left)} to spare" if left >= 0 else f"does not fit, over by {fmt(-left)}"
+        return f"  {f.vary}={v:,}: estimated peak {fmt(figs['peak'])}{reserved} ({verdict})"
+
+    if f.figures is not None:
+        lines.append(row(f.value, f.figures))
+    if f.next_figures is not None:
+        lines.append(row(f.next_value, f.next_figures))
+    if f.figures is not None and f.next_figures is not None and f.next_value == f.value + 1:
+        lines.append(f"  one more adds {fmt(f.next_figures['peak'] - f.figures['peak'])} to the peak there")
+    values = [f"{v:,}" for v, _ in f.tried]
+    if len(values) > 8:
+        values = values[:6] + [f"... {len(values) - 7} more", values[-1]]
+    lines.append(f"  {f.runs} dry run(s) at {f.vary}={', '.join(values)}; {f.seconds:.1f} s")
+    quiet = {"world_size": 1, "training": True, "sharding": None, "checkpointing": None, "gpu": None}
+    cfg = ", ".join(f"{k}={v!r}" for k, v in f.config.items() if k not in quiet or quiet[k] != v)
+    lines.append(f"  as memtorch.estimate(model, <inputs at {f.vary}={max(f.value, 1):,}>, {cfg})")
+    return title, lines, ["note: " + n for n in f.notes]
+
+
+def fit_text(f):
+    """The answer, the estimate at it and at the value above it, how it was found."""
+    title, lines, notes = _fit_lines(f)
+    return "\n".join([title] + lines + notes)
+
+
+def fit_html(f):
+    """The same content as fit_text, as HTML."""
+    title, lines, notes = _fit_lines(f)
+    return (f'<div class="memtorch memtorch-fit"><p><b>{_e(title)}</b></p><pre>'
+            + _e("\n".join(line.strip() for line in lines)) + "</pre>"
+            + "".join(f"<p>{_e(n)}</p>" for n in notes) + "</div>")  # fmt: skip
+
+
 # What each result type's to_text(), to_html() (and AtPeak's lines) call: memtorch.reports.render
 # looks them up here by class name (the result types sit a floor below this module).
 for _what, _name, _fn in [
@@ -1122,6 +1191,7 @@ for _what, _name, _fn in [
     ("text", "LeakReport", leak_report_text), ("html", "LeakReport", leak_report_html),
     ("lines", "AtPeak", at_peak_lines), ("kind_lines", "AtPeak", at_peak_kind_lines), ("html", "AtPeak", at_peak_html),
     ("text", "Plan", plan_text), ("html", "Plan", plan_html),
+    ("text", "Fit", fit_text), ("html", "Fit", fit_html),
     ("text", "Advice", advice_text), ("html", "Advice", advice_html),
     ("text", "MultiRankReport", multi_rank_text), ("html", "MultiRankReport", multi_rank_html),
 ]:  # fmt: skip

@@ -79,6 +79,9 @@ DEFAULT_DEVICE = "cuda"  # one default for estimate(), plan(), advise() and the 
 # and its one-process (peak, reserved peak), so that plan() replays every world size and sharding with the
 # very code estimate() reports from (_rank_results)
 _KEEP_RUNS = contextvars.ContextVar("memtorch_keep_runs", default=None)
+# memtorch._engine sets (fsdp_units,) here: a one-process estimate() records where FSDP's hooks would run (the
+# dry run is otherwise the same), so that zero2/zero3 ranks can be replayed from it
+_RECORD_UNITS = contextvars.ContextVar("memtorch_record_units", default=None)
 
 
 # ---------------------------------------------------------------------------
@@ -925,6 +928,8 @@ def estimate(
         )
     if world_size > 1 and sharding in ("zero2", "zero3"):
         fsdp_mods = resolve_units(model, fsdp_units, torch)
+    elif training and _RECORD_UNITS.get() is not None:
+        fsdp_mods = resolve_units(model, _RECORD_UNITS.get()[0], torch)
     notes = []
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:

@@ -252,7 +252,7 @@ def _order_key(opt, precisions):
     return (
         opt.world_size,
         0 if not opt.checkpointing else 1,
-        _CHEAP[opt.sharding],
+        _CHEAP.get(opt.sharding, -1),  # one rank (sharding None) first
         -opt.micro_batch,
         precisions.index(opt.precision) if opt.precision in precisions else len(precisions),
     )
@@ -407,12 +407,15 @@ def plan(
     micro_batches=None,
     global_batch=None,
     optimizer="adamw",
-    device="cuda",
+    device=None,
     reserve="1 GiB",
     pad=True,
     fsdp_units=None,
     gpu=None,
     loss_fn=None,
+    keep_output=True,
+    exhaustive=False,
+    _engine=None,
 ):
     """Which (world size, sharding, precision, checkpointing, micro-batch) fit in ``device_memory``, cheapest first.
 
@@ -422,26 +425,30 @@ def plan(
     inputs, memtorch._inputs); dimension 0 is the batch. micro_batches: batch
     sizes to try (default: the inputs' own). global_batch: samples per optimizer step over
     all ranks (sets the gradient accumulation; world sizes and micro-batches
-    must divide it). device: what estimate() models ("cuda": the caching
-    allocator, and a combination fits when its reserved figure does). reserve:
-    memory kept free per device for what no estimate sees (the CUDA context,
-    typically 300-600 MiB, and library workspaces). fsdp_units: as estimate()'s
-    (zero2/zero3). gpu, loss_fn: as estimate()'s (gpu with device="cuda": the
-    GPU modelled; loss_fn(output, *inputs) -> loss). pad=False refuses zero1-even on a world size that does not
+    must divide it). device: what estimate() models ("cuda", the default as for
+    estimate(): the caching allocator, and a combination fits when its reserved
+    figure does). reserve: memory kept free per device for what no estimate sees
+    (the CUDA context, typically 300-600 MiB, and library workspaces).
+    optimizer, loss_fn, gpu, fsdp_units, keep_output: as estimate()'s, with its
+    defaults. pad=False refuses zero1-even on a world size that does not
     divide the trainable elements (DeepSpeed pads them; so does the default).
+    world_sizes: the world sizes to try; default: powers of two up to
+    max_world_size, and for each (precision, checkpointing, micro-batch,
+    sharding) only up to the first that fits (a larger world size of the same
+    combination costs more devices; exhaustive=True computes them all).
     Returns a Plan.
 
     Every figure is estimate()'s: one dry run per (precision, checkpointing,
     micro-batch), then each world size and sharding replayed per rank by the
     code memtorch.estimate(model, x, world_size=N, sharding=...) reports from,
-    so each row's peak equals that call's.
+    so each row's figures equal that call's (memtorch._engine).
     """
     import time
 
     import torch
 
-    # lazy: estimation loads only when this path runs (importing planning stays cheap)
-    from .estimation import _KEEP_RUNS, _rank_results, estimate
+    # lazy: the engine loads estimation only when this path runs (importing planning stays cheap)
+    from ._engine import Engine
 
     t0 = time.perf_counter()
 
@@ -472,8 +479,8 @@ def plan(
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
                                      or global_batch < 1):  # fmt: skip
         raise MemtorchError(f"global_batch must be a positive int, got {global_batch!r}")
+    frontier = world_sizes is None and not exhaustive
     worlds = _world_sizes(world_sizes, max_world_size, global_batch)
-    dev = str(device).split(":")[0]
     notes = []
     checkpointing = list(checkpointing)
     if "blocks" in checkpointing:
@@ -483,60 +490,59 @@ def plan(
             notes.append("checkpointing='blocks' left out: the model has no nn.ModuleList of blocks")
             if not checkpointing:
                 checkpointing = [None]
-    fsdp = [s for s in shardings if s in ("zero2", "zero3")] if any(n > 1 for n in worlds) else []
-    options, skipped, runs = [], 0, 0
+    fsdp = any(s in ("zero2", "zero3") for s in shardings) and any(n > 1 for n in worlds)
+    eng = _engine
+    if eng is None:
+        eng = Engine(model, given, optimizer=optimizer, loss_fn=loss_fn, device=device, gpu=gpu,
+                     keep_output=keep_output, fsdp_units=fsdp_units, units=fsdp)  # fmt: skip
+    dev = eng.device
+    options, skipped, beyond = [], 0, 0
+    runs0 = eng.dry_runs
     for prec in precisions:
         for ckpt in checkpointing:
             for mb in micro_batches:
-                kw = {"optimizer": optimizer, "precision": prec, "device": device, "checkpointing": ckpt,
-                      "gpu": gpu, "loss_fn": loss_fn}  # fmt: skip
-                if fsdp:  # the dry run records where FSDP's hooks run (one zero2/zero3 figure comes with it)
-                    kw.update(world_size=2, sharding=fsdp[0], fsdp_units=fsdp_units)
-                kept = []
-                token = _KEEP_RUNS.set(kept)
-                try:
-                    estimate(model, *given.with_batch(mb).as_tuple(), **kw)
-                finally:
-                    _KEEP_RUNS.reset(token)
-                runs += 1
-                ledger, hooks, facts, (peak1, reserved1) = kept[-1]
-                for n in worlds:
-                    accumulation = None
-                    if global_batch is not None:
-                        if global_batch % (n * mb):
-                            skipped += 1
+                mb_inputs = given if mb == batch else given.with_batch(mb)
+                one_fits = False
+                for s in shardings:
+                    for n in worlds:
+                        if n == 1 and s != shardings[0]:
+                            continue  # one rank: nothing to shard, trained unwrapped (one row)
+                        if frontier and n > 1 and one_fits:
+                            beyond += 1  # one device fits this combination: more cost more
                             continue
-                        accumulation = global_batch // (n * mb)
-                    for s in shardings:
-                        if n == 1:
-                            if s != "ddp":
-                                continue  # one rank: nothing to shard, trained unwrapped
-                            peak, reserved, upper, ranks, uppers = peak1, reserved1, peak1, (peak1,), (peak1,)
-                        else:
-                            if s == "zero1-even" and not pad and facts["trainable_numel"] % n:
+                        accumulation = None
+                        if global_batch is not None:
+                            if global_batch % (n * mb):
+                                skipped += 1
+                                continue
+                            accumulation = global_batch // (n * mb)
+                        if n > 1 and s == "zero1-even" and not pad:
+                            numel = eng.facts(prec, ckpt, mb_inputs)["trainable_numel"]
+                            if numel % n:
                                 raise MemtorchError(
-                                    f"world_size {n} does not divide the {facts['trainable_numel']} trainable "
-                                    "parameter elements that zero1-even splits (pad=False); DeepSpeed pads "
-                                    "them, as pad=True models"
+                                    f"world_size {n} does not divide the {numel} trainable parameter elements "
+                                    "that zero1-even splits (pad=False); DeepSpeed pads them, as pad=True models"
                                 )
-                            rows = _rank_results(ledger, hooks, facts, dev, n, s)
-                            top = max(rows, key=lambda d: d["peak"])  # as estimate(): the first highest
-                            peak = top["peak"]
-                            reserved = max(r["reserved_peak"] for r in rows) if dev == "cuda" else None
-                            upper = max(r["peak_upper"] for r in rows)
-                            ranks = tuple(r["peak"] for r in rows)
-                            uppers = tuple(r["peak_upper"] for r in rows)
-                        judged = reserved if reserved is not None else upper
-                        margin = memory - keep - judged
-                        options.append(Option(n, s, prec, ckpt, mb, accumulation, int(peak), int(margin),
-                                              margin >= 0, reserved, None if dev == "cuda" else int(upper),
-                                              ranks, None if dev == "cuda" else uppers))  # fmt: skip
+                        f = eng.figures(prec, ckpt, mb_inputs, world_size=n, sharding=None if n == 1 else s)
+                        margin = memory - keep - f.judged
+                        options.append(Option(n, None if n == 1 else s, prec, ckpt, mb, accumulation, f.peak,
+                                              int(margin), margin >= 0, f.reserved, f.peak_upper, f.rank_peaks,
+                                              f.rank_peaks_upper))  # fmt: skip
+                        one_fits = one_fits or (n == 1 and margin >= 0)
+                        if frontier and n > 1 and margin >= 0:
+                            beyond += sum(1 for m in worlds if m > n)
+                            break  # larger world sizes of this combination fit too, on more devices
     precs = list(dict.fromkeys(precisions))
     options.sort(key=lambda o: _order_key(o, precs))
     if skipped:
         notes.append(
             f"{skipped} (world size, micro-batch) pair(s) skipped: world_size * micro_batch does not divide "
             f"global_batch {global_batch}"
+        )
+    if beyond:
+        notes.append(
+            f"{beyond} larger world size(s) not computed: each combination stops at the first world size that fits "
+            "(more devices cost more); exhaustive=True (CLI --all) computes them"
         )
     notes.append(
         "per-rank figures: one dry run per (precision, checkpointing, micro-batch), each world size and sharding "
@@ -547,4 +553,6 @@ def plan(
         notes.append("device='cuda': a combination fits when its reserved figure (the caching allocator's segments "
                      "on the highest rank) plus the reserve fits; the CUDA context and NCCL's buffers are outside "
                      "the figures (the reserve is for them)")  # fmt: skip
-    return Plan(options, memory, keep, notes, time.perf_counter() - t0, runs)
+    if eng.defaulted:
+        notes.append("device='cuda' by default, as estimate(): device='cpu' models PyTorch's CPU allocator")
+    return Plan(options, memory, keep, notes, time.perf_counter() - t0, eng.dry_runs - runs0, dev, beyond)

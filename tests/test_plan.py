@@ -406,3 +406,49 @@ def test_on_cuda_a_combination_fits_by_its_reserved_figure():
     assert o.peak < o.reserved  # segments hold more than the blocks handed out
     between = memtorch.plan(model, torch.randn(16, 256), device_memory=(o.peak + o.reserved) // 2, **kw)
     assert not between.options[0].fits and between.options[0].margin == (o.peak + o.reserved) // 2 - o.reserved
+
+
+def test_default_grid_stops_each_combination_at_the_first_world_size_that_fits():
+    import torch
+
+    import memtorch
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    x = torch.randn(16, 256)
+    kw = dict(precisions=["fp32"], checkpointing=[None], device="cpu", reserve=0, max_world_size=16)
+    whole = memtorch.plan(model, x, device_memory="1 GiB", exhaustive=True, **kw).options
+    one = [o for o in whole if o.world_size == 1]
+    assert len(one) == 1 and one[0].sharding is None  # one process: nothing to shard, no wrapper
+    # a budget that the single process misses but sharded ranks meet
+    budget = one[0].peak - 1
+    full = memtorch.plan(model, x, device_memory=budget, exhaustive=True, **kw)
+    short = memtorch.plan(model, x, device_memory=budget, **kw)
+    by = {(o.world_size, o.sharding): o for o in full.options}
+    for o in short.options:  # every row computed is the exhaustive plan's, to the byte
+        assert o == by[(o.world_size, o.sharding)]
+    for s in ("ddp", "zero1", "zero1-even", "zero2", "zero3"):
+        mine = sorted(o.world_size for o in short.options if o.sharding == s)
+        first_fit = next((o.world_size for o in sorted(full.options, key=lambda o: o.world_size)
+                          if o.sharding == s and o.fits), None)  # fmt: skip
+        expected = [n for n in (2, 4, 8, 16) if first_fit is None or n <= first_fit]
+        assert mine == expected, s
+    hidden = len(full.options) - len(short.options)
+    assert hidden > 0 and short.hidden == hidden
+    assert f"{hidden} larger world size(s) not computed" in str(short)
+    assert short.best == full.best
+
+
+def test_the_table_shows_one_device_first_and_names_it():
+    import torch
+
+    import memtorch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    p = memtorch.plan(model, torch.randn(16, 64), world_sizes=[1, 2], shardings=["ddp", "zero3"],
+                      precisions=["fp32"], checkpointing=[None], device="cuda", reserve=0,
+                      device_memory="1 MiB")  # fmt: skip
+    rows = [line for line in str(p).splitlines() if "GPU" in line and "over by" in line]
+    assert rows[0].startswith("1 GPU ") and rows[1].startswith("2 GPUs ")  # none fit: one GPU still first
+    assert "none of 3 combination(s) fit" in str(p) and "on more, none fit" in str(p)
+    assert len(p.to_text(limit=1).splitlines()) < len(p.to_text(limit=None).splitlines())
+    assert "more row(s): `memtorch plan ... --all` shows every row" in p.to_text(limit=1)
