@@ -1,25 +1,36 @@
-"""advise(): what to change to cut a model's training memory, ranked by the bytes it saves.
+"""advise(): what to change to train a model in less memory, in the order a user would try it.
 
-    adv = memtorch.advise(model, x, optimizer=opt, budget="2 GiB")
-    print(adv); adv.items[0].saves; adv.to_dict()
+    adv = memtorch.advise(model, x, optimizer="adamw", budget="80 GiB")
+    print(adv); adv.items[0].after; adv.items[0].fits; adv.to_dict()
 
-Every figure is computed, never guessed, and each item says how (``basis``):
+The rows come by group (memtorch.reports.advice.GROUPS): first what keeps the model and what it learns,
+cheapest in step time first (activation checkpointing of the repeated blocks, mixed precision, a smaller
+micro-batch with gradient accumulation, plan()'s cheapest configuration that fits, CPU offload and 8-bit
+optimizer state); then what changes how or what it learns (16-bit weights, another optimizer, freezing);
+then what changes the model, only when asked (remove_layers=True: fewer blocks; resize: a smaller width);
+then what else was found (modules never called, parameters without gradient, mostly-zero weights).
 
-- "measured": two real training steps of a copy of the model on the given
-  inputs, each variant tracked by memtorch.track() (exact CPU counters), the
-  saving being the difference of the step peaks.
-- "exact arithmetic": counted from the tensors memtorch.inspect() walks (a
-  float32 parameter is 4 bytes, 2 in bfloat16; Adam keeps two buffers of each
-  parameter's size).
-- sparse storage: counted (a CSR matrix holds rows + 1 and nnz int64 indices
-  and nnz values) and measured on the converted tensor, which must agree.
+Every step figure is memtorch.estimate()'s for that configuration, from the engine plan() and fit() use
+(memtorch._engine: each configuration dry-run once, so advise's rows, plan's table and fit's answer agree
+to the byte and share their dry runs); a row judged against the budget is judged as plan() judges (the
+reserved figure on cuda, the peak on the CPU, plus the reserve). Each row says how its figure was
+obtained (``basis``):
 
-This file is named advice.py, apart from the function, so that importing the
-submodule never shadows ``memtorch.advise`` (as inspection.py / tracking.py).
+- "estimated by memtorch.estimate" / "by memtorch.plan": a dry run on fake tensors (no real memory);
+- "estimated by arithmetic": counted on the estimate (CPU offload, 8-bit state: no configuration
+  estimate() runs), never judged against a budget;
+- "exact arithmetic": counted from the tensors memtorch.inspect() walks (a float32 parameter is 4
+  bytes, 2 in bfloat16; Adam keeps two buffers of each parameter's size);
+- "measured" (measure=True only): two real training steps of a copy of the model, each variant tracked
+  by memtorch.track() (exact CPU counters);
+- sparse storage: counted (a CSR matrix holds rows + 1 and nnz int64 indices and nnz values) and
+  measured on the converted tensor, which must agree.
 
-The user's model and optimizer are never changed: every run works on a deep
-copy (which holds as much memory as the model while it runs). Savings are each
-measured alone; they do not add up.
+This file is named advice.py, apart from the function, so that importing the submodule never shadows
+``memtorch.advise`` (as inspection.py / tracking.py).
+
+The user's model and optimizer are never changed: a variant is estimated on a copy (measured on a deep
+copy with measure=True). Savings are each estimated alone; they do not add up.
 """
 
 import copy
@@ -28,10 +39,10 @@ import gc
 
 from . import units
 from .errors import MemtorchError
-from .reports.advice import EXACT, ESTIMATED, MEASURED, Advice, Suggestion  # the result types' home
+from .reports.advice import EXACT, ESTIMATED, GROUPS, MEASURED, Advice, Suggestion  # the result types' home
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
-__all__ = ["advise", "Advice", "Suggestion"]
+__all__ = ["advise", "Advice", "Suggestion", "GROUPS"]
 
 
 # ---------------------------------------------------------------------------
@@ -142,8 +153,11 @@ def _step_peak(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), 
     return result
 
 
-def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, base=None):
-    """The same figures as _step_peak from memtorch.estimate (a dry run on fake tensors, no real memory)."""
+def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=(), dtype=None, base=None,
+                   engine=None, batch=None):  # fmt: skip
+    """The figures of a step from memtorch.estimate (a dry run on fake tensors, no real memory): the user's
+    model through advise's engine (memtorch._engine: each configuration dry-run once, plan's and fit's
+    rows from the same runs), a changed copy (fewer blocks, another width) by estimate() itself."""
     torch = _torch()
     # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import estimate
@@ -154,17 +168,26 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
     elif dtype is not None:
         base["precision"] = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}[dtype]
     if checkpoint:
-        base["checkpointing"] = list(checkpoint)
-    for key in ("gpu", "fsdp_units"):  # given only when set (an estimate() that lacks them still runs)
-        if base.get(key) is None:
-            base.pop(key, None)
-    est = estimate(
-        # estimate() builds the optimizer by the same rule as the measured runs (_copy_optimizer)
-        model, *inputs.as_tuple(), optimizer=optimizer if optimizer is not None else "sgd", loss_fn=loss_fn, **base,
-        keep_output=False,  # advise's measured runs delete the output before backward (_step_peak)
-    )  # fmt: skip
+        base["checkpointing"] = checkpoint if checkpoint == "blocks" else list(checkpoint)
+    run_inputs = inputs if batch is None else inputs.with_batch(batch)
+    if engine is not None and model is engine.model:
+        f = engine.figures(base["precision"], base.get("checkpointing"), run_inputs,
+                           world_size=base.get("world_size", 1), sharding=base.get("sharding"))  # fmt: skip
+        est = engine.run(base["precision"], base.get("checkpointing"), run_inputs)
+        peak, reserved, judged = f.peak, f.reserved, f.judged
+    else:
+        for key in ("gpu", "fsdp_units"):  # given only when set (an estimate() that lacks them still runs)
+            if base.get(key) is None:
+                base.pop(key, None)
+        base.pop("keep_output", None)
+        est = estimate(model, *run_inputs.as_tuple(), optimizer=optimizer, loss_fn=loss_fn,
+                       keep_output=engine.fixed["keep_output"] if engine is not None else True, **base)  # fmt: skip
+        peak, reserved = est.peak, est.reserved_peak
+        judged = reserved if reserved is not None else (est.peak_upper or est.peak)
     return {
-        "peak": est.peak - est.breakdown.get("input", 0),  # apart from the inputs, as measured runs count
+        "peak": int(peak),
+        "reserved": reserved,
+        "judged": int(judged),
         "report": est,
         "exact": True,
         "basis": ESTIMATED,
@@ -179,12 +202,22 @@ class _Runner:
     """Runs (or estimates) a training step of a model variant on the user's inputs (an _inputs.Inputs),
     in the configuration ``base`` (precision, device, ...: estimate()'s arguments)."""
 
-    def __init__(self, inputs, optimizer, loss_fn, how, base):
+    def __init__(self, inputs, optimizer, loss_fn, how, base, engine=None):
         self.inputs, self.optimizer, self.loss_fn, self.how, self.base = inputs, optimizer, loss_fn, how, base
+        self.engine = engine
 
     def __call__(self, model, **kw):
-        step = _step_estimate if self.how == "estimate" else _step_peak
-        return step(model, self.inputs, self.optimizer, self.loss_fn, base=self.base, **kw)
+        if self.how == "estimate":
+            return _step_estimate(model, self.inputs, self.optimizer, self.loss_fn, base=self.base,
+                                  engine=self.engine, **kw)  # fmt: skip
+        if kw.get("checkpoint") == "blocks":
+            kw["checkpoint"] = _block_names(model)
+        run = _step_peak(model, self.inputs if kw.get("batch") is None else self.inputs.with_batch(kw["batch"]).real(),
+                         self.optimizer, self.loss_fn, base=self.base,
+                         **{k: v for k, v in kw.items() if k != "batch"})  # fmt: skip
+        run["judged"] = run["peak"]
+        run["reserved"] = None
+        return run
 
 
 def _checkpoint(module):
@@ -212,7 +245,7 @@ def _both(n):
 def _measured(*runs):
     """The basis of a figure from step runs: 'measured', 'estimated', or why it is not exact (CUDA: sampled peaks)."""
     if any(r.get("basis") == ESTIMATED for r in runs):
-        return ESTIMATED + " (memtorch.estimate)"
+        return ESTIMATED + " by memtorch.estimate"
     if all(r["exact"] for r in runs):
         return MEASURED
     return MEASURED + " (not exact: the counters sampled the peak)"
@@ -254,18 +287,20 @@ def _precision(mm, items, notes):
     items.append(
         Suggestion(
             "bf16_weights",
-            "Keep parameters, gradients and optimizer state in bfloat16",
+            "Keep parameters, gradients and optimizer state in bfloat16 (pure bf16 training)",
             fp32 // 2,
             EXACT,
-            "model.to(torch.bfloat16) before creating the optimizer (pure bf16 training; consider fp32 master "
-            "weights, e.g. an optimizer with Kahan summation, if accuracy suffers)",
+            "model.to(torch.bfloat16) before creating the optimizer (consider fp32 master weights, e.g. an "
+            "optimizer with Kahan summation, if accuracy suffers)",
             f"float32 tensors now: {parts} = {_fmt(fp32)}; in bfloat16 half: {_fmt(fp32 // 2)}"
             + ("" if by["gradient"] else " (no gradients exist yet: after backward they add as much again)"),
+            group="changes the training",
+            code=_code("bf16_weights"),
         )
     )
 
 
-def _precision_step(model, run, base, items, notes):
+def _precision_step(model, run, base, items, notes, budget=None, reserve=0):
     """bf16 weights over a whole step (measured or estimated), in place of the held-bytes arithmetic."""
     torch = _torch()
     mine = [s for s in items if s.kind == "bf16_weights"]
@@ -283,6 +318,7 @@ def _precision_step(model, run, base, items, notes):
     s.saves = base["peak"] - run["peak"]
     s.basis = _measured(base, run)
     s.before, s.after = base["peak"], run["peak"]
+    s.fits, s.judged_after = _judge(run, budget, reserve), run["judged"]
     s.detail = (
         f"step peak {_fmt(base['peak'])} in float32, {_fmt(run['peak'])} with the model and inputs in bfloat16 "
         f"({_source(run)}); of which held throughout: {held}"
@@ -393,7 +429,7 @@ def _dead(mm, base, items, notes):
                 + ", ".join(n for n, _, _ in dead[:4])
                 + (f" and {len(dead) - 4} more" if len(dead) > 4 else ""),
                 total,
-                MEASURED if base["basis"] == MEASURED else ESTIMATED + " (memtorch.estimate: calls of its dry run)",
+                MEASURED if base["basis"] == MEASURED else ESTIMATED + " by memtorch.estimate (calls of its dry run)",
                 "delete them from the model (or stop creating them); check first that no other code path calls them",
                 "; ".join(f"{n} ({t}) holds {_fmt(b)}" for n, t, b in dead)
                 + " (bytes from inspect: parameters, buffers, their gradients and optimizer state; "
@@ -469,6 +505,8 @@ def _optimizer(mm_opt, optimizer, items, notes, device="cpu"):
             f"{how_known}; SGD without momentum holds none",
             before=total,
             after=0,
+            group="changes the training",
+            code=_code("optimizer_sgd"),
         )
     )
     momentum = pbytes  # one buffer per trainable parameter, of its size and dtype
@@ -483,6 +521,8 @@ def _optimizer(mm_opt, optimizer, items, notes, device="cpu"):
                 f"{how_known}; SGD with momentum holds one buffer per trainable parameter: {_fmt(momentum)}",
                 before=total,
                 after=momentum,
+                group="changes the training",
+                code=_code("optimizer_momentum"),
             )
         )
 
@@ -554,12 +594,14 @@ def _freeze(mm_opt, model, optimizer, items, notes, device="cpu"):
     items.append(
         Suggestion(
             "freeze",
-            f"Freeze {name} ({type(dict(children)[name]).__name__}) if you fine-tune",
+            f"Freeze {name} ({type(dict(children)[name]).__name__}): it stops learning",
             saves,
             EXACT,
             f"model.{name}.requires_grad_(False) and leave its parameters out of the optimizer",
             f"its gradients {_fmt(grad_bytes)} (one per trainable parameter, same size) + its optimizer state "
             f"{_fmt(child_state)}" + ("" if optimizer is not None else " (no optimizer given)"),
+            group="changes the training",
+            code=_code("freeze", what=name),
         )
     )
 
@@ -576,10 +618,10 @@ def _under(path, name):
     return param.startswith(name + ".")
 
 
-def _autocast(model, run, base, items, notes):
-    """bf16 autocast (mixed precision), measured on a copy."""
+def _autocast(model, run, base, items, notes, budget=None, reserve=0):
+    """Mixed precision: forward and loss under bf16 autocast (estimate(precision="bf16-mixed"))."""
     torch = _torch()
-    dev = _device_type(model, run.inputs)
+    dev = base.get("device_type") or _device_type(model, run.inputs)
     step = run
     try:
         run = step(model, autocast=(dev, torch.bfloat16))
@@ -591,19 +633,11 @@ def _autocast(model, run, base, items, notes):
     if saves <= 0:
         notes.append(f"bf16 autocast: no saving ({detail})")
         return
-    items.append(
-        Suggestion(
-            "autocast_bf16",
-            "Mixed precision: run forward and loss under bf16 autocast",
-            saves,
-            _measured(base, run),
-            f"with torch.autocast('{dev}', dtype=torch.bfloat16): loss = loss_fn(model(x)) "
-            "(fp16 on CUDA also needs torch.amp.GradScaler)",
-            detail + f" ({_source(run)})",
-            before=base["peak"],
-            after=run["peak"],
-        )
-    )
+    items.append(_changed(
+        "autocast_bf16", "Mixed precision: forward and loss under bf16 autocast", base, run,
+        "activations in bfloat16, parameters and optimizer state kept in float32 (fp16 on CUDA also needs "
+        "torch.amp.GradScaler)", detail + f" ({_source(run)})", "keeps the model", budget, reserve,
+        _code("autocast_bf16", dev=dev)))  # fmt: skip
 
 
 def _peak_phase(report):
@@ -648,20 +682,128 @@ def _checkpoint_blocks(model, base):
     return best
 
 
-def _checkpointing(model, run, base, items, notes):
+def _block_names(model):
+    """Each block of every nn.ModuleList at any depth: the units estimate(checkpointing="blocks") recomputes."""
+    torch = _torch()
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    return [f"{n}.{i}" if n else str(i) for n, lst in lists for i in range(len(lst))]
+
+
+# The one line that makes each change, in the user's framework (memtorch.advise(framework=...)): the plain
+# torch call, Hugging Face's TrainingArguments, Lightning's Trainer. {mb}, {k}, {n}, {what}: the row's figures.
+CODE = {
+    "checkpointing": {
+        "torch": "out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) for each block "
+                 "(a Hugging Face model: model.gradient_checkpointing_enable())",
+        "transformers": "TrainingArguments(..., gradient_checkpointing=True)",
+        "lightning": "Trainer(strategy=FSDPStrategy(activation_checkpointing_policy={{Block}})), or "
+                     "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) in forward",
+    },
+    "autocast_bf16": {
+        "torch": "with torch.autocast('{dev}', dtype=torch.bfloat16): loss = loss_fn(model(x))",
+        "transformers": "TrainingArguments(..., bf16=True)",
+        "lightning": "Trainer(..., precision='bf16-mixed')",
+    },
+    "micro_batch": {
+        "torch": "micro-batches of {mb}, loss / {k} backward each, optimizer.step() every {k}",
+        "transformers": "TrainingArguments(..., per_device_train_batch_size={mb}, gradient_accumulation_steps={k})",
+        "lightning": "DataLoader(..., batch_size={mb}) and Trainer(..., accumulate_grad_batches={k})",
+    },
+    "sharding": {
+        "torch": "{torch_sharding}",
+        "transformers": "{hf_sharding}",
+        "lightning": "{pl_sharding}",
+    },
+    "cpu_offload": {
+        "torch": "fully_shard(module, offload_policy=CPUOffloadPolicy()) (FSDP2; the step runs on the CPU)",
+        "transformers": "TrainingArguments(..., fsdp='full_shard offload auto_wrap'), or a DeepSpeed config with "
+                        "zero_optimization.offload_optimizer.device='cpu'",
+        "lightning": "Trainer(..., strategy='deepspeed_stage_2_offload')",
+    },
+    "optimizer_8bit": {
+        "torch": "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...) in place of torch.optim.AdamW",
+        "transformers": "TrainingArguments(..., optim='adamw_bnb_8bit')",
+        "lightning": "return bitsandbytes.optim.AdamW8bit(self.parameters(), lr=...) from configure_optimizers",
+    },
+    "bf16_weights": {
+        "torch": "model.to(torch.bfloat16) before creating the optimizer (pure bf16 training)",
+        "transformers": "from_pretrained(..., torch_dtype=torch.bfloat16) and TrainingArguments(..., bf16=True)",
+        "lightning": "Trainer(..., precision='bf16-true')",
+    },
+    "optimizer_sgd": {
+        "torch": "torch.optim.SGD(model.parameters(), lr=...)",
+        "transformers": "TrainingArguments(..., optim='sgd')",
+        "lightning": "return torch.optim.SGD(self.parameters(), lr=...) from configure_optimizers",
+    },
+    "optimizer_momentum": {
+        "torch": "torch.optim.SGD(model.parameters(), lr=..., momentum=0.9)",
+        "transformers": "an optimizer of your own: Trainer(..., optimizers=(torch.optim.SGD(model.parameters(), "
+                        "lr=..., momentum=0.9), None))",
+        "lightning": "return torch.optim.SGD(self.parameters(), lr=..., momentum=0.9) from configure_optimizers",
+    },
+    "freeze": {
+        "torch": "model.{what}.requires_grad_(False), and its parameters left out of the optimizer",
+        "transformers": "model.{what}.requires_grad_(False) before Trainer(...)",
+        "lightning": "self.{what}.requires_grad_(False) in the LightningModule's __init__ (or the "
+                     "BackboneFinetuning callback)",
+    },
+}
+FRAMEWORKS = ("torch", "transformers", "lightning")
+
+_SHARDING_CODE = {
+    "ddp": ("DistributedDataParallel(model)", "torchrun --nproc-per-node {n} train.py (the Trainer wraps DDP)",
+            "Trainer(..., strategy='ddp', devices={n})"),
+    "zero1": ("ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW) under DDP",
+              "a DeepSpeed config with zero_optimization.stage 1", "Trainer(..., strategy='deepspeed_stage_1', "
+              "devices={n})"),
+    "zero1-even": ("DeepSpeed ZeRO stage 1 (zero_optimization.stage 1)",
+                   "a DeepSpeed config with zero_optimization.stage 1",
+                   "Trainer(..., strategy='deepspeed_stage_1', devices={n})"),
+    "zero2": ("fully_shard(block, reshard_after_forward=False) for each block, then the root (FSDP2)",
+              "TrainingArguments(..., fsdp='shard_grad_op auto_wrap')",
+              "Trainer(..., strategy=FSDPStrategy(sharding_strategy='SHARD_GRAD_OP'), devices={n})"),
+    "zero3": ("fully_shard(block) for each block, then the root (FSDP2)",
+              "TrainingArguments(..., fsdp='full_shard auto_wrap')", "Trainer(..., strategy='fsdp', devices={n})"),
+}  # fmt: skip
+
+
+def _code(kind, **fill):
+    """{framework: line} of a change, its figures filled in."""
+    lines = CODE.get(kind)
+    if lines is None:
+        return {}
+    return {fw: text.format(**fill) for fw, text in lines.items()}
+
+
+def _judge(run, budget, reserve):
+    """Whether a run's judged figure (reserved on cuda) and the reserve fit the budget (None: no budget)."""
+    if budget is None or run is None:
+        return None
+    return run["judged"] + reserve <= budget
+
+
+def _changed(kind, title, base, run, how, detail, group, budget, reserve, code=None):
+    """A Suggestion from a run of the step with the change: the peak before and after, whether it fits."""
+    return Suggestion(kind, title, base["peak"] - run["peak"], _measured(base, run), how, detail,
+                      before=base["peak"], after=run["peak"], group=group, fits=_judge(run, budget, reserve),
+                      code=code or {}, judged_after=run["judged"])  # fmt: skip
+
+
+def _checkpointing(model, run, base, items, notes, budget=None, reserve=0):
     found = _checkpoint_blocks(model, base)
     if found is None or found[0] == 0:
         notes.append("gradient checkpointing: no group of sibling blocks holding activations")
-        return
+        return None
     total, _parent, names = found
     step = run
+    blocks = names == _block_names(model)  # estimate(checkpointing="blocks")'s units: plan's dry run
     try:
-        run = step(model, checkpoint=names)
+        run = step(model, checkpoint="blocks" if blocks else names)
     except Exception as e:  # noqa: BLE001
         notes.append(
             f"gradient checkpointing of {', '.join(names)}: the model did not run: {type(e).__name__}: {e}"
         )
-        return
+        return None
     saves = base["peak"] - run["peak"]
     label = names[0] + (f" .. {names[-1]}" if len(names) > 1 else "")
     detail = (
@@ -670,20 +812,12 @@ def _checkpointing(model, run, base, items, notes):
     )
     if saves <= 0:
         notes.append(f"gradient checkpointing: no saving ({detail})")
-        return
-    items.append(
-        Suggestion(
-            "checkpointing",
-            f"Gradient checkpointing of {label}",
-            saves,
-            _measured(base, run),
-            "wrap each block: out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) "
-            "(recomputes the block's forward in backward: about one more forward of time)",
-            detail,
-            before=base["peak"],
-            after=run["peak"],
-        )
-    )
+        return None
+    items.append(_changed(
+        "checkpointing", f"Activation checkpointing of {label}", base, run,
+        "recompute each block's forward in backward (about one more forward of time)", detail,
+        "keeps the model", budget, reserve, _code("checkpointing")))  # fmt: skip
+    return "blocks" if blocks else names
 
 
 def _repeated_container(model):
@@ -716,7 +850,7 @@ def _with_depth(model, name, keep):
     return smaller
 
 
-def _depth(model, step, base, budget, items, notes):
+def _depth(model, step, base, budget, items, notes, reserve=0):
     found = _repeated_container(model)
     if found is None:
         notes.append("smaller depth: no nn.ModuleList / nn.Sequential of identical blocks to shorten")
@@ -736,7 +870,7 @@ def _depth(model, step, base, budget, items, notes):
             return
         tried[mid] = run["peak"]
         run_of[mid] = run
-        if run["peak"] <= budget:
+        if run["judged"] + reserve <= budget:
             fit, lo = mid, mid + 1
         else:
             hi = mid - 1
@@ -753,14 +887,17 @@ def _depth(model, step, base, budget, items, notes):
             base["peak"] - tried[fit],
             _measured(base, run_of[fit]),
             f"build the model with {fit} blocks instead of {n} (then retrain)",
-            f"step peak with {n} blocks {_fmt(base['peak'])}; measured: {runs}; budget {_fmt(budget)}",
+            f"step peak with {n} blocks {_fmt(base['peak'])}; {_source(run_of[fit])}: {runs}; budget {_fmt(budget)}",
             before=base["peak"],
             after=tried[fit],
+            group="changes the model",
+            fits=True,
+            judged_after=run_of[fit]["judged"],
         )
     )
 
 
-def _width(model, step, base, budget, resize, items, notes):
+def _width(model, step, base, budget, resize, items, notes, reserve=0):
     """resize(factor) -> a model of width x factor: the largest of a few factors that fits, measured."""
     tried, run_of = {}, {}
     fit = None
@@ -772,7 +909,7 @@ def _width(model, step, base, budget, resize, items, notes):
             return
         tried[factor] = run["peak"]
         run_of[factor] = run
-        if run["peak"] <= budget:
+        if run["judged"] + reserve <= budget:
             fit = factor
             break
     runs = ", ".join(f"x{k} {_fmt(v)}" for k, v in tried.items())
@@ -786,9 +923,12 @@ def _width(model, step, base, budget, resize, items, notes):
             base["peak"] - tried[fit],
             _measured(base, run_of[fit]),
             f"resize({fit}): the model your resize() builds at {fit:g} of the width",
-            f"step peak now {_fmt(base['peak'])}; measured: {runs}; budget {_fmt(budget)}",
+            f"step peak now {_fmt(base['peak'])}; {_source(run_of[fit])}: {runs}; budget {_fmt(budget)}",
             before=base["peak"],
             after=tried[fit],
+            group="changes the model",
+            fits=True,
+            judged_after=run_of[fit]["judged"],
         )
     )
 
@@ -797,36 +937,31 @@ def _width(model, step, base, budget, resize, items, notes):
 
 
 def advise(
-    model, *inputs, optimizer=None, budget=None, loss_fn=None, resize=None, sparse_threshold=0.5, measure=None,
-    precision="fp32", device=None, gpu=None, checkpointing=None, world_size=1, sharding=None, fsdp_units=None,
+    model, *inputs, optimizer="adamw", budget=None, loss_fn=None, precision="fp32", device=None, gpu=None,
+    checkpointing=None, world_size=1, sharding=None, fsdp_units=None, keep_output=True, reserve="1 GiB",
+    remove_layers=False, resize=None, sparse_threshold=0.5, measure=False, framework=None,
 ):
-    """Ranked suggestions to cut the memory of training ``model``, each with the bytes it saves.
+    """What to change to train ``model`` in less memory, in the order a user would try it, each with the
+    step's estimated peak after the change, whether it fits the budget, and the one line that makes it.
 
-    inputs: an example batch, read as estimate() reads it (tensors, shapes,
-    (shape, dtype) pairs, '8x128:int64' specs, a mapping of keyword inputs
-    passed as model(**batch); memtorch._inputs); without it only what inspect()
-    can count is advised (16-bit weights, sparse weights, optimizer state,
-    freezing). optimizer: as estimate() takes it: a name ("adamw"), an
-    optimizer (its class and settings are copied; it is never stepped) or a
-    factory taking the parameters; None: no optimizer. budget: a size ("2 GiB",
-    bytes): adds the depth (and, with resize, width) that fits it, and, when
-    the step does not fit it, sharding over several devices (memtorch.plan's
-    figures), CPU offload and 8-bit optimizer state. loss_fn(output, *inputs)
-    -> loss, as estimate()'s; default: the output's .loss when it has one,
-    else the sum of its floating-point tensors. resize(factor) -> model: your
-    model at a fraction of its width. precision, device, gpu, checkpointing,
-    world_size, sharding, fsdp_units: the configuration advised, as estimate()
-    takes them (device: "cuda" by default, as estimate(), plan() and the CLI;
-    world_size, sharding, checkpointing and precisions other than fp32 and
-    bf16/fp16 mixed or true need estimated figures). measure: True runs
-    real steps on copies (measured); False takes every step figure from
-    memtorch.estimate (a dry run on fake tensors: no real memory, any size);
-    None (default) measures when the model's parameters are real tensors on
-    the device advised (a CPU model for device="cpu") and the configuration
-    can be run as it is, else estimates.
-    Suggestions saving under 1% of the peak are listed as one "also
-    considered" note. Returns an Advice: print it, display it in a notebook,
-    or .to_dict().
+    inputs: an example batch, read as estimate() reads it (tensors, shapes, (shape, dtype) pairs,
+    '8x128:int64' specs, a mapping of keyword inputs passed as model(**batch); memtorch._inputs); without
+    it only what inspect() can count is advised. optimizer, loss_fn, precision, device, gpu, checkpointing,
+    world_size, sharding, fsdp_units, keep_output: the configuration advised, as estimate() takes them and
+    with its defaults (optimizer "adamw", device "cuda"). budget: a size ("80 GiB"): each change is judged
+    as plan() and fit() judge, its reserved figure on cuda (the peak on the CPU) plus ``reserve`` against
+    the budget; the sharding row is plan()'s cheapest configuration that fits it. framework: whose one-line
+    changes are printed ("torch", "transformers", "lightning"; default: the model's, a Hugging Face
+    PreTrainedModel or a LightningModule, else torch); to_dict() has all three.
+
+    The rows, by group: what keeps the model and what it learns, cheapest in step time first (activation
+    checkpointing of the repeated blocks, mixed precision, a smaller micro-batch with gradient accumulation,
+    plan()'s sharding, CPU offload of the optimizer state, 8-bit optimizer state); then what changes how or
+    what it learns (16-bit weights, another optimizer, freezing); then, only when asked (remove_layers=True,
+    resize(factor) -> model), fewer blocks or a smaller width; then what else was found (modules never
+    called, parameters without gradient, mostly-zero weights). Every step figure is estimate()'s for that
+    configuration (memtorch._engine: the same dry runs as plan() and fit()); measure=True runs real steps
+    of copies under track() instead (a model on the device advised, one process). Returns an Advice.
     """
     torch = _torch()
     # lazy: inspection loads _C and NumPy; only this path needs it (importing advice stays cheap)
@@ -845,6 +980,10 @@ def advise(
         )
     if budget is not None:
         budget = units.parse(budget)
+    keep = units.parse(reserve)
+    if budget is not None and keep >= budget:
+        raise MemtorchError(f"advise(): the reserve ({_fmt(keep)}, kept free for what no estimate sees: the CUDA "
+                            f"context) leaves nothing of the budget {_fmt(budget)}: pass reserve=0 or a smaller one")  # fmt: skip
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(
             f"advise(loss_fn=...) expects a callable (output, *inputs) -> loss, got {type(loss_fn).__name__}"
@@ -857,17 +996,22 @@ def advise(
         raise ValueError(
             f"advise(sparse_threshold=...) expects a fraction in (0, 1), got {sparse_threshold!r}"
         )
+    if framework is None:
+        framework = _framework_of(model)
+    elif framework not in FRAMEWORKS:
+        raise ValueError(f"advise(framework=...) expects one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     defaulted = device is None
     device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
     _check_args(optimizer if optimizer is not None else "sgd", precision, device, world_size, sharding,
                 checkpointing, None)  # fmt: skip
     inputs = _inputs.read(inputs, "advise()")
-    if (budget is not None or resize is not None) and not inputs:
+    if (budget is not None or resize is not None or remove_layers) and not inputs:
         raise MemtorchError(
-            "advise(budget=... or resize=...) needs example inputs to measure a step: advise(model, x, ...)"
+            "advise(budget=..., resize=... or remove_layers=True) needs example inputs to estimate a step: "
+            "advise(model, x, ...)"
         )
-    if measure not in (None, True, False):
-        raise ValueError(f"advise(measure=...) expects True, False or None, got {measure!r}")
+    if measure not in (True, False):
+        raise ValueError(f"advise(measure=...) expects True or False, got {measure!r}")
     loss_fn = default_loss if loss_fn is None else loss_fn
     items, notes = [], []
     tensors = list(model.parameters()) + list(model.buffers())
@@ -877,35 +1021,42 @@ def advise(
         raise MemtorchError(
             f"advise(fsdp_units=...) applies to sharding='zero2' or 'zero3' (FSDP), not to sharding={sharding!r}"
         )
-    only_estimated = world_size > 1 or sharding is not None or checkpointing is not None or precision not in _MEASURABLE
-    if measure is None:
-        measure = not on_meta and home == device and not only_estimated
     if measure and on_meta and inputs:
-        raise MemtorchError("advise(measure=True) cannot run a model on the meta device: use measure=False (estimate)")
+        raise MemtorchError("advise(measure=True) cannot run a model on the meta device: leave measure=False (estimate)")
     if measure and (world_size > 1 or sharding is not None or checkpointing is not None):
         raise MemtorchError(
             "advise(measure=True) runs real steps of one process as it is: world_size, sharding and checkpointing "
             "need estimated figures (measure=False)"
         )
     if measure and precision not in _MEASURABLE:
-        raise MemtorchError(f"advise(measure=True) cannot run precision {precision!r}: use measure=False (estimate)")
+        raise MemtorchError(f"advise(measure=True) cannot run precision {precision!r}: leave measure=False (estimate)")
+    if measure and home != device:
+        raise MemtorchError(f"advise(measure=True) runs the model where it lives ({home}): pass device={home!r}")
     base_cfg = {"precision": precision, "device": device, "gpu": gpu, "checkpointing": checkpointing,
-                "world_size": world_size, "sharding": sharding, "fsdp_units": fsdp_units}  # fmt: skip
+                "world_size": world_size, "sharding": sharding, "fsdp_units": fsdp_units,
+                "device_type": device}  # fmt: skip
     if defaulted:
-        notes.append(
-            f"device {DEFAULT_DEVICE!r} by default (as estimate(), plan() and the CLI; the question is a GPU's): "
-            + ("figures estimated, the model lives on " + home if not measure else "")
-        )
+        notes.append(f"device {DEFAULT_DEVICE!r} by default (as estimate(), plan(), fit() and the CLI; the question "
+                     "is a GPU's): device='cpu' models PyTorch's CPU allocator")  # fmt: skip
     # the optimizer as one object, for the arithmetic of its state (never stepped)
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     opt_inst = optimizer if isinstance(optimizer, torch.optim.Optimizer) else (
         _copy_optimizer(optimizer, params, device) if optimizer is not None and params else None)  # fmt: skip
     held = inspection.inspect(model, optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
-    base = None
+    base = engine = None
+    est_cfg = {k: v for k, v in base_cfg.items() if k != "device_type"}
     if inputs:
+        if not measure:
+            # lazy: the engine loads estimation only when this path runs (importing advice stays cheap)
+            from ._engine import Engine
+
+            engine = Engine(model, inputs, optimizer=optimizer if optimizer is not None else "sgd", loss_fn=loss_fn,
+                            device=device, gpu=gpu, keep_output=keep_output, fsdp_units=fsdp_units,
+                            units=budget is not None or sharding in ("zero2", "zero3"))  # fmt: skip
         run_inputs = inputs.real(home) if measure else inputs
-        run = _Runner(run_inputs, optimizer, loss_fn, "measure" if measure else "estimate", base_cfg)
+        run = _Runner(run_inputs, optimizer, loss_fn, "measure" if measure else "estimate", est_cfg, engine)
         base = run(model)
+        base["device_type"] = device if not measure else home
         if base["probe"] is not None:
             # the copy after its steps: gradients of the last backward and the optimizer's state exist
             mm_step = inspection.inspect(base["probe"], optimizer=base["optimizer"])
@@ -914,52 +1065,215 @@ def advise(
     else:
         mm_step = held
     amp, cast = _MEASURABLE.get(precision, (None, "zero"))
-    if cast is None:
-        _precision(mm_step, items, notes)
-        if base is not None:
-            _precision_step(model, run, base, items, notes)
-    else:
-        notes.append(f"16-bit parameters: precision {precision!r} has them already")
-    _sparse(model, items, notes, sparse_threshold)
     if base is not None:
-        _dead(mm_step, base, items, notes)
         where = _peak_phase(base["report"])
         if where not in (None, "forward", "backward"):
             notes.append(
                 f"the step peaks in its {where} phase, when activations are freed: changes to activations "
                 "(autocast, checkpointing) cannot lower that peak"
             )
-        if amp is None and cast is None:
-            _autocast(model, run, base, items, notes)
-        if checkpointing is None:
-            _checkpointing(model, run, base, items, notes)
         if budget is not None:
-            if base["peak"] <= budget:
-                notes.append(f"budget: the step peaks at {_fmt(base['peak'])}, within {_fmt(budget)}")
-            else:
-                _depth(model, run, base, budget, items, notes)
-                if resize is not None:
-                    _width(model, run, base, budget, resize, items, notes)
-                _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, base_cfg, loss_fn, items, notes)
+            verdict = "fits" if base["judged"] + keep <= budget else "does not fit"
+            notes.append(f"budget: the step as it is {verdict} {_fmt(budget)} ({_judged_words(base, keep)})")
+        # keeps the model and what it learns, cheapest in step time first
+        ckpt = checkpointing
+        if checkpointing is None:
+            ckpt = _checkpointing(model, run, base, items, notes, budget, keep)
+        if amp is None and cast is None:
+            _autocast(model, run, base, items, notes, budget, keep)
+        _micro_batch(model, run, base, inputs, items, notes, budget, keep, engine, est_cfg)
+        if budget is not None:
+            _sharding(model, inputs, engine, base, budget, keep, est_cfg, precision, ckpt, items, notes)
+        _offload_and_8bit(model, opt_inst, base, budget, items, notes)
+    # changes how or what the model learns
+    if cast is None:
+        _precision(mm_step, items, notes)
+        if base is not None:
+            _precision_step(model, run, base, items, notes, budget, keep)
+    else:
+        notes.append(f"16-bit parameters: precision {precision!r} has them already")
     stepped = base is not None and base["optimizer"] is not None
     opt_now = base["optimizer"] if stepped else opt_inst
     _optimizer(mm_step, opt_now, items, notes, device)
     _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, opt_now, items,
             notes, device)  # fmt: skip
+    # changes the model: only when asked
+    if base is not None and budget is not None and base["judged"] + keep > budget:
+        if remove_layers:
+            _depth(model, run, base, budget, items, notes, keep)
+        if resize is not None:
+            _width(model, run, base, budget, resize, items, notes, keep)
+    elif remove_layers or resize is not None:
+        notes.append("fewer blocks or a smaller width: not looked for, the step fits the budget as it is"
+                     if budget is not None else "fewer blocks or a smaller width: looked for only with a budget")  # fmt: skip
+    # what else was found
+    _sparse(model, items, notes, sparse_threshold)
+    if base is not None:
+        _dead(mm_step, base, items, notes)
     reference = base["peak"] if base is not None else held.total
     items = _grouped(items)
-    small = [s for s in items if s.saves < 0.01 * reference]
+    small = [s for s in items if s.saves < 0.01 * reference and s.fits is not True]
     if small:
-        items = [s for s in items if s.saves >= 0.01 * reference]
+        items = [s for s in items if s not in small]
         notes.append(
             f"also considered, each under 1% of the {'step peak' if base is not None else 'bytes held'} "
             f"({_fmt(reference)}): "
             + "; ".join(f"{s.title} ({_fmt(s.saves)})" for s in sorted(small, key=lambda s: -s.saves))
         )
-    adv = Advice(type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes)
-    adv.peak_basis = None if base is None else (
-        MEASURED if base["basis"] == MEASURED else f"estimated on {device}")  # fmt: skip
-    return adv
+    basis = None if base is None else (MEASURED + ", inputs apart" if base["basis"] == MEASURED
+                                       else f"estimated on {device}, as memtorch.estimate()")  # fmt: skip
+    return Advice(type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes,
+                  basis, None if base is None else base.get("reserved"), keep, framework)  # fmt: skip
+
+
+def _framework_of(model):
+    """The framework whose one-line changes fit ``model``: transformers for a PreTrainedModel, lightning for a
+    LightningModule, else torch (by the classes' module names: neither package is imported)."""
+    for cls in type(model).__mro__:
+        mod = cls.__module__ or ""
+        if cls.__name__ == "PreTrainedModel" and mod.startswith("transformers"):
+            return "transformers"
+        if cls.__name__ == "LightningModule" and (mod.startswith("lightning") or mod.startswith("pytorch_lightning")):
+            return "lightning"
+    return "torch"
+
+
+def _judged_words(run, reserve):
+    what = "reserved" if run.get("reserved") is not None else "peak"
+    text = f"{what} {_fmt(run['judged'])}"
+    return text + (f" + {_fmt(reserve)} kept free" if reserve else "")
+
+
+def _largest_divisor(n, at_most):
+    """The largest divisor of n that is at most ``at_most`` (1 at least)."""
+    return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
+
+
+def _micro_batch(model, run, base, inputs, items, notes, budget, reserve, engine, cfg):
+    """A smaller micro-batch with gradient accumulation (the same batch per optimizer step): with a budget the
+    step does not meet, the largest micro-batch that fits (memtorch.fit) among the batch's divisors; else
+    half the batch."""
+    batch = inputs.batch_size()
+    if batch is None or batch < 2:
+        notes.append("smaller micro-batch: the inputs have no batch of 2 or more to split")
+        return
+    mb = batch // 2
+    how_found = "half the batch"
+    if budget is not None and base["judged"] + reserve > budget and engine is not None:
+        # lazy: fitting loads only when this path runs (importing advice stays cheap)
+        from .fitting import fit
+
+        f = fit(model, *inputs.as_tuple(), device_memory=budget, reserve=reserve, max_value=batch - 1,
+                _engine=engine, precision=cfg["precision"], checkpointing=cfg["checkpointing"],
+                world_size=cfg["world_size"], sharding=cfg["sharding"])  # fmt: skip
+        if f.value == 0:
+            notes.append(f"smaller micro-batch: not even a micro-batch of 1 fits {_fmt(budget)} (memtorch.fit)")
+            mb = 1
+            how_found = "the smallest micro-batch"
+        else:
+            mb = f.value
+            how_found = f"the largest that fits (memtorch.fit: {f.value})"
+    mb = _largest_divisor(batch, mb)
+    k = batch // mb
+    if k == 1:
+        return
+    try:
+        after = run(model, batch=mb)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        notes.append(f"smaller micro-batch: a step at batch {mb} did not run: {type(e).__name__}: {e}")
+        return
+    detail = (f"step peak {_fmt(base['peak'])} at batch {batch}, {_fmt(after['peak'])} at micro-batch {mb} "
+              f"({how_found}, a divisor of {batch}) with {k} accumulation steps ({_source(after)})")  # fmt: skip
+    if after["peak"] >= base["peak"]:
+        notes.append(f"smaller micro-batch: no saving ({detail})")
+        return
+    items.append(_changed(
+        "micro_batch", f"Micro-batches of {mb} with {k} gradient accumulation steps (the same batch of {batch})",
+        base, after, f"{k} forward/backward passes of {mb} samples per optimizer step (about as fast per sample "
+        "when the micro-batch still fills the device)", detail, "keeps the model", budget, reserve,
+        _code("micro_batch", mb=mb, k=k)))  # fmt: skip
+
+
+def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, ckpt, items, notes):
+    """plan()'s cheapest configuration that fits the budget, quoted as plan prints it (the same engine: its
+    dry runs are advise's own)."""
+    if engine is None:
+        notes.append("sharding: plan() estimates it; advise(measure=True) runs real steps of one process")
+        return
+    # lazy: planning loads only when this path runs (importing advice stays cheap)
+    from .planning import plan
+
+    precisions = list(dict.fromkeys([precision, "fp32", "bf16-mixed"])) if precision in ("fp32", "bf16-mixed") \
+        else [precision]  # fmt: skip
+    ckpts = [None, "blocks"] if cfg["checkpointing"] is None else [cfg["checkpointing"]]
+    try:
+        p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=reserve, precisions=precisions,
+                 checkpointing=ckpts, optimizer=engine.fixed["optimizer"], device=engine.device, gpu=cfg["gpu"],
+                 fsdp_units=cfg.get("fsdp_units"), loss_fn=engine.fixed["loss_fn"],
+                 keep_output=engine.fixed["keep_output"], _engine=engine)  # fmt: skip
+    except MemtorchError as e:
+        notes.append(f"sharding: memtorch.plan did not run: {e}")
+        return
+    best = p.best
+    if best is None:
+        notes.append(f"sharding: memtorch.plan finds no configuration of up to 1024 devices that fits "
+                     f"{_fmt(budget)} ({len(p.options)} tried)")  # fmt: skip
+        return
+    devices = f"{best.world_size} GPU" + ("s" if best.world_size > 1 else "") if engine.device == "cuda" else \
+        f"{best.world_size} process" + ("es" if best.world_size > 1 else "")  # fmt: skip
+    parts = [devices] + ([best.sharding] if best.sharding else []) + [best.precision] + (
+        [f"checkpointing {best.checkpointing}"] if best.checkpointing else [])  # fmt: skip
+    run = {"peak": best.peak, "judged": best.peak if best.reserved is None and best.peak_upper is None else
+           (best.reserved if best.reserved is not None else best.peak_upper), "basis": ESTIMATED,
+           "reserved": best.reserved}  # fmt: skip
+    n = best.world_size
+    fill = {"torch_sharding": "", "hf_sharding": "", "pl_sharding": ""}
+    if best.sharding:
+        t, h, lt = _SHARDING_CODE[best.sharding]
+        fill = {"torch_sharding": t.format(n=n), "hf_sharding": h.format(n=n), "pl_sharding": lt.format(n=n)}
+    else:
+        fill = {k: "one device: the rows above make the change" for k in fill}
+    title = ("Shard: " if n > 1 else "One device: ") + ", ".join(parts) + " (memtorch.plan's cheapest that fits)"
+    items.append(Suggestion(
+        "sharding", title, base["peak"] - best.peak, ESTIMATED + " by memtorch.plan",
+        (f"train on {n} ranks with {best.sharding}" if n > 1 else "train on one device") + (
+            f", micro-batch {best.micro_batch}" if best.micro_batch != inputs.batch_size() else ""),
+        f"per-rank peak {_fmt(best.peak)}" + (f", reserved {_fmt(best.reserved)}" if best.reserved is not None
+                                              else "")
+        + f"; memtorch.plan(..., device_memory={_fmt(budget)!r}): {len(p.fits)} of {len(p.options)} configurations "
+        "computed fit; cheapest first: fewest devices, then no checkpointing, then the sharding that communicates "
+        "least",
+        before=base["peak"], after=best.peak, group="keeps the model", fits=True, code=_code("sharding", **fill),
+        judged_after=run["judged"]))  # fmt: skip
+
+
+def _offload_and_8bit(model, opt_inst, base, budget, items, notes):
+    """The optimizer state held in CPU memory, and bitsandbytes' 8-bit state: arithmetic on the estimate
+    (neither is a configuration estimate() runs), so neither is judged against the budget."""
+    torch = _torch()
+    est = base["report"]
+    states = getattr(est, "model_states", None)
+    at_peak = getattr(est, "breakdown", None) or {}
+    state = at_peak.get("optimizer_state", 0) if states is not None else 0
+    if state:
+        items.append(Suggestion(
+            "cpu_offload", "Offload the optimizer state to the CPU", state, ESTIMATED + " by arithmetic",
+            "the optimizer state in CPU memory, the step on the CPU (slower)",
+            f"the optimizer state alive at the step's peak: {_fmt(state)}, held in CPU memory instead (the "
+            "offload's own staging buffers are not counted: not judged against the budget)",
+            group="keeps the model", code=_code("cpu_offload")))  # fmt: skip
+    if isinstance(opt_inst, (torch.optim.Adam, torch.optim.AdamW)) and states is not None:
+        numels = [p.numel() for p in model.parameters() if p.requires_grad]
+        now = states.get("optimizer_state", 0)
+        eight = _adam8bit_state(numels)
+        if now > eight:
+            items.append(Suggestion(
+                "optimizer_8bit", "8-bit optimizer state (bitsandbytes)", now - eight, ESTIMATED + " by arithmetic",
+                "exp_avg and exp_avg_sq in 8 bits, block-wise scaled",
+                f"{type(opt_inst).__name__} state {_fmt(now)}; bitsandbytes 8-bit: uint8 exp_avg and exp_avg_sq, a "
+                f"float32 absmax per 256 elements each, float32 state below 4096 elements: {_fmt(eight)} (not "
+                "judged against the budget)",
+                before=now, after=eight, group="keeps the model", code=_code("optimizer_8bit")))  # fmt: skip
 
 
 def _grouped(items):
@@ -991,51 +1305,3 @@ def _adam8bit_state(numels, min_8bit_size=4096, blocksize=256):
     for n in numels:
         total += 2 * n + 2 * 4 * -(-n // blocksize) if n >= min_8bit_size else 8 * n
     return total
-
-
-def _beyond_one_device(model, inputs, optimizer, opt_inst, base, budget, cfg, loss_fn, items, notes):
-    """The step does not fit one device of ``budget``: sharding over ranks (memtorch.plan's figures), the
-    optimizer state offloaded to the CPU, 8-bit optimizer state (bitsandbytes' byte counts)."""
-    torch = _torch()
-    est = base["report"]
-    states = getattr(est, "model_states", None)
-    at_peak = getattr(est, "breakdown", None) or {}
-    try:
-        # lazy: planning loads only when this path runs (importing advice stays cheap)
-        from .planning import plan
-
-        p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=0, precisions=[cfg["precision"]],
-                 checkpointing=[None], optimizer=optimizer if optimizer is not None else "sgd",
-                 device=cfg["device"], gpu=cfg["gpu"], fsdp_units=cfg.get("fsdp_units"), loss_fn=loss_fn,
-                 max_world_size=1024)  # fmt: skip
-        best = next((o for o in p.options if o.fits and o.world_size > 1), None)
-        if best is not None:
-            items.append(Suggestion(
-                "sharding", f"Shard over {best.world_size} devices with {best.sharding}", base["peak"] - best.peak,
-                ESTIMATED + " (memtorch.plan)",
-                f"{best.sharding} on {best.world_size} ranks (zero2/zero3: FSDP2 fully_shard; zero1-even: DeepSpeed "
-                "ZeRO stage 1; ddp: DistributedDataParallel)",
-                f"per-rank peak {_fmt(best.peak)} against a budget of {_fmt(budget)} (memtorch.plan)",
-                before=base["peak"], after=best.peak))  # fmt: skip
-        else:
-            notes.append(f"sharding: no world size up to 1024 fits {_fmt(budget)} (memtorch.plan)")
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        notes.append(f"sharding: memtorch.plan did not run: {type(e).__name__}: {e}")
-    state = at_peak.get("optimizer_state", 0) if states is not None else 0
-    if state:
-        items.append(Suggestion(
-            "cpu_offload", "Offload the optimizer state to the CPU", state, EXACT,
-            "DeepSpeed ZeRO-Offload (offload_optimizer: device cpu) or FSDP2 fully_shard(offload_policy="
-            "CPUOffloadPolicy()) (the step runs on the CPU: slower)",
-            f"the optimizer state alive at the step's peak: {_fmt(state)}, held in CPU memory instead"))  # fmt: skip
-    if isinstance(opt_inst, (torch.optim.Adam, torch.optim.AdamW)) and states is not None:
-        numels = [p.numel() for p in model.parameters() if p.requires_grad]
-        now = states.get("optimizer_state", 0)
-        eight = _adam8bit_state(numels)
-        if now > eight:
-            items.append(Suggestion(
-                "optimizer_8bit", "8-bit optimizer state (bitsandbytes)", now - eight, ESTIMATED + " (arithmetic)",
-                "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...) in place of torch.optim.AdamW",
-                f"{type(opt_inst).__name__} state {_fmt(now)}; bitsandbytes 8-bit: uint8 exp_avg and exp_avg_sq, a "
-                f"float32 absmax per 256 elements each, float32 state below 4096 elements: {_fmt(eight)}",
-                before=now, after=eight))  # fmt: skip

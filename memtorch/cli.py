@@ -502,6 +502,11 @@ def cmd_advise(args, out, progress):
         except ValueError as e:
             raise UsageError(f"--budget: {e}") from None
         kwargs["budget"] = args.budget
+    for option in ("reserve", "framework"):
+        if getattr(args, option) is not None:
+            kwargs[option] = getattr(args, option)
+    if args.remove_layers:
+        kwargs["remove_layers"] = True
     return _run_report(advise, "advise", "weighing what to change", args, out, progress, model, *inputs, **kwargs)
 
 
@@ -821,7 +826,12 @@ def make_parser():
 
     p = sub.add_parser("advise", help="ranked changes that cut memory, with the bytes each saves")
     common(p, ["text", "json", "html"], inputs=True)
-    p.add_argument("--budget", help="a size to fit, e.g. '2 GiB'")
+    p.add_argument("--budget", help="a size to fit, e.g. '80 GiB': each change judged against it, as plan judges")
+    p.add_argument("--reserve", help="memory kept free of the budget (default 1 GiB, as plan and fit)")
+    p.add_argument("--framework", choices=["torch", "transformers", "lightning"],
+                   help="whose one-line changes to print (default: the model's)")
+    p.add_argument("--remove-layers", action="store_true",
+                   help="also say how many of the repeated blocks fit the budget (a smaller model: retrain)")
     p.set_defaults(func=cmd_advise)
 
     p = sub.add_parser("diff", help="compare two files written by pytest --memtorch-save")

@@ -888,81 +888,93 @@ def tracker_html(tracker, depth=_DEFAULT, max_rows=_DEFAULT):
 def _advice_head(adv):
     head = f"memtorch.advise for {adv.model_type}: holds {_fmt(adv.held)}"
     if adv.peak is not None:
-        basis = getattr(adv, "peak_basis", None) or "measured"
-        head += f", a training step peaks at {_fmt(adv.peak)} ({basis}, inputs apart)"
+        basis = adv.peak_basis or "measured"
+        head += f"; a training step peaks at {_fmt(adv.peak)}"
+        if adv.reserved is not None:
+            head += f", reserved {_fmt(adv.reserved)}"
+        head += f" ({basis})"
     if adv.budget is not None:
-        head += f"; budget {_fmt(adv.budget)}"
+        head += f"; budget {_fmt(adv.budget)}" + (f" ({_fmt(adv.reserve)} of it kept free)" if adv.reserve else "")
     return head
 
 
-def _advice_rows(adv):
-    rows = []
-    for i, s in enumerate(adv.items, 1):
-        after = ""
-        # only where a step was measured with the change: other savings are of held bytes,
-        # and how much of them the peak loses depends on when they are alive
-        if adv.peak is not None and s.before == adv.peak and s.after is not None:
-            after = _fmt(s.after)
-            if adv.budget is not None:
-                after += ", fits" if s.after <= adv.budget else ", over budget"
-        rows.append([str(i), s.title, _fmt(s.saves), f"{s.saves:,} B", s.basis, after])
-    return rows
+def _advice_header(adv):
+    return ["#", "change", "peak after", "saves", "fits", "how counted"]
+
+
+def _advice_groups(adv):
+    """[(group title, [(number, Suggestion, row)])] in the Advice's order; numbers run across groups."""
+    from .reports.advice import GROUP_TITLES
+
+    out, n = [], 0
+    for s in adv.items:
+        n += 1
+        # the peak after the change where a step was run with it; other rows count bytes held (state)
+        after = _fmt(s.after) if s.after is not None and s.before == adv.peak else "-"
+        fits = "-" if s.fits is None else ("yes" if s.fits else "no")
+        row = [str(n), s.title, after, _fmt(s.saves), fits, s.basis]
+        title = GROUP_TITLES.get(s.group, s.group)
+        if not out or out[-1][0] != title:
+            out.append((title, []))
+        out[-1][1].append((n, s, row))
+    return out
 
 
 def advice_text(adv):
-    """The ranked suggestions: what, bytes saved, how the figure was obtained; then how to do each."""
+    """The changes by group, in the order a user would try them: the peak after each, the bytes it saves,
+    whether it fits the budget, how the figure was obtained; then the line that makes each change."""
     out = [_advice_head(adv), ""]
     if adv.items:
-        header = [
-            "#",
-            "change",
-            "saves",
-            "bytes",
-            "how counted",
-            "step peak after" if adv.peak is not None else "",
-        ]
-        out += _text_table(header, _advice_rows(adv), {0, 2, 3})
-        out.append("")
-        for i, s in enumerate(adv.items, 1):
-            out.append(f"{i}. {s.title}: saves {_fmt(s.saves)} ({s.basis})")
-            out.append(f"   how: {s.how}")
-            out.append(f"   figures: {s.detail}")
+        groups = _advice_groups(adv)
+        header = _advice_header(adv)
+        for title, rows in groups:
+            out.append(title + ":")
+            out += ["  " + line for line in _text_table(header, [r for _, _, r in rows], {0, 2, 3})]
+            out.append("")
+        for _title, rows in groups:
+            for n, s, _row in rows:
+                out.append(f"{n}. {s.title}: saves {_fmt(s.saves)} = {s.saves:,} B ({s.basis})")
+                out.append(f"   how: {s.how}")
+                line = s.code.get(adv.framework)
+                if line:
+                    out.append(f"   {adv.framework}: {line}")
+                out.append(f"   figures: {s.detail}")
     else:
         out.append("no change found that saves memory")
     if adv.notes:
         out.append("")
-        out.append("checked, nothing to gain:" if adv.items else "checked:")
+        out.append("checked:")
         out += [f"  - {n}" for n in adv.notes]
     out.append("")
-    out.append(
-        "Each saving is measured alone; savings do not add up. 'step peak after': measured with the change."
-    )
+    how = "measured" if (adv.peak_basis or "").startswith("measured") else "estimated"
+    out.append(f"Each change is {how} alone; savings do not add up. 'fits': the change's reserved figure on cuda "
+               "(peak on the CPU) and the reserve within the budget; '-': not judged (arithmetic, or no budget).")
     return "\n".join(out)
 
 
 def advice_html(adv):
     parts = [f'<div class="memtorch memtorch-advice"><p><b>{_e(_advice_head(adv))}</b></p>']
     if adv.items:
-        header = ["#", "change", "saves", "bytes", "how counted"] + (
-            ["step peak after"] if adv.peak is not None else []
-        )
-        body = [r[: len(header)] for r in _advice_rows(adv)]
-        parts.append(_html_table(header, body, right={0, 2, 3, 5}))
+        for title, rows in _advice_groups(adv):
+            parts.append(f"<p>{_e(title)}</p>")
+            parts.append(_html_table(_advice_header(adv), [r for _, _, r in rows], right={0, 2, 3}))
         parts.append("<ol>")
         for s in adv.items:
+            line = s.code.get(adv.framework)
             parts.append(
-                f"<li><b>{_e(s.title)}</b>: saves {_e(_fmt(s.saves))} ({_e(s.basis)})<br>"
-                f"how: <code>{_e(s.how)}</code><br><small>{_e(s.detail)}</small></li>"
+                f"<li><b>{_e(s.title)}</b>: saves {_e(_fmt(s.saves))} = {s.saves:,} B ({_e(s.basis)})<br>"
+                f"how: {_e(s.how)}<br>"
+                + (f"{_e(adv.framework)}: <code>{_e(line)}</code><br>" if line else "")
+                + f"<small>{_e(s.detail)}</small></li>"
             )
         parts.append("</ol>")
     else:
         parts.append("<p>no change found that saves memory</p>")
     if adv.notes:
         items = "".join(f"<li>{_e(n)}</li>" for n in adv.notes)
-        parts.append(
-            f"<details><summary>checked, nothing to gain ({len(adv.notes)})</summary><ul>{items}</ul></details>"
-        )
-    parts.append("<p><small>Each saving is measured alone; savings do not add up.</small></p></div>")
+        parts.append(f"<details><summary>checked ({len(adv.notes)})</summary><ul>{items}</ul></details>")
+    how = "measured" if (adv.peak_basis or "").startswith("measured") else "estimated"
+    parts.append(f"<p><small>Each change is {how} alone; savings do not add up.</small></p></div>")
     return "".join(parts)
 
 

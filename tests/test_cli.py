@@ -280,8 +280,21 @@ def test_step_options_reach_plan_and_advise(models, capsys):
     code, text = run("advise", f"{name}:mlp", "--input", "8x784", *kw, "--fsdp-units", "0", "--format", "json")
     assert code == 0, text
     est = memtorch.estimate(model, x, optimizer="adam", device="cpu", world_size=2, sharding="zero3",
-                            fsdp_units=["0"], keep_output=False)  # fmt: skip
-    assert json.loads(text)["peak"] == est.peak - est.breakdown["input"]
+                            fsdp_units=["0"])  # fmt: skip
+    assert json.loads(text)["peak"] == est.peak  # estimate()'s figure for the same configuration
+
+
+def test_cli_defaults_are_the_api_defaults(models):
+    """No --optimizer is --optimizer adamw, as advise(), plan(), fit() and estimate() default to it."""
+    name, _ = models
+    flags = ["--input", "8x784", "--device", "cpu", "--budget", "1 MiB", "--reserve", "0", "--format", "json"]
+    code, default = run("advise", f"{name}:mlp", *flags)
+    assert code == 0, default
+    code, adamw = run("advise", f"{name}:mlp", *flags, "--optimizer", "adamw")
+    assert code == 0 and json.loads(default)["peak"] == json.loads(adamw)["peak"]
+    model = importlib.import_module(name).mlp()
+    est = memtorch.estimate(model, torch.empty(8, 784, device="meta"), device="cpu")
+    assert json.loads(default)["peak"] == est.peak
 
 
 def test_estimate_needs_an_input(models, capsys):

@@ -124,7 +124,7 @@ def plan_gpt2():
 
 PLAN_KW = dict(device_memory="69 MiB", world_sizes=[1, 2], shardings=["ddp", "zero3"], precisions=["fp32"],
                checkpointing=[None], reserve="0 B", device="cuda")  # fmt: skip
-ADVISE_KW = dict(optimizer="adamw", budget="4 MiB", measure=False, device="cuda")
+ADVISE_KW = dict(optimizer="adamw", budget="4 MiB", reserve=0, device="cuda")
 ESTIMATE_KW = dict(device="cpu")
 
 
@@ -349,7 +349,7 @@ CLI_CASES = {
         "--device-memory", "69 MiB", "--world-sizes", "1,2", "--shardings", "ddp,zero3", "--precisions", "fp32",
         "--checkpointing", "none", "--reserve", "0 B", "--device", "cuda"]),
     "advise": ("advise", "gpt2_2",
-               gm.LM_INPUT_FLAGS + ["--optimizer", "adamw", "--budget", "4 MiB", "--device", "cuda"]),
+               gm.LM_INPUT_FLAGS + ["--optimizer", "adamw", "--budget", "4 MiB", "--reserve", "0", "--device", "cuda"]),
 }  # fmt: skip
 
 

@@ -5,7 +5,7 @@ import dataclasses
 
 from . import Record, Report, field, render
 
-__all__ = ["Advice", "Suggestion", "MEASURED", "ESTIMATED", "EXACT"]
+__all__ = ["Advice", "Suggestion", "MEASURED", "ESTIMATED", "EXACT", "GROUPS", "GROUP_TITLES"]
 
 
 MEASURED = "measured"
@@ -15,6 +15,17 @@ ESTIMATED = "estimated"
 
 
 EXACT = "exact arithmetic"
+
+# advise()'s rows in the order a user would try them: first what keeps the model and what it learns
+# (cheapest in step time first), then what changes how or what it learns, then what changes the model
+# (only when asked: remove_layers=True, resize=), then what else was found
+GROUPS = ("keeps the model", "changes the training", "changes the model", "other")
+GROUP_TITLES = {
+    "keeps the model": "Keeps the model and what it learns (cheapest in step time first)",
+    "changes the training": "Changes how or what the model learns",
+    "changes the model": "Changes the model (asked for)",
+    "other": "Also found",
+}
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,8 +44,12 @@ class Suggestion(Record):
     basis: str  # how the figure was obtained (ESTIMATED, EXACT, measured)
     how: str  # what to do, with code
     detail: str  # the figures behind it
-    before: "int | None" = None  # the measured step peak without the change, or None
+    before: "int | None" = None  # the step peak without the change (estimated or measured), or None
     after: "int | None" = None  # with it, or None
+    group: str = "other"  # GROUPS: whether the change keeps the model and what it learns
+    fits: "bool | None" = None  # the step with the change fits the budget (None: no budget, or not judged)
+    code: dict = dataclasses.field(default_factory=dict)  # framework ("torch", "transformers", "lightning") -> line
+    judged_after: "int | None" = None  # the figure judged against the budget after the change (reserved on cuda)
 
     def __post_init__(self):
         self.saves = int(self.saves)
@@ -47,15 +62,20 @@ class Suggestion(Record):
 class Advice(Report):
     """advise()'s result: the suggestions, largest saving first (iterable, indexable)."""
 
-    model_type: str = field(key="model")  # the model's class name
-    items: list  # [Suggestion], largest saving first
-    peak: "int | None"  # the measured step peak, bytes, or None without inputs
+    model_type: str  # the model's class name
+    items: list  # [Suggestion], by group (GROUPS), in the order a user would try them
+    peak: "int | None"  # the step peak (estimated, or measured with measure=True), bytes, or None without inputs
     held: int  # bytes the model and optimizer hold (inspect().total)
     budget: "int | None"  # the budget asked for, bytes, or None
     notes: list  # things checked that gave nothing
+    peak_basis: "str | None" = None  # how the peak was obtained ("estimated on cuda", "measured")
+    reserved: "int | None" = None  # the step's reserved figure on cuda (what a budget is judged on there)
+    reserve: int = 0  # bytes kept free of the budget (as plan()'s and fit()'s reserve)
+    framework: str = "torch"  # whose one-line changes are printed: torch, transformers or lightning
 
     def __post_init__(self):
-        self.items = sorted(self.items, key=lambda s: -s.saves)
+        order = {g: i for i, g in enumerate(GROUPS)}
+        self.items = sorted(self.items, key=lambda s: order.get(s.group, len(GROUPS)))  # stable within a group
         self.notes = list(self.notes)
 
     def __iter__(self):
