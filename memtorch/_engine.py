@@ -25,15 +25,26 @@ from .errors import MemtorchError
 
 __all__ = ["Engine", "Figures", "judged_name"]
 
-Figures = namedtuple("Figures", "peak reserved peak_upper rank_peaks rank_peaks_upper judged report")
+Figures = namedtuple("Figures", "peak reserved peak_upper rank_peaks rank_peaks_upper judged report floor",
+                     defaults=(None,))
 Figures.__doc__ = """One configuration's figures, in bytes, as estimate() reports them.
 
 peak: the highest rank's peak (estimate().peak); reserved (device="cuda"): the caching allocator's
 segments on that rank (estimate().reserved_peak), else None; peak_upper (device="cpu"): the peak with
 gloo's scratch freed late (estimate().peak_upper; the peak on one rank), else None; rank_peaks,
 rank_peaks_upper: every rank's; judged: the figure a device must hold (reserved on cuda, peak_upper on
-the CPU); report: the Estimate of a one-process configuration (None for world_size > 1).
+the CPU); report: the Estimate of a one-process configuration (None for world_size > 1); floor: bytes
+that no larger world size of the same sharding can take off the highest rank's peak (its peak less the
+parameters, gradients, optimizer state and step temporaries alive at it), so that a floor over the device
+rules out every larger world size (None for one process).
 """
+
+# what each sharding splits across ranks, of the categories alive at a rank's peak (with the optimizer
+# step's temporaries, which a sharded step makes per shard)
+_SPLIT = {"ddp": (), "zero1": ("optimizer_state", "temporary"), "zero1-even": ("optimizer_state", "temporary"),
+          "zero2": ("optimizer_state", "temporary", "gradient"),
+          "zero3": ("optimizer_state", "temporary", "gradient", "parameter")}  # fmt: skip
+
 
 
 def judged_name(device):
@@ -135,14 +146,19 @@ class Engine:
 
             t0 = time.perf_counter()
             _est, ledger, hooks, facts = self.runs[key]
+            facts["floor"] = True  # per_rank replays a rank holding no share too: plan's stopping bound
             rows = _rank_results(ledger, hooks, facts, self.device, rkey[1], sharding)
             top = max(rows, key=lambda d: d["peak"])  # as estimate(): the first highest
             reserved = max(r["reserved_peak"] for r in rows) if cuda else None
             upper = max(r["peak_upper"] for r in rows)
+            if "floor" in rows[0]:  # the replay of a rank holding no share (zero1, zero1-even)
+                floor = rows[0]["floor"]
+            else:
+                floor = max(r["peak"] - sum(r["breakdown"].get(c, 0) for c in _SPLIT[sharding]) for r in rows)
             self.ranks[rkey] = Figures(
                 int(top["peak"]), reserved, None if cuda else int(upper), tuple(int(r["peak"]) for r in rows),
                 None if cuda else tuple(int(r["peak_upper"]) for r in rows), int(reserved if cuda else upper),
-                None)  # fmt: skip
+                None, int(floor))  # fmt: skip
             self.seconds += time.perf_counter() - t0
         f = self.ranks[rkey]
         if sharding == "ddp" and world_size != rkey[1]:

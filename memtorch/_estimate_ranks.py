@@ -337,6 +337,15 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
             if parts is not None:
                 fig["parameters_stepped"] = len(parts[r])
             results.append(fig)
+        if sharding == "zero1" and facts.get("floor"):
+            # a rank stepping no parameter: what every rank holds whatever the world size (memtorch.plan stops
+            # adding ranks once this is over the device)
+            idle = frozenset()
+            if idle not in cache:
+                over = {k: 0 for k in info if owner.get(k) is not None and owner[k] >= 0 and in_step(k)}
+                cache[idle] = (over, _replay(ledger, sized(over), inserts, hooks.spans, cuda))
+            for fig in results:
+                fig["floor"] = int(cache[idle][1][0])
         return results
     if sharding in EVEN:
         _sizes, part = even_partition(facts["param_groups"], numels, n)
@@ -347,6 +356,10 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
                 over[k] = rnd(_scaled(info[k][0], numels[o], part.get(o, 0), ledger.elements.get(k)))
         rep = _replay(ledger, sized(over), {}, hooks.spans, cuda)
         fig = _figures(0, rep, sized(over), info, pseudo, facts, G, 0, 0)
+        if facts.get("floor"):
+            # no partition at all: what a rank holds whatever the world size (memtorch.plan's stopping bound)
+            none = {k: 0 for k in over}
+            fig["floor"] = int(_replay(ledger, sized(none), {}, hooks.spans, cuda)[0])
         return [dict(fig, rank=r) for r in range(n)]
     return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G, cuda)
 

@@ -1084,7 +1084,7 @@ def _plan_parts(plan, limit):
     f = _fmt
     n_fit = len(plan.fits)
     head = (
-        f"memtorch.plan: {n_fit or 'none'} of {len(plan.options)} combination(s) fit in "
+        f"memtorch.plan (estimated): {n_fit or 'none'} of {len(plan.options)} combination(s) fit in "
         f"{f(plan.device_memory)} per device"
         + (f" ({f(plan.reserve)} kept free)" if plan.reserve else "")
         + f"; {plan.dry_runs} dry run(s), {plan.seconds:.1f} s"

@@ -496,7 +496,7 @@ def plan(
         eng = Engine(model, given, optimizer=optimizer, loss_fn=loss_fn, device=device, gpu=gpu,
                      keep_output=keep_output, fsdp_units=fsdp_units, units=fsdp)  # fmt: skip
     dev = eng.device
-    options, skipped, beyond = [], 0, 0
+    options, skipped, beyond, cannot, flat = [], 0, 0, 0, 0
     runs0 = eng.dry_runs
     for prec in precisions:
         for ckpt in checkpointing:
@@ -504,6 +504,7 @@ def plan(
                 mb_inputs = given if mb == batch else given.with_batch(mb)
                 one_fits = False
                 for s in shardings:
+                    trail = []  # this sharding's judged figures, world size by world size
                     for n in worlds:
                         if n == 1 and s != shardings[0]:
                             continue  # one rank: nothing to shard, trained unwrapped (one row)
@@ -532,6 +533,18 @@ def plan(
                         if frontier and n > 1 and margin >= 0:
                             beyond += sum(1 for m in worlds if m > n)
                             break  # larger world sizes of this combination fit too, on more devices
+                        if frontier and n > 1 and f.floor is not None and f.floor + keep > memory:
+                            # what no sharding splits (activations, inputs, buffers, communication) is over the
+                            # device already: no larger world size of this combination fits
+                            cannot += sum(1 for m in worlds if m > n)
+                            break
+                        if n > 1:
+                            trail.append(f.judged)
+                        if frontier and len(trail) >= 3 and trail[-3] - trail[-1] < memory // 100:
+                            # two doublings took less than 1% of the device off the highest rank: the figure has
+                            # stopped falling (what the sharding splits is small beside what it does not)
+                            flat += sum(1 for m in worlds if m > n)
+                            break
     precs = list(dict.fromkeys(precisions))
     options.sort(key=lambda o: _order_key(o, precs))
     if skipped:
@@ -544,6 +557,18 @@ def plan(
             f"{beyond} larger world size(s) not computed: each combination stops at the first world size that fits "
             "(more devices cost more); exhaustive=True (CLI --all) computes them"
         )
+    if cannot:
+        notes.append(
+            f"{cannot} larger world size(s) not computed as they cannot fit: the highest rank's peak less what the "
+            "sharding splits (parameters, gradients, optimizer state, step temporaries) is over the device already; "
+            "exhaustive=True (CLI --all) computes them"
+        )
+    if flat:
+        notes.append(
+            f"{flat} larger world size(s) not computed: the highest rank's figure fell by less than 1% of the device "
+            "over the last two doublings of its sharding (it is not bound to keep falling: FSDP pads each parameter "
+            "to a multiple of the world size); exhaustive=True (CLI --all) computes them"
+        )
     notes.append(
         "per-rank figures: one dry run per (precision, checkpointing, micro-batch), each world size and sharding "
         "replayed per rank as memtorch.estimate(..., world_size=N, sharding=...) does: every row's figures are "
@@ -555,4 +580,4 @@ def plan(
                      "the figures (the reserve is for them)")  # fmt: skip
     if eng.defaulted:
         notes.append("device='cuda' by default, as estimate(): device='cpu' models PyTorch's CPU allocator")
-    return Plan(options, memory, keep, notes, time.perf_counter() - t0, eng.dry_runs - runs0, dev, beyond)
+    return Plan(options, memory, keep, notes, time.perf_counter() - t0, eng.dry_runs - runs0, dev, beyond + cannot + flat)

@@ -19,7 +19,8 @@ class Plan(Report):
     seconds: float = field(to_dict=False)  # the planning's wall time (not in the JSON: a timing)
     dry_runs: int = field(to_dict=False)  # estimate() runs made (not in the JSON)
     device: "str | None" = None  # the device modelled: "cuda" or "cpu" (None: plan_from's arithmetic)
-    hidden: int = 0  # larger world sizes not computed (each combination stops at the first that fits)
+    hidden: int = 0  # larger world sizes not computed (each combination stops at the first that fits, or
+    # where what no sharding splits is over the device already)
     fits: list = field(init=False, to_dict=False)  # the options that fit (in the JSON as each option's "fits")
     best: "Option | None" = field(init=False)  # the first that fits, or None
 

@@ -1,0 +1,122 @@
+"""plan(), advise() and fit() beside one estimate(), on a 7-billion-parameter Llama shape (issue 34).
+
+The model: LlamaConfig(hidden 4096, intermediate 11008, 32 layers, 32 heads, vocabulary 32000) built on the
+meta device (no weights), AdamW, bf16-mixed, a batch of 4 x 2048 tokens (input_ids and labels), one
+80 GiB GPU (device="cuda", the default; gpu="h100"). In one process, one after the other:
+
+- estimate(): one dry run, the reference time;
+- plan(device_memory="80 GiB"): its default grid (fp32 and bf16-mixed, without and with block
+  checkpointing, world sizes 1 to 1024 each up to the first that fits, five shardings);
+- advise(budget="80 GiB"): every row estimate()'s, plan()'s and fit()'s dry runs shared;
+- fit(gpu="h100", vary="batch"): the largest batch that fits one H100;
+- the same estimate() of an 80-layer shape (the other figures unchanged): how the dry run grows with depth.
+
+Each figure is a wall time on this machine, and each ratio is to the estimate() of the same run. The
+figures the three print are checked to agree with estimate() for the configuration they name.
+
+    python benchmarks/bench_decide.py [--no-write] [--layers 32]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import memtorch  # noqa: E402
+from benchmarks._common import machine, write_section  # noqa: E402
+
+
+def llama(layers):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)  # fmt: skip
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--layers", type=int, default=32)
+    args = ap.parse_args()
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    model = llama(args.layers)
+    ids = ((4, 2048), torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    kw = dict(optimizer="adamw", precision="bf16-mixed", gpu="h100")
+    f = memtorch.units.format
+    est, t_est = timed(lambda: memtorch.estimate(model, batch, **kw))
+    print(f"estimate: {t_est:.1f} s, peak {f(est.peak)}, reserved {f(est.reserved_peak)}", flush=True)
+    p, t_plan = timed(lambda: memtorch.plan(model, batch, device_memory="80 GiB", gpu="h100"))
+    print(f"plan: {t_plan:.1f} s, {len(p.fits)} of {len(p.options)} fit, {p.dry_runs} dry runs, best {p.best}",
+          flush=True)  # fmt: skip
+    adv, t_adv = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
+    print(f"advise: {t_adv:.1f} s", flush=True)
+    fit, t_fit = timed(lambda: memtorch.fit(model, batch, vary="batch", **kw))
+    print(f"fit: {t_fit:.1f} s, batch {fit.value} ({fit.runs} dry runs)", flush=True)
+    deep, t_deep = timed(lambda: memtorch.estimate(llama(80), batch, **kw))
+    print(f"estimate, 80 layers: {t_deep:.1f} s", flush=True)
+
+    # one answer per question: each figure printed is estimate()'s for the configuration it names
+    assert adv.peak == est.peak, (adv.peak, est.peak)
+    if p.best is not None:
+        b = p.best
+        again = memtorch.estimate(model, {"input_ids": ((b.micro_batch, 2048), torch.long),
+                                          "labels": ((b.micro_batch, 2048), torch.long)},
+                                  optimizer="adamw", precision=b.precision, gpu="h100", checkpointing=b.checkpointing,
+                                  world_size=b.world_size, sharding=b.sharding)  # fmt: skip
+        assert (again.peak, again.reserved_peak) == (b.peak, b.reserved), (again.peak, b)
+        (row,) = adv.by_kind("sharding")
+        assert row.after == b.peak
+    at = {"input_ids": ((fit.value, 2048), torch.long), "labels": ((fit.value, 2048), torch.long)}
+    assert memtorch.estimate(model, at, **kw).reserved_peak == fit.figures["reserved"]
+
+    rows = [
+        ("estimate()", t_est, "1.0", f"peak {f(est.peak)}, reserved {f(est.reserved_peak)}"),
+        ("plan(device_memory='80 GiB')", t_plan, f"{t_plan / t_est:.1f}",
+         f"{len(p.fits)} of {len(p.options)} computed fit ({p.hidden} larger world sizes not computed), "
+         f"{p.dry_runs} dry runs; cheapest: " + (f"{p.best.world_size} GPU(s), {p.best.sharding or '-'}, "
+                                                f"{p.best.precision}, checkpointing {p.best.checkpointing or '-'}, "
+                                                f"reserved {f(p.best.reserved)}" if p.best else "none")),
+        ("advise(budget='80 GiB')", t_adv, f"{t_adv / t_est:.1f}",
+         f"{len(adv.items)} rows; first: {adv.items[0].title if adv.items else '-'}"),
+        ("fit(gpu='h100', vary='batch')", t_fit, f"{t_fit / t_est:.1f}",
+         f"batch {fit.value} fits ({fit.runs} dry runs at {', '.join(str(v) for v, _ in fit.tried)})"),
+        ("estimate(), 80 layers", t_deep, f"{t_deep / t_est:.1f}", f"peak {f(deep.peak)}"),
+    ]
+    md = [
+        "## Decisions: plan(), advise() and fit() beside one estimate()",
+        "",
+        f"`python benchmarks/bench_decide.py` on {machine()}.",
+        "",
+        f"A {args.layers}-layer Llama-2-7B shape (hidden 4096, intermediate 11008, vocabulary 32000) on the meta "
+        "device, AdamW, bf16-mixed, batch 4 x 2048 tokens, one 80 GiB GPU (device cuda, gpu h100). The ratio is "
+        "each call's wall time over the estimate()'s of the same run; every figure the three print was checked "
+        "against estimate() of the configuration it names (the script asserts it).",
+        "",
+        "| call | seconds | x estimate() | what it answered |",
+        "|---|---:|---:|---|",
+    ]
+    md += [f"| {a} | {t:.1f} | {r} | {w} |" for a, t, r, w in rows]
+    md.append("")
+    text = "\n".join(md)
+    print(text)
+    if not args.no_write:
+        write_section("decide", text)
+
+
+if __name__ == "__main__":
+    main()
