@@ -1159,6 +1159,12 @@ def _micro_batch(model, run, base, inputs, items, notes, budget, reserve, engine
         return
     mb = batch // 2
     how_found = "half the batch"
+    states = getattr(base["report"], "model_states", None) or {}
+    held = sum(states.get(c, 0) for c in ("parameter", "buffer", "gradient", "optimizer_state"))
+    if budget is not None and held + reserve > budget:
+        notes.append(f"smaller micro-batch: the model states alone (parameters, gradients, optimizer state: "
+                     f"{_fmt(held)}) do not fit {_fmt(budget)}, whatever the micro-batch")  # fmt: skip
+        return
     if budget is not None and base["judged"] + reserve > budget and engine is not None:
         # lazy: fitting loads only when this path runs (importing advice stays cheap)
         from .fitting import fit
@@ -1203,8 +1209,9 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, ckpt
     # lazy: planning loads only when this path runs (importing advice stays cheap)
     from .planning import plan
 
-    precisions = list(dict.fromkeys([precision, "fp32", "bf16-mixed"])) if precision in ("fp32", "bf16-mixed") \
-        else [precision]  # fmt: skip
+    # the precision asked for, and mixed precision beside fp32 (plan's default pair; a bf16-mixed step is not
+    # planned in fp32 again: it holds more)
+    precisions = [precision] + (["bf16-mixed"] if precision == "fp32" else [])
     ckpts = [None, "blocks"] if cfg["checkpointing"] is None else [cfg["checkpointing"]]
     try:
         p = plan(model, *inputs.as_tuple(), device_memory=budget, reserve=reserve, precisions=precisions,

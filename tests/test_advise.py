@@ -431,3 +431,29 @@ def test_optimizer_by_name_instance_or_factory_agree():
     by_factory = cpu_advise(model, x, optimizer=lambda ps: torch.optim.Adam(ps, foreach=False))
     assert by_name.peak == by_instance.peak == by_factory.peak
     assert by_name.by_kind("optimizer_sgd")[0].saves == 2 * lin(100, 50) + 2 * 4
+
+
+def test_sharding_row_is_plans_cheapest_fit_and_estimates_figure():
+    # one answer per question: advise's sharding row is plan()'s best for the same configuration, and its
+    # figure is estimate()'s for the configuration it names
+    torch.manual_seed(0)
+    model = blocks(n=4, d=256)
+    x = torch.randn(64, 256)
+    one = memtorch.estimate(model, x, device="cpu")
+    budget = one.peak - 1  # one process misses it by a byte
+    adv = memtorch.advise(model, x, budget=budget, reserve=0, device="cpu")
+    p = memtorch.plan(model, x, device_memory=budget, reserve=0, device="cpu", precisions=["fp32", "bf16-mixed"],
+                      checkpointing=[None, "blocks"])  # fmt: skip
+    (row,) = adv.by_kind("sharding")
+    b = p.best
+    assert b is not None and row.after == b.peak and row.fits and row.group == "keeps the model"
+    est = memtorch.estimate(model, (b.micro_batch, 256), device="cpu", precision=b.precision,
+                            checkpointing=b.checkpointing, world_size=b.world_size, sharding=b.sharding)  # fmt: skip
+    assert est.peak == b.peak
+    # the rows that keep the model come first, in the order a user would try them
+    kinds = [s.kind for s in adv if s.group == "keeps the model"]
+    order = ["checkpointing", "autocast_bf16", "micro_batch", "sharding", "cpu_offload", "optimizer_8bit"]
+    assert kinds == [k for k in order if k in kinds] and "sharding" in kinds
+    assert not adv.by_kind("depth")  # removing layers is not advice unless asked for
+    assert all(s.code.get("torch") for s in adv if s.group == "keeps the model")
+    assert "torch: " in str(adv)  # the model is plain torch: its one-line changes are torch's
