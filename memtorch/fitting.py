@@ -30,7 +30,10 @@ from .reports.fit import Fit  # the result type's home
 __all__ = ["fit", "Fit", "VARY"]
 
 VARY = ("batch", "seq", "max_new_tokens")
-_MAX_RUNS = 64  # a search that needs more has met a figure that is not monotone in the value
+_MAX_RUNS = 64
+# the caching allocator's largest rounding of a segment (a 20 MiB large buffer): a judged figure on cuda moves
+# in steps up to this size, so a line drawn through it needs a rise of more than two of them
+_STEP = 20 << 20  # a search that needs more has met a figure that is not monotone in the value
 
 
 def fit(
@@ -248,10 +251,11 @@ def fit(
 def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False):
     """The next value to try, strictly between lo and hi (0 and None: not known).
 
-    The line is drawn through the peaks (smooth in the value, where the reserved figure on cuda rises in
-    the allocator's steps) of ``pair``, the last two values tried together (the first two, then a guess and
-    its neighbour), to where the peak plus the judged figure's excess over it at the nearer value meets
-    the budget. bisect: the middle of the gap instead (a line that stalled).
+    The line is drawn through ``pair``, the last two values tried together (the first two, then a guess
+    and its neighbour): through their judged figures where these rise by more than the allocator's steps,
+    else through their peaks (smooth in the value, where the reserved figure on cuda rises in steps) to
+    where the peak plus the judged figure's excess over it at the nearer value meets the budget. bisect:
+    the middle of the gap instead (a line that stalled).
     """
     guess = None
     if bisect and hi is not None:
@@ -259,11 +263,16 @@ def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False):
     elif pair is not None:
         (v1, v2) = pair
         f1, f2 = done[v1], done[v2]
-        slope = (f2.peak - f1.peak) / (v2 - v1)
-        near = f1 if abs(f1.judged - budget) <= abs(f2.judged - budget) else f2
-        target = budget - (near.judged - near.peak)
-        if slope > 0:
-            guess = v1 + int((target - f1.peak) // slope)
+        if f2.judged - f1.judged > 2 * _STEP:
+            # the judged figure rises by more than the allocator's steps between the two: its own line
+            slope = (f2.judged - f1.judged) / (v2 - v1)
+            guess = v1 + int((budget - f1.judged) // slope)
+        else:
+            slope = (f2.peak - f1.peak) / (v2 - v1)
+            near = f1 if abs(f1.judged - budget) <= abs(f2.judged - budget) else f2
+            target = budget - (near.judged - near.peak)
+            if slope > 0:
+                guess = v1 + int((target - f1.peak) // slope)
     top = hi
     if guess is None:  # no line that rises: double past the largest fitting value, or halve the gap
         guess = 2 * max(lo, 1) if top is None else (lo + top) // 2
