@@ -25,8 +25,8 @@ def _env():
     return env
 
 
-# examples that start several processes (torchrun) are slow: the normal pass runs them
-_SLOW = {"ddp_torchrun.py"}
+# examples that start several processes (torchrun) or make many dry runs are slow: the normal pass runs them
+_SLOW = {"ddp_torchrun.py", "will_it_fit.py"}
 
 
 @pytest.mark.parametrize(
