@@ -1223,8 +1223,8 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, ckpt
         return
     best = p.best
     if best is None:
-        notes.append(f"sharding: memtorch.plan finds no configuration of up to 1024 devices that fits "
-                     f"{_fmt(budget)} ({len(p.options)} tried)")  # fmt: skip
+        notes.append(f"sharding: memtorch.plan finds no configuration that fits {_fmt(budget)} ({len(p.options)} "
+                     f"computed, {p.hidden} larger world sizes left out as its notes say)")  # fmt: skip
         return
     devices = f"{best.world_size} GPU" + ("s" if best.world_size > 1 else "") if engine.device == "cuda" else \
         f"{best.world_size} process" + ("es" if best.world_size > 1 else "")  # fmt: skip
