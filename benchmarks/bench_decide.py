@@ -34,8 +34,15 @@ from benchmarks._common import machine, write_section  # noqa: E402
 def llama(layers):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
 
@@ -64,8 +71,10 @@ def main():
     est, t_est = timed(lambda: memtorch.estimate(model, batch, **kw))
     print(f"estimate: {t_est:.1f} s, peak {f(est.peak)}, reserved {f(est.reserved_peak)}", flush=True)
     p, t_plan = timed(lambda: memtorch.plan(model, batch, device_memory="80 GiB", gpu="h100"))
-    print(f"plan: {t_plan:.1f} s, {len(p.fits)} of {len(p.options)} fit, {p.dry_runs} dry runs, best {p.best}",
-          flush=True)  # fmt: skip
+    print(
+        f"plan: {t_plan:.1f} s, {len(p.fits)} of {len(p.options)} fit, {p.dry_runs} dry runs, best {p.best}",
+        flush=True,
+    )
     adv, t_adv = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
     print(f"advise: {t_adv:.1f} s", flush=True)
     fit_kw = dict(kw, checkpointing="blocks", world_size=8, sharding="zero3")
@@ -78,10 +87,16 @@ def main():
     assert adv.peak == est.peak, (adv.peak, est.peak)
     if p.best is not None:
         b = p.best
-        again = memtorch.estimate(model, {"input_ids": ((b.micro_batch, 2048), torch.long),
-                                          "labels": ((b.micro_batch, 2048), torch.long)},
-                                  optimizer="adamw", precision=b.precision, gpu="h100", checkpointing=b.checkpointing,
-                                  world_size=b.world_size, sharding=b.sharding)  # fmt: skip
+        again = memtorch.estimate(
+            model,
+            {"input_ids": ((b.micro_batch, 2048), torch.long), "labels": ((b.micro_batch, 2048), torch.long)},
+            optimizer="adamw",
+            precision=b.precision,
+            gpu="h100",
+            checkpointing=b.checkpointing,
+            world_size=b.world_size,
+            sharding=b.sharding,
+        )
         assert (again.peak, again.reserved_peak) == (b.peak, b.reserved), (again.peak, b)
     at = {"input_ids": ((fit.value, 2048), torch.long), "labels": ((fit.value, 2048), torch.long)}
     assert memtorch.estimate(model, at, **fit_kw).reserved_peak == fit.figures["reserved"]
@@ -89,16 +104,32 @@ def main():
     rows = [
         ("estimate(), first call of the process", t_cold, f"{t_cold / t_est:.1f}", "the same figures"),
         ("estimate()", t_est, "1.0", f"peak {f(est.peak)}, reserved {f(est.reserved_peak)}"),
-        ("plan(device_memory='80 GiB')", t_plan, f"{t_plan / t_est:.1f}",
-         f"{len(p.fits)} of {len(p.options)} computed fit ({p.hidden} larger world sizes not computed), "
-         f"{p.dry_runs} dry runs; cheapest: " + (f"{p.best.world_size} GPU(s), {p.best.sharding or '-'}, "
-                                                f"{p.best.precision}, checkpointing {p.best.checkpointing or '-'}, "
-                                                f"reserved {f(p.best.reserved)}" if p.best else "none")),
-        ("advise(budget='80 GiB')", t_adv, f"{t_adv / t_est:.1f}",
-         f"{len(adv.items)} rows; first: {adv.items[0].title if adv.items else '-'}"),
-        ("fit(gpu='h100', vary='batch', checkpointing='blocks', world_size=8, sharding='zero3')", t_fit,
-         f"{t_fit / t_est:.1f}",
-         f"batch {fit.value} fits ({fit.runs} dry runs at {', '.join(str(v) for v, _ in fit.tried)})"),
+        (
+            "plan(device_memory='80 GiB')",
+            t_plan,
+            f"{t_plan / t_est:.1f}",
+            f"{len(p.fits)} of {len(p.options)} computed fit ({p.hidden} larger world sizes not computed), "
+            f"{p.dry_runs} dry runs; cheapest: "
+            + (
+                f"{p.best.world_size} GPU(s), {p.best.sharding or '-'}, "
+                f"{p.best.precision}, checkpointing {p.best.checkpointing or '-'}, "
+                f"reserved {f(p.best.reserved)}"
+                if p.best
+                else "none"
+            ),
+        ),
+        (
+            "advise(budget='80 GiB')",
+            t_adv,
+            f"{t_adv / t_est:.1f}",
+            f"{len(adv.items)} rows; first: {adv.items[0].title if adv.items else '-'}",
+        ),
+        (
+            "fit(gpu='h100', vary='batch', checkpointing='blocks', world_size=8, sharding='zero3')",
+            t_fit,
+            f"{t_fit / t_est:.1f}",
+            f"batch {fit.value} fits ({fit.runs} dry runs at {', '.join(str(v) for v, _ in fit.tried)})",
+        ),
         ("estimate(), 80 layers", t_deep, f"{t_deep / t_est:.1f}", f"peak {f(deep.peak)}"),
     ]
     md = [
@@ -106,11 +137,11 @@ def main():
         "",
         f"`python benchmarks/bench_decide.py` on {machine()}.",
         "",
-        f"A {args.layers}-layer Llama-2-7B shape (hidden 4096, intermediate 11008, vocabulary 32000) on the meta "
-        "device, AdamW, bf16-mixed, batch 4 x 2048 tokens, one 80 GiB GPU (device cuda, gpu h100). The ratio is "
-        "each call's wall time over the second estimate()'s of the same run (the first pays for what a process does "
-        "once); every figure the three print was checked "
-        "against estimate() of the configuration it names (the script asserts it).",
+        f"A {args.layers}-layer Llama-2-7B shape (hidden 4096, intermediate 11008, vocabulary 32000) on the "
+        "meta device, AdamW, bf16-mixed, batch 4 x 2048 tokens, one 80 GiB GPU (device cuda, gpu h100). The "
+        "ratio is each call's wall time over the second estimate()'s of the same run (the first pays for what a "
+        "process does once); every figure the three print was checked against estimate() of the configuration "
+        "it names (the script asserts it).",
         "",
         "| call | seconds | x estimate() | what it answered |",
         "|---|---:|---:|---|",

@@ -22,7 +22,9 @@ step = dict(optimizer="adamw", precision="bf16-mixed", gpu="l4")
 
 # 1. Does the step fit? (the caching allocator's reserved figure is what the device must hold)
 est = memtorch.estimate(model, batch, **step)
-print(f"estimate: peak {memtorch.units.format(est.peak)}, reserved {memtorch.units.format(est.reserved_peak)}")
+print(
+    f"estimate: peak {memtorch.units.format(est.peak)}, reserved {memtorch.units.format(est.reserved_peak)}"
+)
 
 # 2. The largest batch that fits one L4 (24 GiB, 1 GiB kept free for the CUDA context)
 print(memtorch.fit(model, batch, **step), end="\n\n")

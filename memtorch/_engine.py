@@ -25,8 +25,9 @@ from .errors import MemtorchError
 
 __all__ = ["Engine", "Figures", "judged_name"]
 
-Figures = namedtuple("Figures", "peak reserved peak_upper rank_peaks rank_peaks_upper judged report floor",
-                     defaults=(None,))
+Figures = namedtuple(
+    "Figures", "peak reserved peak_upper rank_peaks rank_peaks_upper judged report floor", defaults=(None,)
+)
 Figures.__doc__ = """One configuration's figures, in bytes, as estimate() reports them.
 
 peak: the highest rank's peak (estimate().peak); reserved (device="cuda"): the caching allocator's
@@ -41,10 +42,13 @@ rules out every larger world size (None for one process).
 
 # what each sharding splits across ranks, of the categories alive at a rank's peak (with the optimizer
 # step's temporaries, which a sharded step makes per shard)
-_SPLIT = {"ddp": (), "zero1": ("optimizer_state", "temporary"), "zero1-even": ("optimizer_state", "temporary"),
-          "zero2": ("optimizer_state", "temporary", "gradient"),
-          "zero3": ("optimizer_state", "temporary", "gradient", "parameter")}  # fmt: skip
-
+_SPLIT = {
+    "ddp": (),
+    "zero1": ("optimizer_state", "temporary"),
+    "zero1-even": ("optimizer_state", "temporary"),
+    "zero2": ("optimizer_state", "temporary", "gradient"),
+    "zero3": ("optimizer_state", "temporary", "gradient", "parameter"),
+}
 
 
 def judged_name(device):
@@ -60,8 +64,19 @@ class Engine:
     zero2/zero3 rows can be replayed from it (plan's grid); the one-process figures are unchanged.
     """
 
-    def __init__(self, model, inputs, *, optimizer="adamw", loss_fn=None, device=None, gpu=None,
-                 keep_output=True, fsdp_units=None, units=False):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        inputs,
+        *,
+        optimizer="adamw",
+        loss_fn=None,
+        device=None,
+        gpu=None,
+        keep_output=True,
+        fsdp_units=None,
+        units=False,
+    ):
         # lazy: estimation loads only when this path runs (importing the engine stays cheap)
         from .estimation import DEFAULT_DEVICE
 
@@ -69,8 +84,13 @@ class Engine:
         self.inputs = inputs
         self.device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
         self.defaulted = device is None
-        self.fixed = {"optimizer": optimizer, "loss_fn": loss_fn, "device": self.device, "gpu": gpu,
-                      "keep_output": keep_output}  # fmt: skip
+        self.fixed = {
+            "optimizer": optimizer,
+            "loss_fn": loss_fn,
+            "device": self.device,
+            "gpu": gpu,
+            "keep_output": keep_output,
+        }
         self.fsdp_units = fsdp_units
         self.units = units
         self.runs = {}  # key -> (Estimate, ledger, hooks, facts)
@@ -105,8 +125,15 @@ class Engine:
                     fixed.pop("keep_output")
                 if fixed.get("gpu") is None:
                     fixed.pop("gpu")
-                est = estimate(self.model, *inputs.as_tuple(), precision=precision, checkpointing=checkpointing,
-                               training=training, max_new_tokens=max_new_tokens, **fixed)  # fmt: skip
+                est = estimate(
+                    self.model,
+                    *inputs.as_tuple(),
+                    precision=precision,
+                    checkpointing=checkpointing,
+                    training=training,
+                    max_new_tokens=max_new_tokens,
+                    **fixed,
+                )
             finally:
                 _RECORD_UNITS.reset(token_u)
                 _KEEP_RUNS.reset(token)
@@ -119,28 +146,48 @@ class Engine:
     def facts(self, precision="fp32", checkpointing=None, inputs=None):
         """The dry run's facts of a training configuration (trainable_numel, param_numels, ...)."""
         self.run(precision, checkpointing, inputs)
-        return self.runs[self._key(precision, checkpointing, self.inputs if inputs is None else inputs, True, None)][3]
+        return self.runs[
+            self._key(precision, checkpointing, self.inputs if inputs is None else inputs, True, None)
+        ][3]
 
     # -- any world size ----------------------------------------------------------------------------
 
-    def figures(self, precision="fp32", checkpointing=None, inputs=None, world_size=1, sharding=None,
-                training=True, max_new_tokens=None):  # fmt: skip
+    def figures(
+        self,
+        precision="fp32",
+        checkpointing=None,
+        inputs=None,
+        world_size=1,
+        sharding=None,
+        training=True,
+        max_new_tokens=None,
+    ):
         """Figures of the configuration: estimate(..., world_size=world_size, sharding=sharding)'s."""
         est = self.run(precision, checkpointing, inputs, training, max_new_tokens)
         cuda = self.device == "cuda"
         if world_size == 1:
             upper = est.peak if est.peak_upper is None else est.peak_upper
-            return Figures(int(est.peak), est.reserved_peak, None if cuda else int(upper), (int(est.peak),),
-                           None if cuda else (int(upper),), int(est.reserved_peak if cuda else upper), est)  # fmt: skip
+            return Figures(
+                int(est.peak),
+                est.reserved_peak,
+                None if cuda else int(upper),
+                (int(est.peak),),
+                None if cuda else (int(upper),),
+                int(est.reserved_peak if cuda else upper),
+                est,
+            )
         if sharding is None:
             sharding = "ddp"
-        key = self._key(precision, checkpointing, self.inputs if inputs is None else inputs, training, max_new_tokens)
+        key = self._key(
+            precision, checkpointing, self.inputs if inputs is None else inputs, training, max_new_tokens
+        )
         # ddp: every rank holds the whole model and one bucket copy of the gradients, whatever the world size
         rkey = (key, 2 if sharding == "ddp" else world_size, sharding)
         if rkey not in self.ranks:
             if sharding in ("zero2", "zero3") and not self.runs[key][3].get("units"):
                 raise MemtorchError(
-                    f"sharding {sharding!r} needs the dry run to record FSDP's units (Engine(units=True))")
+                    f"sharding {sharding!r} needs the dry run to record FSDP's units (Engine(units=True))"
+                )
             # lazy: estimation loads only when this path runs (importing the engine stays cheap)
             from .estimation import _rank_results
 
@@ -156,14 +203,22 @@ class Engine:
             else:
                 floor = max(r["peak"] - sum(r["breakdown"].get(c, 0) for c in _SPLIT[sharding]) for r in rows)
             self.ranks[rkey] = Figures(
-                int(top["peak"]), reserved, None if cuda else int(upper), tuple(int(r["peak"]) for r in rows),
-                None if cuda else tuple(int(r["peak_upper"]) for r in rows), int(reserved if cuda else upper),
-                None, int(floor))  # fmt: skip
+                int(top["peak"]),
+                reserved,
+                None if cuda else int(upper),
+                tuple(int(r["peak"]) for r in rows),
+                None if cuda else tuple(int(r["peak_upper"]) for r in rows),
+                int(reserved if cuda else upper),
+                None,
+                int(floor),
+            )
             self.seconds += time.perf_counter() - t0
         f = self.ranks[rkey]
         if sharding == "ddp" and world_size != rkey[1]:
-            f = f._replace(rank_peaks=f.rank_peaks[:1] * world_size,
-                           rank_peaks_upper=None if cuda else f.rank_peaks_upper[:1] * world_size)  # fmt: skip
+            f = f._replace(
+                rank_peaks=f.rank_peaks[:1] * world_size,
+                rank_peaks_upper=None if cuda else f.rank_peaks_upper[:1] * world_size,
+            )
         return f
 
 

@@ -17,6 +17,7 @@ import html
 
 from . import reports as _reports, units, words
 from .errors import MemtorchError
+from .reports.advice import GROUP_TITLES
 from .units import format_rate
 
 __all__ = [
@@ -904,8 +905,6 @@ def _advice_header(adv):
 
 def _advice_groups(adv):
     """[(group title, [(number, Suggestion, row)])] in the Advice's order; numbers run across groups."""
-    from .reports.advice import GROUP_TITLES
-
     out, n = [], 0
     for s in adv.items:
         n += 1

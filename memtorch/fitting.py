@@ -77,6 +77,7 @@ def fit(
     # lazy: _inputs and the engine (which loads estimation) only when this path runs (importing fitting
     # stays cheap)
     from . import _inputs
+
     # lazy: as above
     from ._engine import Engine, device_memory_of, judged_name
 
@@ -90,9 +91,12 @@ def fit(
     memory, source = device_memory_of(device_memory, gpu, "fit()")
     keep = units.parse(reserve)
     if keep >= memory:
-        raise MemtorchError(f"fit(): the reserve ({units.format(keep)}) leaves nothing of the device's "
-                            f"{units.format(memory)}")  # fmt: skip
-    if max_value is not None and (isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1):
+        raise MemtorchError(
+            f"fit(): the reserve ({units.format(keep)}) leaves nothing of the device's {units.format(memory)}"
+        )
+    if max_value is not None and (
+        isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1
+    ):
         raise MemtorchError(f"fit(max_value=...) must be a positive int, got {max_value!r}")
     given = _inputs.read(inputs, "fit()")
     notes = []
@@ -103,8 +107,10 @@ def fit(
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:
             raise MemtorchError(f"fit(max_new_tokens=...) must be a positive int, got {start!r}")
     elif max_new_tokens is not None:
-        raise MemtorchError("fit(max_new_tokens=...) is the start of vary='max_new_tokens'; with vary="
-                            f"{vary!r} estimate generation by estimate(training=False, max_new_tokens=...)")  # fmt: skip
+        raise MemtorchError(
+            "fit(max_new_tokens=...) is the start of vary='max_new_tokens'; with vary="
+            f"{vary!r} estimate generation by estimate(training=False, max_new_tokens=...)"
+        )
     elif vary == "batch":
         start = given.batch_size()
         if start is None:
@@ -118,18 +124,34 @@ def fit(
             limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
             if isinstance(limit, int) and limit > 0:
                 max_value = limit
-                notes.append(f"sequence lengths up to the model's {limit} positions (its config's); max_value= "
-                             "sets another cap")  # fmt: skip
+                notes.append(
+                    f"sequence lengths up to the model's {limit} positions (its config's); max_value= "
+                    "sets another cap"
+                )
     if max_value is not None and start > max_value:
         start = max_value
     eng = _engine
     if eng is None:
-        eng = Engine(model, given, optimizer=optimizer, loss_fn=loss_fn, device=device, gpu=gpu,
-                     keep_output=keep_output, fsdp_units=fsdp_units,
-                     units=world_size > 1 and sharding in ("zero2", "zero3"))  # fmt: skip
-    config = {"optimizer": optimizer if isinstance(optimizer, str) else type(optimizer).__name__,
-              "precision": precision, "device": eng.device, "checkpointing": checkpointing,
-              "world_size": world_size, "sharding": sharding, "training": training}  # fmt: skip
+        eng = Engine(
+            model,
+            given,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            device=device,
+            gpu=gpu,
+            keep_output=keep_output,
+            fsdp_units=fsdp_units,
+            units=world_size > 1 and sharding in ("zero2", "zero3"),
+        )
+    config = {
+        "optimizer": optimizer if isinstance(optimizer, str) else type(optimizer).__name__,
+        "precision": precision,
+        "device": eng.device,
+        "checkpointing": checkpointing,
+        "world_size": world_size,
+        "sharding": sharding,
+        "training": training,
+    }
     if gpu is not None:
         config["gpu"] = gpu
 
@@ -147,13 +169,19 @@ def fit(
         if v not in done:
             if len(tried) >= _MAX_RUNS:
                 raise MemtorchError(
-                    f"fit() made {_MAX_RUNS} dry runs without two neighbouring values, one fitting and one not: "
-                    f"the figure is not monotone in {vary} (tried {tried})"
+                    f"fit() made {_MAX_RUNS} dry runs without two neighbouring values, one fitting and one "
+                    f"not: the figure is not monotone in {vary} (tried {tried})"
                 )
             try:
-                done[v] = eng.figures(precision, checkpointing, inputs_at(v), world_size=world_size,
-                                      sharding=sharding, training=training,
-                                      max_new_tokens=v if vary == "max_new_tokens" else None)  # fmt: skip
+                done[v] = eng.figures(
+                    precision,
+                    checkpointing,
+                    inputs_at(v),
+                    world_size=world_size,
+                    sharding=sharding,
+                    training=training,
+                    max_new_tokens=v if vary == "max_new_tokens" else None,
+                )
             except MemtorchError as e:
                 raise MemtorchError(f"fit(): the estimate at {vary}={v} failed: {e}") from None
             tried.append((v, done[v].judged))
@@ -229,23 +257,43 @@ def fit(
                     hi = nb
                 pair = (nb, guess)
     if lo == 0:
-        notes.append(f"not even {vary}=1 fits: {units.format(done[1].judged)} {judged_name(eng.device)} "
-                     f"against {units.format(budget)}")  # fmt: skip
+        notes.append(
+            f"not even {vary}=1 fits: {units.format(done[1].judged)} {judged_name(eng.device)} "
+            f"against {units.format(budget)}"
+        )
     if hi is None:
         notes.append(f"the cap {vary}={max_value} fits: no value above it was tried")
     if source != "given":
         notes.append(f"device memory: {source}")
     if eng.defaulted:
-        notes.append("device='cuda' by default, as estimate() and plan(): device='cpu' models PyTorch's CPU allocator")
-    notes.append(f"every figure is estimate()'s for that {vary} ({len(tried)} dry runs); fit judged on "
-                 f"{judged_name(eng.device)!r} + the reserve against the device's memory")  # fmt: skip
+        notes.append(
+            "device='cuda' by default, as estimate() and plan(): device='cpu' models PyTorch's CPU allocator"
+        )
+    notes.append(
+        f"every figure is estimate()'s for that {vary} ({len(tried)} dry runs); fit judged on "
+        f"{judged_name(eng.device)!r} + the reserve against the device's memory"
+    )
 
     def as_dict(f):
         return None if f is None else {"peak": f.peak, "reserved": f.reserved, "judged": f.judged}
 
-    return Fit(vary, lo, as_dict(done.get(lo)), hi, as_dict(done.get(hi) if hi is not None else None),
-               eng.device, memory, source, keep, judged_name(eng.device), line, tried, config, notes,
-               time.perf_counter() - t0)  # fmt: skip
+    return Fit(
+        vary,
+        lo,
+        as_dict(done.get(lo)),
+        hi,
+        as_dict(done.get(hi) if hi is not None else None),
+        eng.device,
+        memory,
+        source,
+        keep,
+        judged_name(eng.device),
+        line,
+        tried,
+        config,
+        notes,
+        time.perf_counter() - t0,
+    )
 
 
 def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False):

@@ -189,6 +189,15 @@ def sizeof(obj):
     dataclasses holding tensors, NumPy arrays, modules or optimizers.
 
     Returns a ModelMemory (``.total`` is the bytes of the unique storages).
-    Objects of other types hold nothing memtorch can see and count 0.
+    Objects of other types hold nothing memtorch can see and count 0. A generator or
+    other iterator is refused (TypeError): walking it would consume it, and what it
+    yields is not held until it is asked for.
     """
+    from collections.abc import Iterator
+
+    if isinstance(obj, Iterator):
+        raise TypeError(
+            f"sizeof() of a {type(obj).__name__} (an iterator): walking it would consume it, and what it yields "
+            "is not held yet; pass what it holds, e.g. memtorch.sizeof(list(items))"
+        )
     return ModelMemory(*walk(obj, None), root_type=type(obj).__name__)

@@ -106,15 +106,26 @@ def _tiny_gpt2():
 def test_sequence_length_is_capped_by_the_model_positions():
     model = _tiny_gpt2()
     ids = ((2, 8), torch.long)
-    big = memtorch.fit(model, {"input_ids": ids, "labels": ids}, vary="seq", device_memory="1 GiB", reserve=0,
-                       device="cpu")  # fmt: skip
+    big = memtorch.fit(
+        model, {"input_ids": ids, "labels": ids}, vary="seq", device_memory="1 GiB", reserve=0, device="cpu"
+    )
     assert big.value == 64 and big.next_value is None  # n_positions: the real model refuses more
     assert any("64 positions" in n for n in big.notes)
     # a budget between the estimates at sequence lengths 20 and 21
-    at = {L: memtorch.estimate(model, {"input_ids": ((2, L), torch.long), "labels": ((2, L), torch.long)},
-                               device="cpu").peak for L in (20, 21)}  # fmt: skip
-    f = memtorch.fit(model, {"input_ids": ids, "labels": ids}, vary="seq", device_memory=(at[20] + at[21]) // 2,
-                     reserve=0, device="cpu")  # fmt: skip
+    at = {
+        L: memtorch.estimate(
+            model, {"input_ids": ((2, L), torch.long), "labels": ((2, L), torch.long)}, device="cpu"
+        ).peak
+        for L in (20, 21)
+    }
+    f = memtorch.fit(
+        model,
+        {"input_ids": ids, "labels": ids},
+        vary="seq",
+        device_memory=(at[20] + at[21]) // 2,
+        reserve=0,
+        device="cpu",
+    )
     assert (f.value, f.figures["peak"], f.next_figures["peak"]) == (20, at[20], at[21])
 
 
@@ -122,11 +133,21 @@ def test_sequence_length_is_capped_by_the_model_positions():
 def test_new_tokens_of_generation():
     model = _tiny_gpt2()
     prompt = ((2, 4), torch.long)
-    at = {n: memtorch.estimate(model, prompt, training=False, max_new_tokens=n, device="cpu").peak
-          for n in (27, 28)}  # fmt: skip
+    at = {
+        n: memtorch.estimate(model, prompt, training=False, max_new_tokens=n, device="cpu").peak
+        for n in (27, 28)
+    }
     assert at[27] < at[28]  # past the prompt's forward, the KV cache makes the peak
-    f = memtorch.fit(model, prompt, vary="max_new_tokens", max_new_tokens=16, device_memory=(at[27] + at[28]) // 2,
-                     reserve=0, device="cpu", max_value=60)  # fmt: skip
+    f = memtorch.fit(
+        model,
+        prompt,
+        vary="max_new_tokens",
+        max_new_tokens=16,
+        device_memory=(at[27] + at[28]) // 2,
+        reserve=0,
+        device="cpu",
+        max_value=60,
+    )
     assert (f.value, f.figures["peak"], f.next_figures["peak"]) == (27, at[27], at[28])
     assert f.config["training"] is False
 
@@ -164,8 +185,24 @@ def test_cli_fit_prints_the_api_answer(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(tmp_path))
     budget = 300 * 1024
     f = memtorch.fit(mlp(), (8, 32), device_memory=budget, reserve=0, device="cpu")
-    assert cli.main(["fit", "fitmods:mlp", "--input", "8x32", "--device-memory", str(budget), "--reserve", "0",
-                     "--device", "cpu", "--quiet"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "fit",
+                "fitmods:mlp",
+                "--input",
+                "8x32",
+                "--device-memory",
+                str(budget),
+                "--reserve",
+                "0",
+                "--device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"the largest batch that fits in {memtorch.units.format(budget)} per device is {f.value:,}" in out
     assert cli.main(["fit", "fitmods:mlp", "--input", "8x32", "--device", "cpu", "--quiet"]) == 2

@@ -456,3 +456,18 @@ def test_user_code_changing_the_model_during_the_walk_does_not_crash():
     opt = torch.optim.SGD([Mutating(torch.ones(5)), p], lr=0.1)
     opt_holder["opt"] = opt
     memtorch.inspect(nn.Module(), opt)
+
+
+def test_sizeof_refuses_an_iterator_and_leaves_it_unconsumed():
+    import torch
+
+    import memtorch
+
+    tensors = [torch.zeros(4), torch.zeros(8)]
+    gen = (t for t in tensors)
+    with pytest.raises(TypeError, match="sizeof\\(\\) of a generator \\(an iterator\\): walking it would consume it"):
+        memtorch.sizeof(gen)
+    assert len(list(gen)) == 2  # not consumed
+    with pytest.raises(TypeError, match="list_iterator"):
+        memtorch.sizeof(iter(tensors))
+    assert memtorch.sizeof(list(tensors)).total == 4 * 4 + 8 * 4  # the list it would hold

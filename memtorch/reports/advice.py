@@ -3,7 +3,7 @@ obtained. Data only: the checks that find them stay in memtorch.advice."""
 
 import dataclasses
 
-from . import Record, Report, field, render
+from . import Record, Report, render
 
 __all__ = ["Advice", "Suggestion", "MEASURED", "ESTIMATED", "EXACT", "GROUPS", "GROUP_TITLES"]
 
