@@ -496,7 +496,7 @@ def plan(
         eng = Engine(model, given, optimizer=optimizer, loss_fn=loss_fn, device=device, gpu=gpu,
                      keep_output=keep_output, fsdp_units=fsdp_units, units=fsdp)  # fmt: skip
     dev = eng.device
-    options, skipped, beyond, cannot, flat = [], 0, 0, 0, 0
+    options, skipped, beyond, cannot, flat = [], set(), 0, 0, 0
     runs0 = eng.dry_runs
     for prec in precisions:
         for ckpt in checkpointing:
@@ -514,7 +514,7 @@ def plan(
                         accumulation = None
                         if global_batch is not None:
                             if global_batch % (n * mb):
-                                skipped += 1
+                                skipped.add((n, mb))
                                 continue
                             accumulation = global_batch // (n * mb)
                         if n > 1 and s == "zero1-even" and not pad:
@@ -549,7 +549,7 @@ def plan(
     options.sort(key=lambda o: _order_key(o, precs))
     if skipped:
         notes.append(
-            f"{skipped} (world size, micro-batch) pair(s) skipped: world_size * micro_batch does not divide "
+            f"{len(skipped)} (world size, micro-batch) pair(s) skipped: world_size * micro_batch does not divide "
             f"global_batch {global_batch}"
         )
     if beyond:
