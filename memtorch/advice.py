@@ -1161,7 +1161,7 @@ def _micro_batch(model, run, base, inputs, items, notes, budget, reserve, engine
     how_found = "half the batch"
     states = getattr(base["report"], "model_states", None) or {}
     held = sum(states.get(c, 0) for c in ("parameter", "buffer", "gradient", "optimizer_state"))
-    if budget is not None and held + reserve > budget:
+    if budget is not None and cfg["world_size"] == 1 and held + reserve > budget:  # one process holds them all
         notes.append(f"smaller micro-batch: the model states alone (parameters, gradients, optimizer state: "
                      f"{_fmt(held)}) do not fit {_fmt(budget)}, whatever the micro-batch")  # fmt: skip
         return

@@ -457,3 +457,16 @@ def test_sharding_row_is_plans_cheapest_fit_and_estimates_figure():
     assert not adv.by_kind("depth")  # removing layers is not advice unless asked for
     assert all(s.code.get("torch") for s in adv if s.group == "keeps the model")
     assert "torch: " in str(adv)  # the model is plain torch: its one-line changes are torch's
+
+
+def test_model_states_alone_over_budget_skip_the_micro_batch_search_on_one_process_only():
+    torch.manual_seed(0)
+    model = blocks(n=4, d=256)
+    x = torch.randn(64, 256)
+    one = memtorch.estimate(model, x, device="cpu")
+    states = sum(one.model_states[c] for c in ("parameter", "buffer", "gradient", "optimizer_state"))
+    adv = memtorch.advise(model, x, budget=states - 1, reserve=0, device="cpu")
+    assert any("the model states alone" in n for n in adv.notes) and not adv.by_kind("micro_batch")
+    # sharded over 4 ranks, a rank holds a quarter of them: the smaller micro-batch is weighed
+    four = memtorch.advise(model, x, budget=states - 1, reserve=0, device="cpu", world_size=4, sharding="zero3")
+    assert not any("the model states alone" in n for n in four.notes)
