@@ -179,7 +179,6 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
         for key in ("gpu", "fsdp_units"):  # given only when set (an estimate() that lacks them still runs)
             if base.get(key) is None:
                 base.pop(key, None)
-        base.pop("keep_output", None)
         est = estimate(model, *run_inputs.as_tuple(), optimizer=optimizer, loss_fn=loss_fn,
                        keep_output=engine.fixed["keep_output"] if engine is not None else True, **base)  # fmt: skip
         peak, reserved = est.peak, est.reserved_peak
@@ -793,7 +792,7 @@ def _checkpointing(model, run, base, items, notes, budget=None, reserve=0):
     found = _checkpoint_blocks(model, base)
     if found is None or found[0] == 0:
         notes.append("gradient checkpointing: no group of sibling blocks holding activations")
-        return None
+        return
     total, _parent, names = found
     step = run
     blocks = names == _block_names(model)  # estimate(checkpointing="blocks")'s units: plan's dry run
@@ -803,7 +802,7 @@ def _checkpointing(model, run, base, items, notes, budget=None, reserve=0):
         notes.append(
             f"gradient checkpointing of {', '.join(names)}: the model did not run: {type(e).__name__}: {e}"
         )
-        return None
+        return
     saves = base["peak"] - run["peak"]
     label = names[0] + (f" .. {names[-1]}" if len(names) > 1 else "")
     detail = (
@@ -812,12 +811,11 @@ def _checkpointing(model, run, base, items, notes, budget=None, reserve=0):
     )
     if saves <= 0:
         notes.append(f"gradient checkpointing: no saving ({detail})")
-        return None
+        return
     items.append(_changed(
         "checkpointing", f"Activation checkpointing of {label}", base, run,
         "recompute each block's forward in backward (about one more forward of time)", detail,
         "keeps the model", budget, reserve, _code("checkpointing")))  # fmt: skip
-    return "blocks" if blocks else names
 
 
 def _repeated_container(model):
@@ -1076,14 +1074,13 @@ def advise(
             verdict = "fits" if base["judged"] + keep <= budget else "does not fit"
             notes.append(f"budget: the step as it is {verdict} {_fmt(budget)} ({_judged_words(base, keep)})")
         # keeps the model and what it learns, cheapest in step time first
-        ckpt = checkpointing
         if checkpointing is None:
-            ckpt = _checkpointing(model, run, base, items, notes, budget, keep)
+            _checkpointing(model, run, base, items, notes, budget, keep)
         if amp is None and cast is None:
             _autocast(model, run, base, items, notes, budget, keep)
         _micro_batch(model, run, base, inputs, items, notes, budget, keep, engine, est_cfg)
         if budget is not None:
-            _sharding(model, inputs, engine, base, budget, keep, est_cfg, precision, ckpt, items, notes)
+            _sharding(model, inputs, engine, base, budget, keep, est_cfg, precision, items, notes)
         _offload_and_8bit(model, opt_inst, base, budget, items, notes)
     # changes how or what the model learns
     if cast is None:
@@ -1200,7 +1197,7 @@ def _micro_batch(model, run, base, inputs, items, notes, budget, reserve, engine
         _code("micro_batch", mb=mb, k=k)))  # fmt: skip
 
 
-def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, ckpt, items, notes):
+def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, items, notes):
     """plan()'s cheapest configuration that fits the budget, quoted as plan prints it (the same engine: its
     dry runs are advise's own)."""
     if engine is None:
@@ -1230,9 +1227,8 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, ckpt
         f"{best.world_size} process" + ("es" if best.world_size > 1 else "")  # fmt: skip
     parts = [devices] + ([best.sharding] if best.sharding else []) + [best.precision] + (
         [f"checkpointing {best.checkpointing}"] if best.checkpointing else [])  # fmt: skip
-    run = {"peak": best.peak, "judged": best.peak if best.reserved is None and best.peak_upper is None else
-           (best.reserved if best.reserved is not None else best.peak_upper), "basis": ESTIMATED,
-           "reserved": best.reserved}  # fmt: skip
+    # plan's judged figure: the reserved segments on cuda, the peak with gloo's scratch late on the CPU
+    judged = best.reserved if best.reserved is not None else best.peak_upper
     n = best.world_size
     fill = {"torch_sharding": "", "hf_sharding": "", "pl_sharding": ""}
     if best.sharding:
@@ -1251,7 +1247,7 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, ckpt
         "computed fit; cheapest first: fewest devices, then no checkpointing, then the sharding that communicates "
         "least",
         before=base["peak"], after=best.peak, group="keeps the model", fits=True, code=_code("sharding", **fill),
-        judged_after=run["judged"]))  # fmt: skip
+        judged_after=judged))  # fmt: skip
 
 
 def _offload_and_8bit(model, opt_inst, base, budget, items, notes):

@@ -207,7 +207,6 @@ def fit(
         else:
             hi = b if hi is None else min(hi, b)
     line = None
-    sides = []  # whether each guess of the search fitted
     last_gap = None  # hi - lo before the last guess
     pair = (a, b) if b != a else None  # the two values the next line is drawn through
     if b != a:
@@ -228,9 +227,9 @@ def fit(
         guess = _next_guess(done, lo, hi, budget, max_value, pair, bisect=halve)
         if guess is None:
             break
-        sides.append(fits(guess))
+        ok = fits(guess)
         if halve:  # no neighbour: the next line is drawn through the ends of the gap
-            if sides[-1]:
+            if ok:
                 lo = guess
             else:
                 hi = guess
@@ -238,7 +237,7 @@ def fit(
             continue
         # the guess and its neighbour towards the answer: the answer confirmed, or the slope there for the
         # next guess (a tangent drawn where the pattern has settled)
-        if sides[-1]:
+        if ok:
             lo = guess
             nb = guess + 1
             if (hi is None or nb < hi) and (max_value is None or nb <= max_value):
