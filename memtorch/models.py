@@ -28,11 +28,11 @@ import copy
 import os
 import warnings
 
-from .errors import MemtorchError
 from . import _inputs
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
+from .errors import MemtorchError
 
-__all__ = ["load_model", "example_inputs", "lora_config", "TASKS", "hub_cache"]
+__all__ = ["TASKS", "example_inputs", "hub_cache", "load_model", "lora_config"]
 
 # task= names -> the transformers Auto class that builds that head from a config
 TASKS = {
@@ -223,7 +223,10 @@ def _build_from_config(path, task, dtype, trust_remote_code):
         if task not in TASKS:
             raise MemtorchError(f"task={task!r}: one of {', '.join(TASKS)}")
         builder = getattr(transformers, TASKS[task])
-        build = lambda: builder.from_config(config, trust_remote_code=trust_remote_code, **kwargs)  # noqa: E731
+
+        def build():
+            return builder.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+
     else:
         archs = getattr(config, "architectures", None) or []
         if not archs:
@@ -236,13 +239,16 @@ def _build_from_config(path, task, dtype, trust_remote_code):
                 f"{path}: architecture {archs[0]!r} is not in transformers {transformers.__version__}: pass task= "
                 f"(one of {', '.join(TASKS)}), with trust_remote_code=True for a model whose code is on the Hub"
             )
-        build = lambda: cls._from_config(config, **kwargs)  # noqa: E731
+
+        def build():
+            return cls._from_config(config, **kwargs)
+
     try:
         with torch.device("meta"):
             model = build()
     except MemtorchError:
         raise
-    except Exception as e:  # noqa: BLE001 - what transformers said, with the config
+    except Exception as e:
         raise MemtorchError(f"building the model of {path} failed: {type(e).__name__}: {e}") from e
     return model
 
@@ -252,7 +258,7 @@ def _build_timm(timm, name, dtype):
     try:
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
-    except Exception as e:  # noqa: BLE001 - what timm said
+    except Exception as e:
         raise MemtorchError(f"timm.create_model({name!r}) failed: {type(e).__name__}: {e}") from e
     return model if dtype is None else model.to(dtype)
 
