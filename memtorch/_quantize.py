@@ -1,0 +1,281 @@
+"""Quantized base weights (QLoRA): nn.Linear replaced by bitsandbytes' own layers, as transformers'
+BitsAndBytesConfig does, so that estimate() runs bitsandbytes' real modules on its fake tensors.
+
+``apply(model, "nf4" | "fp4" | "int8")`` returns a copy of the model whose Linear layers are
+bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, with their weights already quantized: the packed
+weight and the quantization state bitsandbytes keeps, tensor for tensor (shapes, dtypes, which
+tensors are shared). On the meta device (a model memtorch built from a config) nothing is
+allocated; a model holding real weights is quantized by bitsandbytes itself. peft's LoRA then wraps
+these layers as it wraps a model loaded in 4 or 8 bits (its bitsandbytes LoRA layers).
+
+What bitsandbytes allocates, per quantized Linear of ``n = out * in`` weights (bitsandbytes 0.50:
+bitsandbytes/functional.py quantize_4bit and quantize_blockwise, nn/modules.py Params4bit,
+Int8Params):
+
+- 4-bit: the packed weight, uint8 of shape ((n + 1) // 2, 1); absmax, float32 per block of 64
+  weights (ceil(n / 64)); the 16-value code (float32, one tensor per layer). With double
+  quantization the absmax is uint8 per block, plus a float32 offset (a 0-d tensor), the nested
+  absmax (float32 per 256 blocks) and the 256-value dynamic map (float32: quantize_blockwise
+  stores ``code.to(device, copy=True)``, a copy per layer of the map it caches in
+  functional.name2qmap; that cached one is the process's, not the model's).
+- int8 (LLM.int8): the int8 weight (n bytes) and SCB, the float32 scale per output row.
+
+The quantization state lives outside ``_parameters``, where no walker looks; each built layer also
+registers it as non-persistent buffers (``weight_absmax``, ``weight_quant_map``, and with double
+quantization ``weight_offset``, ``weight_nested_absmax``, ``weight_nested_quant_map``; int8:
+``weight_SCB``), views of the very tensors bitsandbytes holds, so that inspect(), track() and
+estimate() count them. The float32 ones are held as int32 views of their storage (same bytes): a
+cast of the model's floating tensors (``model.half()``, estimate's ``precision="bf16-true"``) leaves
+them float32, as bitsandbytes keeps them. In the dry run the weight is a plain fake tensor, so a
+forward pre-hook gives it a QuantState (4-bit) or the layer's state its CB/SCB (int8) made of the
+fake buffers.
+"""
+
+import re
+import sys
+
+from .errors import MemtorchError
+from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
+
+KINDS = ("nf4", "fp4", "int8")
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (Params4bit's default, as transformers uses it)
+NESTED_BLOCKSIZE = 256  # quantize_4bit(compress_statistics=True): quantize_blockwise(blocksize=256)
+INT8_THRESHOLD = 6.0  # BitsAndBytesConfig(llm_int8_threshold=6.0)
+
+
+def _bnb():
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise MemtorchError(
+            "quantize= runs bitsandbytes' own layers: install it (pip install bitsandbytes)"
+        ) from None
+    return bitsandbytes
+
+
+def _check(quantize, compute_dtype, skip):
+    torch = _load_torch()
+    if quantize not in KINDS:
+        raise MemtorchError(f"quantize must be one of {', '.join(map(repr, KINDS))}; got {quantize!r}")
+    if compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise MemtorchError(
+            f"compute_dtype must be torch.bfloat16, torch.float16 or torch.float32; got {compute_dtype!r}"
+        )
+    if skip is not None and (isinstance(skip, str) or not all(isinstance(s, str) for s in skip)):
+        raise MemtorchError(f"skip must be a list of module names or patterns; got {skip!r}")
+
+
+def _should_convert(name, patterns):
+    """transformers' rule (quantizers/quantizers_utils.py should_convert_module): a pattern skips a
+    module when it matches the name from the start up to a module boundary, as a regular expression
+    with that boundary, or as a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in patterns)
+
+
+def default_skip(model):
+    """The modules transformers keeps unquantized when no ``llm_int8_skip_modules`` is given: for a
+    transformers model, its get_keys_to_not_convert() (tied weights, the output embeddings, the module
+    of the last parameter) and ``_keep_in_fp32_modules``; for any other module, the module of the
+    last parameter (the rule of get_keys_to_not_convert that needs no transformers API)."""
+    named = list(model.named_parameters())
+    last = [named[-1][0].rsplit(".", 1)[0]] if named and "." in named[-1][0] else []
+    if not _is_transformers(model):
+        return last
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    keys = list(get_keys_to_not_convert(model))
+    keys.extend(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return sorted(set(keys))
+
+
+def _is_transformers(model):
+    mod = sys.modules.get("transformers")
+    return mod is not None and isinstance(model, mod.PreTrainedModel)
+
+
+def _convertible(module):
+    """type(module) is nn.Linear, or transformers' Conv1D (GPT-2's), as replace_with_bnb_linear takes."""
+    torch = _load_torch()
+    if type(module) is torch.nn.Linear:
+        return True
+    pt = sys.modules.get("transformers.pytorch_utils")
+    return pt is not None and isinstance(module, pt.Conv1D)
+
+
+def apply(model, quantize, *, double_quant=False, compute_dtype=None, skip=None):
+    """A copy of ``model`` with its Linear layers replaced by bitsandbytes' quantized ones.
+
+    quantize: "nf4" or "fp4" (``bnb.nn.Linear4bit``, blocks of 64, uint8 storage) or "int8"
+    (``bnb.nn.Linear8bitLt``, LLM.int8 with outlier threshold 6.0, no fp16 weights), as
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`` / ``load_in_8bit=True``.
+    double_quant: bnb_4bit_use_double_quant (4-bit only). compute_dtype: bnb_4bit_compute_dtype,
+    torch.bfloat16 by default (the value QLoRA users set; bitsandbytes' own default, None, computes in
+    the input's dtype).
+    skip: module names or patterns left unquantized, with transformers' matching rule; None: the
+    ones transformers skips by default (see default_skip); as with ``llm_int8_skip_modules``, a list
+    replaces those defaults.
+
+    Only ``type(m) is nn.Linear`` (and transformers' Conv1D) is converted. The model given is never
+    changed: the copy is deep (free on the meta device). Its quantized layers are frozen, as
+    transformers leaves them; the other parameters keep their requires_grad.
+    """
+    torch = _load_torch()
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16
+    _check(quantize, compute_dtype, skip)
+    if not isinstance(model, torch.nn.Module):
+        raise MemtorchError(f"apply() quantizes an nn.Module; got {type(model).__name__}")
+    if double_quant and quantize == "int8":
+        raise MemtorchError("double_quant applies to 4-bit quantization (nf4, fp4), not int8")
+    bnb = _bnb()
+    for name, m in model.named_modules():
+        if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            raise MemtorchError(f"the model is quantized already ({name or 'the root'}: {type(m).__name__})")
+        if type(m).__name__ == "PeftModel" or hasattr(m, "peft_config"):
+            raise MemtorchError(
+                "quantize the base model before LoRA is applied (as transformers loads a quantized base "
+                "and peft wraps it): this model is a PeftModel already"
+            )
+    patterns = default_skip(model) if skip is None else list(skip)
+    import copy
+
+    model = copy.deepcopy(model)
+    targets = [
+        (n, m) for n, m in model.named_modules() if n and _convertible(m) and _should_convert(n, patterns)
+    ]
+    for name, m in targets:
+        if quantize == "int8":
+            new = _int8_layer(bnb, m)
+        else:
+            new = _4bit_layer(bnb, m, quantize, double_quant, compute_dtype)
+        new.source_cls = type(m)  # as replace_with_bnb_linear records it
+        model.set_submodule(name, new)
+    # the flags transformers' quantizers set after loading (quantizer_bnb_4bit.py, quantizer_bnb_8bit.py,
+    # base.py): peft reads is_loaded_in_4bit/8bit to wrap these layers with its bitsandbytes LoRA layers
+    setattr(model, "is_loaded_in_8bit" if quantize == "int8" else "is_loaded_in_4bit", True)
+    setattr(model, "is_quantized", True)
+    setattr(model, "quantization_method", "bitsandbytes")
+    return model
+
+
+def _weight_of(m):
+    """(out_features, in_features, weight as [out, in]) of a Linear or a Conv1D ([in, out])."""
+    w = m.weight
+    if type(m).__name__ == "Conv1D":
+        return w.shape[1], w.shape[0], w.detach().t()
+    return w.shape[0], w.shape[1], w.detach()
+
+
+def _f32_view(t):
+    """An int32 view of a float32 tensor's storage: the same bytes, not cast by model.half()."""
+    torch = _load_torch()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _4bit_layer(bnb, m, quant_type, double_quant, compute_dtype):
+    torch = _load_torch()
+    F = bnb.functional
+    out_f, in_f, w = _weight_of(m)
+    bias = m.bias
+    new = bnb.nn.Linear4bit(in_f, out_f, bias=bias is not None, compute_dtype=compute_dtype,
+                            compress_statistics=double_quant, quant_type=quant_type,
+                            quant_storage=torch.uint8, device="meta")  # fmt: skip
+    if w.device.type == "meta":
+        n = out_f * in_f
+        blocks = -(-n // BLOCKSIZE)
+        meta = {"device": "meta"}
+        packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, **meta)
+        code = torch.empty(16, dtype=torch.float32, **meta)  # get_4bit_type(): a new tensor per call
+        if double_quant:
+            state2 = F.QuantState(absmax=torch.empty(-(-blocks // NESTED_BLOCKSIZE), dtype=torch.float32, **meta),
+                                  code=torch.empty(256, dtype=torch.float32, **meta), blocksize=NESTED_BLOCKSIZE,
+                                  dtype=torch.float32)  # fmt: skip
+            qs = F.QuantState(absmax=torch.empty(blocks, dtype=torch.uint8, **meta), shape=torch.Size((out_f, in_f)),
+                              dtype=w.dtype, blocksize=BLOCKSIZE, code=code, quant_type=quant_type,
+                              offset=torch.empty((), dtype=torch.float32, **meta), state2=state2)  # fmt: skip
+        else:
+            qs = F.QuantState(absmax=torch.empty(blocks, dtype=torch.float32, **meta),
+                              shape=torch.Size((out_f, in_f)), dtype=w.dtype, blocksize=BLOCKSIZE, code=code,
+                              quant_type=quant_type)  # fmt: skip
+        new.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, blocksize=BLOCKSIZE,
+                                       compress_statistics=double_quant, quant_type=quant_type,
+                                       quant_storage=torch.uint8, module=new, bnb_quantized=True)  # fmt: skip
+        new.quant_state = qs
+    else:
+        # bitsandbytes quantizes on the weight's device when a not yet quantized Params4bit is moved
+        # there (Params4bit.to -> _quantize)
+        p = bnb.nn.Params4bit(w.contiguous(), requires_grad=False, blocksize=BLOCKSIZE,
+                              compress_statistics=double_quant, quant_type=quant_type,
+                              quant_storage=torch.uint8, module=new)  # fmt: skip
+        new.weight = p.to(w.device)
+        qs = new.weight.quant_state
+    if bias is not None:
+        new.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+    # the AVX512-BF16 CPU path repacks the weight for inference (Linear4bit.forward); the estimate
+    # follows the dequantize-then-matmul path every device runs in training
+    new.support_avx512bf16_for_cpu = False
+    new.requires_grad_(False)
+    states = {"weight_absmax": qs.absmax, "weight_quant_map": qs.code}
+    if qs.nested:
+        states.update(weight_offset=qs.offset, weight_nested_absmax=qs.state2.absmax,
+                      weight_nested_quant_map=qs.state2.code)  # fmt: skip
+    for key, t in states.items():
+        new.register_buffer(key, _f32_view(t), persistent=False)
+    new.register_forward_pre_hook(_bind_4bit)
+    return new
+
+
+def _bind_4bit(module, args):
+    """Give a weight that lost its QuantState (the dry run's fake) one made of the layer's buffers."""
+    torch = _load_torch()
+    w = module._parameters["weight"]
+    if getattr(w, "quant_state", None) is not None:
+        return
+    F = sys.modules["bitsandbytes"].functional
+    b = module._buffers
+    like = module.quant_state
+
+    def f32(key):
+        return b[key].view(torch.float32) if b[key].dtype == torch.int32 else b[key]
+
+    state2 = None
+    if like.nested:
+        state2 = F.QuantState(absmax=f32("weight_nested_absmax"), code=f32("weight_nested_quant_map"),
+                              blocksize=like.state2.blocksize, dtype=like.state2.dtype)  # fmt: skip
+    w.quant_state = F.QuantState(absmax=f32("weight_absmax"), shape=like.shape, code=f32("weight_quant_map"),
+                                 blocksize=like.blocksize, quant_type=like.quant_type, dtype=like.dtype,
+                                 offset=f32("weight_offset") if like.nested else None, state2=state2)  # fmt: skip
+
+
+def _int8_layer(bnb, m):
+    torch = _load_torch()
+    out_f, in_f, w = _weight_of(m)
+    bias = m.bias
+    new = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False,
+                              threshold=INT8_THRESHOLD, device="meta")  # fmt: skip
+    if w.device.type == "meta":
+        cb = torch.empty((out_f, in_f), dtype=torch.int8, device="meta")
+        scb = torch.empty(out_f, dtype=torch.float32, device="meta")
+        new.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+    else:
+        # Int8Params.to(device) from the CPU quantizes (int8_vectorwise_quant of the fp16 weight)
+        p = bnb.nn.Int8Params(w.contiguous(), requires_grad=False, has_fp16_weights=False)
+        new.weight = p.to(w.device) if w.device.type != "cpu" else p._quantize("cpu")
+    if bias is not None:
+        new.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+    new.requires_grad_(False)
+    new.register_buffer("weight_SCB", _f32_view(new.weight.SCB), persistent=False)
+    new.register_forward_pre_hook(_bind_int8)
+    return new
+
+
+def _bind_int8(module, args):
+    """Linear8bitLt reads its int8 weight and row scales from weight.CB/SCB (moved to its state at the
+    first forward, Linear8bitLt.init_8bit_state): for the dry run's fake weight, the fake buffers."""
+    torch = _load_torch()
+    w = module._parameters["weight"]
+    if isinstance(w, sys.modules["bitsandbytes"].nn.Int8Params):
+        return
+    module.state.CB = w
+    module.state.SCB = module._buffers["weight_SCB"].view(torch.float32)
