@@ -45,6 +45,8 @@ _EXPORTS = {
     "display": ("display", None),
     "plot": ("plot", None),
     "estimate": ("estimation", "estimate"),
+    "load_model": ("models", "load_model"),
+    "example_inputs": ("models", "example_inputs"),
     "Estimate": ("estimation", "Estimate"),
     "diagram": ("mermaid", "diagram"),
 }

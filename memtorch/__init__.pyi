@@ -20,6 +20,8 @@ from . import plot as plot
 from .advice import Advice as Advice
 from .advice import advise as advise
 from .distributed import MultiRankReport as MultiRankReport
+from .models import example_inputs as example_inputs
+from .models import load_model as load_model
 from .planning import plan as plan
 from .fitting import Fit as Fit
 from .fitting import fit as fit

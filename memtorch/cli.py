@@ -7,6 +7,7 @@
     memtorch fit      pkg.module:make_lm --input input_ids=4x2048:int64 --gpu h100 [--vary batch|seq|max_new_tokens]
     memtorch diagram  path/to/file.py:make_model [--kind class|er] [--depth 2] [--no-memory]
     memtorch advise   pkg.module:make_model --input 8x3x224x224 --optimizer adam [--budget "2 GiB"]
+    memtorch estimate meta-llama/Llama-3.1-8B --batch 4 --seq 2048 --lora r=16,alpha=32,targets=q_proj,v_proj
 
 estimate, plan, fit and advise take the same step options, spelled as the Python
 functions' arguments and with their defaults: --input (SHAPE[:DTYPE] or
@@ -17,7 +18,11 @@ also --inference and --max-new-tokens.
     memtorch diff     OLD.json NEW.json     # two files written by pytest --memtorch-save
 
 TARGET names a callable that returns a torch.nn.Module, or a (module, example
-input) pair; a module object itself is accepted too. Exit codes: 0 done,
+input) pair; a module object itself is accepted too. A TARGET without a colon is a
+model source (memtorch.load_model): a Hugging Face id found in the local Hub cache,
+a config.json or a directory holding one, or a timm name, built on the meta device
+(no weights read); --batch B --seq L make its inputs (memtorch.example_inputs),
+--lora puts peft LoRA adapters on it, --task picks its head. Exit codes: 0 done,
 1 the work itself failed (the model raised while estimating, a figure grew
 past --fail-on-increase), 2 a usage error (bad option, a TARGET that does not
 import or returns no module, an unreadable file), 3 the subcommand is not
@@ -181,11 +186,24 @@ def _load_target(target):
 
 def build_target(target):
     """(model, example input or None) from TARGET (see the module docstring)."""
+    model, example, _made = _build(target)
+    return model, example
+
+
+def _is_source(target):
+    """A model source for memtorch.load_model (an id, a config path, a timm name): no colon, where
+    package.module:callable and file.py:callable have one."""
+    return ":" not in target
+
+
+def _build(target):
+    """(model, example input or None, whether the model was made for this call: a callable's result,
+    not a module object that the target's module holds)."""
     import torch
 
     obj = _load_target(target)
     if isinstance(obj, torch.nn.Module):
-        return obj, None
+        return obj, None, False
     if not callable(obj):
         raise UsageError(
             f"{target} is a {type(obj).__name__}: expected a callable that returns a torch.nn.Module"
@@ -197,9 +215,9 @@ def build_target(target):
     except BaseException as e:
         raise UsageError(f"calling {target}() raised {type(e).__name__}: {e}") from None
     if isinstance(result, torch.nn.Module):
-        return result, None
+        return result, None, True
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
-        return result
+        return result[0], result[1], True
     got = type(result).__name__
     if isinstance(result, tuple):
         got = "(" + ", ".join(type(x).__name__ for x in result) + ")"
@@ -233,14 +251,58 @@ def _html_page(title, body):
 
 
 def _prepare(args, progress, cast=True):
-    with progress.step(f"building the model from {args.target}"):
-        model, example = build_target(args.target)
+    dtype = None
     if cast and getattr(args, "dtype", None):
-        dt = _torch_dtype(args.dtype, "--dtype")
-        if not dt.is_floating_point:
+        dtype = _torch_dtype(args.dtype, "--dtype")
+        if not dtype.is_floating_point:
             raise UsageError(f"--dtype {args.dtype!r}: the model's parameters take a floating-point dtype")
-        model = model.to(dt)
+    if _is_source(args.target):
+        return _load_source(args, progress, dtype), None
+    for option in ("task", "trust_remote_code"):
+        if getattr(args, option, None):
+            raise UsageError(f"--{option.replace('_', '-')} applies to a model id or config, not to {args.target}")
+    with progress.step(f"building the model from {args.target}"):
+        model, example, made = _build(args.target)
+    if dtype is not None:
+        model = model.to(dtype)
+    if getattr(args, "lora", None):
+        if not made:
+            raise UsageError(
+                f"--lora: {args.target} is a module object, and peft wraps a model in place: name a callable "
+                "that builds the model"
+            )
+        # lazy: each subcommand loads only the engines it runs
+        from . import models
+
+        with progress.step("putting LoRA adapters on the model (peft)"):
+            try:
+                model = models.with_lora(model, args.lora)
+            except MemtorchError as e:
+                raise UsageError(f"--lora: {e}") from None
     return model, example
+
+
+def _load_source(args, progress, dtype):
+    """memtorch.load_model(TARGET) with the command line's model options; evaluation mode for a forward
+    or generation (--inference, --max-new-tokens), training mode otherwise."""
+    # lazy: each subcommand loads only the engines it runs
+    from . import models
+
+    with progress.step(f"building {args.target} on the meta device"):
+        try:
+            model = models.load_model(
+                args.target, task=getattr(args, "task", None), lora=getattr(args, "lora", None),
+                quantize=getattr(args, "quantize", None), double_quant=getattr(args, "double_quant", False),
+                compute_dtype=getattr(args, "compute_dtype", None), dtype=dtype,
+                trust_remote_code=getattr(args, "trust_remote_code", False),
+            )  # fmt: skip
+        except MemtorchError as e:
+            raise UsageError(str(e)) from None
+    if getattr(args, "inference", False) or getattr(args, "max_new_tokens", None) or getattr(args, "vary", None) == (
+        "max_new_tokens"
+    ):
+        model.eval()
+    return model
 
 
 def cmd_inspect(args, out, progress):
@@ -270,13 +332,25 @@ def _call_with_depth(fn, depth):
     return fn()
 
 
-def _inputs(args, example):
+def _inputs(args, example, model=None):
     """The example inputs as the Python functions take them: --input specs as meta tensors (the
     keyword ones, NAME=SHAPE, as one mapping after the positional ones: model(*args, **kwargs)),
-    or the one TARGET returned. memtorch._inputs reads them, as it reads the functions' inputs."""
+    --batch/--seq made for the model (memtorch.example_inputs), or the one TARGET returned.
+    memtorch._inputs reads them, as it reads the functions' inputs."""
     # lazy: each subcommand loads only the engines it runs
     from . import _inputs as spec
 
+    if getattr(args, "batch", None) is not None or getattr(args, "seq", None) is not None:
+        if args.input:
+            raise UsageError("--input and --batch/--seq: give one (--batch and --seq make the model's inputs)")
+        # lazy: each subcommand loads only the engines it runs
+        from . import models
+
+        try:
+            made = models.example_inputs(model, args.batch if args.batch is not None else 1, args.seq)
+        except MemtorchError as e:
+            raise UsageError(f"--batch/--seq: {e}") from None
+        return (made,)
     if not args.input:
         if example is None:
             return ()
@@ -405,10 +479,11 @@ _STEP = ("optimizer", "precision", "device", "gpu", "checkpointing", "world_size
 def cmd_estimate(args, out, progress):
     estimate = _optional_api("estimate")
     model, example = _prepare(args, progress)
-    inputs = _inputs(args, example)
+    inputs = _inputs(args, example, model)
     if not inputs:
         raise UsageError(
-            "estimate needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)"
+            "estimate needs an example input: --input 8x3x224x224, --batch B --seq L (a model id or config), or a "
+            "TARGET that returns (model, input)"
         )
     kwargs = _step_kwargs(estimate, args, "estimate", _STEP + ("inference", "max_new_tokens"))
     if args.max_new_tokens is not None and not args.inference:
@@ -430,9 +505,12 @@ def cmd_plan(args, out, progress):
     plan = _optional_api("plan")
     model, example = _prepare(args, progress)
     # --input shapes as meta tensors: plan() reads their batch size and runs on the meta device
-    inputs = _inputs(args, example)
+    inputs = _inputs(args, example, model)
     if not inputs:
-        raise UsageError("plan needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
+        raise UsageError(
+            "plan needs an example input: --input 8x3x224x224, --batch B --seq L (a model id or config), or a "
+            "TARGET that returns (model, input)"
+        )
     kwargs = {"device_memory": args.device_memory}
     if args.world_sizes is not None:
         kwargs["world_sizes"] = _csv(args.world_sizes, "--world-sizes", int)
@@ -475,9 +553,12 @@ def cmd_plan(args, out, progress):
 def cmd_fit(args, out, progress):
     fit = _optional_api("fit")
     model, example = _prepare(args, progress)
-    inputs = _inputs(args, example)
+    inputs = _inputs(args, example, model)
     if not inputs:
-        raise UsageError("fit needs an example input: --input 8x3x224x224, or a TARGET that returns (model, input)")
+        raise UsageError(
+            "fit needs an example input: --input 8x3x224x224, --batch B --seq L (a model id or config), or a "
+            "TARGET that returns (model, input)"
+        )
     kwargs = _step_kwargs(fit, args, "fit", _STEP + ("inference", "max_new_tokens"))
     if args.device_memory is None and args.gpu is None:
         raise UsageError("fit needs --device-memory (a size such as '24 GiB') or --gpu (a GPU's name)")
@@ -494,7 +575,7 @@ def cmd_fit(args, out, progress):
 def cmd_advise(args, out, progress):
     advise = _optional_api("advise")
     model, example = _prepare(args, progress)
-    inputs = _inputs(args, example)
+    inputs = _inputs(args, example, model)
     kwargs = _step_kwargs(advise, args, "advise", _STEP)
     if args.budget is not None:
         try:
@@ -752,7 +833,8 @@ def make_parser():
         prog="memtorch",
         description="Exact memory accounting for PyTorch models, from the command line.",
         epilog="TARGET: package.module:callable or path/to/file.py:callable returning a torch.nn.Module "
-        "or a (module, example input) pair. Exit codes: 0 done, 1 failed, 2 usage error, "
+        "or a (module, example input) pair, or a model built on the meta device from a Hugging Face id (found in "
+        "the local cache), a config.json or its directory, or a timm name. Exit codes: 0 done, 1 failed, 2 usage error, "
         "3 not available in this install.",
     )
     parser.add_argument("--version", action="version", version=f"memtorch {_version()}")
@@ -762,7 +844,12 @@ def make_parser():
     sub.required = True
 
     def common(p, formats, inputs=False):
-        p.add_argument("target", metavar="TARGET", help="package.module:callable or path/to/file.py:callable")
+        p.add_argument(
+            "target", metavar="TARGET",
+            help="package.module:callable, path/to/file.py:callable, or a model: a Hugging Face id (local cache), "
+            "a config.json or its directory, a timm name",
+        )  # fmt: skip
+        _model_flags(p)
         p.add_argument(
             "--format", choices=formats, default=formats[0], help=f"output format (default {formats[0]})"
         )
@@ -849,8 +936,23 @@ def make_parser():
     return parser
 
 
+def _model_flags(p):
+    """The options of a model TARGET (memtorch.load_model's arguments)."""
+    p.add_argument(
+        "--lora", metavar="SPEC",
+        help="LoRA adapters (peft), e.g. r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05: only they train",
+    )  # fmt: skip
+    p.add_argument("--task", help="the head of a model id or config (default: its architectures): causal-lm, "
+                                  "seq2seq-lm, masked-lm, sequence-classification, image-classification, base, ...")  # fmt: skip
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="a model id or config whose code is on the Hub (transformers' trust_remote_code)")  # fmt: skip
+
+
 def _step_flags(p):
     """The step options estimate, plan and advise share, named as the functions' arguments."""
+    p.add_argument("--batch", type=_positive, metavar="B",
+                   help="sequences (or images) per step: with --seq, the inputs made for the model (default 1)")  # fmt: skip
+    p.add_argument("--seq", type=_positive, metavar="L", help="tokens per sequence, with --batch")
     p.add_argument(
         "--input",
         action="append",

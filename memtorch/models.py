@@ -32,7 +32,7 @@ from . import _inputs
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 from .errors import MemtorchError
 
-__all__ = ["TASKS", "example_inputs", "hub_cache", "load_model", "lora_config"]
+__all__ = ["TASKS", "example_inputs", "hub_cache", "load_model", "lora_config", "with_lora"]
 
 # task= names -> the transformers Auto class that builds that head from a config
 TASKS = {
@@ -303,7 +303,7 @@ def load_model(source, *, task=None, lora=None, quantize=None, double_quant=Fals
     if quantize is not None:
         model = _quantized(model, quantize, double_quant, compute_dtype)
     if peft_config is not None:
-        model = _with_lora(model, peft_config)
+        model = with_lora(model, peft_config)
     return model
 
 
@@ -433,8 +433,11 @@ def _linear_names(model):
     )
 
 
-def _with_lora(model, config):
-    """model wrapped by peft.get_peft_model (in place: only for a model load_model built)."""
+def with_lora(model, lora):
+    """``model`` wrapped by peft's get_peft_model with the adapters ``lora`` asks for (see lora_config).
+    peft changes the model it wraps in place: only for a model made for this (load_model's, the CLI's
+    from a TARGET callable), never for one a caller holds."""
+    config = lora_config(lora)
     peft = _peft()
     config = copy.deepcopy(config)  # get_peft_model writes into its config: the caller's stays as given
     if config.task_type is None:

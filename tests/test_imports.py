@@ -5,7 +5,7 @@
              report.py (ModelMemory), and budget (the verdict a report's check() gives)
     floor 2  the engines that measure and build results: inspection, cpu, cuda, tracking, peak,
              leaks, estimation and its _estimate_* parts, _inputs, _reference, _cuda_trace,
-             planning, advice, distributed, integrations
+             planning, advice, distributed, integrations, models (a model from its name or config)
     floor 3  renderers and front ends: display, plot, mermaid, cli, pytest_plugin, __main__, and the
              package itself (memtorch/__init__.py, whose lazy loader reaches every floor)
 
@@ -52,7 +52,7 @@ FLOORS = {
     2: [
         "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "estimation", "_estimate_run",
         "_estimate_kernels", "_estimate_cuda", "_estimate_ranks", "_inputs", "_reference", "_cuda_trace",
-        "planning", "advice", "fitting", "_engine", "distributed", "integrations",
+        "planning", "advice", "fitting", "_engine", "distributed", "integrations", "models",
     ],
     3: ["display", "plot", "mermaid", "cli", "pytest_plugin", "__main__", ""],
 }  # fmt: skip
