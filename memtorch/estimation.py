@@ -69,6 +69,10 @@ OPTIMIZERS = (
     "sgd-foreach", "sgd-momentum-foreach", "adam-foreach", "adamw-foreach", "amsgrad-foreach",
     "adagrad-foreach", "rmsprop-foreach",
     "sgd-fused", "sgd-momentum-fused", "adam-fused", "adamw-fused", "amsgrad-fused", "adagrad-fused",
+    # bitsandbytes' (memtorch._optimizers: stand-ins with their state rules; bitsandbytes need not be installed)
+    "adamw8bit", "adam8bit", "paged_adamw8bit", "paged_adamw", "lion", "lion8bit", "paged_lion8bit",
+    # transformers' Adafactor as TrainingArguments(optim="adafactor") builds it; torch.optim.Adafactor
+    "adafactor", "adafactor-torch", "adafactor-torch-foreach",
 )  # fmt: skip
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "mixed-zero", "fp16-zero")
 SHARDINGS = (None, "ddp", "zero1", "zero1-even", "zero2", "zero3")
@@ -101,24 +105,44 @@ def default_loss(output, *inputs, **kw_inputs):
     return loss(output, *inputs, **kw_inputs)
 
 
-def _make_optimizer(optimizer, params, device):
+def _make_optimizer(optimizer, params, device, allow_item=None):
+    """The optimizer estimate() steps over ``params`` (fake tensors in a dry run) for the target ``device``:
+    a name of OPTIMIZERS, a copy of an optimizer's class and settings, or what a factory returns.
+    bitsandbytes' optimizers (an instance, or what a factory returns) become their stand-ins
+    (memtorch._optimizers) with the same settings: their own step cannot run on fake tensors.
+    allow_item: the dry run's switch that lets .item() answer (a bitsandbytes constructor called by a
+    factory reads the quantization map it builds)."""
     torch = _torch()
     if isinstance(optimizer, torch.optim.Optimizer):
-        import inspect
-
+        if _is_bnb(optimizer):
+            return _stand_in(optimizer, params, device)
         # defaults may hold keys the constructor does not take (AdamW: decoupled_weight_decay)
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
         return cls(params, **{k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted})
     if callable(optimizer) and not isinstance(optimizer, str):
-        opt = optimizer(params)
+        if allow_item is not None:
+            allow_item[0] = True
+        try:
+            opt = optimizer(params)
+        finally:
+            if allow_item is not None:
+                allow_item[0] = False
         if not isinstance(opt, torch.optim.Optimizer):
             raise MemtorchError(
                 f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer"
             )
+        if _is_bnb(opt):
+            # its state is not made yet; what its constructor allocated goes with it
+            return _stand_in(opt, params, device)
         return opt
     name = optimizer.lower()
+    if name in _BNB_NAMES:
+        # lazy: the stand-ins subclass torch.optim.Optimizer (importing estimation stays torch-free)
+        from . import _optimizers
+
+        return _optimizers.by_name(name, params, device)
     variant = {}
     base = name
     for suffix, kw in (("-foreach", {"foreach": True}), ("-fused", {"fused": True})):
@@ -142,7 +166,45 @@ def _make_optimizer(optimizer, params, device):
         return o.Adagrad(params, lr=1e-2, **variant)
     if base == "rmsprop":
         return o.RMSprop(params, lr=1e-2, **variant)
+    if base == "adafactor-torch":
+        return o.Adafactor(params, lr=1e-2, **variant)
+    if base == "adafactor":
+        return _hf_adafactor(params)
     raise AssertionError(base)  # names are checked before
+
+
+# the names memtorch._optimizers builds (kept here so that checking a name loads nothing)
+_BNB_NAMES = ("adamw8bit", "adam8bit", "paged_adamw8bit", "paged_adamw", "lion", "lion8bit", "paged_lion8bit")
+
+
+def _is_bnb(optimizer):
+    """Whether ``optimizer`` is one of bitsandbytes' (by its class's module: bitsandbytes is never imported)."""
+    return type(optimizer).__module__.split(".")[0] == "bitsandbytes" and hasattr(optimizer, "optimizer_name")
+
+
+def _stand_in(optimizer, params, device):
+    # lazy: the stand-ins subclass torch.optim.Optimizer (importing estimation stays torch-free)
+    from . import _optimizers
+
+    try:
+        return _optimizers.from_bnb(optimizer, params, device)
+    except ValueError as e:
+        raise MemtorchError(str(e)) from None
+
+
+def _hf_adafactor(params):
+    """transformers' Adafactor as ``TrainingArguments(optim="adafactor")`` builds it
+    (transformers/trainer_optimizer.py, _get_adafactor: scale_parameter=False, relative_step=False, the
+    learning rate given: TrainingArguments' default 5e-5)."""
+    try:
+        from transformers.optimization import Adafactor
+    except ImportError:
+        raise MemtorchError(
+            "optimizer 'adafactor' is transformers' Adafactor (as TrainingArguments(optim='adafactor') builds "
+            "it), and transformers is not installed: pip install transformers, or use 'adafactor-torch' "
+            "(torch.optim.Adafactor)"
+        ) from None
+    return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
 def _check_args(optimizer, precision, device, world_size, sharding, checkpointing, loss_fn):
@@ -659,7 +721,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         # its constructor too: Adagrad makes its state there
         on_host = functools.partial(host_factories, ledger) if cuda_state is not None else contextlib.nullcontext
         with on_host():
-            opt = _make_optimizer(optimizer, opt_params, device)
+            opt = _make_optimizer(optimizer, opt_params, device, allow_item)
         if device == "cuda":
             stack.enter_context(_capturable_on_fakes(opt))
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
@@ -752,6 +814,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                         if id(p_) in index:
                             ledger.owner[ledger.key_of(v)] = index[id(p_)]
                             ledger.elements[ledger.key_of(v)] = v.numel()
+        facts["paged"] = [(t.untyped_storage().nbytes(), t.numel()) for t in getattr(opt, "paged", ())]
         index = {id(t): i for i, t in enumerate(opt_params)}
         facts["param_groups"] = [[index[id(p_)] for p_ in g["params"] if id(p_) in index] for g in opt.param_groups]
         facts["param_shapes"] = [tuple(t.shape) for t in trainable]
@@ -850,8 +913,23 @@ def estimate(
     model.generate(*inputs, max_new_tokens=...) (the prompt's KV cache grown
     by that many tokens, no sequence stopping early). optimizer: a
     name (memtorch.estimation.OPTIMIZERS: sgd, sgd-momentum, adam, adamw,
-    amsgrad, adagrad, rmsprop, and -foreach/-fused variants), an optimizer to
-    copy the class and settings of, or a callable taking the parameters.
+    amsgrad, adagrad, rmsprop, and -foreach/-fused variants; bitsandbytes'
+    adamw8bit, adam8bit, paged_adamw8bit, paged_adamw, lion (its 32-bit
+    Lion), lion8bit, paged_lion8bit; adafactor: transformers' Adafactor as
+    TrainingArguments(optim="adafactor") builds it; adafactor-torch:
+    torch.optim.Adafactor), an optimizer to copy the class and settings of,
+    or a callable taking the parameters. bitsandbytes' optimizers, by name,
+    instance or factory, run as stand-ins (memtorch._optimizers) with their
+    settings (min_8bit_size, optim_bits, is_paged): the same state tensors
+    (8-bit state1/state2 with a float32 absmax per 256 elements and the
+    shared 256-entry qmap1/qmap2 from min_8bit_size (4096) elements up,
+    float32 state below) and, on the CPU, the temporaries of bitsandbytes'
+    CPU step; on cuda the step is one fused kernel. A paged optimizer's
+    state (parameters of 1e5 elements or more) is CUDA managed memory:
+    counted in the peak as device memory, named in a note, though
+    torch.cuda's counters do not show it and the driver may page it out.
+    transformers' Trainer with optim="adamw_bnb_8bit" also keeps
+    nn.Embedding weights' state in 32 bits: not the name adamw8bit.
     loss_fn(output, *inputs) -> loss (inputs as given, the mapping included);
     default: the output's .loss when it has one (a Hugging Face model given
     labels), else the sum of the output's floating-point tensors. precision:
@@ -970,6 +1048,15 @@ def estimate(
     if defaulted:
         notes.insert(0, f"device={DEFAULT_DEVICE!r} by default (the question is a GPU's; as plan(), advise() and "
                         "the CLI): device='cpu' models PyTorch's CPU allocator, what track() measures on the CPU")
+    if facts.get("paged"):
+        paged = sum(b for b, _ in facts["paged"])
+        notes.append(
+            f"{len(facts['paged'])} state tensor(s) of the paged optimizer, {units.format(paged)} in all (bitsandbytes "
+            "puts the state of parameters of at least 100000 elements there), are CUDA managed memory: counted in "
+            "the peak and the optimizer state as device memory (resident while the step runs; modelled here as "
+            "caching-allocator blocks), though torch.cuda.memory_allocated() and memory_reserved() do not show "
+            "them, and under memory pressure the driver pages them out to host memory instead of failing"
+        )
     est = _report(
         ledger, hooks, facts, device, precision, world_size, sharding, notes, time.perf_counter() - t0, checkpointing
     )

@@ -52,7 +52,7 @@ FLOORS = {
     2: [
         "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "estimation", "_estimate_run",
         "_estimate_kernels", "_estimate_cuda", "_estimate_ranks", "_inputs", "_reference", "_cuda_trace",
-        "planning", "advice", "fitting", "_engine", "distributed", "integrations", "models",
+        "planning", "advice", "fitting", "_engine", "distributed", "integrations", "_optimizers", "models",
     ],
     3: ["display", "plot", "mermaid", "cli", "pytest_plugin", "__main__", ""],
 }  # fmt: skip

@@ -1,0 +1,273 @@
+"""Optimizers by name (memtorch._optimizers, estimation._make_optimizer): each state and each step's peak
+against the real optimizer on the CPU, or against a hand count from the optimizer's source.
+
+Truth: the real optimizer (bitsandbytes' own class, transformers' Adafactor, torch's) steps a small model
+whose parameters lie both above and below bitsandbytes' min_8bit_size (4096 elements); the bytes of the
+unique storages its ``state`` holds after the step equal what estimate(device="cpu") reports as optimizer
+state, and memtorch.track()'s peak of two real steps (forward, backward, step) equals the estimate's peak.
+A process's first tracked training step allocates 128 B more once (it happens with any optimizer, before
+the first step's optimizer phase): the measurements below come after one warm-up step.
+"""
+
+import functools
+import gc
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memtorch
+from memtorch import cpu
+from memtorch.errors import MemtorchError
+from memtorch.estimation import OPTIMIZERS, _make_optimizer
+
+BNB_CLASS = {
+    "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit", "paged_adamw8bit": "PagedAdamW8bit",
+    "paged_adamw": "PagedAdamW", "lion": "Lion", "lion8bit": "Lion8bit", "paged_lion8bit": "PagedLion8bit",
+}  # fmt: skip
+
+
+def make_model(dtype=torch.float32):
+    # weights of 8192 elements (8-bit state) and 2048 elements (32-bit state), biases of 128 and 16
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 16)).to(dtype)
+
+
+def make_input(dtype=torch.float32):
+    return torch.randn(8, 64, dtype=dtype)
+
+
+def bnb():
+    pytest.importorskip("bitsandbytes")  # prints a line about its CPU kernels on import
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def state_bytes(opt):
+    """The bytes of the unique storages the optimizer's state holds (a storage shared by several
+    parameters, as bitsandbytes' quantization maps are, counted once)."""
+    seen = {}
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                s = v.untyped_storage()
+                seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+_warm = []
+
+
+def warm_up():
+    """One tracked training step in this process (the first one allocates 128 B more, once)."""
+    if _warm:
+        return
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memtorch.track(model, optimizer=opt):
+        model(make_input()).sum().backward()
+        opt.step()
+    _warm.append(True)
+
+
+def measured(make_opt, dtype=torch.float32, steps=2):
+    """(track()'s peak of ``steps`` real steps counted from before the model is built, the optimizer, the
+    model, the input), as estimate() runs them (the output alive until the step ends)."""
+    warm_up()
+    cpu.start()
+    gc.collect()
+    base = cpu.allocated()
+    model, x = make_model(dtype), make_input(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bitsandbytes: paged optimizers fall back on the CPU
+        opt = make_opt(list(model.parameters()))
+        with memtorch.track(model, optimizer=opt) as t:
+            for _ in range(steps):
+                out = model(x)
+                loss = out.sum()
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out = None
+    assert t.report.exact
+    return t.report.peak - base, opt, model, x
+
+
+# ---------------------------------------------------------------- bitsandbytes, against the real optimizer
+
+
+@pytest.mark.parametrize("name", sorted(BNB_CLASS))
+def test_bnb_state_and_peak_match_the_real_optimizer(name):
+    cls = getattr(bnb().optim, BNB_CLASS[name])
+    peak, opt, model, x = measured(cls)
+    est = memtorch.estimate(model, x, optimizer=name, device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == peak
+
+
+def test_bnb_8bit_state_in_bf16_matches_the_real_optimizer():
+    # bf16 parameters: bitsandbytes' CPU step works on float32 copies of the gradient and the parameter
+    b = bnb()
+    peak, opt, model, x = measured(b.optim.AdamW8bit, dtype=torch.bfloat16)
+    est = memtorch.estimate(model, x, optimizer="adamw8bit", device="cpu", precision="bf16-true")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == peak
+
+
+def test_bnb_qmaps_are_one_storage_for_all_parameters():
+    # the premise of counting a quantization map once: every 8-bit parameter's state holds the same tensor
+    b = bnb()
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    opt = b.optim.AdamW8bit(model.parameters())
+    model(make_input()).sum().backward()
+    opt.step()
+    big = [st for st in opt.state.values() if st["state1"].dtype == torch.uint8]
+    assert len(big) == 2
+    assert big[0]["qmap1"] is big[1]["qmap1"] and big[0]["qmap2"] is big[1]["qmap2"]
+    assert big[0]["qmap1"].untyped_storage().nbytes() == 256 * 4
+
+
+# ---------------------------------------------------------------- by hand, from bitsandbytes' source
+
+
+def test_adamw8bit_state_by_hand():
+    # Optimizer2State.init_state: n >= 4096 -> uint8 state1, state2 (n bytes each), float32 absmax1, absmax2
+    # (ceil(n / 256) each), and the two shared 256-entry float32 maps; n < 4096 -> float32 state1, state2
+    est = memtorch.estimate(make_model(), make_input(), optimizer="adamw8bit", device="cpu")
+    big = 2 * 8192 + 2 * 4 * 32
+    small = 8 * (128 + 2048 + 16)
+    assert est.model_states["optimizer_state"] == big + small + 2 * 256 * 4
+
+
+def test_lion8bit_state_by_hand():
+    # Optimizer1State.init_state: one state, one absmax, one map ('dynamic')
+    est = memtorch.estimate(make_model(), make_input(), optimizer="lion8bit", device="cpu")
+    assert est.model_states["optimizer_state"] == 8192 + 4 * 32 + 4 * (128 + 2048 + 16) + 256 * 4
+
+
+def test_absmax_rounds_up_to_a_block():
+    # 4097 elements: 17 blocks of 256 (the last one partial)
+    model = nn.Linear(4097, 1, bias=False)
+    est = memtorch.estimate(model, (2, 4097), optimizer="adamw8bit", device="cpu")
+    assert est.model_states["optimizer_state"] == 2 * 4097 + 2 * 4 * 17 + 2 * 256 * 4
+
+
+def test_cuda_state_by_hand():
+    # on a GPU the maps are copied to the device once (the host maps are dropped) and each tensor is a
+    # caching-allocator block (512 B granularity); the step is one fused kernel
+    def block(n):
+        return -(-n // 512) * 512
+
+    est = memtorch.estimate(make_model(), make_input(), optimizer="adamw8bit", device="cuda", gpu="h100")
+    want = 2 * block(8192) + 2 * block(4 * 32) + 2 * block(1024)
+    want += sum(2 * block(4 * n) for n in (128, 2048, 16))
+    assert est.model_states["optimizer_state"] == want
+
+
+def test_paged_state_on_cuda_is_noted():
+    # Optimizer8bit.get_state_buffer: paged (CUDA managed memory) for parameters of >= 1e5 elements
+    model = nn.Sequential(nn.Linear(512, 256), nn.Linear(256, 8))  # 131072 and 2048 elements
+    est = memtorch.estimate(model, (4, 512), optimizer="paged_adamw8bit", device="cuda", gpu="h100")
+    note = [n for n in est.notes if "managed memory" in n]
+    assert len(note) == 1 and "2 state tensor(s)" in note[0] and "256.0 KiB in all" in note[0]
+    plain = memtorch.estimate(model, (4, 512), optimizer="adamw8bit", device="cuda", gpu="h100")
+    assert est.model_states["optimizer_state"] == plain.model_states["optimizer_state"]
+    assert not [n for n in plain.notes if "managed memory" in n]
+    on_cpu = memtorch.estimate(model, (4, 512), optimizer="paged_adamw8bit", device="cpu")
+    assert not [n for n in on_cpu.notes if "managed memory" in n]
+
+
+# ---------------------------------------------------------------- a user's bitsandbytes optimizer
+
+
+def test_a_bnb_instance_is_estimated_with_its_settings():
+    b = bnb()
+    # min_8bit_size above every parameter: all state in 32 bits
+    peak, opt, model, x = measured(lambda p: b.optim.AdamW8bit(p, min_8bit_size=10**6))
+    est = memtorch.estimate(model, x, optimizer=b.optim.AdamW8bit(model.parameters(), min_8bit_size=10**6),
+                            device="cpu")  # fmt: skip
+    assert (
+        est.model_states["optimizer_state"]
+        == state_bytes(opt)
+        == 8 * sum(p.numel() for p in model.parameters())
+    )
+    assert est.peak == peak
+
+
+@pytest.mark.parametrize("how", ["class", "partial", "lambda"])
+def test_a_bnb_factory_is_estimated(how):
+    b = bnb()
+    peak, opt, model, x = measured(functools.partial(b.optim.Lion8bit, min_8bit_size=2048))
+    factory = {
+        "class": None,
+        "partial": functools.partial(b.optim.Lion8bit, min_8bit_size=2048),
+        "lambda": lambda p: b.optim.Lion8bit(p, min_8bit_size=2048),
+    }[how]
+    if factory is None:
+        peak, opt, model, x = measured(b.optim.Lion8bit)
+        factory = b.optim.Lion8bit
+    est = memtorch.estimate(model, x, optimizer=factory, device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == peak
+
+
+def test_a_bnb_optimizer_without_a_stand_in_is_a_clear_error():
+    b = bnb()
+    model = make_model()
+    with pytest.raises(MemtorchError, match="AdEMAMix8bit.*no stand-in"):
+        memtorch.estimate(
+            model, make_input(), optimizer=b.optim.AdEMAMix8bit(model.parameters()), device="cpu"
+        )
+
+
+def test_bitsandbytes_is_not_imported_by_the_names():
+    code = (
+        "import sys, torch, memtorch\n"
+        "m = torch.nn.Linear(128, 64)\n"
+        "for name in ('adamw8bit', 'paged_adamw8bit', 'lion8bit', 'lion'):\n"
+        "    memtorch.estimate(m, (2, 128), optimizer=name, device='cpu')\n"
+        "print('bitsandbytes' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- Adafactor and the torch names
+
+
+def test_adafactor_is_transformers_as_the_trainer_builds_it():
+    transformers = pytest.importorskip("transformers")
+    from transformers.optimization import Adafactor
+
+    def trainer(params):
+        # transformers' trainer_optimizer._get_adafactor: scale_parameter=False, relative_step=False, the lr
+        return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False, warmup_init=False)
+
+    peak, opt, model, x = measured(trainer)
+    est = memtorch.estimate(model, x, optimizer="adafactor", device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == peak
+    # factored second moment: a row and a column per matrix, the full vector for a bias; an RMS scalar each
+    assert state_bytes(opt) == 4 * ((128 + 64) + (16 + 128) + 128 + 16) + 4 * 4
+    assert transformers is not None
+
+
+@pytest.mark.parametrize("name", ["adafactor-torch", "adafactor-torch-foreach"])
+def test_torch_adafactor_matches_the_real_step(name):
+    peak, opt, model, x = measured(lambda p: _make_optimizer(name, p, "cpu"))
+    assert type(opt) is torch.optim.Adafactor
+    est = memtorch.estimate(model, x, optimizer=name, device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == peak
+
+
+def test_names_are_listed_and_checked():
+    for name in ("adamw8bit", "paged_adamw8bit", "adafactor", "lion", "sgd", "adamw", "adamw-fused"):
+        assert name in OPTIMIZERS
+    with pytest.raises(MemtorchError, match="unknown optimizer 'adamw9bit'.*adamw8bit"):
+        memtorch.estimate(make_model(), make_input(), optimizer="adamw9bit", device="cpu")
