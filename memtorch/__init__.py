@@ -31,6 +31,8 @@ _EXPORTS = {
     "plan": ("planning", "plan"),
     "fit": ("fitting", "fit"),
     "Fit": ("fitting", "Fit"),
+    "capacity": ("capacity", "capacity"),
+    "Capacity": ("capacity", "Capacity"),
     "units": ("units", None),
     "cpu": ("cpu", None),
     "cuda": ("cuda", None),

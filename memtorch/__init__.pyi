@@ -25,6 +25,8 @@ from .models import load_model as load_model
 from .planning import plan as plan
 from .fitting import Fit as Fit
 from .fitting import fit as fit
+from .capacity import Capacity as Capacity
+from .capacity import capacity as capacity
 from .errors import BudgetExceeded as BudgetExceeded
 from .errors import BudgetInconclusive as BudgetInconclusive
 from .errors import DeviceUnavailable as DeviceUnavailable

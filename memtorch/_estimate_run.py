@@ -20,7 +20,7 @@ torch.func.functional_call, which restores the module's own tensors on exit.
 import contextlib
 import weakref
 
-from ._estimate_kernels import Around, probe_extra, scalar_extra  # Around: the kernel tables' entry
+from ._estimate_kernels import Around, Composite, probe_extra, scalar_extra  # Around, Composite: the kernel tables' entries
 from .errors import MemtorchError
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
@@ -185,10 +185,15 @@ def _accounting_mode(ledger, kernels, allow_item):
     torch = _torch()
     local_scalar = torch.ops.aten._local_scalar_dense.default
     is_nonzero = torch.ops.aten.is_nonzero.default
+    # Tensor.item() reaches this mode whole where autograd is off (inference_mode): answered as the
+    # _local_scalar_dense it decomposes into, not passed below, where the fake mode refuses it
+    item = torch.ops.aten.item.default
 
     class Accounting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func is item:
+                func = local_scalar
             if allow_item[0] == "generate" and func in (local_scalar, is_nonzero):
                 # generate()'s questions on tensor values: answered for the longest run (estimation._generate)
                 if func is is_nonzero or args[0].dtype == torch.bool:
@@ -211,6 +216,10 @@ def _accounting_mode(ledger, kernels, allow_item):
                     out = func.decompose(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
+            if isinstance(fix, Composite):
+                # a kernel that runs as Python-level operators: each is counted here as it runs
+                with self:
+                    return fix(*args, **kwargs)
             if isinstance(fix, Around):
                 # a kernel modelled whole (the target device's own, no fake kernel): it counts its
                 # scratch in order and returns fake outputs, counted below

@@ -415,7 +415,7 @@ def _run_report(api, name, step, args, out, progress, *call_args, **kwargs):
         except (TypeError, ValueError, MemtorchError) as e:
             raise UsageError(f"{name}: {e}") from None
     notes = getattr(report, "notes", None)
-    if name in ("plan", "advise", "fit") and "device" not in kwargs and isinstance(notes, list):
+    if name in ("plan", "advise", "fit", "capacity") and "device" not in kwargs and isinstance(notes, list):
         if not any("by default" in str(n) and "cuda" in str(n) for n in notes):
             notes.insert(0, "device 'cuda' by default (as estimate, plan and advise; the question is a GPU's): "
                             "--device cpu models the CPU")  # fmt: skip
@@ -570,6 +570,20 @@ def cmd_fit(args, out, progress):
         kwargs["training"] = False  # generation is inference
     return _run_report(fit, "fit", f"finding the largest {args.vary} that fits", args, out, progress, model,
                        *inputs, **kwargs)  # fmt: skip
+
+
+def cmd_capacity(args, out, progress):
+    capacity = _optional_api("capacity")
+    model, _example = _prepare(args, progress)
+    if args.device_memory is None and args.gpu is None:
+        raise UsageError("capacity needs --device-memory (a size such as '24 GiB') or --gpu (a GPU's name)")
+    kwargs = {}
+    for option in ("device_memory", "gpu", "reserve", "precision", "device", "max_sequences"):
+        value = getattr(args, option)
+        if value is not None:
+            kwargs[option] = value
+    return _run_report(capacity, "capacity", "finding how many sequences generate at once", args, out, progress,
+                       model, args.prompt_len, args.max_new_tokens, **kwargs)  # fmt: skip
 
 
 def cmd_advise(args, out, progress):
@@ -839,7 +853,7 @@ def make_parser():
     )
     parser.add_argument("--version", action="version", version=f"memtorch {_version()}")
     sub = parser.add_subparsers(
-        dest="command", metavar="{inspect,estimate,plan,fit,diagram,advise,diff}", parser_class=_Parser
+        dest="command", metavar="{inspect,estimate,plan,fit,capacity,diagram,advise,diff}", parser_class=_Parser
     )
     sub.required = True
 
@@ -901,6 +915,19 @@ def make_parser():
     p.add_argument("--max-new-tokens", type=_positive, metavar="N",
                    help="with --vary max_new_tokens: the value the search starts from (default 16)")
     p.set_defaults(func=cmd_fit)
+
+    p = sub.add_parser("capacity", help="how many sequences a model generates at once in one device's memory")
+    common(p, ["text", "json", "html"])
+    p.add_argument("--prompt-len", type=_positive, required=True, metavar="L", help="tokens of each prompt")
+    p.add_argument("--max-new-tokens", type=_positive, required=True, metavar="N",
+                   help="tokens each sequence generates (none stops early)")  # fmt: skip
+    p.add_argument("--device-memory", help="memory of one device, e.g. '24 GiB' (or --gpu NAME: its nominal memory)")
+    p.add_argument("--gpu", help="a GPU's name (h100, a100-80gb, l4, ...): its memory, and its kernels modelled")
+    p.add_argument("--reserve", help="memory kept free per device (default 1 GiB, as plan and fit)")
+    p.add_argument("--precision", help="fp32 (default), bf16-true (weights and cache in bf16), fp16-true, bf16-mixed")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="the allocator modelled (default cuda)")
+    p.add_argument("--max-sequences", type=_positive, metavar="B", help="the largest batch tried (default: no cap)")
+    p.set_defaults(func=cmd_capacity)
 
     p = sub.add_parser("diagram", help="Mermaid class or ER diagram with each module's memory")
     common(p, ["mermaid", "json", "html"])

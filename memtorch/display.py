@@ -1192,6 +1192,64 @@ def fit_html(f):
             + "".join(f"<p>{_e(n)}</p>" for n in notes) + "</div>")  # fmt: skip
 
 
+def _capacity_parts(c):
+    """(title, table rows, notes) of a Capacity: the answer, the generate call either side, its parts."""
+    fmt = _fmt
+    per = "GPU" if c.device == "cuda" else "device"
+    where = f"{fmt(c.device_memory)} per {per}" + (f" ({fmt(c.reserve)} kept free)" if c.reserve else "")
+    seq = f"{c.prompt_len:,} + {c.max_new_tokens:,} tokens"
+    if c.sequences >= 1:
+        title = (f"memtorch.capacity (estimated): {c.sequences:,} sequence(s) of {seq} generated at once fit "
+                 f"in {where}; {c.model_type}, {c.precision}")  # fmt: skip
+    else:
+        title = f"memtorch.capacity (estimated): not one sequence of {seq} fits in {where}; {c.model_type}"
+    budget = c.device_memory - c.reserve
+    rows = []
+
+    def call(n, figs):
+        left = budget - figs["judged"]
+        verdict = f"fits, {fmt(left)} to spare" if left >= 0 else f"does not fit, over by {fmt(-left)}"
+        reserved = "" if figs["reserved"] is None else f"; reserved {fmt(figs['reserved'])}"
+        return [f"generate, {n:,} sequence(s)", fmt(figs["peak"]), f"peak{reserved} ({verdict})"]
+
+    if c.figures is not None:
+        rows.append(call(c.sequences, c.figures))
+    if c.next_figures is not None:
+        rows.append(call(c.next_sequences, c.next_figures))
+    if c.weights is not None:
+        rows.append(["weights", fmt(c.weights), "parameters and buffers"])
+    if c.kv_per_token is not None:
+        rows.append(["KV cache per token", fmt(c.kv_per_token), "one sequence; keys and values, from the config"])
+        if c.kv_cache is not None and c.sequences >= 1:
+            rows.append([f"KV cache, {c.sequences:,} sequence(s)", fmt(c.kv_cache),
+                         f"{c.sequences:,} x {c.prompt_len + c.max_new_tokens:,} tokens, when the last is made"])
+    if c.prefill is not None:
+        reserved = "" if c.prefill["reserved"] is None else f"; reserved {fmt(c.prefill['reserved'])}"
+        rows.append([f"prefill, {c.sequences:,} sequence(s)", fmt(c.prefill["peak"]),
+                     f"peak of the same call making 1 token{reserved}"])  # fmt: skip
+    tried = ", ".join(f"{v:,}" for v, _ in c.tried)
+    notes = [f"{len(c.tried)} dry run(s) at batch {tried}; {c.seconds:.1f} s"] + list(c.notes)
+    return title, rows, notes
+
+
+def capacity_text(c):
+    """The answer, the generate call at it and above it, the weights, the KV cache and the prefill."""
+    title, rows, notes = _capacity_parts(c)
+    out = [title, ""]
+    if rows:
+        out += _text_table(["figure", "bytes", "detail"], rows, {1}) + [""]
+    return "\n".join(out + ["note: " + n for n in notes])
+
+
+def capacity_html(c):
+    """The same content as capacity_text, as HTML."""
+    title, rows, notes = _capacity_parts(c)
+    body = "".join("<tr>" + "".join(f"<td>{_e(x)}</td>" for x in r) + "</tr>" for r in rows)
+    return (f'<div class="memtorch memtorch-capacity"><p><b>{_e(title)}</b></p>'
+            f"<table><tr><th>figure</th><th>bytes</th><th>detail</th></tr>{body}</table>"
+            + "".join(f"<p>{_e(n)}</p>" for n in notes) + "</div>")  # fmt: skip
+
+
 # What each result type's to_text(), to_html() (and AtPeak's lines) call: memtorch.reports.render
 # looks them up here by class name (the result types sit a floor below this module).
 for _what, _name, _fn in [
@@ -1203,6 +1261,7 @@ for _what, _name, _fn in [
     ("lines", "AtPeak", at_peak_lines), ("kind_lines", "AtPeak", at_peak_kind_lines), ("html", "AtPeak", at_peak_html),
     ("text", "Plan", plan_text), ("html", "Plan", plan_html),
     ("text", "Fit", fit_text), ("html", "Fit", fit_html),
+    ("text", "Capacity", capacity_text), ("html", "Capacity", capacity_html),
     ("text", "Advice", advice_text), ("html", "Advice", advice_html),
     ("text", "MultiRankReport", multi_rank_text), ("html", "MultiRankReport", multi_rank_html),
 ]:  # fmt: skip

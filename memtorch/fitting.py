@@ -63,7 +63,9 @@ def fit(
     the search starts from. vary: "batch" (dimension 0 of every input), "seq" (dimension 1 of every
     input whose dimension 1 is the sequence length: input_ids, labels, an attention mask), or
     "max_new_tokens" (generation: model.generate() of that many tokens after the inputs' prompt;
-    training=False; the search starts from max_new_tokens, default 16). device_memory: one device's
+    training=False; the search starts from max_new_tokens, default 16). With vary "batch" or "seq",
+    training=False and max_new_tokens=N: the step is model.generate() of N new tokens (the largest
+    number of sequences generated at once: memtorch.capacity()). device_memory: one device's
     memory (a size: "80 GiB", "24 GB", bytes); or gpu: a GPU's name ("h100", "a100-80gb", "l4":
     memtorch._estimate_cuda.GPU_MEMORY) whose nominal memory is taken and whose kernels are modelled
     (as estimate(gpu=...)). reserve: bytes kept free of the device for what no estimate sees (the CUDA
@@ -106,10 +108,10 @@ def fit(
         start = 16 if max_new_tokens is None else max_new_tokens
         if isinstance(start, bool) or not isinstance(start, int) or start < 1:
             raise MemtorchError(f"fit(max_new_tokens=...) must be a positive int, got {start!r}")
-    elif max_new_tokens is not None:
+    elif max_new_tokens is not None and training:
         raise MemtorchError(
-            "fit(max_new_tokens=...) is the start of vary='max_new_tokens'; with vary="
-            f"{vary!r} estimate generation by estimate(training=False, max_new_tokens=...)"
+            "fit(max_new_tokens=...) estimates generation: pass training=False with it (or vary="
+            "'max_new_tokens', where it is the value the search starts from)"
         )
     elif vary == "batch":
         start = given.batch_size()
@@ -152,6 +154,8 @@ def fit(
         "sharding": sharding,
         "training": training,
     }
+    if max_new_tokens is not None and vary != "max_new_tokens":
+        config["max_new_tokens"] = max_new_tokens
     if gpu is not None:
         config["gpu"] = gpu
 
@@ -180,7 +184,7 @@ def fit(
                     world_size=world_size,
                     sharding=sharding,
                     training=training,
-                    max_new_tokens=v if vary == "max_new_tokens" else None,
+                    max_new_tokens=v if vary == "max_new_tokens" else max_new_tokens,
                 )
             except MemtorchError as e:
                 raise MemtorchError(f"fit(): the estimate at {vary}={v} failed: {e}") from None
@@ -325,6 +329,8 @@ def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False):
         guess = 2 * max(lo, 1) if top is None else (lo + top) // 2
     if top is None and max_value is not None:
         top = max_value + 1
+        if guess > max_value > lo:
+            guess = max_value  # the line points past the cap: the cap itself is the value to try
     # strictly inside (lo, top); a line pointing outside is no guide: halve the gap (or double)
     if guess <= lo or (top is not None and guess >= top):
         guess = 2 * max(lo, 1) if top is None else (lo + top) // 2

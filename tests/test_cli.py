@@ -529,7 +529,7 @@ def test_python_dash_m_and_console_script(tmp_path):
         [sys.executable, "-m", "memtorch", "--help"], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 0
-    assert "{inspect,estimate,plan,fit,diagram,advise,diff}" in proc.stdout
+    assert "{inspect,estimate,plan,fit,capacity,diagram,advise,diff}" in proc.stdout
     proc = subprocess.run(
         [sys.executable, "-m", "memtorch", "inspect", "no_such_pkg_q:make"],
         capture_output=True,
