@@ -615,13 +615,16 @@ def cmd_diagram(args, out, progress):
     if args.format == "json":
         _json({"kind": args.kind, "depth": args.depth, "mermaid": text}, out)
     elif args.format == "html":
-        import html
+        # lazy: each subcommand loads only the engines it runs
+        from .mermaid import MERMAID_CDN, html_body
 
-        body = (
-            '<pre class="mermaid">\n' + html.escape(text) + "</pre>\n"
-            "<!-- Mermaid text: draw it with Mermaid's script, or paste it into any Mermaid renderer -->"
-        )
+        body, source = html_body(text)
         _print(_html_page(f"memtorch diagram {args.target}", body), out)
+        if source == MERMAID_CDN:
+            sys.stderr.write(
+                f"memtorch: note: the page loads Mermaid's script from {MERMAID_CDN} (the browser needs the "
+                "network to draw it); with the mermaidx package installed it is inlined and draws offline\n"
+            )
     else:
         _print(text, out)
     if len(text) > 50_000:

@@ -593,3 +593,43 @@ def _er_diagram(root, nodes, mm, size, limit, memory):
         text = _esc(f"{_names_label(names)} (same module as {what})")
         rels.append(f'    {eid} }}|--|| {entity[id(t)]} : "{text}"')
     return "\n".join(lines + rels) + "\n"
+
+
+# Mermaid's script for a page drawn where mermaidx (which ships it for offline use) is not installed
+MERMAID_CDN = "https://cdn.jsdelivr.net/npm/mermaid@11/dist/mermaid.min.js"
+
+
+def _mermaid_script():
+    """(the text of Mermaid's own script, where it came from): mermaidx's copy when that package is
+    installed (the page then draws offline), else (None, the CDN's address)."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("mermaidx")
+    if spec is not None and spec.submodule_search_locations:
+        js = pathlib.Path(list(spec.submodule_search_locations)[0]) / "assets" / "mermaid.js"
+        if js.is_file():
+            return js.read_text(encoding="utf-8"), str(js)
+    return None, MERMAID_CDN
+
+
+def html_body(text):
+    """The body of an HTML page that draws the Mermaid ``text`` in a browser: the text in a
+    ``<pre class="mermaid">``, Mermaid's script (inlined from mermaidx when installed, so the page is
+    self-contained and draws offline; else loaded from jsDelivr) and the call that draws it. Returns
+    (body, where the script came from)."""
+    import html
+    import json
+
+    script, source = _mermaid_script()
+    # maxTextSize: Mermaid refuses a diagram longer than 50,000 characters unless told otherwise
+    init = json.dumps({"startOnLoad": False, "securityLevel": "strict", "maxTextSize": max(50_000, len(text) + 1)})
+    if script is not None:
+        load = "<script>\n" + script.replace("</script", "<\\/script") + "\n</script>\n"
+    else:
+        load = f'<script src="{html.escape(source)}"></script>\n'
+    body = (
+        '<pre class="mermaid">\n' + html.escape(text) + "</pre>\n" + load
+        + f"<script>mermaid.initialize({init}); mermaid.run();</script>"
+    )  # fmt: skip
+    return body, source

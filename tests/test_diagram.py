@@ -359,3 +359,48 @@ def test_views_of_one_storage_are_entities_of_their_own():
     assert storage_bytes(model.a, model.b) == 400
     # Each entity has one holder: "exactly one" on the module side.
     assert re.findall(r"^    MODEL (\S+) PARAMETER_\d : ", er, re.M) == ["||--o{", "||--o{"]
+
+
+# ---------------------------------------------------------------- the HTML page
+
+
+def _html_page(tmp_path, monkeypatch, capsys):
+    from memtorch import cli
+
+    (tmp_path / "diagmods.py").write_text(
+        "from torch import nn\n\ndef mlp():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["diagram", "diagmods:mlp", "--format", "html", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    page = tmp_path / "diagram.html"
+    page.write_text(captured.out, encoding="utf-8")
+    return page, captured.err
+
+
+def test_html_page_draws_in_a_browser_offline(tmp_path, monkeypatch, capsys):
+    page, err = _html_page(tmp_path, monkeypatch, capsys)
+    text = page.read_text(encoding="utf-8")
+    assert '<pre class="mermaid">' in text and "https://" not in text.split("<script>", 1)[0]
+    assert "mermaid.run()" in text and "<script src=" not in text and err == ""  # Mermaid's script inlined
+    chromium = mermaid_render.find_chromium()
+    if chromium is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium): the page's drawing not checked")
+    import subprocess
+
+    # no network: --dump-dom prints the DOM after the scripts ran (the page's script is its own)
+    dom = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=30000",
+         "--proxy-server=127.0.0.1:9", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=180,
+    ).stdout  # fmt: skip
+    svg = re.search(r'<svg id="mermaid-[^"]*"[^>]*class="classDiagram"', dom)
+    assert svg, dom[:2000]
+    assert "Sequential" in dom[svg.start():] and "Linear" in dom[svg.start():]
+
+
+def test_html_page_without_mermaidx_loads_the_script_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mermaid, "_mermaid_script", lambda: (None, mermaid.MERMAID_CDN))
+    page, err = _html_page(tmp_path, monkeypatch, capsys)
+    assert f'<script src="{mermaid.MERMAID_CDN}"></script>' in page.read_text(encoding="utf-8")
+    assert "needs the network" in err
