@@ -627,7 +627,7 @@ def cmd_diagram(args, out, progress):
             )
     else:
         _print(text, out)
-    if len(text) > 50_000:
+    if len(text) > 50_000 and args.format != "html":  # the HTML page raises Mermaid's limit to the text's
         sys.stderr.write(
             f"memtorch: note: the diagram is {len(text)} characters; Mermaid refuses more than 50,000 "
             f"by default (maxTextSize): --depth draws fewer levels\n"

@@ -623,7 +623,9 @@ def html_body(text):
 
     script, source = _mermaid_script()
     # maxTextSize: Mermaid refuses a diagram longer than 50,000 characters unless told otherwise
-    init = json.dumps({"startOnLoad": False, "securityLevel": "strict", "maxTextSize": max(50_000, len(text) + 1)})
+    init = json.dumps(
+        {"startOnLoad": False, "securityLevel": "strict", "maxTextSize": max(50_000, len(text) + 1)}
+    )
     if script is not None:
         load = "<script>\n" + script.replace("</script", "<\\/script") + "\n</script>\n"
     else:
