@@ -19,6 +19,8 @@ correction is made and the estimate says so.
 
 import threading
 
+from ._quantize import kernel_rules  # bitsandbytes' operators (empty unless bitsandbytes is loaded)
+
 
 class Around:
     """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs."""
@@ -28,6 +30,18 @@ class Around:
 
     def __call__(self, ledger, func, args, kwargs):
         return self.fn(ledger, func, args, kwargs)
+
+
+class Composite:
+    """A kernel table entry for a kernel that runs as Python-level operators (bitsandbytes' 4-bit
+    matmul): fn(*args, **kwargs) -> outputs, run under the accounting mode in place of the operator,
+    so that each operator inside it is counted (and probed) as it runs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 _lock = threading.Lock()
@@ -170,6 +184,7 @@ def kernels_for(device):
         torch.ops.aten.mkldnn_rnn_layer.default: _rnn_forward,
         torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_backward,
         torch.ops.aten._grouped_mm.default: _grouped_mm(cuda=False),
+        **{op: Composite(fn) for op, fn in kernel_rules(notes=notes).items()},
     }
 
 
@@ -717,6 +732,7 @@ def cuda_kernels(state):
         aten.native_dropout.default: Around(_dropout_mask_first),
         aten.add.Tensor: Around(_grad_accumulate),
         aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward(state),
+        **{op: Composite(fn) for op, fn in kernel_rules(state.gpu, notes=notes).items()},
     }
 
 

@@ -34,8 +34,8 @@ fake buffers.
 import re
 import sys
 
-from .errors import MemtorchError
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
+from .errors import MemtorchError
 
 KINDS = ("nf4", "fp4", "int8")
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block (Params4bit's default, as transformers uses it)
@@ -154,8 +154,8 @@ def apply(model, quantize, *, double_quant=False, compute_dtype=None, skip=None)
     # the flags transformers' quantizers set after loading (quantizer_bnb_4bit.py, quantizer_bnb_8bit.py,
     # base.py): peft reads is_loaded_in_4bit/8bit to wrap these layers with its bitsandbytes LoRA layers
     setattr(model, "is_loaded_in_8bit" if quantize == "int8" else "is_loaded_in_4bit", True)
-    setattr(model, "is_quantized", True)
-    setattr(model, "quantization_method", "bitsandbytes")
+    model.is_quantized = True
+    model.quantization_method = "bitsandbytes"
     return model
 
 
@@ -235,6 +235,7 @@ def _bind_4bit(module, args):
     F = sys.modules["bitsandbytes"].functional
     b = module._buffers
     like = module.quant_state
+    _note(_describe_4bit(module))
 
     def f32(key):
         return b[key].view(torch.float32) if b[key].dtype == torch.int32 else b[key]
@@ -267,15 +268,165 @@ def _int8_layer(bnb, m):
     new.requires_grad_(False)
     new.register_buffer("weight_SCB", _f32_view(new.weight.SCB), persistent=False)
     new.register_forward_pre_hook(_bind_int8)
+    new.register_forward_hook(_unbind_int8, always_call=True)
     return new
 
 
 def _bind_int8(module, args):
-    """Linear8bitLt reads its int8 weight and row scales from weight.CB/SCB (moved to its state at the
-    first forward, Linear8bitLt.init_8bit_state): for the dry run's fake weight, the fake buffers."""
+    """Linear8bitLt reads its int8 weight and row scales from weight.CB/SCB, moved into its
+    MatmulLtState at the first forward (Linear8bitLt.init_8bit_state), and its autograd function keeps
+    that state for backward. For the dry run's fake weight: a copy of the state made of the fakes,
+    for this call only (the layer's own state is put back after the forward, _unbind_int8)."""
+    import copy
+
     torch = _load_torch()
     w = module._parameters["weight"]
     if isinstance(w, sys.modules["bitsandbytes"].nn.Int8Params):
         return
-    module.state.CB = w
-    module.state.SCB = module._buffers["weight_SCB"].view(torch.float32)
+    _note(f"int8 base weights (bitsandbytes LLM.int8, outlier threshold {module.state.threshold})")
+    if _run["gpu"] is not None:
+        _note("int8 on cuda: bitsandbytes runs LLM.int8's int8 matmul (MatMul8bitLt, whose outlier columns "
+              "depend on the data); the estimate follows its dequantize-then-matmul path (MatMul8bitFp, the "
+              "CPU's), not modelled for the GPU")  # fmt: skip
+    state = copy.copy(module.state)
+    state.CB = w
+    state.SCB = module._buffers["weight_SCB"].view(torch.float32)
+    w.CB = w.SCB = None  # the fake weight: nothing for init_8bit_state to move
+    module.__dict__["_memtorch_state"] = module.state
+    module.state = state
+
+
+def _unbind_int8(module, args, out):
+    real = module.__dict__.pop("_memtorch_state", None)
+    if real is not None:
+        module.state = real
+
+
+# ---------------------------------------------------------------------------
+# bitsandbytes' 4-bit matmul in the dry run
+#
+# Its custom operators have fake kernels (bitsandbytes/_ops.py register_fake), so FakeTensorMode
+# runs them, but a fake kernel shows its output only. bitsandbytes::gemm_4bit dequantizes the whole
+# weight into the compute dtype before a plain linear, and that out x in temporary is what a 4-bit
+# forward costs. Backward (autograd/_functions.py MatMul4Bit.backward) calls F.dequantize_4bit and
+# torch.matmul itself: ordinary operators the dry run already sees one by one.
+
+
+_run = {
+    "notes": None,
+    "given": set(),
+    "gpu": None,
+}  # the dry run under way: its notes set, what was put there
+
+
+def _note(text):
+    """A line for the estimate's notes (only a dry run's fake layers call this: real ones return first)."""
+    if _run["notes"] is not None:
+        _run["notes"].add(text)
+        _run["given"].add(text)
+
+
+def _describe_4bit(module):
+    qs = module.quant_state
+    dq = ", double quantization" if qs.nested else ""
+    dtype = (
+        str(module.compute_dtype).replace("torch.", "") if module.compute_dtype is not None else "the input's"
+    )
+    return f"{qs.quant_type} 4-bit base weights (bitsandbytes, blocks of {qs.blocksize}{dq}), compute dtype {dtype}"
+
+
+def kernel_rules(gpu=None, notes=None):
+    """{operator: fn} for bitsandbytes' operators in estimate()'s kernel tables (_estimate_kernels wraps
+    each fn as a Composite: run under the accounting mode, each operator inside it counted): the CPU's
+    (gpu None) or the CUDA GPU ``gpu``'s (an _estimate_cuda.GPU). Empty while bitsandbytes is not
+    loaded (no bitsandbytes layer can exist then). notes: the set the estimate's notes are read from
+    (_estimate_kernels.notes); the quantized layers of this dry run describe themselves there, and
+    the previous run's lines are taken out."""
+    if notes is not None:
+        notes.difference_update(_run["given"])
+        _run.update(notes=notes, given=set(), gpu=gpu)
+    if "bitsandbytes" not in sys.modules:
+        return {}
+    torch = _load_torch()
+    op = torch.ops.bitsandbytes.gemm_4bit.default
+    if gpu is not None:
+        return {op: _cuda_gemm_4bit(gpu)}
+    if torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::gemm_4bit", "CPU"):
+        return {}  # a CPU kernel of its own (not this bitsandbytes): only its output is counted
+    from bitsandbytes.backends.default import ops
+
+    # bitsandbytes' own implementation, the one its CPU backend runs (backends/default/ops.py
+    # _gemm_4bit_default_impl: nested absmax dequantized to float32 and offset, the weight dequantized
+    # to A's dtype, torch.nn.functional.linear)
+    return {op: ops._gemm_4bit_default_impl}
+
+
+def _cuda_gemm_4bit(gpu):
+    """bitsandbytes::gemm_4bit as its CUDA kernel allocates (bitsandbytes 0.50.2,
+    backends/cuda/ops.py:934-985): past M = 1536 rows of A (_gemm_4bit_custom_max_m, :926), or with K
+    not a multiple of the block size (:956), or where bitsandbytes' per-architecture heuristic
+    (_gemm_4bit_use_custom_cuda, :583, run here on the modelled GPU's compute capability and SM count)
+    says so, _dequant_linear_fallback (:903-916): the nested absmax dequantized into a float32 buffer
+    and offset into another (both held to the end), the weight dequantized into an [N, K] buffer in
+    A's dtype, then F.linear. Otherwise the fused kernel (_gemm_4bit_kernel_impl, :846-900): A made
+    contiguous, one output."""
+    torch = _load_torch()
+    use_custom = _bnb_heuristic(gpu)
+
+    def run(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
+            absmax_offset=None):  # fmt: skip
+        K = A.shape[-1]
+        M = A.numel() // K
+        N = shapeB[0]
+        custom = M <= 1536 and K % blocksize == 0 and use_custom(A.dtype, M, N, K)
+        if custom:
+            A = A.contiguous()
+            return torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
+        if absmax_8bit is not None:
+            absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
+            absmax = absmax_dq + absmax_offset
+        B_dq = torch.empty(tuple(shapeB), dtype=A.dtype, device=A.device)
+        return torch.nn.functional.linear(A, B_dq, bias)
+
+    return run
+
+
+_heuristics = {}
+
+
+def _bnb_heuristic(gpu):
+    """fn(dtype, M, N, K) -> bitsandbytes' choice of its fused 4-bit kernel on ``gpu``: its own
+    _gemm_4bit_use_custom_cuda, read from its source (the module itself imports only with CUDA) and run
+    with the GPU's (SM count, major, minor) in place of the device query. None found (another
+    bitsandbytes): always the dequantize-then-linear path, the one that allocates more."""
+    import ast
+    import pathlib
+
+    torch = _load_torch()
+    key = (gpu.sms, gpu.capability)
+    if key in _heuristics:
+        return _heuristics[key]
+    fn = None
+    try:
+        path = pathlib.Path(sys.modules["bitsandbytes"].__file__).parent / "backends" / "cuda" / "ops.py"
+        tree = ast.parse(path.read_text())
+        body = []
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "_gemm_4bit_use_custom_cuda":
+                node.decorator_list = []
+                body.append(node)
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "_GEMM_4BIT_CUSTOM_FLOOR_M" for t in node.targets
+            ):
+                body.append(node)
+        if len(body) == 2:
+            scope = {"torch": torch, "_gpu_dispatch_props": lambda index: (gpu.sms, *gpu.capability)}
+            exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), scope)  # noqa: S102
+            decide = scope["_gemm_4bit_use_custom_cuda"]
+            fn = lambda dtype, M, N, K: bool(decide(0, dtype, M, N, K))
+    except (OSError, SyntaxError):
+        fn = None
+    if fn is None:
+        fn = lambda dtype, M, N, K: False
+    _heuristics[key] = fn
+    return fn
