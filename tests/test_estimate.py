@@ -102,6 +102,9 @@ def test_model_states_by_hand():
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_peak_matches_track_mlp(optimizer):
+    if optimizer == "adafactor":
+        # transformers' Adafactor: imported before the measurement (importing transformers makes tensors)
+        pytest.importorskip("transformers.optimization")
     measured, model, x, _opt = measured_peak(small_mlp, lambda: torch.randn(16, 32), optimizer)
     est = cpu_estimate(model, x, optimizer=optimizer)
     assert est.peak == measured
