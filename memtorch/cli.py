@@ -991,7 +991,8 @@ def _step_flags(p):
         help="an example input: 8x3x224x224, 8x128:int64, or a keyword input input_ids=1x2048:int64 "
         "(repeat for several; keyword inputs after the positional ones: model(*args, **kwargs))",
     )
-    p.add_argument("--optimizer", help="optimizer name: sgd, sgd-momentum, adam, adamw, ... (default adamw)")
+    p.add_argument("--optimizer", help="optimizer name: sgd, sgd-momentum, adam, adamw, adamw-fused, adamw8bit, "
+                   "paged_adamw8bit, lion, lion8bit, adafactor, ... (memtorch.estimation.OPTIMIZERS; default adamw)")
     p.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true, fp16-true, mixed-zero, fp16-zero")
     p.add_argument(
         "--device", help="the device modelled: cuda (the default for estimate, plan and advise) or cpu"
