@@ -24,13 +24,19 @@ only the adapters take gradients and optimizer state. Only a model built here is
 the model it wraps in place. An already wrapped PeftModel is passed to estimate() as it is.
 """
 
+from __future__ import annotations
+
 import copy
 import os
 import warnings
+from typing import TYPE_CHECKING, Any
 
 from . import _inputs
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 from .errors import MemtorchError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TASKS", "example_inputs", "hub_cache", "load_model", "lora_config", "with_lora"]
 
@@ -82,7 +88,7 @@ def _torch():
 # ---------------------------------------------------------------- sources
 
 
-def hub_cache():
+def hub_cache() -> str:
     """The Hugging Face Hub cache directory, read from the environment now (not when huggingface_hub
     was imported): HF_HUB_CACHE, else HF_HOME/hub, else huggingface_hub's default."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -263,8 +269,17 @@ def _build_timm(timm, name, dtype):
     return model if dtype is None else model.to(dtype)
 
 
-def load_model(source, *, task=None, lora=None, quantize=None, double_quant=False, compute_dtype=None,
-               dtype=None, trust_remote_code=False):  # fmt: skip
+def load_model(
+    source: str | os.PathLike,
+    *,
+    task: str | None = None,
+    lora: str | dict | Any | None = None,
+    quantize: str | None = None,
+    double_quant: bool = False,
+    compute_dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     """The model ``source`` names, built on the meta device (no weights read, no memory taken), in
     training mode.
 
@@ -392,7 +407,7 @@ def _parse_lora_text(text):
     return {k: (v if _LORA_KEYS.get(k, k) in _LORA_LISTS else v[0]) for k, v in out.items()}
 
 
-def lora_config(spec):
+def lora_config(spec: str | dict | Any) -> Any:
     """A peft.LoraConfig from lora=: a string ('r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05'), a
     dict (the same short keys, or LoraConfig's own field names), or a LoraConfig (returned as it is).
 
@@ -433,7 +448,7 @@ def _linear_names(model):
     )
 
 
-def with_lora(model, lora):
+def with_lora(model: torch.nn.Module, lora: str | dict | Any) -> torch.nn.Module:
     """``model`` wrapped by peft's get_peft_model with the adapters ``lora`` asks for (see lora_config).
     peft changes the model it wraps in place: only for a model made for this (load_model's, the CLI's
     from a TARGET callable), never for one a caller holds."""
@@ -519,7 +534,9 @@ def _labels(cls_name, config, batch, seq, make):
     return None
 
 
-def example_inputs(model, batch, seq=None, *, device="meta"):
+def example_inputs(
+    model: torch.nn.Module, batch: int, seq: int | None = None, *, device: str | torch.device = "meta"
+) -> dict[str, torch.Tensor] | torch.Tensor:
     """The batch model(**batch) takes for one training step: what the CLI's --batch/--seq make.
 
     Hugging Face models, by their main input: text ({"input_ids": (batch, seq) int64} and "labels", a
