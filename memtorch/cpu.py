@@ -58,7 +58,10 @@ memtorch checks its slots at every Scope's open and close (and in
 them back on top of what is there, starts its table afresh, and marks every
 Scope open meanwhile not exact. ``Scope.caveats`` says so in a sentence, as it
 does for what the counters cannot see: allocations by other threads (counted,
-process-wide: ``Scope.other_thread_bytes``), processes started or running
+process-wide: ``Scope.other_thread_bytes``; a thread that runs Python, such as
+a DataLoader's pin-memory thread or a user's thread: torch's intra-op and
+inter-op workers, native threads that allocate inside an operator the Python
+thread called, are that thread's), processes started or running
 during the block (DataLoader workers: batches in shared memory, not seen;
 ``exact`` is False), frees of memory allocated before counting began. Frees
 that cannot be tensor storage (libc10 frees demangled names through its
@@ -642,7 +645,11 @@ class Scope:
     def other_thread_bytes(self) -> int:
         """Bytes allocated while open by other threads than the one that opened the scope.
 
-        They are in the figures (the counters are process-wide); ``caveats`` says so.
+        They are in the figures (the counters are process-wide); ``caveats`` says so. Only threads that
+        run Python count here (a DataLoader's pin-memory thread, a user's threading.Thread): torch's
+        intra-op workers (OpenMP) and inter-op pool (torch.jit.fork) are native threads that allocate
+        inside an operator a Python thread called, and their bytes are that thread's, filed under its
+        phase and module.
         """
         self._need_opened()
         if self._mechanism == FALLBACK:

@@ -345,17 +345,25 @@ mt_counters_on_alloc(void *ptr, size_t size)
             s->nallocs++;
             site = mt_after_change(now, delta > 0, ptr, delta);
             /* The counters are process-wide: note, per open scope, what
-             * other threads than its owner allocated (one compare each). */
+             * other threads than its owner allocated (one compare each).
+             * torch's intra-op workers are not other threads: they allocate
+             * inside an operator a Python thread called, for it. */
             uint64_t mask = atomic_load_explicit(&mt_scope_mask, memory_order_relaxed);
             if (mask) {
                 pthread_t me = pthread_self();
+                int worker = -1; /* unknown until a scope asks */
                 while (mask) {
                     int i = __builtin_ctzll(mask);
                     if (!pthread_equal(mt_scopes[i].owner, me)) {
-                        atomic_fetch_add_explicit(&mt_scopes[i].other_bytes, (int64_t)size,
-                                                  memory_order_relaxed);
-                        atomic_fetch_add_explicit(&mt_scopes[i].other_allocs, 1,
-                                                  memory_order_relaxed);
+                        if (worker < 0) {
+                            worker = !mt_thread_runs_python();
+                        }
+                        if (!worker) {
+                            atomic_fetch_add_explicit(&mt_scopes[i].other_bytes, (int64_t)size,
+                                                      memory_order_relaxed);
+                            atomic_fetch_add_explicit(&mt_scopes[i].other_allocs, 1,
+                                                      memory_order_relaxed);
+                        }
                     }
                     mask &= mask - 1;
                 }
@@ -369,6 +377,12 @@ mt_counters_on_alloc(void *ptr, size_t size)
         mt_sites_capture(site - 1, (int64_t)size);
     }
     mt_in_hook = 0;
+}
+
+int
+mt_thread_runs_python(void)
+{
+    return PyGILState_GetThisThreadState() != NULL;
 }
 
 void

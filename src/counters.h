@@ -100,6 +100,13 @@ int mt_interpose_bench(long n, size_t size, double *direct_ns, double *hooked_ns
 /* Resident set size now and its high-water mark, in bytes (-1 if unknown). */
 void mt_platform_rss(int64_t *current, int64_t *hwm);
 
+/* 1 when this thread runs Python (a thread state is bound to it: the thread that
+ * opened a block, a DataLoader pin-memory thread, a user's threading.Thread), 0
+ * for a native worker (torch's intra-op pool: OpenMP or its own threads), which
+ * allocates only inside an operator that a Python thread called. Any thread, no
+ * GIL (it reads the interpreter's thread-specific slot). */
+int mt_thread_runs_python(void);
+
 /* ---- eventlog.c: (time, bytes) ring buffer ---- */
 
 /* Record one allocation (delta > 0) or free (delta < 0) of ptr, bytes being

@@ -38,6 +38,10 @@ static _Atomic int mt_eventlog_users;   /* open timelines */
  * carries that thread's tag (0 where no block runs), never the module or
  * phase running in a block's thread, so the replay can file it apart. */
 static _Thread_local uint32_t mt_event_tag;
+/* The tag last set by any thread (GIL held): what a native worker of torch's
+ * intra-op pool stamps, since it allocates inside the operator that the Python
+ * thread setting tags called (a thread running Python stamps its own). */
+static _Atomic uint32_t mt_event_tag_python;
 
 /* Claim one slot and publish an event in it (any thread, no GIL); returns
  * its index + 1, or 0 when there is no ring. */
@@ -69,6 +73,9 @@ mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta)
         return 0;
     }
     uint64_t tag = mt_event_tag;
+    if (tag == 0 && !mt_thread_runs_python()) {
+        tag = atomic_load_explicit(&mt_event_tag_python, memory_order_relaxed);
+    }
     uint64_t i1 = mt_eventlog_put(bytes, (uint64_t)(uintptr_t)ptr, delta,
                                   ((uint64_t)MT_EV_ALLOC << 32) | tag);
     /* sites.c: does this allocation want its source line? */
@@ -357,6 +364,7 @@ void
 mt_eventlog_mark(int kind, uint64_t number, uint32_t tag)
 {
     mt_event_tag = tag;
+    atomic_store_explicit(&mt_event_tag_python, tag, memory_order_relaxed);
     mt_sites_on_tag(tag);
     if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) != 0) {
         mt_eventlog_put(-1, number, 0, ((uint64_t)kind << 32) | (uint64_t)tag);

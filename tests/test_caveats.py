@@ -361,3 +361,30 @@ def test_a_stand_in_libc10_is_counted_through_its_slots(tmp_path):
     assert r["mechanism"] == "libc10-got"
     assert r["alive"] == 1000 and r["end"] == 0 and r["peak"] == 1000
     assert r["unseen"] == 0 and r["foreign"] == 1
+
+
+def test_torch_intra_op_workers_are_the_operators_own(exact_mode):
+    """torch's intra-op workers (OpenMP here) allocate inside an operator the tracking thread called:
+    counted, filed under that thread's phase and module, never flagged as another thread's. The CPU's
+    flash-attention backward allocates in each worker of a parallel region (found by a scope around each
+    of a dozen operators: only it had other-thread bytes before this rule)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q = torch.randn(8, 4, 128, 64, requires_grad=True)
+
+        def step():
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+        step()
+        for _ in range(3):
+            with cpu.Scope() as s:
+                step()
+            assert (s.other_thread_bytes, s.other_thread_allocations) == (0, 0)
+            assert not [c for c in s.caveats if "other threads" in c]
+            with memtorch.track() as t:
+                step()
+            assert t.report.exact and "other threads" not in str(t.report)
+    finally:
+        torch.set_num_threads(old)
+        q.grad = None
