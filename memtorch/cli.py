@@ -139,7 +139,8 @@ def _load_target(target):
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
         raise UsageError(
-            f"TARGET must be package.module:callable or path/to/file.py:callable, not {target!r}"
+            f"TARGET must be package.module:callable or path/to/file.py:callable, not {target!r} (or a model: "
+            "a Hugging Face id, a config.json or its directory, a timm name)"
         )
     is_file = module_part.endswith(".py") or os.sep in module_part or "/" in module_part
     if is_file:
@@ -192,8 +193,16 @@ def build_target(target):
 
 def _is_source(target):
     """A model source for memtorch.load_model (an id, a config path, a timm name): no colon, where
-    package.module:callable and file.py:callable have one."""
-    return ":" not in target
+    package.module:callable and file.py:callable have one. A Python file, or a name that imports as a
+    module, is a TARGET missing its :callable, not a model to look for on the Hub."""
+    if ":" in target:
+        return False
+    if os.path.exists(target):
+        return True
+    top = target.split(".")[0]
+    if target.endswith(".py") or ("/" not in target and top.isidentifier() and importlib.util.find_spec(top)):
+        return False
+    return True
 
 
 def _build(target):
