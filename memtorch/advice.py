@@ -17,8 +17,8 @@ reserved figure on cuda, the peak on the CPU, plus the reserve). Each row says h
 obtained (``basis``):
 
 - "estimated by memtorch.estimate" / "by memtorch.plan": a dry run on fake tensors (no real memory);
-- "estimated by arithmetic": counted on the estimate (CPU offload, 8-bit state: no configuration
-  estimate() runs), never judged against a budget;
+- "estimated by arithmetic": counted on the estimate (CPU offload: no configuration estimate() runs),
+  never judged against a budget (the 8-bit state row is estimate()'s step with optimizer="adamw8bit");
 - "exact arithmetic": counted from the tensors memtorch.inspect() walks (a float32 parameter is 4
   bytes, 2 in bfloat16; Adam keeps two buffers of each parameter's size);
 - "measured" (measure=True only): two real training steps of a copy of the model, each variant tracked
@@ -1081,7 +1081,7 @@ def advise(
         _micro_batch(model, run, base, inputs, items, notes, budget, keep, engine, est_cfg)
         if budget is not None:
             _sharding(model, inputs, engine, base, budget, keep, est_cfg, precision, items, notes)
-        _offload_and_8bit(model, opt_inst, base, budget, items, notes)
+        _offload_and_8bit(model, opt_inst, base, budget, items, notes, run if not measure else None, keep)
     # changes how or what the model learns
     if cast is None:
         _precision(mm_step, items, notes)
@@ -1250,9 +1250,11 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, item
         judged_after=judged))  # fmt: skip
 
 
-def _offload_and_8bit(model, opt_inst, base, budget, items, notes):
-    """The optimizer state held in CPU memory, and bitsandbytes' 8-bit state: arithmetic on the estimate
-    (neither is a configuration estimate() runs), so neither is judged against the budget."""
+def _offload_and_8bit(model, opt_inst, base, budget, items, notes, run=None, reserve=0):
+    """The optimizer state held in CPU memory (arithmetic on the estimate: not a configuration estimate()
+    runs, so not judged against the budget), and bitsandbytes' 8-bit AdamW in place of Adam/AdamW:
+    estimate()'s step with optimizer="adamw8bit" (one more dry run; memtorch._optimizers), judged as the
+    other step rows."""
     torch = _torch()
     est = base["report"]
     states = getattr(est, "model_states", None)
@@ -1265,18 +1267,32 @@ def _offload_and_8bit(model, opt_inst, base, budget, items, notes):
             f"the optimizer state alive at the step's peak: {_fmt(state)}, held in CPU memory instead (the "
             "offload's own staging buffers are not counted: not judged against the budget)",
             group="keeps the model", code=_code("cpu_offload")))  # fmt: skip
-    if isinstance(opt_inst, (torch.optim.Adam, torch.optim.AdamW)) and states is not None:
-        numels = [p.numel() for p in model.parameters() if p.requires_grad]
-        now = states.get("optimizer_state", 0)
-        eight = _adam8bit_state(numels)
-        if now > eight:
-            items.append(Suggestion(
-                "optimizer_8bit", "8-bit optimizer state (bitsandbytes)", now - eight, ESTIMATED + " by arithmetic",
-                "exp_avg and exp_avg_sq in 8 bits, block-wise scaled",
-                f"{type(opt_inst).__name__} state {_fmt(now)}; bitsandbytes 8-bit: uint8 exp_avg and exp_avg_sq, a "
-                f"float32 absmax per 256 elements each, float32 state below 4096 elements: {_fmt(eight)} (not "
-                "judged against the budget)",
-                before=now, after=eight, group="keeps the model", code=_code("optimizer_8bit")))  # fmt: skip
+    if isinstance(opt_inst, (torch.optim.Adam, torch.optim.AdamW)) and states is not None and run is not None:
+        eight = _eight_bit_step(model, run)
+        now, after = states.get("optimizer_state", 0), eight["report"].model_states["optimizer_state"]
+        if eight["peak"] < base["peak"] or after < now:
+            items.append(_changed(
+                "optimizer_8bit", "8-bit optimizer state (bitsandbytes AdamW8bit)", base, eight,
+                "exp_avg and exp_avg_sq in 8 bits, block-wise scaled (bitsandbytes' state1 and state2)",
+                f"{type(opt_inst).__name__} state {_fmt(now)}; AdamW8bit: uint8 state1 and state2, a float32 absmax "
+                f"per 256 elements each and two shared 256-entry maps, float32 state below 4096 elements: "
+                f"{_fmt(after)}; the step estimated with optimizer='adamw8bit' (transformers' "
+                "optim='adamw_bnb_8bit' also keeps nn.Embedding weights' state in 32 bits)",
+                "keeps the model", budget, reserve, code=_code("optimizer_8bit")))  # fmt: skip
+
+
+def _eight_bit_step(model, run):
+    """The figures of estimate()'s step of ``run``'s configuration with optimizer="adamw8bit"."""
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
+    from .estimation import estimate
+
+    cfg = {k: v for k, v in run.base.items() if v is not None or k not in ("gpu", "fsdp_units")}
+    keep = run.engine.fixed["keep_output"] if run.engine is not None else True
+    est = estimate(model, *run.inputs.as_tuple(), optimizer="adamw8bit", loss_fn=run.loss_fn, keep_output=keep,
+                   **cfg)  # fmt: skip
+    judged = est.reserved_peak if est.reserved_peak is not None else (est.peak_upper or est.peak)
+    return {"peak": int(est.peak), "reserved": est.reserved_peak, "judged": int(judged), "report": est,
+            "exact": True, "basis": ESTIMATED}  # fmt: skip
 
 
 def _grouped(items):
@@ -1297,14 +1313,3 @@ def _grouped(items):
         out.append(Suggestion("sparse", f"Store {len(group)} parameters as sparse {fmt} tensors", total,
                               group[0].basis, how, "; ".join(g.detail for g in group)))  # fmt: skip
     return out
-
-
-def _adam8bit_state(numels, min_8bit_size=4096, blocksize=256):
-    """Bytes of bitsandbytes' 8-bit Adam/AdamW state (bitsandbytes/optim/optimizer.py, Optimizer2State.
-    init_state): a parameter of n >= min_8bit_size elements keeps state1 and state2 as uint8 (n bytes each)
-    and two float32 absmax per block of 256 elements; a smaller one keeps two float32 states (8 n); plus the
-    two shared 256-entry float32 quantization maps (2 KiB)."""
-    total = 2 * 256 * 4
-    for n in numels:
-        total += 2 * n + 2 * 4 * -(-n // blocksize) if n >= min_8bit_size else 8 * n
-    return total

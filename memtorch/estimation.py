@@ -815,6 +815,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                             ledger.owner[ledger.key_of(v)] = index[id(p_)]
                             ledger.elements[ledger.key_of(v)] = v.numel()
         facts["paged"] = [(t.untyped_storage().nbytes(), t.numel()) for t in getattr(opt, "paged", ())]
+        facts["bnb_stand_in"] = getattr(opt, "name", None) if type(opt).__name__ == "BnbStandIn" else None
         index = {id(t): i for i, t in enumerate(opt_params)}
         facts["param_groups"] = [[index[id(p_)] for p_ in g["params"] if id(p_) in index] for g in opt.param_groups]
         facts["param_shapes"] = [tuple(t.shape) for t in trainable]
@@ -1048,6 +1049,12 @@ def estimate(
     if defaulted:
         notes.insert(0, f"device={DEFAULT_DEVICE!r} by default (the question is a GPU's; as plan(), advise() and "
                         "the CLI): device='cpu' models PyTorch's CPU allocator, what track() measures on the CPU")
+    if facts.get("bnb_stand_in") and world_size > 1 and sharding not in (None, "ddp"):
+        notes.append(
+            f"per-rank optimizer state of {facts['bnb_stand_in']}: the one-process state shared out as the sharding "
+            "shares torch's optimizer state; bitsandbytes on a shard applies min_8bit_size and its 256-element "
+            "absmax blocks to the rank's own part and each rank keeps its own 256-entry maps: not modelled"
+        )
     if facts.get("paged"):
         paged = sum(b for b, _ in facts["paged"])
         notes.append(

@@ -271,3 +271,14 @@ def test_names_are_listed_and_checked():
         assert name in OPTIMIZERS
     with pytest.raises(MemtorchError, match="unknown optimizer 'adamw9bit'.*adamw8bit"):
         memtorch.estimate(make_model(), make_input(), optimizer="adamw9bit", device="cpu")
+
+
+def test_sharded_8bit_state_says_what_is_not_modelled():
+    model = make_model()
+    zero2 = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu", world_size=2, sharding="zero2")
+    assert any("min_8bit_size" in n and "not modelled" in n for n in zero2.notes)
+    ddp = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu", world_size=2, sharding="ddp")
+    assert not any("min_8bit_size" in n for n in ddp.notes)
+    # under DDP every rank holds the whole state
+    one = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu")
+    assert ddp.model_states["optimizer_state"] == one.model_states["optimizer_state"]
