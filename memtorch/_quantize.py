@@ -384,7 +384,7 @@ def _cuda_gemm_4bit(gpu):
             return torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
         if absmax_8bit is not None:
             absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
-            absmax = absmax_dq + absmax_offset
+            absmax = absmax_dq + absmax_offset  # noqa: F841 - held to the return, as in the fallback
         B_dq = torch.empty(tuple(shapeB), dtype=A.dtype, device=A.device)
         return torch.nn.functional.linear(A, B_dq, bias)
 

@@ -1,0 +1,362 @@
+"""Quantized base weights (memtorch._quantize): bitsandbytes' own layers put in as transformers'
+BitsAndBytesConfig puts them, and estimate()'s dry run of them.
+
+Expected figures: bitsandbytes' own quantization of real weights on the CPU (the tensors it keeps,
+their nbytes), hand counts from its storage rules (functional.quantize_4bit / quantize_blockwise,
+Int8Params), transformers' own replace_with_bnb_linear for which layers are converted, and track()
+of real QLoRA steps on the CPU for the estimate.
+"""
+
+import copy
+import gc
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bitsandbytes looks for a CPU kernel on the Hub at import
+
+import pytest
+import torch
+from torch import nn
+
+import memtorch
+from memtorch import cpu
+from memtorch._quantize import apply
+from memtorch.errors import MemtorchError
+
+# peft 0.21 reads transformers' deprecated is_gradient_checkpointing (peft_model.py:184)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+def _bnb():
+    return pytest.importorskip("bitsandbytes")
+
+
+def _llama(device="cpu", **kw):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, **kw)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(model, cfg)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(512, 1024)
+        self.down = nn.Linear(1024, 512)
+        self.head = nn.Linear(512, 4)
+
+    def forward(self, x):
+        return self.head(self.down(torch.relu(self.up(x))))
+
+
+def _warm(kind, double_quant):
+    """bitsandbytes' process-wide caches (functional.name2qmap's dynamic map, backends.utils'
+    4-bit codes) made before a measurement starts: they are the process's, not a model's."""
+    apply(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)), kind, double_quant=double_quant)
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def test_bad_arguments_are_clear_errors():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(MemtorchError, match="quantize must be one of 'nf4', 'fp4', 'int8'; got 'int4'"):
+        apply(m, "int4")
+    with pytest.raises(MemtorchError, match="compute_dtype must be"):
+        apply(m, "nf4", compute_dtype=torch.int8)
+    with pytest.raises(MemtorchError, match="skip must be a list"):
+        apply(m, "nf4", skip="lm_head")
+    with pytest.raises(MemtorchError, match="quantizes an nn.Module"):
+        apply({"w": torch.zeros(2)}, "nf4")
+
+
+def test_without_bitsandbytes_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes raises ImportError
+    with pytest.raises(MemtorchError, match=r"pip install bitsandbytes"):
+        apply(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), "nf4")
+
+
+def test_refuses_double_quant_for_int8_a_quantized_model_and_a_peft_model():
+    _bnb()
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+    with pytest.raises(MemtorchError, match="double_quant applies to 4-bit"):
+        apply(m, "int8", double_quant=True)
+    q = apply(m, "nf4")
+    with pytest.raises(MemtorchError, match=r"quantized already \(0: Linear4bit\)"):
+        apply(q, "nf4")
+    with pytest.raises(MemtorchError, match="before LoRA"):
+        apply(_lora(_llama("meta")), "nf4")
+
+
+# ---------------------------------------------------------------- which layers, and the user's model
+
+
+def test_the_users_model_is_not_changed():
+    _bnb()
+    model = Net()
+    before = [(n, type(m), m._forward_pre_hooks.copy()) for n, m in model.named_modules()]
+    tensors = [(n, id(p), p.data_ptr(), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q = apply(model, "nf4", double_quant=True)
+    assert q is not model
+    assert [(n, type(m), m._forward_pre_hooks) for n, m in model.named_modules()] == before
+    assert [
+        (n, id(p), p.data_ptr(), p.dtype, p.requires_grad) for n, p in model.named_parameters()
+    ] == tensors
+    assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+    assert type(q.up).__name__ == "Linear4bit" and type(model.up) is nn.Linear
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("skip", [None, ["up_proj"]])
+def test_converts_the_layers_transformers_converts(tied, skip):
+    """transformers' own replace_with_bnb_linear, with the skip list its bitsandbytes quantizer
+    builds (quantizer_bnb_4bit.py: get_modules_to_not_convert(model, llm_int8_skip_modules,
+    _keep_in_fp32_modules)), converts the same modules."""
+    _bnb()
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import HfQuantizer
+
+    model = _llama("meta", tie_word_embeddings=tied)
+    theirs = copy.deepcopy(model)
+    not_convert = HfQuantizer.get_modules_to_not_convert(theirs, skip, theirs._keep_in_fp32_modules)
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    replace_with_bnb_linear(theirs, modules_to_not_convert=not_convert, quantization_config=config)
+    ours = apply(model, "nf4", skip=skip)
+
+    def kinds(m):
+        return {n: type(x).__name__ for n, x in m.named_modules()}
+
+    assert kinds(ours) == kinds(theirs)
+    # a skip list replaces transformers' defaults (as llm_int8_skip_modules does): lm_head is converted then
+    assert kinds(ours)["lm_head"] == ("Linear" if skip is None else "Linear4bit")
+    assert kinds(ours)["model.layers.0.mlp.up_proj"] == ("Linear4bit" if skip is None else "Linear")
+    assert kinds(ours)["model.layers.0.self_attn.q_proj"] == "Linear4bit"
+
+
+# ---------------------------------------------------------------- storage: exact, as bitsandbytes keeps it
+
+
+def _hand_4bit(out_f, in_f, nested):
+    """Bytes bitsandbytes keeps for one 4-bit weight (functional.quantize_4bit, blocksize 64): the
+    packed uint8 weight, absmax per block, the 16-value code; nested: uint8 absmax, a float32 offset,
+    float32 absmax per 256 blocks, a copy of the 256-value dynamic map (quantize_blockwise)."""
+    n = out_f * in_f
+    blocks = -(-n // 64)
+    if nested:
+        return (n + 1) // 2 + blocks + 4 + 4 * -(-blocks // 256) + 4 * 256 + 4 * 16
+    return (n + 1) // 2 + 4 * blocks + 4 * 16
+
+
+def _state_tensors(w):
+    """The weight and every tensor of its QuantState (4-bit) or its CB/SCB (int8), by role."""
+    qs = getattr(w, "quant_state", None)
+    if qs is None:
+        return {"weight": w.data, "SCB": w.SCB}
+    out = {"weight": w.data, "absmax": qs.absmax, "code": qs.code}
+    if qs.nested:
+        out.update(offset=qs.offset, nested_absmax=qs.state2.absmax, nested_code=qs.state2.code)
+    return out
+
+
+def _layout(tensors):
+    return {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+
+
+def _unique_bytes(tensors):
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("shape", [(40, 96), (7, 33), (640, 64)])
+@pytest.mark.parametrize("kind,nested", [("nf4", False), ("fp4", False), ("nf4", True), ("int8", False)])
+def test_quantized_storage_is_bitsandbytes_own(shape, kind, nested):
+    """A layer built on the meta device holds the tensors bitsandbytes' own quantization of real
+    weights keeps (same roles, shapes, dtypes), and their bytes are the hand count; apply() on real
+    weights quantizes with bitsandbytes, and inspect() sees all of it (the state is registered as
+    buffers)."""
+    bnb = _bnb()
+    out_f, in_f = shape
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=False)
+    if kind == "int8":
+        real = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=6.0)
+    else:
+        real = bnb.nn.Linear4bit(in_f, out_f, bias=False, compress_statistics=nested, quant_type=kind)
+    real.load_state_dict(lin.state_dict())
+    real = real.to("cpu")  # bitsandbytes quantizes here (Params4bit.to / Int8Params.to)
+    theirs = _state_tensors(real.weight)
+    with torch.device("meta"):
+        meta_model = nn.Sequential(nn.Linear(in_f, out_f, bias=False), nn.Linear(2, 2))
+    ours_meta = _state_tensors(apply(meta_model, kind, double_quant=nested)[0].weight)
+    assert _layout(ours_meta) == _layout(theirs)
+    hand = out_f * in_f + 4 * out_f if kind == "int8" else _hand_4bit(out_f, in_f, nested)
+    assert _unique_bytes(theirs.values()) == hand
+    ours_real = apply(nn.Sequential(lin, nn.Linear(2, 2)), kind, double_quant=nested)[0]
+    assert _unique_bytes(_state_tensors(ours_real.weight).values()) == hand
+    assert memtorch.inspect(ours_real).total == hand
+
+
+def test_a_quantized_model_holds_what_inspect_counts():
+    """cpu.allocated() after apply() on a real model is inspect()'s total: nothing bitsandbytes
+    keeps is out of the walker's sight."""
+    _bnb()
+    base = _llama()
+    _warm("nf4", True)
+    cpu.start()
+    gc.collect()
+    b0 = cpu.allocated()
+    q = apply(base, "nf4", double_quant=True)
+    gc.collect()
+    assert cpu.allocated() - b0 == memtorch.inspect(q).total
+
+
+# ---------------------------------------------------------------- estimate() vs track() of real steps
+
+
+def _llama_states(kind, nested):
+    """Hand count of the tiny Llama's parameters and buffers after apply() and LoRA r=8 on q_proj, v_proj."""
+    d, ff, layers, vocab, kv = 64, 128, 2, 256, 32
+    linears = [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff)]  # q k v o gate up down
+    lora = 8 * d + d * 8 + 8 * d + kv * 8  # q_proj: A [8, 64], B [64, 8]; v_proj: B [32, 8]
+    dense = 2 * vocab * d + (2 * layers + 1) * d  # embeddings, lm_head, norms
+    rotary = 2 * 4 * 8  # inv_freq and original_inv_freq, float32, head_dim / 2
+    if kind == "int8":
+        weights = sum(o * i for o, i in linears) * layers
+        state = sum(4 * o for o, _ in linears) * layers
+    else:
+        weights = sum(o * i // 2 for o, i in linears) * layers
+        state = sum(_hand_4bit(o, i, nested) - o * i // 2 for o, i in linears) * layers
+    return {"parameter": 4 * (dense + lora * layers) + weights, "buffer": state + rotary}
+
+
+@pytest.mark.parametrize("kind,nested", [("nf4", False), ("nf4", True), ("fp4", False), ("int8", False)])
+def test_qlora_step_estimate_matches_track(kind, nested):
+    """A real LoRA step on a Llama with bitsandbytes' quantized base (forward, backward, AdamW) on
+    the CPU, tracked, against estimate(device="cpu") of the same model. Measured: the estimate is
+    32 B under the real peak (-0.006%) for nf4, nf4 with double quantization, fp4 and int8."""
+    _bnb()
+    test_estimate = pytest.importorskip("test_estimate")
+    base = _llama()
+    _warm(kind, nested)
+    cpu.start()
+    gc.collect()
+    b0 = cpu.allocated()
+    ids = torch.randint(0, 256, (2, 16))
+    model = _lora(apply(base, kind, double_quant=nested))
+    report, opt = test_estimate.real_steps(model, ids, "adamw")
+    real = report.peak - b0
+    opt.zero_grad(set_to_none=True)
+    del opt
+    est = memtorch.estimate(model, ids, optimizer="adamw", device="cpu")
+    assert abs(est.peak - real) <= real // 1000, (est.peak, real)
+    assert est.model_states["parameter"] == _llama_states(kind, nested)["parameter"]
+    assert est.model_states["buffer"] == _llama_states(kind, nested)["buffer"]
+    assert est.model_states["gradient"] == 4 * 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8)
+
+
+def test_the_dequantized_weight_is_in_the_forward():
+    """bitsandbytes' 4-bit forward dequantizes the whole weight into the compute dtype before its
+    matmul (backends/default/ops.py _gemm_4bit_default_impl), and backward dequantizes it again,
+    into the dtype the weight was quantized from, then casts (autograd/_functions.py
+    MatMul4Bit.backward): each phase's peak as track() measures it, within 16 B (measured: 8 B).
+
+    One real step runs first: Linear4bit's first forward casts a bias whose dtype is not the compute
+    dtype (bias.data = bias.data.to(x.dtype)) and the float32 storage it had stays allocated (measured
+    here: +3,072 B for these two biases, held by no Python tensor), which the dry run does not model;
+    the steps compared are the ones after it."""
+    _bnb()
+    test_estimate = pytest.importorskip("test_estimate")
+    base = Net()
+    _warm("nf4", True)
+    x = torch.randn(4, 512)
+    model = _lora_net(apply(base, "nf4", double_quant=True))
+    test_estimate.real_steps(model, x, "adamw", steps=1)
+    assert model.base_model.model.up.base_layer.bias.dtype == torch.bfloat16
+    report, opt = test_estimate.real_steps(model, x, "adamw")
+    opt.zero_grad(set_to_none=True)
+    del opt
+    est = memtorch.estimate(model, x, optimizer="adamw", device="cpu")
+    for phase in ("forward", "backward"):
+        assert abs(est.phases[phase].peak_above_start - report.phases[phase].peak_above_start) <= 16, phase
+    # up's weight (1024 x 512) dequantized: 1 MiB in bfloat16 in forward; 2 MiB in float32 plus its
+    # 1 MiB bfloat16 cast in backward
+    assert est.phases["forward"].peak_above_start > 1024 * 512 * 2
+    assert est.phases["backward"].peak_above_start > 1024 * 512 * 6
+
+
+def _lora_net(model):
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["up", "down"]))
+
+
+@pytest.mark.parametrize("kind,nested", [("nf4", True), ("int8", False)])
+def test_meta_model_estimates_as_the_real_one(kind, nested):
+    """The model memtorch builds on the meta device (no weights) estimates as the same model with
+    real weights, quantized by bitsandbytes."""
+    _bnb()
+    ids = torch.randint(0, 256, (2, 16))
+    ests = [memtorch.estimate(_lora(apply(_llama(dev), kind, double_quant=nested)), ids, optimizer="adamw",
+                              device="cpu") for dev in ("cpu", "meta")]  # fmt: skip
+    assert ests[0].peak == ests[1].peak
+    assert ests[0].model_states == ests[1].model_states
+
+
+def test_cast_precision_leaves_the_quantization_state_float32():
+    """precision="bf16-true" casts floating parameters and buffers; bitsandbytes keeps absmax and the
+    codes in float32 (its kernels check it), and so does the estimate."""
+    _bnb()
+    model = _lora_net(apply(Net(), "nf4", double_quant=True))
+    fp32 = memtorch.estimate(model, (4, 512), optimizer="adamw", device="cpu")
+    bf16 = memtorch.estimate(model, (4, 512), optimizer="adamw", device="cpu", precision="bf16-true")
+    assert bf16.model_states["buffer"] == fp32.model_states["buffer"] > 0
+
+
+def test_notes_say_what_the_base_is():
+    _bnb()
+    model = _lora_net(apply(Net(), "nf4", double_quant=True))
+    est = memtorch.estimate(model, (4, 512), optimizer="adamw", device="cpu")
+    line = "nf4 4-bit base weights (bitsandbytes, blocks of 64, double quantization), compute dtype bfloat16"
+    assert line in est.notes
+    plain = memtorch.estimate(Net(), (4, 512), optimizer="adamw", device="cpu")
+    assert not any("bitsandbytes" in n for n in plain.notes)
+    int8 = memtorch.estimate(_lora_net(apply(Net(), "int8")), (4, 512), optimizer="adamw", device="cuda")
+    assert "int8 base weights (bitsandbytes LLM.int8, outlier threshold 6.0)" in int8.notes
+    assert any(n.startswith("int8 on cuda: ") for n in int8.notes)
+
+
+# ---------------------------------------------------------------- cuda: bitsandbytes' kernel choice
+
+
+def test_cuda_takes_bitsandbytes_own_kernel_choice():
+    """bitsandbytes' heuristic (backends/cuda/ops.py _gemm_4bit_use_custom_cuda), run on the modelled
+    GPU: its fused kernel for up to 4 rows of A (_GEMM_4BIT_CUSTOM_FLOOR_M), dequantize + linear for
+    a training step's thousands of rows."""
+    _bnb()
+    from memtorch._estimate_cuda import GPU
+    from memtorch._quantize import _bnb_heuristic
+
+    decide = _bnb_heuristic(GPU("H100", (9, 0), sms=132))
+    assert decide(torch.bfloat16, 1, 4096, 4096) and decide(torch.bfloat16, 4, 4096, 4096)
+    assert not decide(torch.bfloat16, 1024, 4096, 4096)
+
+
+def test_cuda_forward_counts_the_dequantized_weight_only_on_the_fallback():
+    """On cuda, M = 2048 rows take the dequantize-then-linear fallback: the 1024 x 512 bfloat16 weight
+    (1 MiB) is in the forward's peak; 2 rows take the fused kernel, which has none."""
+    _bnb()
+    model = _lora_net(apply(Net(), "nf4"))
+    big = memtorch.estimate(model, (2048, 512), optimizer="adamw", device="cuda", gpu="h100")
+    small = memtorch.estimate(model, (2, 512), optimizer="adamw", device="cuda", gpu="h100")
+    dq = 1024 * 512 * 2
+    act_big = 2048 * (512 * 2 + 1024 * 2 + 1024 * 4)  # x in bfloat16, up's output, its float32 cast: a floor
+    assert big.phases["forward"].peak_above_start >= dq + act_big
+    assert small.phases["forward"].peak_above_start < dq
