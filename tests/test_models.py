@@ -138,6 +138,11 @@ def test_gpt2_with_dropout_within_a_tenth_of_a_percent():
     assert abs(est.peak - measured) <= 0.001 * measured
 
 
+def test_the_package_names():
+    assert memtorch.load_model is models.load_model and memtorch.example_inputs is models.example_inputs
+    assert {"load_model", "example_inputs"} <= set(memtorch.__all__)
+
+
 def test_a_config_file_a_directory_and_a_dtype():
     a = models.load_model(LLAMA / "config.json")
     b = models.load_model(str(LLAMA))
@@ -516,6 +521,8 @@ def test_cli_lora_on_a_callable_target_not_on_a_module_object(tmp_path, monkeypa
         assert json.loads(text)["model_states"]["gradient"] == 4 * ADAPTER_NUMEL  # peft's llama default: q, v
         code, _ = run("estimate", "lm_factories:instance", "--batch", 2, "--seq", 16, "--lora", "r=8")
         assert code == 2 and "is a module object, and peft wraps a model in place" in capsys.readouterr().err
+        code, _ = run("estimate", "lm_factories:make", "--batch", 2, "--seq", 16, "--task", "causal-lm")
+        assert code == 2 and "--task applies to a model id or config" in capsys.readouterr().err
         mod = sys.modules["lm_factories"]
         assert type(mod.instance).__name__ == "LlamaForCausalLM"
         assert not any("lora" in n for n, _ in mod.instance.named_parameters())
