@@ -981,6 +981,11 @@ def _model_flags(p):
         "--lora", metavar="SPEC",
         help="LoRA adapters (peft), e.g. r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05: only they train",
     )  # fmt: skip
+    p.add_argument("--quantize", choices=("nf4", "fp4", "int8"),
+                   help="the base's Linear layers quantized as bitsandbytes stores them (transformers' "
+                        "BitsAndBytesConfig: 4-bit nf4/fp4, blocks of 64, or LLM.int8), compute dtype bfloat16")  # fmt: skip
+    p.add_argument("--double-quant", action="store_true",
+                   help="with --quantize nf4/fp4: the per-block scales quantized too (bnb_4bit_use_double_quant)")  # fmt: skip
     p.add_argument("--task", help="the head of a model id or config (default: its architectures): causal-lm, "
                                   "seq2seq-lm, masked-lm, sequence-classification, image-classification, base, ...")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true",

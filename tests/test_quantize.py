@@ -360,3 +360,39 @@ def test_cuda_forward_counts_the_dequantized_weight_only_on_the_fallback():
     act_big = 2048 * (512 * 2 + 1024 * 2 + 1024 * 4)  # x in bfloat16, up's output, its float32 cast: a floor
     assert big.phases["forward"].peak_above_start >= dq + act_big
     assert small.phases["forward"].peak_above_start < dq
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_quantize_flags():
+    """memtorch estimate CONFIG --quantize nf4 --double-quant: the model load_model builds on the meta
+    device, quantized here; the figure printed is estimate()'s of the same model."""
+    import io
+    import json
+    import pathlib
+
+    _bnb()
+    pytest.importorskip("peft")
+    from memtorch import cli
+
+    config = pathlib.Path(__file__).parent / "data" / "configs" / "llama" / "config.json"
+    argv = ["estimate", str(config), "--batch", "2", "--seq", "32", "--lora", "r=8,targets=q_proj,v_proj",
+            "--quantize", "nf4", "--double-quant", "--device", "cpu"]  # fmt: skip
+    out = io.StringIO()
+    assert cli.main(argv, out=out) == 0
+    text = out.getvalue()
+    assert (
+        "note: nf4 4-bit base weights (bitsandbytes, blocks of 64, double quantization), compute dtype bfloat16"
+        in text
+    )
+    assert "Linear4bit" in text
+    out = io.StringIO()
+    assert cli.main([*argv, "--format", "json"], out=out) == 0
+    model = memtorch.load_model(
+        str(config), lora="r=8,targets=q_proj,v_proj", quantize="nf4", double_quant=True
+    )
+    from memtorch.models import example_inputs
+
+    est = memtorch.estimate(model, example_inputs(model, 2, 32), device="cpu")
+    assert json.loads(out.getvalue())["peak"] == est.peak
