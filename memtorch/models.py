@@ -14,6 +14,7 @@ A source is, in this order:
 2. a Hugging Face model id ("org/name") whose config.json is in the local Hub cache (HF_HUB_CACHE, else
    HF_HOME/hub, else ~/.cache/huggingface/hub): found offline, as transformers finds it;
 3. a timm model name ("resnet50"), when timm is installed: timm.create_model(name, pretrained=False);
+   a timm config.json (a timm/... repository on the Hub: "architecture", no "model_type") is built so too;
 4. an id not in the cache: its config.json alone is downloaded (hf_hub_download), unless HF_HUB_OFFLINE
    or TRANSFORMERS_OFFLINE is set.
 The task head comes from the config's ``architectures`` (LlamaForCausalLM: the causal-LM head), or from
@@ -27,6 +28,7 @@ the model it wraps in place. An already wrapped PeftModel is passed to estimate(
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -169,8 +171,8 @@ def _not_found(source, cache, tried_download, why_download, timm_why):
     else:
         lines.append("  - not downloaded: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set")
     lines.append(
-        "Fetch the config once (hf download ORG/NAME config.json, or unset HF_HUB_OFFLINE), set HF_HOME to the "
-        "cache that holds it, or pass the path of a config.json"
+        f"Fetch its config once (hf download {source} config.json; a gated model after hf auth login), set "
+        "HF_HOME to the cache that holds it, or pass the path of a config.json"
     )
     return MemtorchError("\n".join(lines))
 
@@ -259,13 +261,35 @@ def _build_from_config(path, task, dtype, trust_remote_code):
     return model
 
 
-def _build_timm(timm, name, dtype):
+def _timm_config(path):
+    """The contents of a timm config.json (a timm/... repo on the Hub: "architecture", no "model_type"),
+    or None for any other file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None  # transformers says what is wrong with it
+    if isinstance(data, dict) and isinstance(data.get("architecture"), str) and "model_type" not in data:
+        return data
+    return None
+
+
+def _build_timm(timm, name, dtype, config=None):
+    """timm.create_model(name, pretrained=False) on the meta device; from a timm config.json (``config``),
+    with its number of classes and its input size."""
     torch = _torch()
+    kwargs = {}
+    if config is not None and isinstance(config.get("num_classes"), int):
+        kwargs["num_classes"] = config["num_classes"]
     try:
         with torch.device("meta"):
-            model = timm.create_model(name, pretrained=False)
+            model = timm.create_model(name, pretrained=False, **kwargs)
     except Exception as e:
         raise MemtorchError(f"timm.create_model({name!r}) failed: {type(e).__name__}: {e}") from e
+    size = ((config or {}).get("pretrained_cfg") or {}).get("input_size")
+    if size:
+        # the input size of the weights this config describes (example_inputs reads it)
+        model.pretrained_cfg = {**(getattr(model, "pretrained_cfg", None) or {}), "input_size": tuple(size)}
     return model if dtype is None else model.to(dtype)
 
 
@@ -305,13 +329,16 @@ def load_model(
     dt = _dtype(dtype)
     peft_config = None if lora is None else lora_config(lora)
     kind, where = _resolve(source)
-    if kind == "timm":
+    timm_config = _timm_config(where) if kind == "config" else None
+    if kind == "timm" or timm_config is not None:
         if task is not None:
             raise MemtorchError(
                 f"task={task!r} applies to a Hugging Face config, not to the timm model {source!r}"
             )
-        timm, _ = _timm()
-        model = _build_timm(timm, where, dt)
+        timm, why = _timm()
+        if timm is None:
+            raise MemtorchError(f"{where} is a timm model's config ({timm_config['architecture']}): {why}")
+        model = _build_timm(timm, timm_config["architecture"] if timm_config else where, dt, timm_config)
     else:
         model = _build_from_config(where, task, dt, trust_remote_code)
     model.train()

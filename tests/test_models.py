@@ -234,10 +234,10 @@ class _FakeTimm(types.ModuleType):
     def is_model(self, name):
         return name == "tiny_cnn"
 
-    def create_model(self, name, pretrained=True):
+    def create_model(self, name, pretrained=True, num_classes=5):
         self.calls.append((name, pretrained, torch.empty(0).device.type))
         model = nn.Sequential(
-            nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)
+            nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes)
         )
         model.pretrained_cfg = {"input_size": (3, 32, 32)}
         return model
@@ -255,6 +255,20 @@ def test_a_timm_name(monkeypatch):
     assert est.model_states["parameter"] == (8 * 3 * 3 * 3 + 8 + 8 * 5 + 5) * 4  # by hand
     with pytest.raises(MemtorchError, match="an image model takes no seq"):
         models.example_inputs(model, 4, 16)
+
+
+def test_a_timm_config_from_the_hub(monkeypatch, tmp_path):
+    """A timm/... repository's config.json names the architecture, its classes and its input size."""
+    config = {"architecture": "tiny_cnn", "num_classes": 7, "pretrained_cfg": {"input_size": [3, 48, 48]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fake = _FakeTimm()
+    monkeypatch.setitem(sys.modules, "timm", fake)
+    model = models.load_model(tmp_path)
+    assert fake.calls == [("tiny_cnn", False, "meta")] and model[-1].out_features == 7
+    assert models.example_inputs(model, 2).shape == (2, 3, 48, 48)
+    monkeypatch.setitem(sys.modules, "timm", None)
+    with pytest.raises(MemtorchError, match=r"is a timm model's config \(tiny_cnn\): timm is not installed"):
+        models.load_model(tmp_path)
 
 
 def test_timm_missing_or_broken_is_said(monkeypatch):
