@@ -18,6 +18,10 @@ its source (0.50), named where each is used:
   (4096) elements, or any parameter when optim_bits is 32, keeps ``state1`` (and ``state2``) as float32
   tensors like the parameter; a larger one keeps them as uint8 and a float32 ``absmax1`` (``absmax2``) of
   one entry per block of 256 elements; ``unorm_vec`` (one float32) when max_unorm > 0 (LAMB, LARS).
+- ``Optimizer8bit.get_config``: bitsandbytes' GlobalOptimManager may override optim_bits, min_8bit_size
+  or max_unorm per parameter (``override_config``, ``register_module_override``); transformers' Trainer
+  overrides every nn.Embedding weight to 32 bits when it builds an 8-bit optimizer
+  (``Trainer.create_optimizer``): the TrainingArguments names in BNB_NAMES do the same.
 - ``Optimizer8bit.get_state_buffer``: paged optimizers on a GPU put ``state1``/``state2`` of parameters
   of at least 100000 elements (1e5) in CUDA unified (managed) memory, outside PyTorch's caching
   allocator; on the CPU they are ordinary tensors (bitsandbytes warns and falls back).
@@ -42,26 +46,39 @@ PAGED_MIN = 100000  # Optimizer8bit.get_state_buffer: paged when p.numel() >= 1e
 # bitsandbytes' optimizer_name -> number of state tensors (Optimizer2State or Optimizer1State)
 KINDS = {"adam": 2, "lamb": 2, "lion": 1, "momentum": 1, "rmsprop": 1, "adagrad": 1, "lars": 1}
 
-# memtorch's names -> (kind, optim_bits, is_paged, the defaults of the bitsandbytes class of that name)
+_ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+_LION = {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 0.0, "weight_decay": 0.0}
+# TrainingArguments' defaults (learning_rate 5e-5, adam_beta1/2, adam_epsilon, weight_decay 0)
+_TRAINER = {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+_TRAINER_RMSPROP = {"lr": 5e-5, "betas": (0.99, 0.0), "eps": 1e-8, "weight_decay": 0.0}
+
+# memtorch's names -> (bitsandbytes class, kind, optim_bits, is_paged, settings, trainer). The first group
+# is bitsandbytes' classes built by hand with their defaults; the second TrainingArguments(optim=...)'s
+# names as transformers' Trainer builds them (trainer_optimizer._get_bitsandbytes_optimizer: bnb's AdamW,
+# Lion or RMSprop with optim_bits 8 or 32 and is_paged; Trainer.create_optimizer: with 8-bit state, every
+# nn.Embedding weight's state in 32 bits, through GlobalOptimManager.register_module_override).
 BNB_NAMES = {
-    "adamw8bit": ("adam", 8, False, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}),
-    "adam8bit": ("adam", 8, False, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}),
-    "paged_adamw8bit": (
-        "adam",
-        8,
-        True,
-        {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
-    ),
-    "paged_adamw": ("adam", 32, True, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}),
-    "lion": ("lion", 32, False, {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 0.0, "weight_decay": 0.0}),
-    "lion8bit": ("lion", 8, False, {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 0.0, "weight_decay": 0.0}),
-    "paged_lion8bit": ("lion", 8, True, {"lr": 1e-4, "betas": (0.9, 0.99), "eps": 0.0, "weight_decay": 0.0}),
+    "adamw8bit": ("AdamW8bit", "adam", 8, False, _ADAM, False),
+    "adam8bit": ("Adam8bit", "adam", 8, False, dict(_ADAM, weight_decay=0.0), False),
+    "paged_adamw8bit": ("PagedAdamW8bit", "adam", 8, True, _ADAM, False),
+    "paged_adamw": ("PagedAdamW", "adam", 32, True, _ADAM, False),
+    "lion": ("Lion", "lion", 32, False, _LION, False),
+    "lion8bit": ("Lion8bit", "lion", 8, False, _LION, False),
+    "paged_lion8bit": ("PagedLion8bit", "lion", 8, True, _LION, False),
+    "adamw_bnb_8bit": ("AdamW", "adam", 8, False, _TRAINER, True),
+    "adamw_8bit": ("AdamW", "adam", 8, False, _TRAINER, True),
+    "paged_adamw_8bit": ("AdamW", "adam", 8, True, _TRAINER, True),
+    "paged_adamw_32bit": ("AdamW", "adam", 32, True, _TRAINER, True),
+    "lion_8bit": ("Lion", "lion", 8, False, _TRAINER, True),
+    "lion_32bit": ("Lion", "lion", 32, False, _TRAINER, True),
+    "paged_lion_8bit": ("Lion", "lion", 8, True, _TRAINER, True),
+    "paged_lion_32bit": ("Lion", "lion", 32, True, _TRAINER, True),
+    "rmsprop_bnb": ("RMSprop", "rmsprop", 32, False, _TRAINER_RMSPROP, True),
+    "rmsprop_bnb_8bit": ("RMSprop", "rmsprop", 8, False, _TRAINER_RMSPROP, True),
+    "rmsprop_bnb_32bit": ("RMSprop", "rmsprop", 32, False, _TRAINER_RMSPROP, True),
 }
-# the bitsandbytes class each name builds (for the docs and the tests)
-BNB_CLASSES = {
-    "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit", "paged_adamw8bit": "PagedAdamW8bit",
-    "paged_adamw": "PagedAdamW", "lion": "Lion", "lion8bit": "Lion8bit", "paged_lion8bit": "PagedLion8bit",
-}  # fmt: skip
+# the keys of bitsandbytes' per-parameter configuration (Optimizer8bit.get_config) that change memory
+_MEMORY_KEYS = ("optim_bits", "min_8bit_size", "max_unorm")
 
 
 class BnbStandIn(torch.optim.Optimizer):
@@ -69,10 +86,13 @@ class BnbStandIn(torch.optim.Optimizer):
     adagrad, lamb, lars) allocates, stepping on ``device`` ("cpu" or "cuda": the target of the estimate;
     the parameters may be fake tensors on the CPU for either). The settings are bitsandbytes' own
     (optim_bits, min_8bit_size, is_paged, max_unorm, lr, betas, eps, weight_decay). ``paged`` lists the
-    state tensors that bitsandbytes would put in CUDA managed memory (device "cuda" only)."""
+    state tensors that bitsandbytes would put in CUDA managed memory (device "cuda" only). overrides:
+    {id(parameter): {optim_bits, min_8bit_size, max_unorm}}, per parameter, as bitsandbytes'
+    GlobalOptimManager overrides them (Optimizer8bit.get_config)."""
 
     def __init__(self, params, kind="adam", optim_bits=8, min_8bit_size=4096, is_paged=False, device="cpu",
-                 lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_unorm=0.0, name=None):  # fmt: skip
+                 lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_unorm=0.0, name=None,
+                 overrides=None):  # fmt: skip
         if kind not in KINDS:
             raise ValueError(f"bitsandbytes optimizer {kind!r}: the stand-in knows {', '.join(KINDS)}")
         if optim_bits not in (8, 32):
@@ -85,13 +105,26 @@ class BnbStandIn(torch.optim.Optimizer):
         self.optim_bits, self.min_8bit_size, self.is_paged = optim_bits, min_8bit_size, is_paged
         self.max_unorm, self.device = max_unorm, device
         self.name = name or f"{'paged ' if is_paged else ''}{kind} {optim_bits}-bit"
+        self.overrides = {k: {c: v[c] for c in _MEMORY_KEYS if c in v} for k, v in (overrides or {}).items()}
         self.paged = []
         self.name2qmap = {}
         self._qmaps_on_device = False
         if optim_bits == 8:
-            # fill_qmap(): two 256-entry float32 maps, made without a device (host memory)
-            self.name2qmap["dynamic"] = torch.zeros(QMAP_SIZE, dtype=torch.float32)
-            self.name2qmap["udynamic"] = torch.zeros(QMAP_SIZE, dtype=torch.float32)
+            self._fill_qmap()
+
+    def _fill_qmap(self):
+        # fill_qmap(): two 256-entry float32 maps, made without a device (host memory)
+        self.name2qmap["dynamic"] = torch.zeros(QMAP_SIZE, dtype=torch.float32)
+        self.name2qmap["udynamic"] = torch.zeros(QMAP_SIZE, dtype=torch.float32)
+
+    def _config(self, p):
+        cfg = {
+            "optim_bits": self.optim_bits,
+            "min_8bit_size": self.min_8bit_size,
+            "max_unorm": self.max_unorm,
+        }
+        cfg.update(self.overrides.get(id(p), {}))
+        return cfg
 
     def __repr__(self):
         return f"BnbStandIn({self.name}, min_8bit_size={self.min_8bit_size}, device={self.device!r})"
@@ -112,7 +145,7 @@ class BnbStandIn(torch.optim.Optimizer):
                 state["step"] += 1
                 if self.device == "cpu":
                     self._cpu_update(group, p, state)
-                elif self.max_unorm > 0.0 and state["state1"].dtype == torch.float32:
+                elif self._config(p)["max_unorm"] > 0.0 and state["state1"].dtype == torch.float32:
                     # functional.optimizer_update_32bit: the parameter's norm, before the fused kernel
                     torch.norm(p.data.float())
                 # else on a GPU: one fused kernel, nothing allocated
@@ -127,13 +160,20 @@ class BnbStandIn(torch.optim.Optimizer):
         return buf
 
     def _init_state(self, p, state):
-        eight = self.optim_bits == 8 and p.numel() >= self.min_8bit_size
+        cfg = self._config(p)
+        if cfg["optim_bits"] not in (8, 32):
+            raise ValueError(
+                f"optim_bits must be 8 or 32 (bitsandbytes' state widths), got {cfg['optim_bits']!r}"
+            )
+        eight = cfg["optim_bits"] == 8 and p.numel() >= cfg["min_8bit_size"]
         state["step"] = 0
         if not eight:
             state["state1"] = self._buffer(p, torch.float32)
             if self.states == 2:
                 state["state2"] = self._buffer(p, torch.float32)
         else:
+            if "dynamic" not in self.name2qmap:  # a 32-bit optimizer with a parameter overridden to 8 bits
+                self._fill_qmap()
             if self.device == "cuda" and not self._qmaps_on_device:
                 # .to(p.device): a copy of each map on the GPU (the 1-state optimizers move only 'dynamic');
                 # the host maps are dropped as name2qmap takes the copies
@@ -150,7 +190,7 @@ class BnbStandIn(torch.optim.Optimizer):
             state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
             if self.states == 2:
                 state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
-        if self.max_unorm > 0.0:
+        if cfg["max_unorm"] > 0.0:
             state["unorm_vec"] = torch.zeros((1,), device=p.device)
 
     # -- the CPU step (bitsandbytes/backends/cpu/ops.py) -------------------------------------------------
@@ -164,7 +204,8 @@ class BnbStandIn(torch.optim.Optimizer):
 
     def _cpu_32bit(self, group, p, g, state):
         # functional.optimizer_update_32bit: the parameter's norm when max_unorm > 0 (LAMB, LARS)
-        param_norm = torch.norm(p.data.float()) if self.max_unorm > 0.0 else 0.0
+        max_unorm = self._config(p)["max_unorm"]
+        param_norm = torch.norm(p.data.float()) if max_unorm > 0.0 else 0.0
         b1, b2 = group["betas"][0], group["betas"][1]
         eps, wd, lr, step = group["eps"], group["weight_decay"], group["lr"], state["step"]
         s1, s2 = state["state1"], state.get("state2")
@@ -178,7 +219,7 @@ class BnbStandIn(torch.optim.Optimizer):
             if wd > 0.0:
                 p_float.mul_(1.0 - lr * wd)
             update = s1 / (s2.sqrt() + eps * c2)
-            scale = self._norm_scale(update, state, param_norm)
+            scale = self._norm_scale(update, state, param_norm, max_unorm)
             p_float.add_(update, alpha=-lr * c2 / c1 * scale)
         elif self.kind in ("momentum", "lars"):
             g_wd = g_float.add(p_float, alpha=wd) if wd > 0.0 else g_float
@@ -186,7 +227,7 @@ class BnbStandIn(torch.optim.Optimizer):
                 s1.copy_(g_wd)
             else:
                 s1.mul_(b1).add_(g_wd)
-            scale = self._norm_scale(s1, state, param_norm)
+            scale = self._norm_scale(s1, state, param_norm, max_unorm)
             p_float.add_(s1, alpha=-lr * scale)
         elif self.kind == "lion":
             if wd > 0.0:
@@ -198,7 +239,7 @@ class BnbStandIn(torch.optim.Optimizer):
             g_wd = g_float.add(p_float, alpha=wd) if wd > 0.0 else g_float
             s1.mul_(b1).addcmul_(g_wd, g_wd, value=1.0 - b1)
             update = g_wd / (s1.sqrt() + eps)
-            scale = self._norm_scale(update, state, param_norm)
+            scale = self._norm_scale(update, state, param_norm, max_unorm)
             p_float.add_(update, alpha=-lr * scale)
         else:  # adagrad
             g_wd = g_float.add(p_float, alpha=wd) if wd > 0.0 else g_float
@@ -207,13 +248,13 @@ class BnbStandIn(torch.optim.Optimizer):
             p_float.add_(update, alpha=-lr)
         p.data.copy_(p_float)
 
-    def _norm_scale(self, update, state, param_norm):
+    def _norm_scale(self, update, state, param_norm, max_unorm):
         # _compute_update_norm_and_scale: the update's norm, read as a number, when max_unorm > 0
-        if self.max_unorm <= 0.0:
+        if max_unorm <= 0.0:
             return 1.0
         unorm = torch.norm(update).item()
         state["unorm_vec"].fill_(unorm)
-        limit = self.max_unorm * float(param_norm)
+        limit = max_unorm * float(param_norm)
         return limit / unorm if unorm > limit and unorm > 0 else 1.0
 
     def _cpu_8bit(self, group, p, g, state):
@@ -281,9 +322,11 @@ def is_bnb(optimizer):
     return type(optimizer).__module__.split(".")[0] == "bitsandbytes" and hasattr(optimizer, "optimizer_name")
 
 
-def from_bnb(optimizer, params, device):
+def from_bnb(optimizer, params, device, originals=None):
     """The stand-in for a bitsandbytes optimizer instance, with its settings (optimizer_name, optim_bits,
-    min_8bit_size, is_paged, max_unorm, its defaults), over ``params``."""
+    min_8bit_size, is_paged, max_unorm, its defaults), over ``params``; ``originals``: the real parameters
+    the params stand for, in order (None: params themselves), whose overrides in bitsandbytes'
+    GlobalOptimManager (optimizer.mng) are carried over."""
     kind = getattr(optimizer, "optimizer_name", None)
     if kind not in KINDS:
         raise ValueError(
@@ -297,11 +340,37 @@ def from_bnb(optimizer, params, device):
         is_paged=bool(getattr(optimizer, "is_paged", False)), device=device, lr=d.get("lr", 1e-3),
         betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8), weight_decay=d.get("weight_decay", 0.0),
         max_unorm=getattr(args, "max_unorm", 0.0), name=type(optimizer).__name__,
+        overrides=_manager_overrides(getattr(optimizer, "mng", None), params, originals),
     )  # fmt: skip
 
 
-def by_name(name, params, device):
-    """The stand-in of one of BNB_NAMES, with the defaults of the bitsandbytes class of that name."""
-    kind, bits, paged, defaults = BNB_NAMES[name]
-    return BnbStandIn(params, kind=kind, optim_bits=bits, is_paged=paged, device=device, name=BNB_CLASSES[name],
-                      **defaults)  # fmt: skip
+def by_name(name, params, device, originals=None, model=None):
+    """The stand-in of one of BNB_NAMES. A Trainer's name (TrainingArguments.optim) with 8-bit state keeps
+    the state of ``model``'s nn.Embedding weights in 32 bits, as Trainer.create_optimizer does
+    (``originals``: the real parameters the params stand for, in order; None: params themselves)."""
+    cls, kind, bits, paged, settings, trainer = BNB_NAMES[name]
+    overrides = None
+    if trainer and bits == 8 and model is not None:
+        params = list(params)
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        overrides = {
+            id(f): {"optim_bits": 32} for f, r in zip(params, originals or params) if id(r) in embeddings
+        }
+    label = f"{cls} (TrainingArguments optim={name!r})" if trainer else cls
+    return BnbStandIn(params, kind=kind, optim_bits=bits, is_paged=paged, device=device, name=label,
+                      overrides=overrides, **settings)  # fmt: skip
+
+
+def _manager_overrides(mng, params, originals):
+    """{id(param): config} from bitsandbytes' GlobalOptimManager: its per-parameter configurations
+    (pid2config) and its module overrides (module_weight_config_triple, applied by the first step's
+    check_overrides, which replaces the parameter's configuration)."""
+    if mng is None:
+        return None
+    by_id = dict(getattr(mng, "pid2config", {}) or {})
+    for module, attr, config in getattr(mng, "module_weight_config_triple", ()) or ():
+        w = getattr(module, attr, None)
+        if w is not None:
+            by_id[id(w)] = config
+    params = list(params)
+    return {id(f): by_id[id(r)] for f, r in zip(params, originals or params) if id(r) in by_id}

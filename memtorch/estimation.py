@@ -71,6 +71,10 @@ OPTIMIZERS = (
     "sgd-fused", "sgd-momentum-fused", "adam-fused", "adamw-fused", "amsgrad-fused", "adagrad-fused",
     # bitsandbytes' (memtorch._optimizers: stand-ins with their state rules; bitsandbytes need not be installed)
     "adamw8bit", "adam8bit", "paged_adamw8bit", "paged_adamw", "lion", "lion8bit", "paged_lion8bit",
+    # TrainingArguments(optim=...)'s bitsandbytes names, as transformers' Trainer builds them (8-bit state:
+    # nn.Embedding weights' in 32 bits)
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit",
+    "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
     # transformers' Adafactor as TrainingArguments(optim="adafactor") builds it; torch.optim.Adafactor
     "adafactor", "adafactor-torch", "adafactor-torch-foreach",
 )  # fmt: skip
@@ -105,17 +109,19 @@ def default_loss(output, *inputs, **kw_inputs):
     return loss(output, *inputs, **kw_inputs)
 
 
-def _make_optimizer(optimizer, params, device, allow_item=None):
+def _make_optimizer(optimizer, params, device, allow_item=None, originals=None, model=None):
     """The optimizer estimate() steps over ``params`` (fake tensors in a dry run) for the target ``device``:
     a name of OPTIMIZERS, a copy of an optimizer's class and settings, or what a factory returns.
     bitsandbytes' optimizers (an instance, or what a factory returns) become their stand-ins
     (memtorch._optimizers) with the same settings: their own step cannot run on fake tensors.
     allow_item: the dry run's switch that lets .item() answer (a bitsandbytes constructor called by a
-    factory reads the quantization map it builds)."""
+    factory reads the quantization map it builds). originals: the user's parameters that ``params``
+    stand for, in order, and model: theirs (bitsandbytes' per-parameter overrides, the Trainer's 32-bit
+    embeddings)."""
     torch = _torch()
     if isinstance(optimizer, torch.optim.Optimizer):
         if _is_bnb(optimizer):
-            return _stand_in(optimizer, params, device)
+            return _stand_in(optimizer, params, device, originals)
         # defaults may hold keys the constructor does not take (AdamW: decoupled_weight_decay)
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
@@ -135,14 +141,14 @@ def _make_optimizer(optimizer, params, device, allow_item=None):
             )
         if _is_bnb(opt):
             # its state is not made yet; what its constructor allocated goes with it
-            return _stand_in(opt, params, device)
+            return _stand_in(opt, params, device, originals)
         return opt
     name = optimizer.lower()
     if name in _BNB_NAMES:
         # lazy: the stand-ins subclass torch.optim.Optimizer (importing estimation stays torch-free)
         from . import _optimizers
 
-        return _optimizers.by_name(name, params, device)
+        return _optimizers.by_name(name, params, device, originals, model)
     variant = {}
     base = name
     for suffix, kw in (("-foreach", {"foreach": True}), ("-fused", {"fused": True})):
@@ -174,7 +180,7 @@ def _make_optimizer(optimizer, params, device, allow_item=None):
 
 
 # the names memtorch._optimizers builds (kept here so that checking a name loads nothing)
-_BNB_NAMES = ("adamw8bit", "adam8bit", "paged_adamw8bit", "paged_adamw", "lion", "lion8bit", "paged_lion8bit")
+_BNB_NAMES = OPTIMIZERS[OPTIMIZERS.index("adamw8bit") : OPTIMIZERS.index("adafactor")]
 
 
 def _is_bnb(optimizer):
@@ -182,12 +188,12 @@ def _is_bnb(optimizer):
     return type(optimizer).__module__.split(".")[0] == "bitsandbytes" and hasattr(optimizer, "optimizer_name")
 
 
-def _stand_in(optimizer, params, device):
+def _stand_in(optimizer, params, device, originals=None):
     # lazy: the stand-ins subclass torch.optim.Optimizer (importing estimation stays torch-free)
     from . import _optimizers
 
     try:
-        return _optimizers.from_bnb(optimizer, params, device)
+        return _optimizers.from_bnb(optimizer, params, device, originals)
     except ValueError as e:
         raise MemtorchError(str(e)) from None
 
@@ -721,7 +727,9 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         # its constructor too: Adagrad makes its state there
         on_host = functools.partial(host_factories, ledger) if cuda_state is not None else contextlib.nullcontext
         with on_host():
-            opt = _make_optimizer(optimizer, opt_params, device, allow_item)
+            originals = [p for (_, p), (_, f) in zip(params, fparams) if f.requires_grad]
+            opt = _make_optimizer(optimizer, opt_params, device, allow_item, originals, model)
+            del originals
         if device == "cuda":
             stack.enter_context(_capturable_on_fakes(opt))
         facts["optimizer_name"] = optimizer if isinstance(optimizer, str) else type(opt).__name__
@@ -929,8 +937,13 @@ def estimate(
     state (parameters of 1e5 elements or more) is CUDA managed memory:
     counted in the peak as device memory, named in a note, though
     torch.cuda's counters do not show it and the driver may page it out.
-    transformers' Trainer with optim="adamw_bnb_8bit" also keeps
-    nn.Embedding weights' state in 32 bits: not the name adamw8bit.
+    TrainingArguments' names (adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit,
+    paged_adamw_32bit, lion_8bit, lion_32bit, paged_lion_8bit,
+    paged_lion_32bit, rmsprop_bnb, rmsprop_bnb_8bit, rmsprop_bnb_32bit) are
+    the optimizers transformers' Trainer builds: with 8-bit state it keeps
+    nn.Embedding weights' state in 32 bits (adamw8bit does not). A
+    bitsandbytes instance's GlobalOptimManager overrides (optim_bits,
+    min_8bit_size per parameter) are carried over.
     loss_fn(output, *inputs) -> loss (inputs as given, the mapping included);
     default: the output's .loss when it has one (a Hugging Face model given
     labels), else the sum of the output's floating-point tensors. precision:

@@ -237,6 +237,112 @@ def test_bitsandbytes_is_not_imported_by_the_names():
     assert out.stdout.strip() == "False"
 
 
+# ---------------------------------------------------------------- TrainingArguments' names, as the Trainer builds them
+
+TRAINER_NAMES = [
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit",
+    "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+]  # fmt: skip
+
+
+class Tagger(nn.Module):
+    # an embedding of 6400 elements: 8-bit state by bitsandbytes' size rule, 32-bit under the Trainer
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 64)
+        self.fc = nn.Linear(64, 128)
+        self.out = nn.Linear(128, 16)
+
+    def forward(self, ids):
+        return self.out(self.fc(self.emb(ids)).relu())
+
+
+@pytest.fixture
+def bnb_manager():
+    """bitsandbytes' GlobalOptimManager, emptied after the test (the Trainer registers its module
+    overrides there, process-wide)."""
+    b = bnb()
+    mng = b.optim.GlobalOptimManager.get_instance()
+    yield mng
+    mng.initialize()
+
+
+@pytest.mark.parametrize("name", TRAINER_NAMES)
+def test_trainer_names_match_the_trainers_optimizer(name, bnb_manager, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    transformers.logging.set_verbosity_error()
+    warm_up()
+    torch.manual_seed(0)
+    model = Tagger()
+    ids = torch.randint(0, 100, (8, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), optim=name, report_to=[], use_cpu=True
+        )
+        opt = transformers.Trainer(model=model, args=args).create_optimizer()
+        # what the estimate holds from the start and the measurement does not: parameters, input, the
+        # optimizer's quantization maps (made by its constructor)
+        before = (
+            sum(p.untyped_storage().nbytes() for p in model.parameters()) + ids.untyped_storage().nbytes()
+        )
+        before += sum(q.untyped_storage().nbytes() for q in opt.name2qmap.values())
+        cpu.start()
+        gc.collect()
+        base = cpu.allocated()
+        with memtorch.track(model, optimizer=opt) as t:
+            for _ in range(2):
+                out = model(ids)
+                loss = out.sum()
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                out = None
+    assert t.report.exact
+    emb = opt.state[model.emb.weight]["state1"].dtype
+    assert emb == torch.float32  # the Trainer's override (8-bit runs) or 32-bit state throughout
+    est = memtorch.estimate(model, ids, optimizer=name, device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == t.report.peak - base + before
+
+
+def test_trainer_override_applies_to_embeddings_only():
+    # by hand: adamw_bnb_8bit keeps the 6400-element embedding's two states in float32; adamw8bit does not
+    model, ids = Tagger(), torch.zeros(8, 4, dtype=torch.long)
+    trainer = memtorch.estimate(model, ids, optimizer="adamw_bnb_8bit", device="cpu")
+    plain = memtorch.estimate(model, ids, optimizer="adamw8bit", device="cpu")
+    eight = 2 * 6400 + 2 * 4 * 25
+    assert trainer.model_states["optimizer_state"] - plain.model_states["optimizer_state"] == 8 * 6400 - eight
+
+
+def test_a_bnb_instance_keeps_its_manager_overrides(bnb_manager):
+    # GlobalOptimManager.override_config: fc.weight (8192 elements) in 32 bits
+    b = bnb()
+    torch.manual_seed(0)
+    warm_up()
+    cpu.start()
+    gc.collect()
+    base = cpu.allocated()
+    model, x = make_model(), make_input()
+    bnb_manager.override_config(model[0].weight, "optim_bits", 32)
+    opt = b.optim.AdamW8bit(model.parameters())
+    with memtorch.track(model, optimizer=opt) as t:
+        for _ in range(2):
+            out = model(x)
+            loss = out.sum()
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out = None
+    assert opt.state[model[0].weight]["state1"].dtype == torch.float32
+    est = memtorch.estimate(model, x, optimizer=opt, device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == t.report.peak - base
+
+
 # ---------------------------------------------------------------- Adafactor and the torch names
 
 
@@ -275,9 +381,13 @@ def test_names_are_listed_and_checked():
 
 def test_sharded_8bit_state_says_what_is_not_modelled():
     model = make_model()
-    zero2 = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu", world_size=2, sharding="zero2")
+    zero2 = memtorch.estimate(
+        model, make_input(), optimizer="adamw8bit", device="cpu", world_size=2, sharding="zero2"
+    )
     assert any("min_8bit_size" in n and "not modelled" in n for n in zero2.notes)
-    ddp = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu", world_size=2, sharding="ddp")
+    ddp = memtorch.estimate(
+        model, make_input(), optimizer="adamw8bit", device="cpu", world_size=2, sharding="ddp"
+    )
     assert not any("min_8bit_size" in n for n in ddp.notes)
     # under DDP every rank holds the whole state
     one = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu")
