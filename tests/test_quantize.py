@@ -333,6 +333,27 @@ def test_notes_say_what_the_base_is():
     assert any(n.startswith("int8 on cuda: ") for n in int8.notes)
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_estimate_leaves_the_quantized_model_as_it_was(kind):
+    """The dry run gives its fake weights a quantization state (4-bit) or a state of their own for the
+    call (int8): the model's real state, its bias's dtype and its output are the same afterwards."""
+    _bnb()
+    model = _lora_net(apply(Net(), kind))
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        before = model(x)
+    up = model.base_model.model.up.base_layer
+    state = (up.weight.quant_state, up.weight.data_ptr()) if kind == "nf4" else (up.state.CB, up.state.SCB)
+    biases = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters() if n.endswith("bias")}
+    memtorch.estimate(model, x, optimizer="adamw", device="cpu")
+    memtorch.estimate(model, x, optimizer="adamw", device="cuda")
+    after_state = (up.weight.quant_state, up.weight.data_ptr()) if kind == "nf4" else (up.state.CB, up.state.SCB)
+    assert all(a is b or a == b for a, b in zip(after_state, state))
+    assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters() if n.endswith("bias")} == biases
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
 # ---------------------------------------------------------------- cuda: bitsandbytes' kernel choice
 
 
