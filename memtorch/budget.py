@@ -365,12 +365,16 @@ def breakdown(report, modules=5, tensors=5, owners=5):
 
         rate = "n/a" if per_step is None else format_rate(per_step)
         how = "" if _get(leak, "exact", True) else f" (not exact: {_get(leak, 'why') or 'see the notes'})"
-        lines.append(f"  leak: {rate} per step{how}, {len(survivors)} surviving tensor(s)")
+        groups = list(_get(leak, "groups") or [])
+        kept = sum(_get(g, "count", 0) for g in groups if _get(g, "expected") is None) if groups else len(survivors)
+        lines.append(f"  leak: {rate} per step{how}, {kept} tensor(s) kept unexpectedly")
         for g in list(_get(leak, "groups") or [])[:5]:
             if hasattr(g, "describe"):
                 lines.append(f"    kept: {g.describe(_get(leak, 'steps_after'))}")
+    said = set(at_peak.notes) if at_peak is not None else set()
     for c in list(_get(report, "caveats") or []):
-        lines.append(f"  note: {c}")
+        if c not in said:  # one note for one fact: at_peak's notes are printed above
+            lines.append(f"  note: {c}")
     return "\n".join(lines)
 
 

@@ -802,19 +802,19 @@ def at_peak_html(at_peak, limit=15):
 
 def leak_report_text(leak):
     """The verdict with its evidence, then what is not exact, the tensors kept and the notes."""
-    from fractions import Fraction
-
     if leak.per_step is None:
         return f"leak: not judged ({len(leak.steps)} step(s), warm-up {leak.warmup})"
     ev = leak.evidence
     grew = ev["steps_that_grew"]
+    rate = leak.per_step
+    # the rate exactly, where its decimals do not hold it ("-≈227.556 B" is -2,048/9 B)
+    exact = "" if "≈" not in format_rate(rate) else f" = {rate.numerator:,}/{rate.denominator:,} B per step exactly"
     shown = ", ".join(str(s) for s in grew[:8]) + (", ..." if len(grew) > 8 else "")
     head = (
         f"leak: {format_rate(leak.per_step)} per step after {leak.warmup} warm-up step(s)"
         f"{' (LEAKING)' if leak.leaking else ''}{'' if leak.exact else ' (NOT EXACT)'}: net "
         f"{units.format_delta(ev['net_growth'])} over "
-        f"{ev['judged_steps']} judged step(s), grew in {len(grew)}" + (f" (step {shown})" if grew else "")
-        + f", slope {format_rate(Fraction(ev['slope_per_step']).limit_denominator(1000))} per step"
+        f"{ev['judged_steps']} judged step(s){exact}, grew in {len(grew)}" + (f" (step {shown})" if grew else "")
     )
     lines = [head]
     if not leak.exact:

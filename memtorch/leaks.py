@@ -3,8 +3,9 @@
 Judging: the bytes allocated at each step boundary (t.step()) after the warm-up
 steps. A run leaks when its net growth is positive and it grew in at least two
 judged steps, or in every judged step: a tensor kept every 50th step is caught,
-a cache filled once is not. The evidence (steps that grew, net growth, the
-least-squares slope per step) goes into the report.
+a cache filled once is not. One rate: the net growth over the judged steps, an
+exact fraction of bytes; the evidence (steps that grew, net growth, the largest
+step's growth) goes into the report.
 
 Naming, bounded: live tensors are listed by walking the garbage collector's
 objects at most twice per block (once at the first judged step that grew, to

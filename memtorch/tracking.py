@@ -878,6 +878,10 @@ _FRESH = dict(
     _forwards=0,
     _scan0=None,  # leaks.Scan at the first judged step that grew
     _scan0_step=None,
+    # the survivors named as the function that called step() returned (a pytest test whose block ends
+    # after it: its locals are gone by then): (groups, survivors, notes, function name), or None
+    _return_scan=None,
+    _return_armed=None,  # the trace function armed for that return (removed at the block's end)
     _step_scope=None,
     _adopting=False,  # the optimizer is the first that steps the model's parameters (_hook_any_optimizer)
 )
@@ -894,6 +898,8 @@ class Tracker:
     _evmode = False
     _with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
     _quick = False  # an open counters-only block (_enter_counters)
+    _return_armed = None  # the trace function of _arm_return_scan, while armed
+    _return_scan = None
     _scope = None
     _raw = None  # its C scope's opening tuple and processes, until a Scope is made
     _marks = None
@@ -1596,6 +1602,8 @@ class Tracker:
 
     def _cleanup(self):
         """Remove every hook and close every scope; never raises for a closed block."""
+        self._disarm_return_scan()
+        self._return_scan = None
         if self._quick:
             self._quick = False
             try:
@@ -1748,8 +1756,15 @@ class Tracker:
             growth = [b - a for a, b in zip(self._boundaries, self._boundaries[1:])]
             warm = min(self._warmup, steps)
             groups, survivors, notes = [], [], []
+            self._disarm_return_scan()
             if self._scan0 is not None and leaks.judge(growth, warm)[0]:
                 groups, survivors, notes = self._leak_groups(steps)
+                if not groups and self._return_scan is not None and self._return_scan[0]:
+                    *found, function = self._return_scan
+                    groups, survivors, notes = found
+                    notes = list(notes) + [f"the tensors kept were named as `{function}` returned, before the "
+                                           "block ended: its locals, which held them, were gone by then"]
+            self._return_scan = None
             after = None if self._scan0_step is None else steps - self._scan0_step
             leak = LeakReport(growth, warm, survivors, exact, groups, notes, after)
         largest = []
@@ -1833,6 +1848,48 @@ class Tracker:
             # the first judged step that grew: what lives now is not a survivor of later steps
             self._scan0 = leaks.Scan(_torch().Tensor, _torch().optim.Optimizer, self._kind)
             self._scan0_step = k
+            self._arm_return_scan()
+
+    def _arm_return_scan(self):
+        """Name the survivors again as the function that calls step() returns, while its locals live.
+
+        A block that ends after that function (the pytest plugin's, around a test) would find the
+        containers that kept tensors (a ``losses`` list) gone. A trace function on that one frame sees
+        its return; the global one returns None for every other frame (no line events anywhere). Left
+        alone when a tracer already runs (a debugger, coverage): then the block's end names what it can.
+        """
+        if sys.gettrace() is not None:
+            return
+        frame = sys._getframe(2)  # step()'s caller, outside this module
+        while frame is not None and frame.f_code.co_filename.startswith(leaks._HERE):
+            frame = frame.f_back
+        if frame is None:
+            return
+        me = weakref.ref(self)
+        name = frame.f_code.co_name
+
+        def on_frame(_frame, event, _arg):
+            t = me()
+            if event == "return" and t is not None and t._open and t._return_armed is not None:
+                t._disarm_return_scan()
+                t._return_scan = (*t._leak_groups(len(t._boundaries) - 1), name)
+                return None
+            return on_frame
+
+        def on_call(_frame, _event, _arg):
+            return None  # no other frame is traced
+
+        frame.f_trace_lines = False
+        frame.f_trace = on_frame
+        del frame
+        self._return_armed = on_call
+        sys.settrace(on_call)
+
+    def _disarm_return_scan(self):
+        if self._return_armed is not None:
+            if sys.gettrace() is self._return_armed:
+                sys.settrace(None)
+            self._return_armed = None
 
     def _leak_groups(self, steps):
         """Group the tensors new since the first growing step and alive now (bounded)."""

@@ -26,6 +26,18 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact C
 # Row 13: leak rates are exact fractions of bytes
 
 
+def test_a_leak_has_one_rate_and_says_it_exactly():
+    # issue 37: a shrinking run printed "-≈227.556 B per step ... slope -≈111.709 B per step"
+    from memtorch.reports.leaks import LeakReport
+
+    leak = LeakReport([0, -2048] + [0] * 8, 1, [], True)
+    text = str(leak)
+    assert leak.per_step == Fraction(-2048, 9) and "slope" not in text and "slope_per_step" not in leak.evidence
+    assert text.startswith("leak: -≈227.556 B per step after 1 warm-up step(s): net -2.0 KiB over 9 judged "
+                           "step(s) = -2,048/9 B per step exactly, grew in 0")  # fmt: skip
+    assert "exactly" not in str(LeakReport([0, 4, 4, 4], 1, [], True))  # +4 B: its decimals hold it
+
+
 @linux
 @pytest.mark.slow  # 2,000 steps / 140,000 events / a fresh interpreter: 1.5-6 s here
 def test_a_leak_rate_is_an_exact_fraction_never_floored_into_a_passing_budget():

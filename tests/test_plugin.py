@@ -210,6 +210,34 @@ def test_leak_budget_with_steps(pytester, run):
     result.stdout.fnmatch_lines(["a leak budget needs a per-step leak figure*memtorch_tracker.step()*"])
 
 
+def test_a_leak_failure_names_the_local_list_that_kept_the_tensors(pytester, run):
+    # the block ends after the test returns, when its `losses` is gone: the containers are named as
+    # the test returns (a trace on that one frame), and no tracer is left behind
+    pytester.makepyfile(
+        test_losses="""
+        import sys, pytest, torch
+
+        @pytest.mark.memory_budget(leak="1 B", device="cpu")
+        def test_train(memtorch_tracker):
+            w = torch.ones(8, requires_grad=True)
+            losses = []
+            for _ in range(6):
+                loss = (w * 2).sum()
+                loss.backward()
+                losses.append(loss)                # kept: a scalar holding its graph, every step
+                memtorch_tracker.step()
+
+        def test_no_tracer_left():
+            assert sys.gettrace() is None
+        """
+    )
+    result = run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*leak: +4 B per step, * tensor(s) kept unexpectedly*"])
+    result.stdout.fnmatch_lines(["*kept: * tensors float32[[]], * holding autograd graphs*in list `losses` (local of `test_train`)*"])
+    assert not any("surviving tensor" in line for line in result.outlines)
+
+
 BAD_MARKERS = {
     "test_unparsable_size": ('peak="lots"', "peak='lots': cannot parse size 'lots'"),
     "test_unknown_unit": ('peak="64 MiBs"', "peak='64 MiBs': unknown unit 'MiBs'"),

@@ -90,19 +90,10 @@ def judge(growth: list[int], warmup: int) -> tuple[bool, Fraction | None, dict[s
     net = sum(judged)
     grew = [warmup + i + 1 for i, g in enumerate(judged) if g > 0]
     n = len(judged)
-    # least-squares slope of the boundaries after warm-up (bytes per step)
-    ys = [0]
-    for g in judged:
-        ys.append(ys[-1] + g)
-    xs = range(len(ys))
-    mx = sum(xs) / len(ys)
-    my = sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
     leaking = net > 0 and (len(grew) >= 2 or len(grew) == n)
+    # one rate: the net growth over the judged steps (the slope from the first judged boundary to the last)
     evidence = {
-        "judged_steps": n, "steps_that_grew": grew, "net_growth": int(net), "slope_per_step": float(slope),
-        "largest_step_growth": int(max(judged)),
+        "judged_steps": n, "steps_that_grew": grew, "net_growth": int(net), "largest_step_growth": int(max(judged)),
     }  # fmt: skip
     # exact: 7,996 B over 2,000 steps is 3.998 B a step, never floored to 3 (a budget of 3 B must fail)
     return leaking, Fraction(int(net), n), evidence
@@ -171,7 +162,7 @@ class LeakReport(Report):
     per_step: "Fraction | None" = field(init=False, json=_rate_json)
     # the run grew in two or more judged steps (or every one) and its net growth is positive
     leaking: bool = field(init=False, json=bool)
-    # {judged_steps, steps_that_grew, net_growth, slope_per_step, largest_step_growth}
+    # {judged_steps, steps_that_grew, net_growth, largest_step_growth}
     evidence: dict = field(init=False)
 
     def __post_init__(self):
