@@ -3,8 +3,8 @@ BitsAndBytesConfig does, so that estimate() runs bitsandbytes' real modules on i
 
 ``apply(model, "nf4" | "fp4" | "int8")`` returns a copy of the model whose Linear layers are
 bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, with their weights already quantized: the packed
-weight and the quantization state bitsandbytes keeps, tensor for tensor (shapes, dtypes, which
-tensors are shared). On the meta device (a model memtorch built from a config) nothing is
+weight and the quantization state bitsandbytes keeps, tensor for tensor (shapes, dtypes). On the
+meta device (a model memtorch built from a config) nothing is
 allocated; a model holding real weights is quantized by bitsandbytes itself. peft's LoRA then wraps
 these layers as it wraps a model loaded in 4 or 8 bits (its bitsandbytes LoRA layers).
 
@@ -29,6 +29,15 @@ cast of the model's floating tensors (``model.half()``, estimate's ``precision="
 them float32, as bitsandbytes keeps them. In the dry run the weight is a plain fake tensor, so a
 forward pre-hook gives it a QuantState (4-bit) or the layer's state its CB/SCB (int8) made of the
 fake buffers.
+
+The step: bitsandbytes' Python code runs as it is (its autograd functions, peft's bitsandbytes
+LoRA layers); its operators have fake kernels, and the 4-bit matmul, whose fake kernel shows only
+its output, runs as the target device's kernel allocates (kernel_rules: the dequantized weight).
+Measured against track() of a real LoRA step on the CPU (tests/test_quantize.py): 32 B under, as
+the same Llama without quantization. Not modelled: int8 on cuda (bitsandbytes' LLM.int8 matmul,
+whose outlier columns depend on the data: the estimate takes its CPU path and says so), and the
+first forward of a Linear4bit whose bias is not in the compute dtype (bitsandbytes casts it in
+place and 4 bytes per bias element stay allocated, measured on the CPU).
 """
 
 import re
