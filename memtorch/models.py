@@ -350,17 +350,11 @@ def load_model(
 
 
 def _quantized(model, quantize, double_quant, compute_dtype):
-    import importlib
+    """The built model's linear layers quantized as bitsandbytes stores them (memtorch._quantize)."""
+    # lazy: the quantized layers (and bitsandbytes) load only when quantize= is given
+    from . import _quantize
 
-    try:
-        # lazy: memtorch._quantize (floor 2, the 4-bit and 8-bit storage) is loaded by name, only on this
-        # path: it is a separate part that an install may not have yet
-        quant = importlib.import_module("memtorch._quantize")
-    except ImportError:
-        raise MemtorchError(
-            f"quantize={quantize!r}: this install of memtorch has no quantization (memtorch._quantize)"
-        ) from None
-    return quant.apply(model, quantize, double_quant=double_quant, compute_dtype=compute_dtype)
+    return _quantize.apply(model, quantize, double_quant=double_quant, compute_dtype=compute_dtype)
 
 
 # ---------------------------------------------------------------- LoRA

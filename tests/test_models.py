@@ -347,23 +347,20 @@ def test_load_model_refusals(tmp_path):
 @needs_peft
 def test_quantize_goes_to_memtorch_quantize(monkeypatch):
     """load_model(quantize=) hands the built model to memtorch._quantize.apply, before LoRA."""
+    import memtorch._quantize
+
     seen = []
-    fake = types.ModuleType("memtorch._quantize")
 
     def apply(model, quantize, *, double_quant=False, compute_dtype=None):
         seen.append((type(model).__name__, quantize, double_quant, compute_dtype))
         return model
 
-    fake.apply = apply
-    monkeypatch.setitem(sys.modules, "memtorch._quantize", fake)
+    monkeypatch.setattr(memtorch._quantize, "apply", apply)
     model = models.load_model(
         LLAMA, quantize="nf4", double_quant=True, compute_dtype=torch.bfloat16, lora="r=2"
     )
     assert seen == [("LlamaForCausalLM", "nf4", True, torch.bfloat16)]
     assert type(model).__name__ == "PeftModelForCausalLM"
-    monkeypatch.setitem(sys.modules, "memtorch._quantize", None)
-    with pytest.raises(MemtorchError, match="has no quantization"):
-        models.load_model(LLAMA, quantize="nf4")
 
 
 # ---------------------------------------------------------------- LoRA
@@ -458,6 +455,21 @@ def test_a_users_peft_model_is_estimated_as_it_is():
     ours = models.load_model(LLAMA, lora="r=8,alpha=16,targets=q_proj,v_proj,dropout=0.05")
     again = memtorch.estimate(ours, models.example_inputs(ours, 2, 16), device="cpu")
     assert est.peak == again.peak and est.model_states == again.model_states
+
+
+@needs_peft
+def test_qlora_the_adapters_over_4bit_layers():
+    """quantize= then lora=: peft's adapters sit on bitsandbytes' Linear4bit, and only they train."""
+    pytest.importorskip("bitsandbytes")
+    model = models.load_model(
+        LLAMA, quantize="nf4", lora="r=8,targets=q_proj,v_proj", compute_dtype=torch.float32
+    )
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q.base_layer).__name__ == "Linear4bit" and {p.device.type for p in model.parameters()} == {
+        "meta"
+    }
+    est = memtorch.estimate(model, models.example_inputs(model, 2, 16), device="cpu")
+    assert est.model_states["gradient"] == 4 * ADAPTER_NUMEL
 
 
 def test_peft_missing_is_said(monkeypatch):
