@@ -317,8 +317,11 @@ def _unbind_int8(module, args, out):
 # Its custom operators have fake kernels (bitsandbytes/_ops.py register_fake), so FakeTensorMode
 # runs them, but a fake kernel shows its output only. bitsandbytes::gemm_4bit dequantizes the whole
 # weight into the compute dtype before a plain linear, and that out x in temporary is what a 4-bit
-# forward costs. Backward (autograd/_functions.py MatMul4Bit.backward) calls F.dequantize_4bit and
-# torch.matmul itself: ordinary operators the dry run already sees one by one.
+# forward costs. Backward (autograd/_functions.py:365-386 MatMul4Bit.backward) calls F.dequantize_4bit
+# (the nested absmax dequantized and offset in place, then the weight in the dtype it was quantized
+# from) and torch.matmul itself: operators the dry run sees one by one, whose kernels allocate their
+# output alone (bitsandbytes 0.50.2, cuda: backends/cuda/ops.py:335-339 dequantize_blockwise, :423-433
+# dequantize_4bit; CPU: backends/cpu/ops.py:94-99 and :139-178), as their fake kernels show.
 
 
 _run = {
@@ -364,7 +367,7 @@ def kernel_rules(gpu=None, notes=None):
         return {}  # a CPU kernel of its own (not this bitsandbytes): only its output is counted
     from bitsandbytes.backends.default import ops
 
-    # bitsandbytes' own implementation, the one its CPU backend runs (backends/default/ops.py
+    # bitsandbytes' own implementation, the one its CPU backend runs (backends/default/ops.py:323-345,
     # _gemm_4bit_default_impl: nested absmax dequantized to float32 and offset, the weight dequantized
     # to A's dtype, torch.nn.functional.linear)
     return {op: ops._gemm_4bit_default_impl}
@@ -372,10 +375,10 @@ def kernel_rules(gpu=None, notes=None):
 
 def _cuda_gemm_4bit(gpu):
     """bitsandbytes::gemm_4bit as its CUDA kernel allocates (bitsandbytes 0.50.2,
-    backends/cuda/ops.py:934-985): past M = 1536 rows of A (_gemm_4bit_custom_max_m, :926), or with K
+    backends/cuda/ops.py:934-983): past M = 1536 rows of A (_gemm_4bit_custom_max_m, :926), or with K
     not a multiple of the block size (:956), or where bitsandbytes' per-architecture heuristic
-    (_gemm_4bit_use_custom_cuda, :583, run here on the modelled GPU's compute capability and SM count)
-    says so, _dequant_linear_fallback (:903-916): the nested absmax dequantized into a float32 buffer
+    (_gemm_4bit_use_custom_cuda, :584, run here on the modelled GPU's compute capability and SM count)
+    says so, _dequant_linear_fallback (:904-916): the nested absmax dequantized into a float32 buffer
     and offset into another (both held to the end), the weight dequantized into an [N, K] buffer in
     A's dtype, then F.linear. Otherwise the fused kernel (_gemm_4bit_kernel_impl, :846-900): A made
     contiguous, one output."""

@@ -347,7 +347,9 @@ def test_estimate_leaves_the_quantized_model_as_it_was(kind):
     biases = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters() if n.endswith("bias")}
     memtorch.estimate(model, x, optimizer="adamw", device="cpu")
     memtorch.estimate(model, x, optimizer="adamw", device="cuda")
-    after_state = (up.weight.quant_state, up.weight.data_ptr()) if kind == "nf4" else (up.state.CB, up.state.SCB)
+    after_state = (
+        (up.weight.quant_state, up.weight.data_ptr()) if kind == "nf4" else (up.state.CB, up.state.SCB)
+    )
     assert all(a is b or a == b for a, b in zip(after_state, state))
     assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters() if n.endswith("bias")} == biases
     with torch.no_grad():
@@ -370,17 +372,46 @@ def test_cuda_takes_bitsandbytes_own_kernel_choice():
     assert not decide(torch.bfloat16, 1024, 4096, 4096)
 
 
-def test_cuda_forward_counts_the_dequantized_weight_only_on_the_fallback():
-    """On cuda, M = 2048 rows take the dequantize-then-linear fallback: the 1024 x 512 bfloat16 weight
-    (1 MiB) is in the forward's peak; 2 rows take the fused kernel, which has none."""
+def _cuda_gemm_4bit(M, N, K, nested):
+    """(transient bytes, bytes left allocated) of one bitsandbytes::gemm_4bit on fake tensors, with the
+    kernel table of estimate(device="cuda") on an H100."""
+    from memtorch._estimate_cuda import GPU
+    from memtorch._estimate_kernels import CudaState, cuda_kernels
+    from memtorch._estimate_run import Ledger, _accounting_mode, fake_mode
+
+    ledger = Ledger()
+    blocks = N * K // 64
+    with (
+        fake_mode(),
+        _accounting_mode(ledger, cuda_kernels(CudaState(GPU("H100", (9, 0), sms=132))), [False]),
+    ):
+        A = torch.empty(M, K, dtype=torch.bfloat16)
+        B = torch.empty(N * K // 2, 1, dtype=torch.uint8)
+        if nested:
+            kw = {"absmax_8bit": torch.empty(blocks, dtype=torch.uint8), "absmax_code": torch.empty(256),
+                  "absmax_offset": torch.empty(())}  # fmt: skip
+            absmax = torch.empty(-(-blocks // 256))
+        else:
+            kw, absmax = {}, torch.empty(blocks)
+        before = ledger.current
+        out = torch.ops.bitsandbytes.gemm_4bit.default(A, B, [N, K], absmax, 64, "nf4", **kw)
+        assert tuple(out.shape) == (M, N) and out.dtype == torch.bfloat16
+        after = ledger.current
+    return ledger.peak - after, after - before
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_cuda_gemm_4bit_allocates_as_its_kernels(nested):
+    """2048 rows: the dequantize-then-linear fallback (backends/cuda/ops.py _dequant_linear_fallback):
+    the weight dequantized to bfloat16 (N x K x 2 B) and, nested, the absmax dequantized and offset
+    (2 x 4 B per block) live until linear's output exists, with the cuBLAS workspace linear takes.
+    4 rows: the fused kernel, its output alone."""
     _bnb()
-    model = _lora_net(apply(Net(), "nf4"))
-    big = memtorch.estimate(model, (2048, 512), optimizer="adamw", device="cuda", gpu="h100")
-    small = memtorch.estimate(model, (2, 512), optimizer="adamw", device="cuda", gpu="h100")
-    dq = 1024 * 512 * 2
-    act_big = 2048 * (512 * 2 + 1024 * 2 + 1024 * 4)  # x in bfloat16, up's output, its float32 cast: a floor
-    assert big.phases["forward"].peak_above_start >= dq + act_big
-    assert small.phases["forward"].peak_above_start < dq
+    N, K = 1024, 512
+    transient, kept = _cuda_gemm_4bit(2048, N, K, nested)
+    assert transient == N * K * 2 + (2 * 4 * N * K // 64 if nested else 0)
+    assert kept == 2048 * N * 2 + 32 * 1024 * 1024  # the output, and the H100's 32 MiB cuBLAS workspace
+    assert _cuda_gemm_4bit(4, N, K, nested) == (0, 4 * N * 2)
 
 
 # ---------------------------------------------------------------- command line
