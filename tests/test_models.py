@@ -511,6 +511,27 @@ def test_cli_estimate_of_a_config_with_lora_is_true(capsys):
     assert code == 0 and "PeftModelForCausalLM" in text and "memtorch.estimate on cpu" in text
 
 
+def test_cli_inference_builds_the_model_in_evaluation_mode(monkeypatch):
+    """--inference estimates a forward of the model as served (model.eval()); a training step, training mode."""
+    modes = []
+    real_estimate = memtorch.estimate
+
+    def estimate(model, *inputs, **kwargs):
+        modes.append(all(m.training for m in model.modules()) or not any(m.training for m in model.modules()))
+        modes.append(model.training)
+        return real_estimate(model, *inputs, **kwargs)
+
+    monkeypatch.setattr(memtorch, "estimate", estimate)
+    code, text = run("estimate", CONFIGS / "gpt2", "--batch", 2, "--seq", 32, "--inference", "--device", "cpu",
+                     "--format", "json")  # fmt: skip
+    assert code == 0 and modes == [True, False]
+    model = models.load_model(CONFIGS / "gpt2").eval()
+    est = real_estimate(model, models.example_inputs(model, 2, 32), device="cpu", training=False)
+    assert json.loads(text)["peak"] == est.peak
+    code, _ = run("estimate", CONFIGS / "gpt2", "--batch", 2, "--seq", 32, "--device", "cpu")
+    assert code == 0 and modes[2:] == [True, True]
+
+
 def test_cli_model_ids_and_their_errors(capsys, tmp_path, monkeypatch):
     code, text = run("inspect", "memtorch-tests/tiny-llama", "--format", "json")
     assert code == 0 and json.loads(text)["total"] == _unique_bytes(
