@@ -200,6 +200,32 @@ def test_a_bnb_factory_is_estimated(how):
     assert est.peak == peak
 
 
+# bitsandbytes' other updates, given as a class or a partial: LAMB and LARS (max_unorm: an update norm read
+# with .item() in the step, unorm_vec in the state), SGD with momentum, RMSprop, Adagrad; weight decay where
+# it adds a temporary on the CPU (the 32-bit momentum/RMSprop/Adagrad steps)
+OTHER_KINDS = {
+    "LAMB": lambda b: b.optim.LAMB,
+    "LAMB8bit": lambda b: b.optim.LAMB8bit,
+    "LARS": lambda b: functools.partial(b.optim.LARS, lr=0.1, momentum=0.9),
+    "LARS8bit": lambda b: functools.partial(b.optim.LARS8bit, lr=0.1, momentum=0.9),
+    "SGD": lambda b: functools.partial(b.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "SGD8bit": lambda b: functools.partial(b.optim.SGD8bit, lr=0.1, momentum=0.9),
+    "RMSprop": lambda b: functools.partial(b.optim.RMSprop, weight_decay=0.01),
+    "RMSprop8bit": lambda b: b.optim.RMSprop8bit,
+    "Adagrad": lambda b: b.optim.Adagrad,
+    "Adagrad8bit": lambda b: b.optim.Adagrad8bit,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_KINDS))
+def test_bnb_optimizers_of_every_update_match(kind):
+    factory = OTHER_KINDS[kind](bnb())
+    peak, opt, model, x = measured(factory)
+    est = memtorch.estimate(model, x, optimizer=factory, device="cpu")
+    assert est.model_states["optimizer_state"] == state_bytes(opt)
+    assert est.peak == peak
+
+
 def test_a_bnb_optimizer_without_a_stand_in_is_a_clear_error():
     b = bnb()
     model = make_model()
