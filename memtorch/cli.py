@@ -11,7 +11,8 @@
 
 estimate, plan, fit and advise take the same step options, spelled as the Python
 functions' arguments and with their defaults: --input (SHAPE[:DTYPE] or
-NAME=SHAPE[:DTYPE] for a keyword input, repeated), --optimizer (adamw), --precision
+NAME=SHAPE[:DTYPE] for a keyword input, repeated) or --batch/--seq (the inputs made
+for the model: memtorch.example_inputs), --optimizer (adamw), --precision
 (fp32), --device (cuda: the question is a GPU's; said in the output), --gpu,
 --checkpointing, --sharding, --world-size, --loss, --fsdp-units; estimate and fit
 also --inference and --max-new-tokens.
