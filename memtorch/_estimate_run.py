@@ -153,16 +153,34 @@ def host_factories(ledger):
     torch.tensor(0.0, device="cpu") since torch 2.12, torch.tensor(0.0) before; RMSprop, Adadelta:
     torch.zeros(())) and the one-element tensors their step adds are the host's. The capturable and
     fused ones, made with ``device=p.device`` (a torch.device: the fake parameters' is the CPU's too,
-    so only a device named by a string counts as the host), stay counted."""
+    so only a device named by a string counts as the host), stay counted. A host tensor sent to the
+    device with ``.to(tensor)`` or ``.to(torch.device)`` is a copy there, counted."""
     from torch.overrides import TorchFunctionMode
 
     torch = _torch()
     factories = {torch.tensor, torch.scalar_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
                  torch.arange, torch.empty_strided}  # fmt: skip
 
+    def to_device(args, kwargs):
+        # Tensor.to's target: another tensor in device memory, or a torch.device (the fake parameters' own)
+        for c in (*args[1:], kwargs.get("device"), kwargs.get("other")):
+            if isinstance(c, torch.Tensor):
+                return id(c.untyped_storage()) not in ledger.host and ledger.key_of(c) is not None
+            if isinstance(c, torch.device):
+                return True
+        return False
+
     class HostFactories(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if (func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor)
+                    and id(args[0].untyped_storage()) in ledger.host and to_device(args, kwargs)):
+                # a host tensor sent to the device (transformers' Adafactor: torch.zeros(shape).to(grad); a
+                # tensor lr: lr.to(device)) is a copy in device memory on the GPU; the fake parameters are
+                # the CPU's, so .to would hand back the host tensor itself
+                out = func(*args, **kwargs)
+                return out.clone() if out.untyped_storage() is args[0].untyped_storage() or \
+                    id(out.untyped_storage()) in ledger.host else out
             device = kwargs.get("device")
             if func not in factories or not (device is None or (isinstance(device, str) and device == "cpu")):
                 return func(*args, **kwargs)

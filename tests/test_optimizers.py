@@ -371,6 +371,15 @@ def test_adafactor_is_transformers_as_the_trainer_builds_it():
     assert transformers is not None
 
 
+def test_adafactor_state_on_cuda_by_hand():
+    # transformers' Adafactor makes a factor on the host and sends it to the GPU (torch.zeros(shape).to(grad)):
+    # on cuda each of a matrix's row and column factors, a vector's exp_avg_sq and each parameter's RMS
+    # scalar is one 512-byte block of the caching allocator: 2 matrices x 2 + 2 vectors + 4 RMS
+    pytest.importorskip("transformers")
+    est = memtorch.estimate(make_model(), make_input(), optimizer="adafactor", device="cuda", gpu="h100")
+    assert est.model_states["optimizer_state"] == 10 * 512
+
+
 @pytest.mark.parametrize("name", ["adafactor-torch", "adafactor-torch-foreach"])
 def test_torch_adafactor_matches_the_real_step(name):
     peak, opt, model, x = measured(lambda p: _make_optimizer(name, p, "cpu"))
