@@ -37,7 +37,7 @@ import math
 
 import torch
 
-__all__ = ["BNB_NAMES", "KINDS", "BnbStandIn", "by_name", "from_bnb", "is_bnb"]
+__all__ = ["BNB_NAMES", "KINDS", "BnbStandIn", "by_name", "from_bnb"]
 
 BLOCKSIZE = 256  # Optimizer2State/Optimizer1State.init_state: absmax per block of 256 elements
 QMAP_SIZE = 256  # functional.create_dynamic_map: 2**8 float32 entries
@@ -315,11 +315,6 @@ def _requantize(values, state, absmax):
     out = torch.empty(a.shape, device=a.device, dtype=torch.uint8)
     state.copy_(out.zero_())
     absmax.copy_(new_absmax.fill_(1.0))
-
-
-def is_bnb(optimizer):
-    """Whether ``optimizer`` is one of bitsandbytes' optimizers (its module, never an import of it)."""
-    return type(optimizer).__module__.split(".")[0] == "bitsandbytes" and hasattr(optimizer, "optimizer_name")
 
 
 def from_bnb(optimizer, params, device, originals=None):
