@@ -51,6 +51,8 @@ _EXPORTS = {
     "example_inputs": ("models", "example_inputs"),
     "Estimate": ("estimation", "Estimate"),
     "diagram": ("mermaid", "diagram"),
+    "on_oom": ("oom", "on_oom"),
+    "OomReport": ("reports.oom", "OomReport"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -69,3 +71,9 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+# MEMTORCH_ON_OOM=1: the out-of-memory post-mortem for code with no block, on from the start (memtorch.oom:
+# an excepthook; it imports neither torch nor NumPy until an error is reported)
+if __import__("os").environ.get("MEMTORCH_ON_OOM", "").strip() not in ("", "0"):
+    importlib.import_module(".oom", __name__).on_oom()

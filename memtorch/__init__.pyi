@@ -57,3 +57,5 @@ def assert_budget(
 ) -> None:
     """Raise BudgetExceeded if `report` goes over any given limit (bytes, or sizes such as '64 MiB'),
     BudgetInconclusive (a BudgetExceeded) if a figure is only bounded and a limit lies between its bounds."""
+from .oom import on_oom as on_oom
+from .reports.oom import OomReport as OomReport

@@ -20,7 +20,9 @@ token's logits).
 import time
 
 from . import units
+from ._engine import Engine, device_memory_of  # cheap: the engine loads estimation when it runs
 from .errors import MemtorchError
+from .fitting import fit  # cheap: fit loads the engine's work when it runs
 from .reports.capacity import Capacity  # the result type's home
 
 __all__ = ["capacity", "Capacity", "kv_bytes_per_token"]
@@ -80,10 +82,8 @@ def capacity(
     """
     import torch
 
-    # lazy: the engine and fit load estimation, only when this path runs (importing capacity stays cheap)
+    # lazy: _inputs loads only when this path runs (importing capacity stays cheap)
     from . import _inputs
-    from ._engine import Engine, device_memory_of
-    from .fitting import fit
 
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):

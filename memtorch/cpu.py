@@ -131,6 +131,7 @@ _atexit_registered = False
 # types and its source folder (_set_types, eventlog_sites_skip) when torch loads.
 _counters_serials = _C.counters_serials
 _counters_sizes = _C.counters_sizes
+_counters_last_failure = _C.counters_last_failure  # the out-of-memory post-mortem (tracking, oom)
 _scope_begin = _C.scope_begin
 _scope_end = _C.scope_end
 _eventlog_head = _C.eventlog_head

@@ -1250,6 +1250,45 @@ def capacity_html(c):
             + "".join(f"<p>{_e(n)}</p>" for n in notes) + "</div>")  # fmt: skip
 
 
+def _oom_lines(r):
+    """The post-mortem of an allocation that failed: what it asked for, what was held, by kind, by module,
+    by tensor, what ran; the allocator's figures on CUDA."""
+    fmt = _fmt
+    rank = "" if r.rank is None else f" (rank {r.rank})"
+    asked = "an unknown size" if r.requested is None else fmt(r.requested)
+    held = "" if r.held is None else f"; {fmt(r.held)} of tensors were held when it failed"
+    out = [f"memtorch: out of memory on {r.device}{rank}: the allocation asked for {asked}{held}"]
+    where = [x for x in (r.phase and f"in the {r.phase}", r.module is not None and (
+        f"in module {r.module or '(model)'}")) if x]  # fmt: skip
+    if where:
+        out.append("  running: " + ", ".join(where))
+    if r.reserved is not None:
+        parts = [f"allocated {fmt(r.held)}", f"reserved {fmt(r.reserved)}"]
+        if r.largest_free is not None:
+            parts.append(f"largest free block {fmt(r.largest_free)}")
+        if r.capacity:
+            parts.append(f"device {fmt(r.capacity)}")
+        out.append("  caching allocator: " + ", ".join(parts))
+    out.append(f"  error: {r.error}")
+    if r.at_failure is not None:
+        lines = at_peak_lines(r.at_failure, limit=10)
+        # the same tables as at the peak, headed as what they are here
+        lines[0] = f"when it failed ({fmt(r.at_failure.peak)}{'' if r.exact else ', not exact'}), by kind:"
+        out += ["  " + x for x in lines if not x.strip().startswith("note:")]
+    out += ["  note: " + n for n in (list(r.at_failure.notes) if r.at_failure is not None else []) + list(r.notes)]
+    return out
+
+
+def oom_text(r):
+    return "\n".join(_oom_lines(r))
+
+
+def oom_html(r):
+    head, *rest = _oom_lines(r)
+    return (f'<div class="memtorch memtorch-oom"><p><b>{_e(head)}</b></p><pre>'
+            + _e("\n".join(rest)) + "</pre></div>")  # fmt: skip
+
+
 # What each result type's to_text(), to_html() (and AtPeak's lines) call: memtorch.reports.render
 # looks them up here by class name (the result types sit a floor below this module).
 for _what, _name, _fn in [
@@ -1262,6 +1301,7 @@ for _what, _name, _fn in [
     ("text", "Plan", plan_text), ("html", "Plan", plan_html),
     ("text", "Fit", fit_text), ("html", "Fit", fit_html),
     ("text", "Capacity", capacity_text), ("html", "Capacity", capacity_html),
+    ("text", "OomReport", oom_text), ("html", "OomReport", oom_html),
     ("text", "Advice", advice_text), ("html", "Advice", advice_html),
     ("text", "MultiRankReport", multi_rank_text), ("html", "MultiRankReport", multi_rank_html),
 ]:  # fmt: skip

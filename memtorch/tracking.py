@@ -17,7 +17,13 @@ Phases (when a model and/or optimizer is given): "forward" runs from the
 model's forward pre-hook to its forward hook; "backward" from the end of a
 forward made with grad enabled to the next optimizer step, forward, t.step()
 or the end of the block (so it includes the loss); "optimizer" from the
-optimizer's step pre-hook to its post-hook.
+optimizer's step pre-hook to its post-hook. A step that never calls the model
+itself but a part of it (a LightningModule's training_step calling
+self.model(x)): the first module of the model whose forward runs while none of
+the model's does stands for the model from then on (seen by the hooks on
+every module: modules=True); a later such forward of another module (the parts
+called one by one) is the same forward pass, the code between them filed
+under "backward".
 
 Per module (modules=True, on the CPU; on CUDA the counters are read only at the
 block's, phases' and steps' boundaries, five reads a training step, and the
@@ -64,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar
 
 from . import _C, cpu, cuda, units, words
 from . import _cuda_trace
-from . import leaks
+from . import leaks, oom
 from . import peak as attribution
 from .leaks import LeakReport, TensorInfo  # TensorInfo's home: memtorch/reports/leaks.py
 from .errors import DeviceUnavailable, MemtorchError
@@ -876,6 +882,8 @@ _FRESH = dict(
     _root_id=None,
     _root_depth=0,
     _forwards=0,
+    _depth=0,  # forwards of the model's modules running (the Python hooks; marks.c keeps its own)
+    _top=None,  # id() of a module of the model, not the root, whose forward began with none running
     _scan0=None,  # leaks.Scan at the first judged step that grew
     _scan0_step=None,
     # the survivors named as the function that called step() returned (a pytest test whose block ends
@@ -900,6 +908,8 @@ class Tracker:
     _quick = False  # an open counters-only block (_enter_counters)
     _return_armed = None  # the trace function of _arm_return_scan, while armed
     _return_scan = None
+    _fail0 = 0  # CPU: allocations that had failed when the block opened (_C.counters_last_failure)
+    _oom = None  # while an out-of-memory error closes the block: what the post-mortem needs
     _scope = None
     _raw = None  # its C scope's opening tuple and processes, until a Scope is made
     _marks = None
@@ -1004,7 +1014,8 @@ class Tracker:
     # from its hooks; their figures come from the event log's marks at the end. Else a
     # counter scope per phase, begun and ended by the Python hooks below.
     def _begin_phase(self, name, counted=True):
-        """counted=False: the optimizer's update resumed after its step's closure (the same call)."""
+        """counted=False: the same call of the phase going on (the optimizer's update resumed after its
+        step's closure; the forward pass going on in another module: _pre)."""
         r = self._shared_read()  # CUDA: the phase that ends and this one share one read
         self._end_phase(r)
         if self._ctrace is not None:
@@ -1051,10 +1062,13 @@ class Tracker:
     def _root_post(self):
         self._root_depth -= 1
         if self._root_depth == 0:
-            if _torch_mod.is_grad_enabled():  # loaded: the block is open
-                self._begin_phase("backward")  # ends "forward" (CUDA: at the same read)
-            else:
-                self._end_phase()
+            self._forward_ended()
+
+    def _forward_ended(self, counted=True):
+        if _torch_mod.is_grad_enabled():  # loaded: the block is open
+            self._begin_phase("backward", counted)  # ends "forward" (CUDA: at the same read)
+        else:
+            self._end_phase()
 
     def _opt_pre(self, optimizer, args, kwargs):
         self._begin_phase("optimizer")
@@ -1249,6 +1263,17 @@ class Tracker:
         k = id(module)
         i = self._ids.get(k)
         again = (i is not None or k == self._root_id) and _in_backward()
+        if i is not None and not again:
+            if not self._depth and not self._root_depth and k != self._root_id and self._top is None:
+                # a forward of the model's begins while none of its modules runs (as marks.c): before
+                # the root ever ran, this module is the root from now on; after, the same pass goes on
+                if not self._forwards:
+                    self._root_id = k
+                else:
+                    self._top = k
+                    if self._phase is None or self._phase[0] != "forward":
+                        self._begin_phase("forward", counted=False)
+            self._depth += 1
         if k == self._root_id and not again:
             self._root_pre()
             if self._ctrace is not None:  # the batch, by name
@@ -1272,6 +1297,11 @@ class Tracker:
                     _, s, _ = stack.pop(j)
                     self._record_module(i, s, again)
                     break
+            if not again and self._depth:
+                self._depth -= 1
+                if k == self._top and not self._depth:
+                    self._top = None
+                    self._forward_ended(counted=False)
         if k == self._root_id and not again:
             self._root_post()
 
@@ -1478,6 +1508,7 @@ class Tracker:
     def __enter__(self) -> Tracker:
         if self._open:
             raise MemtorchError("this track() block is already open; use a new memtorch.track() to nest blocks")
+        self._fail0 = cpu._counters_last_failure()[0]  # allocations that had failed before: not this block's
         if (
             self._model is None and self._optimizer is None and not self._with_log and not self._timeline
             and not self._largest and self._kind == "cpu"
@@ -1589,6 +1620,12 @@ class Tracker:
 
             self._failure = f"{exc_type.__name__}: {exc}"
             note_failure(exc)  # the other ranks' gather() raises instead of waiting; never raises
+        found = oom.is_oom(exc) if exc_type is not None else None
+        if found is not None:
+            try:
+                self._oom = self._oom_begin(found, exc)
+            except Exception as e:  # the user's error is what matters: ours in one line
+                print(f"memtorch: the out-of-memory report failed: {type(e).__name__}: {e}", file=sys.stderr)
         try:
             report = self._finish()
         except Exception:
@@ -1598,7 +1635,111 @@ class Tracker:
             report = None  # never replace the user's exception with ours
         self._cleanup()
         self._report = report
+        if self._oom is not None:
+            try:
+                # an enclosing block of this thread prints it as the error leaves that block
+                me = threading.get_ident()
+                inner = any(t is not self and t._open and t._thread == me for t in list(_active))
+                oom.attach(exc, self._oom_report(exc), show=not inner)
+            except Exception as e:  # the user's error is what matters: ours in one line
+                print(f"memtorch: the out-of-memory report failed: {type(e).__name__}: {e}", file=sys.stderr)
+            finally:
+                self._oom = None
         return False
+
+    def _oom_begin(self, found, exc):
+        """What the post-mortem needs that closing the block loses: the phase and the modules running."""
+        kind, asked = found
+        specs = getattr(self, "_mod_specs", ())
+        stack = [words.module_label(*specs[i][:2]) if i < len(specs) else None
+                 for i, *_ in getattr(self, "_mod_stack", ())]  # fmt: skip
+        phase = getattr(self, "_phase", None)
+        state = {"kind": kind, "asked": asked, "phase": None if phase is None else phase[0],
+                 "module": stack[-1] if stack else None, "at": None, "cuda": None}  # fmt: skip
+        if kind == "cuda" and self._kind == "cuda":
+            try:
+                state["cuda"] = oom.cuda_figures(self._index)
+                state["names"] = self._cuda_names(full=True) if self._ctrace is not None else {}
+            except Exception as e:  # a snapshot the allocator cannot give: the error's own figures
+                state["cuda_error"] = f"{type(e).__name__}: {e}"
+        return state
+
+    def _oom_at_failure(self, ev, dropped, start, snapshots, sizes, sites):
+        """CPU: the live set when posix_memalign failed, from the block's events before it (the C hook
+        noted the log's head then: _C.counters_last_failure), named as at_peak names the peak's."""
+        import numpy as np
+
+        count, _size, held, head, tag, _ns = cpu._counters_last_failure()
+        if count <= self._fail0:
+            return  # no allocation failed in this block: the error was raised as out-of-memory by other code
+        arr = np.frombuffer(ev, dtype=_log_dtype())
+        arr = arr[arr["index"] < head]
+        specs = list(self._mod_specs)
+        nrows = 2 * len(specs) if _splits_recomputation(len(specs)) else len(specs)
+        queries = list(sizes)
+        token = self._tagbase >> attribution.TAG_BITS
+        replayed = cpu._eventlog_replay(arr, start, dropped, -1, token, nrows, queries)
+        names = [(n, t) for n, t in specs] + ([(n, t, "recomputed") for n, t in specs] if nrows > len(specs) else [])
+        kept = int((arr["kind"] == 0).sum()) if dropped else len(arr)
+        at = attribution.attribute(replayed, queries, kept, dropped, held, snapshots, sizes, token, names, sites=sites)
+        self._oom["at"] = at
+        phase, row = oom.decode_tag(tag, token)
+        if phase is not None or row is not None:
+            self._oom["fail_phase"] = phase
+            self._oom["fail_module"] = None if row is None or row >= len(names) else words.module_label(
+                *names[row][:2])
+
+    def _oom_report(self, exc):
+        """The OomReport of the error that closed this block (see memtorch.oom)."""
+        # lazy: the report type loads only when an out-of-memory error closes a block
+        from .reports.oom import OomReport
+
+        st = self._oom
+        notes = []
+        exact = True
+        held = reserved = largest = capacity = None
+        at = st["at"]
+        device = "cpu" if self._kind == "cpu" else f"cuda:{self._index}"
+        phase, module = st["phase"], st["module"]
+        if st["kind"] == "cpu" and self._kind == "cpu":
+            if at is not None:
+                held = at.peak
+                phase, module = st.get("fail_phase", phase), st.get("fail_module", module)
+            else:
+                exact = False
+                count, _size, held, *_ = cpu._counters_last_failure()
+                if count <= self._fail0:
+                    held = None
+                notes.append("the block kept no event log (no model or optimizer given to track()): the bytes "
+                             "held are the counters' when the allocation failed, not named")  # fmt: skip
+        elif st["cuda"] is not None:
+            held, reserved, largest, blocks, capacity = st["cuda"]
+            owners = {}
+            named = 0
+            for addr, (size, _req) in blocks.items():
+                entry = st.get("names", {}).get(addr)
+                if entry is not None:
+                    name, kind = entry[0], entry[1]
+                    b, c = owners.get((name, kind), (0, 0))
+                    owners[(name, kind)] = (b + size, c + 1)
+                    named += size
+            if held > named:
+                owners[(oom.UNNAMED, "other")] = (held - named, 0)
+            at = attribution.AtPeak(held, [attribution.Owner(n, k, None, b, c, attribution.module_of(
+                n, k, {s[0] for s in self._cuda_specs}) if self._cuda_specs else None)
+                for (n, k), (b, c) in owners.items()], [], True, [])  # fmt: skip
+            exact = False
+            notes.append("the caching allocator's snapshot when the error reached the block's end: the failing "
+                         "operator's own temporaries were freed by then")  # fmt: skip
+            if largest is not None and st["asked"] and largest < st["asked"] < reserved - held:
+                notes.append("fragmentation: the free bytes of the reserved segments would hold the request, "
+                             "but no free block is that large (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                             "lets segments grow instead)")  # fmt: skip
+        else:
+            exact = False
+            notes.append(st.get("cuda_error") or "no figures of that device in this block")
+        return OomReport(device, st["asked"], held, reserved, largest, capacity, phase, module, at,
+                         oom._first_line(exc), oom._rank(), exact, notes)  # fmt: skip
 
     def _cleanup(self):
         """Remove every hook and close every scope; never raises for a closed block."""
@@ -1717,6 +1858,8 @@ class Tracker:
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
             addrs = list({a for _, names in snapshots for a in names})
             sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
+            if self._oom is not None and self._oom["kind"] == "cpu":
+                self._oom_at_failure(ev, dropped, start, snapshots, sizes, sites)
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,

@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -95,6 +96,18 @@ static uintptr_t mt_loss_found;
  * allocated since, so absolute figures have an unknown baseline until counting
  * restarts (the install that patches zeroes it). Under all stripe locks. */
 static int64_t mt_restart_ns;
+
+/* The last tensor allocation that failed while counting (the out-of-memory
+ * post-mortem reads it after the error reached Python): how many failed, the
+ * size asked for, the counted bytes then, the event log's head (the events
+ * before it happened before the failure), the failing thread's owner tag, and
+ * its CLOCK_MONOTONIC time. Written by the failing thread with relaxed stores
+ * (a second failure racing a reader can mix two failures' fields: the count
+ * read before and after tells). */
+static _Atomic uint64_t mt_fail_count;
+static _Atomic int64_t mt_fail_size, mt_fail_bytes, mt_fail_ns;
+static _Atomic uint64_t mt_fail_head;
+static _Atomic uint32_t mt_fail_tag;
 
 /* Re-entrancy guard: set while this thread is inside a hook, so that
  * anything the hook itself allocates is never counted (memray's recursion
@@ -379,6 +392,24 @@ mt_counters_on_alloc(void *ptr, size_t size)
     mt_in_hook = 0;
 }
 
+void
+mt_counters_on_fail(size_t size)
+{
+    if (!atomic_load_explicit(&mt_active, memory_order_relaxed)) {
+        return;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    atomic_store_explicit(&mt_fail_size, (int64_t)size, memory_order_relaxed);
+    atomic_store_explicit(&mt_fail_bytes, atomic_load_explicit(&mt_current, memory_order_relaxed),
+                          memory_order_relaxed);
+    atomic_store_explicit(&mt_fail_head, mt_eventlog_head(), memory_order_relaxed);
+    atomic_store_explicit(&mt_fail_tag, mt_eventlog_tag_now(), memory_order_relaxed);
+    atomic_store_explicit(&mt_fail_ns, (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec,
+                          memory_order_relaxed);
+    atomic_fetch_add_explicit(&mt_fail_count, 1, memory_order_release);
+}
+
 int
 mt_thread_runs_python(void)
 {
@@ -647,6 +678,26 @@ static PyObject *
 counters_current(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromLongLong(atomic_load(&mt_current));
+}
+
+PyDoc_STRVAR(last_failure_doc,
+"counters_last_failure($module, /)\n--\n\n"
+"The last tensor allocation that failed while counting: (count, size, bytes,\n"
+"head, tag, time_ns): failures so far, the bytes asked for, the counted bytes\n"
+"then, the event log's head then, the failing thread's owner tag, and its\n"
+"CLOCK_MONOTONIC time (all 0 before any failure).");
+
+static PyObject *
+counters_last_failure(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    uint64_t count = atomic_load_explicit(&mt_fail_count, memory_order_acquire);
+    return Py_BuildValue(
+        "(KLLKkL)", (unsigned long long)count,
+        (long long)atomic_load_explicit(&mt_fail_size, memory_order_relaxed),
+        (long long)atomic_load_explicit(&mt_fail_bytes, memory_order_relaxed),
+        (unsigned long long)atomic_load_explicit(&mt_fail_head, memory_order_relaxed),
+        (unsigned long)atomic_load_explicit(&mt_fail_tag, memory_order_relaxed),
+        (long long)atomic_load_explicit(&mt_fail_ns, memory_order_relaxed));
 }
 
 PyDoc_STRVAR(peak_doc,
@@ -1274,6 +1325,7 @@ PyMethodDef mt_counters_methods[] = {
     {"counters_mechanism", counters_mechanism, METH_NOARGS, mechanism_doc},
     {"counters_current", counters_current, METH_NOARGS, current_doc},
     {"counters_peak", counters_peak, METH_NOARGS, peak_doc},
+    {"counters_last_failure", counters_last_failure, METH_NOARGS, last_failure_doc},
     {"counters_reset_peak", counters_reset_peak, METH_NOARGS, reset_peak_doc},
     {"counters_stats", counters_stats, METH_NOARGS, stats_doc},
     {"counters_open_scopes", counters_open_scopes, METH_NOARGS, open_scopes_doc},

@@ -11,6 +11,10 @@
 /* An allocation of `size` bytes at `ptr` was made by PyTorch's CPU allocator
  * (after the real allocation succeeded). */
 void mt_counters_on_alloc(void *ptr, size_t size);
+/* A tensor allocation that failed (posix_memalign returned an error): its size,
+ * the counted bytes, the event log's head and this thread's owner tag are kept
+ * for counters_last_failure() (the out-of-memory post-mortem). Any thread. */
+void mt_counters_on_fail(size_t size);
 /* How a free reached the counters: a test's fake pointer (never handed to
  * malloc_usable_size), libc10's direct call of free (c10::free_cpu is one),
  * or libc10's address-taken &free (c10::demangle's deleter: never tensor
@@ -120,6 +124,9 @@ uint64_t mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta);
 void mt_eventlog_mark(int kind, uint64_t number, uint32_t tag);
 /* 1 while a timeline is recorded (a block or a timeline scope is open). */
 int mt_eventlog_recording(void);
+/* The owner tag this thread stamps on its events now (its own, or the Python
+ * thread's for a native worker: see mt_eventlog_record). */
+uint32_t mt_eventlog_tag_now(void);
 /* Start/stop recording (refcounted); start returns -1 on out-of-memory. */
 int mt_eventlog_start(void);
 void mt_eventlog_stop(void);

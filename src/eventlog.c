@@ -66,16 +66,23 @@ mt_eventlog_put(int64_t bytes, uint64_t ptr, int64_t delta, uint64_t info)
     return i + 1;
 }
 
+uint32_t
+mt_eventlog_tag_now(void)
+{
+    uint32_t tag = mt_event_tag;
+    if (tag == 0 && !mt_thread_runs_python()) {
+        tag = atomic_load_explicit(&mt_event_tag_python, memory_order_relaxed);
+    }
+    return tag;
+}
+
 uint64_t
 mt_eventlog_record(int64_t bytes, const void *ptr, int64_t delta)
 {
     if (atomic_load_explicit(&mt_eventlog_users, memory_order_relaxed) == 0) {
         return 0;
     }
-    uint64_t tag = mt_event_tag;
-    if (tag == 0 && !mt_thread_runs_python()) {
-        tag = atomic_load_explicit(&mt_event_tag_python, memory_order_relaxed);
-    }
+    uint64_t tag = mt_eventlog_tag_now();
     uint64_t i1 = mt_eventlog_put(bytes, (uint64_t)(uintptr_t)ptr, delta,
                                   ((uint64_t)MT_EV_ALLOC << 32) | tag);
     /* sites.c: does this allocation want its source line? */

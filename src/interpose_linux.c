@@ -123,6 +123,9 @@ mt_pm_slow(void **out, size_t alignment, size_t size, mt_posix_memalign_fn real)
     if (depth == 0 && rc == 0 && *out != NULL) {
         mt_counters_on_alloc(*out, size);
     }
+    else if (depth == 0 && rc != 0) {
+        mt_counters_on_fail(size);
+    }
     return rc;
 }
 
@@ -139,6 +142,9 @@ mt_hook_posix_memalign(void **out, size_t alignment, size_t size)
     rc = real(out, alignment, size);
     if (rc == 0 && *out != NULL) {
         mt_counters_on_alloc(*out, size);
+    }
+    else if (rc != 0) {
+        mt_counters_on_fail(size);
     }
     return rc;
 }

@@ -108,8 +108,9 @@ PyDoc_STRVAR(replay_doc,
 "eventlog_replay($module, events, start, dropped, peak, token, nrows, queries, /)\n--\n\n"
 "One pass over eventlog_read_all()'s array of a block. start: the counted bytes\n"
 "when the block opened; dropped: events of the block lost before the oldest one\n"
-"kept; peak: the block's peak; token: the block's tag token (marks of other\n"
-"blocks are ignored); nrows: module rows; queries: addresses.\n"
+"kept; peak: the block's peak (< 0: the live set at the log's last event);\n"
+"token: the block's tag token (marks of other blocks are ignored); nrows:\n"
+"module rows; queries: addresses.\n"
 "Returns (base, k, at, reached, live, freed_before, firsts, modules, phases):\n"
 "base, the bytes before the first event; k, the position of the first\n"
 "allocation event that reached peak (-1: none needed); at, the bytes there;\n"
@@ -265,11 +266,23 @@ eventlog_replay(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
 
-    /* the allocation event that reached the peak: the first one, in log order */
+    /* the allocation event that reached the peak: the first one, in log order
+     * (peak < 0: the last event of the log, the live set at its end: the
+     * out-of-memory post-mortem passes the events before the failure) */
     Py_ssize_t k = -1;
     int reached = 1;
     int64_t at = peak;
-    if (peak > base && first_alloc >= 0) {
+    if (peak < 0) {
+        at = base;
+        for (Py_ssize_t i = n - 1; i >= 0; i--) {
+            if (ev[i].kind == MT_EV_ALLOC) {
+                k = i;
+                at = ev[i].bytes;
+                break;
+            }
+        }
+    }
+    else if (peak > base && first_alloc >= 0) {
         Py_ssize_t best = -1;
         for (Py_ssize_t i = first_alloc; i < n; i++) {
             if (ev[i].kind != MT_EV_ALLOC) {

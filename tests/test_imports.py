@@ -53,7 +53,7 @@ FLOORS = {
         "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "estimation", "_estimate_run",
         "_estimate_kernels", "_estimate_cuda", "_estimate_ranks", "_inputs", "_reference", "_cuda_trace",
         "planning", "advice", "fitting", "_engine", "distributed", "integrations", "_optimizers", "models",
-        "capacity", "_quantize",
+        "capacity", "_quantize", "oom",
     ],
     3: ["display", "plot", "mermaid", "cli", "pytest_plugin", "__main__", ""],
 }  # fmt: skip
