@@ -15,7 +15,13 @@
  * makes around pre/post/opt_pre/opt_post: they return at once while dynamo
  * traces (torch.compiler.is_compiling()), which a C function cannot tell
  * dynamo, so that a compiled graph has no break and no trace of memtorch. Its root's forward begins the forward phase (and names the batch: the
- * tensors given to it), its end the backward phase when autograd is on; the
+ * tensors given to it), its end the backward phase when autograd is on. The
+ * root is the first module of the model whose forward runs while none of the
+ * model's does: the model itself, or the part a framework's step calls (a
+ * LightningModule's training_step calling self.model(x), never the
+ * LightningModule). A later such forward of another module (self.head(h)
+ * after self.encoder(x)) is the same forward pass: the forward phase again,
+ * no new call of it, and after it the backward phase, no new call either. The
  * optimizer's step pre- and post-hooks begin and end the optimizer phase and
  * name the gradients (which zero_grad() may free before the block ends) and
  * new optimizer state. Each phase change is a tag mark; names go into the
@@ -64,6 +70,8 @@ typedef struct {
     int64_t phase_delta[4]; /* per phase, counted bytes at its end - at its start, summed */
     Py_ssize_t root_depth; /* the root's forwards running (recursion) */
     long long forwards;    /* the root's outermost forwards */
+    uintptr_t top;         /* a module of the model other than the root whose forward runs
+                            * while none of the model's did when it began (0: none) */
     long long phase_calls[4];
     int64_t phase_ns[4];   /* CLOCK_MONOTONIC time spent in each phase */
     int64_t phase_t0;      /* when the running phase began */
@@ -474,18 +482,12 @@ error:
     return rc;
 }
 
-/* The root's forward ended: at the outermost, the forward phase ends and, when
- * autograd records (a training step), the backward phase begins. */
+/* A forward of the model ended: the forward phase ends and, when autograd
+ * records (a training step), the backward phase begins (counted: a new call of
+ * it, else the same backward phase again). */
 static int
-mt_marks_root_post(mt_marks *m)
+mt_marks_forward_ended(mt_marks *m, int counted)
 {
-    if (m->root_depth == 0) { /* an end without its beginning (hooks added mid-forward) */
-        return 0;
-    }
-    m->root_depth--;
-    if (m->root_depth > 0) {
-        return 0;
-    }
     if (mt_marks_end_phase(m) < 0) {
         return -1;
     }
@@ -501,7 +503,18 @@ mt_marks_root_post(mt_marks *m)
     if (on < 0) {
         return -1;
     }
-    return on ? mt_marks_begin_phase(m, 2) : 0;
+    return on ? mt_marks_begin_phase_as(m, 2, counted) : 0;
+}
+
+/* The root's forward ended: at the outermost, the phase change above. */
+static int
+mt_marks_root_post(mt_marks *m)
+{
+    if (m->root_depth == 0) { /* an end without its beginning (hooks added mid-forward) */
+        return 0;
+    }
+    m->root_depth--;
+    return m->root_depth > 0 ? 0 : mt_marks_forward_ended(m, 1);
 }
 
 /* 1 when a module's forward runs inside autograd's backward (a recomputation:
@@ -538,6 +551,19 @@ marks_pre(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     int again = row >= 0 || key == m->root ? mt_marks_recomputing(m) : 0;
     if (again < 0) {
         goto error;
+    }
+    /* a forward of the model's begins while none of its modules runs: before the root ever
+     * ran, this module is the root from now on; after, the same forward pass goes on */
+    if (row >= 0 && !again && m->root != 0 && key != m->root && m->depth == 0 && m->root_depth == 0 && m->top == 0) {
+        if (m->forwards == 0) {
+            m->root = key;
+        }
+        else {
+            m->top = key;
+            if (m->phase_code != 1 && mt_marks_begin_phase_as(m, 1, 0) < 0) {
+                goto error;
+            }
+        }
     }
     /* a recomputation is no forward of the model: no phase, no batch named */
     if (key == m->root && !again && mt_marks_root_pre(m, args[1], nargs == 3 ? args[2] : NULL) < 0) {
@@ -590,6 +616,12 @@ marks_post(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         mt_eventlog_mark(MT_EV_EXIT, (uint64_t)row, mt_marks_top(m));
+        if (key == m->top && !again && m->depth == 0) {
+            m->top = 0;
+            if (mt_marks_forward_ended(m, 0) < 0) {
+                goto error;
+            }
+        }
     }
     if (key == m->root && !again && mt_marks_root_post(m) < 0) {
         goto error;
@@ -974,6 +1006,7 @@ marks_set_model(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     m->root = (uintptr_t)root;
+    m->top = 0;
     Py_RETURN_NONE;
 }
 
@@ -993,6 +1026,12 @@ static PyObject *
 marks_get_depth(mt_marks *m, void *Py_UNUSED(closure))
 {
     return PyLong_FromSsize_t(m->depth);
+}
+
+static PyObject *
+marks_get_root(mt_marks *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong((unsigned long long)m->root);
 }
 
 static PyObject *
@@ -1169,6 +1208,7 @@ static PyGetSetDef marks_getset[] = {
     {"phase_code", (getter)marks_get_phase_code, NULL, "the running phase's code (0: none)", NULL},
     {"depth", (getter)marks_get_depth, NULL, "module forwards running (tags pushed)", NULL},
     {"forwards", (getter)marks_get_forwards, NULL, "the root's outermost forwards so far", NULL},
+    {"root", (getter)marks_get_root, NULL, "the root's address: id() of the model, or of the first module of it whose forward ran (0: none)", NULL},
     {"phases", (getter)marks_get_phases, NULL,
      "((calls, seconds) of the forward, backward and optimizer phases)", NULL},
     {"module_totals", (getter)marks_get_module_totals, NULL,

@@ -553,6 +553,100 @@ def test_lightning_callback_phases_are_the_plain_loops():
         assert owners.get(("backward temporaries, not gradients", "temporary"), 0) < 64
 
 
+class _Split(nn.Module):
+    """mlp()'s layers as three parts a training_step can call one by one."""
+
+    def __init__(self):
+        super().__init__()
+        seq = mlp()
+        self.a, self.b, self.c = seq[0], seq[1], seq[2]
+
+
+def _lit_styled(pl, style):
+    """A LightningModule with no forward of its own: its training_step calls self.model(x), its parts
+    one by one ("parts"), or steps by hand (manual optimisation: zero_grad first, as the plain loop)."""
+
+    class Styled(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _Split() if style == "parts" else mlp()
+            self.automatic_optimization = style != "manual"
+
+        def training_step(self, batch, i):
+            x = batch[0]
+            if style == "parts":
+                m = self.model
+                return m.c(m.b(m.a(x))).sum()
+            if style == "manual":
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(self.model(x).sum())
+                opt.step()
+                return None
+            return self.model(x).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters())
+
+    return Styled()
+
+
+def _rows(report, under=""):
+    """{name below the module ``under`` ("" for itself): (calls, activation_bytes, peak_above_start)}."""
+    out = {}
+    for r in report.modules:
+        if not under or r.name == under or r.name.startswith(under + "."):
+            out[r.name[len(under):].lstrip(".")] = (r.calls, r.activation_bytes, r.peak_above_start)
+    return out
+
+
+@needs_pl
+@pytest.mark.parametrize("style", ["self.model", "parts", "manual"])
+def test_lightning_any_style_is_the_plain_loop(style, hook_path):
+    # a training_step that never calls the LightningModule itself: the forward pass is the first
+    # module of the model that runs (was: no forward or backward phase, and module rows summed over
+    # the steps, since the root's forwards, which they are averaged over, were 0)
+    pl = _lightning()
+    from memtorch.integrations.lightning import MemoryCallback
+
+    cb = MemoryCallback(print_report=False)
+    module = _lit_styled(pl, style)
+    _fit(pl, module, [cb])
+    no_hooks(module)
+    model = mlp()
+    plain = plain_loop(model, torch.optim.Adam(model.parameters()), batches(3))
+    r = cb.report
+    p, q = phases(r), phases(plain)
+    assert r.steps == 3
+    # one forward pass, one backward, one update per step (the parts' three calls are one pass)
+    assert {k: v[0] for k, v in p.items()} == {"forward": 3, "backward": 3, "optimizer": 3}
+    assert next(m for m in r.modules if m.name == "").calls == 0  # the LightningModule never ran
+    names = {"0": "a", "1": "b", "2": "c"} if style == "parts" else {k: k for k in "012"}
+    mine = _rows(r, "model")
+    theirs = {names[k]: v for k, v in _rows(plain).items() if k in names}
+    if not EXACT and hook_path == "counter scopes":
+        assert {k: v[0] for k, v in mine.items() if k in theirs} == {k: v[0] for k, v in theirs.items()}
+        return
+    # per forward pass, as a plain step's: not the sum over the 3 steps
+    assert {k: v for k, v in mine.items() if k in theirs} == theirs
+    if style != "parts":
+        assert mine[""] == _rows(plain)[""]  # self.model is the plain loop's root
+        assert p["forward"] == q["forward"]
+    assert p["optimizer"] == q["optimizer"]
+    if style == "manual":  # zero_grad before the forward, as the plain loop (Lightning's own closure
+        # zeroes the gradients after the forward: in the backward phase, a delta 2 x 132,352 B lower)
+        assert p["backward"] == q["backward"]
+    else:
+        # Lightning's closure zeroes the gradients after the forward: in the backward phase, where steps
+        # 2 and 3 free them; "parts": the first layer's output is freed by training_step's own code
+        # between two calls, after the pass's first part (the plain loop frees it inside its root)
+        freed = 2 * P_BYTES + (3 * 64 * D_H * 4 if style == "parts" else 0)
+        assert p["forward"][1] == q["forward"][1] + freed - 2 * P_BYTES
+        # and keeps a detached copy of the loss (ClosureResult.loss, one float32) with a few more
+        # scalars of its own, made after the forward: 4 B in the backward's peak, 24 B in its delta
+        assert p["backward"] == (3, q["backward"][1] - freed + 24, q["backward"][2] + 4)
+
+
 @needs_pl
 def test_lightning_fit_inside_track():
     pl = _lightning()

@@ -266,6 +266,44 @@ def test_install_refuses_bad_input_and_leaves_nothing_behind():
     marks.uninstall()  # nothing left to take out
 
 
+@linux_only
+def test_a_part_of_the_model_run_alone_is_the_forward():
+    """A framework's step that calls a part of the model, never the model itself (a LightningModule's
+    training_step calling self.model(x)): the first module of the model whose forward runs while none
+    of the model's does is the root from then on; a later one of another module while none runs (the
+    parts called one by one) is the same forward pass, no new call of the forward or backward phase."""
+    root, a, b, a1 = _Mod(), _Mod(), _Mod(), _Mod()
+    marks = _marks({id(root): 0, id(a): 1, id(b): 2, id(a1): 3}, id(root))
+    with cpu.Scope(timeline=True):
+        for step in (1, 2):
+            marks.pre(a, ("x",))
+            assert marks.root == id(a) and marks.forwards == step and marks.phase_code == FORWARD
+            marks.pre(a1, ())  # inside a: no pass of its own
+            marks.post(a1, (), None)
+            marks.post(a, ("x",), "y")
+            assert marks.phase_code == BACKWARD
+            marks.pre(b, ())
+            assert marks.phase_code == FORWARD and marks.forwards == step
+            marks.post(b, (), None)
+            assert marks.phase_code == BACKWARD and marks.depth == 0
+            marks.end_phase()
+    (fwd, _), (bwd, _), _ = marks.phases
+    assert (fwd, bwd) == (2, 2)
+    # the model's own root ran: nothing changes
+    marks = _marks({id(root): 0, id(a): 1}, id(root))
+    marks.pre(root, ())
+    marks.pre(a, ())
+    marks.post(a, (), None)
+    marks.post(root, (), None)
+    marks.end_phase()
+    assert marks.root == id(root) and marks.forwards == 1
+    # no root given (a block with no model): no module is made one
+    marks = _marks({id(a): 1})
+    marks.pre(a, ())
+    marks.post(a, (), None)
+    assert marks.root == 0 and marks.forwards == 0 and marks.phase_code == 0
+
+
 def test_nesting_deeper_than_the_stack_keeps_counting():
     """Recursion deeper than the 256 tags kept: the depth still counts, and once back
     within the stack the tags are the modules' again."""
