@@ -420,12 +420,44 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _hf_trainer(transformers, model, out, callbacks=()):
-    args = transformers.TrainingArguments(
+def _hf_trainer(transformers, model, out, callbacks=(), **more):
+    kw = dict(
         output_dir=str(out), max_steps=3, per_device_train_batch_size=4, report_to=[], save_strategy="no",
         logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
+    args = transformers.TrainingArguments(**{**kw, **more})
     return transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=list(callbacks))
+
+
+class _Counters:
+    """The CPU counters read directly (memtorch.cpu, not the block): the bytes held and the peak since
+    the last boundary, at the block's start and at each step's end (the global peak reset there)."""
+
+    def __init__(self):
+        self.held, self.peaks = [], []
+
+    def start(self):
+        memtorch.cpu.reset_peak()
+        self.held.append(memtorch.cpu.allocated())
+
+    def boundary(self):
+        self.peaks.append(memtorch.cpu.peak())
+        self.held.append(memtorch.cpu.allocated())
+        memtorch.cpu.reset_peak()
+
+    def expected(self, lo, hi, warmup=1):
+        """The figures of steps lo+1..hi (1-based), by hand from the direct reads."""
+        from fractions import Fraction
+
+        out = {
+            "memtorch/peak_bytes": max(self.peaks[lo:hi]),
+            "memtorch/peak_above_step_start_bytes": max(self.peaks[i] - self.held[i] for i in range(lo, hi)),
+            "memtorch/allocated_bytes": self.held[hi],
+        }
+        if hi > warmup:
+            rate = Fraction(self.held[hi] - self.held[warmup], hi - warmup)
+            out["memtorch/leak_bytes_per_step"] = int(rate) if rate.denominator == 1 else float(rate)
+        return out
 
 
 def _state_bytes(opt):
@@ -463,6 +495,106 @@ def test_transformers_callback(tmp_path, capsys):
         assert {"input_ids", "labels"} <= inputs  # model(**batch)
 
 
+def _hf_capture(transformers, counters):
+    class Capture(transformers.TrainerCallback):
+        """Stands for a report_to backend: reads the logs at on_log, the counters at each step's end."""
+
+        logs, ended = [], []
+
+        def on_train_begin(self, args, state, control, **kw):
+            counters.start()
+
+        def on_step_end(self, args, state, control, **kw):
+            counters.boundary()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append(dict(logs))
+
+        def on_train_end(self, args, state, control, **kw):
+            self.ended.append(state.global_step)
+
+    return Capture()
+
+
+@needs_hf
+@exact_only
+@pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
+def test_transformers_callback_logs(tmp_path, capsys):
+    transformers, model = _tiny_gpt2()
+    from memtorch.integrations import LOG_NAMES
+    from memtorch.integrations.transformers import MemoryCallback
+
+    counters = _Counters()
+    seen = _hf_capture(transformers, counters)  # before memtorch's in the list, as the reporting callbacks are
+    cb = MemoryCallback(print_report=False)
+    trainer = _hf_trainer(transformers, model, tmp_path, [seen, cb], logging_strategy="steps", logging_steps=2)
+    order = list(trainer.callback_handler.callbacks)
+    trainer.train()
+    no_hooks(model)
+    assert trainer.callback_handler.callbacks == order  # memtorch back in its place
+    mine = [{k: v for k, v in logs.items() if k.startswith("memtorch/")} for logs in seen.logs]
+    # steps 1-2 logged at step 2, step 3 with the end of training's log; the reporting callback saw them
+    assert mine == [counters.expected(0, 2), counters.expected(2, 3)]
+    assert set(mine[1]) == set(LOG_NAMES) - {"memtorch/reserved_bytes"}  # the CPU: no reserved figure
+    # in state.log_history's entries too, and on the console (PrinterCallback, after memtorch's)
+    history = [{k: v for k, v in e.items() if k.startswith("memtorch/")} for e in trainer.state.log_history]
+    assert history == mine
+    assert "'memtorch/peak_bytes': " in capsys.readouterr().out
+    # the leak rate logged last is the report's; the peak logged, the report's step peaks
+    r = cb.report
+    assert mine[1]["memtorch/leak_bytes_per_step"] == r.leak.per_step
+    assert max(m["memtorch/peak_bytes"] for m in mine) == max(p for p, _ in r.step_series)
+    assert seen.ended == [3]  # its on_train_end ran
+
+
+def test_logged_figures_on_cuda(monkeypatch):
+    # the callbacks' figures on CUDA: torch.cuda's counters through memtorch.cuda (a faked device,
+    # as tests/test_cuda_logic.py's: blocks of 512 B, segments of 2 MiB), reserved at the interval's end
+    from memtorch import cuda as mcuda
+    from memtorch.integrations import Session
+    from test_cuda_logic import FakeDevice
+
+    dev = FakeDevice()
+    monkeypatch.setattr(mcuda, "_available", lambda: True)
+    monkeypatch.setattr(mcuda, "_device_count", lambda: 1)
+    monkeypatch.setattr(mcuda, "_current_device", lambda: 0)
+    monkeypatch.setattr(mcuda, "_memory_stats", dev.stats)
+    monkeypatch.setattr(mcuda, "_counters", dev.counters)
+    session = Session(print_report=False)
+    t = session.tracker = memtorch.track(device="cuda")
+    t.__enter__()
+    try:
+        dev.alloc(1000)  # 1,024 B held from before the first step
+        t.step()
+        dev.alloc(3 << 20)  # step 2: 3 MiB, 1 MiB of it freed again
+        dev.free(1 << 20)
+        t.step()
+        first = session.figures()
+        dev.alloc(4 << 20)  # step 3: a new peak, all of it freed
+        dev.free(4 << 20)
+        t.step()
+        second = session.figures()
+        assert session.figures() == {}  # no step since
+    finally:
+        session.close()
+    held = 1024 + (2 << 20)
+    assert first == {
+        "memtorch/peak_bytes": 1024 + (3 << 20),
+        "memtorch/peak_above_step_start_bytes": 3 << 20,
+        "memtorch/allocated_bytes": held,
+        "memtorch/leak_bytes_per_step": 2 << 20,  # step 2 (step 1 is the warm-up)
+        "memtorch/reserved_bytes": 4 << 20,  # 3 MiB and 1,024 B in segments of 2 MiB
+    }
+    assert second == {
+        "memtorch/peak_bytes": held + (4 << 20),
+        "memtorch/peak_above_step_start_bytes": 4 << 20,
+        "memtorch/allocated_bytes": held,
+        "memtorch/leak_bytes_per_step": 1 << 20,  # 2 MiB over the 2 judged steps
+        "memtorch/reserved_bytes": 8 << 20,  # the allocator keeps its segments
+    }
+    assert dev.reserved == 8 << 20
+
+
 @needs_hf
 @pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
 def test_transformers_trainer_inside_track(tmp_path):
@@ -488,10 +620,16 @@ def test_transformers_callback_budget(tmp_path):
     with pytest.raises(ValueError, match="size|unit|parse"):
         MemoryCallback(peak="lots")
     cb = MemoryCallback(peak="1 KiB", print_report=False)
-    with pytest.raises(memtorch.BudgetExceeded, match="peak .* exceeds budget 1.0 KiB"):
-        _hf_trainer(transformers, model, tmp_path, [cb]).train()
+    after = _hf_capture(transformers, _Counters())
+    trainer = _hf_trainer(transformers, model, tmp_path, [cb, after])
+    order = list(trainer.callback_handler.callbacks)
+    with pytest.raises(memtorch.BudgetExceeded, match="peak .* exceeds budget 1.0 KiB") as e:
+        trainer.train()
     no_hooks(model)
     assert cb.report is not None
+    # memtorch's on_train_end ran last: the callbacks after it in the list ended first
+    assert after.ended == [3] and trainer.callback_handler.callbacks == order
+    assert str(e.value).count("Counting began") <= 1  # one caveat, once
 
 
 def _lightning():
@@ -645,6 +783,46 @@ def test_lightning_any_style_is_the_plain_loop(style, hook_path):
         # and keeps a detached copy of the loss (ClosureResult.loss, one float32) with a few more
         # scalars of its own, made after the forward: 4 B in the backward's peak, 24 B in its delta
         assert p["backward"] == (3, q["backward"][1] - freed + 24, q["backward"][2] + 4)
+
+
+@needs_pl
+@exact_only
+def test_lightning_callback_logs():
+    pl = _lightning()
+    from memtorch.integrations.lightning import MemoryCallback
+
+    counters = _Counters()
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            counters.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            counters.boundary()
+
+    class Logger(pl.loggers.logger.Logger):
+        calls = []
+        name, version = "capture", 0
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            self.calls.append((step, {k: v for k, v in metrics.items() if k.startswith("memtorch/")}))
+
+    cb = MemoryCallback(print_report=False)
+    module = _lit_styled(pl, "self.model")
+    data = torch.utils.data.TensorDataset(torch.cat(batches(5)))
+    trainer = pl.Trainer(
+        max_epochs=1, callbacks=[cb, Capture()], logger=Logger(), log_every_n_steps=2, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+    no_hooks(module)
+    calls = [c for c in Logger.calls if c[1]]
+    # every 2 steps, and the 5th at the end of training
+    assert calls == [(2, counters.expected(0, 2)), (4, counters.expected(2, 4)), (5, counters.expected(4, 5))]
+    assert calls[-1][1]["memtorch/leak_bytes_per_step"] == cb.report.leak.per_step
 
 
 @needs_pl
