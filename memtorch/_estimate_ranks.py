@@ -389,7 +389,8 @@ def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered, 
         "peak_upper": int(peak if upper is None else max(peak, upper)),
         "reserved_peak": None if reserved is None else int(reserved),
         "steady": int(steady),
-        "parameter": sum(size_of(k) for k in facts["param_keys"]),
+        # each storage once: several parameters may view one (cuDNN's flat RNN weights)
+        "parameter": sum(size_of(k) for k in set(facts["param_keys"])),
         "gradient": int(grads),
         "optimizer_state": sum(size_of(k) for k in facts["last_state"]),
         "communication_buckets": int(buckets),
@@ -420,9 +421,10 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
 
     esize = [_esize(facts, i) for i in range(len(numels))]
     gsize = dict(enumerate(esize))
-    for k, i in grad_keys.items():
-        if numels[i]:
-            gsize[i] = info[k][0] // numels[i]
+    for k, i in grad_keys.items():  # a gradient's bytes per element: its storage's over the storage's elements
+        whole = ledger.elements.get(k) or numels[i]
+        for j in [v[2] for v in ledger.views.get(k, ())] or [i]:  # every parameter viewing that storage
+            gsize[j] = info[k][0] // whole if whole else esize[j]
     full_u = [rnd(sum(padded(i) * esize[i] for i in u)) for u in units]
     rs_in_u = [sum(padded(i) * gsize[i] for i in u) for u in units]
     rs_out_u = [rnd(x // n) for x in rs_in_u]
@@ -451,10 +453,10 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
             results.append(dict(cache[rows], rank=r))
             continue
         over = {}
-        for k in facts["param_keys_trainable"]:
-            i = owner.get(k)
-            if i is not None and i >= 0:
-                over[k] = rnd(padded(i) // n * esize[i])  # the padded shard FSDP2 keeps
+        for i, k in enumerate(facts["param_keys_trainable"]):
+            # the padded shard FSDP2 keeps, one per parameter: a storage several parameters view (cuDNN's flat
+            # RNN weights) holds all of theirs
+            over[k] = over.get(k, 0) + rnd(padded(i) // n * esize[i])
         for k in info:
             o = owner.get(k)
             if o is not None and o >= 0 and in_step(k):

@@ -57,6 +57,9 @@ class Ledger:
         # followed from the operators' inputs to their outputs while ``attribute`` is set
         self.owner = {}
         self.elements = {}  # key -> elements of an owned storage (its parameter's numel: elementwise)
+        # key -> [(storage offset, elements, parameter index)] of a storage several parameters view (cuDNN's
+        # flat RNN weights and their flat gradient): its owner is -1, a view of one parameter's part is that one's
+        self.views = {}
         self.attribute = False
         self._round = rounding or (lambda n: n)
         self.host = set()  # id(storage) of host memory a device step keeps (Adam's step counts on CUDA)
@@ -291,7 +294,16 @@ def _owners(ledger, args, kwargs, out):
 
     def of(t):
         k = live.get(id(t.untyped_storage()))
-        return None if k is None else own.get(k)
+        if k is None:
+            return None
+        o = own.get(k)
+        parts = ledger.views.get(k) if o == -1 else None
+        if parts:  # a storage several parameters view: the one whose part this view lies in
+            at, n = t.storage_offset(), t.numel()
+            for start, size, i in parts:
+                if start <= at and at + n <= start + size:
+                    return i
+        return o
 
     def merge(os_):
         os_ = {o for o in os_ if o is not None}

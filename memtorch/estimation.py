@@ -444,14 +444,28 @@ def _swapped(model, fakes):
 
 def _own(ledger, trainable, masters, grad_of):
     """Give each parameter's storages (itself, its gradient, its master copy) its index as owner.
+    A storage several parameters view (cuDNN's flat RNN weights, their flat gradient) is owned by -1
+    and its views listed (ledger.views); ledger.elements is a storage's own elements, not a view's.
     A function, so that no loop variable keeps a gradient alive past zero_grad."""
     for i, t in enumerate(trainable):
         if t.grad is not None and ledger.key_of(t.grad) is not None:
             grad_of[ledger.key_of(t.grad)] = i
         for x in (t, t.grad) + ((masters[i], masters[i].grad) if masters is not None else ()):
             if x is not None and ledger.key_of(x) is not None:
-                ledger.owner[ledger.key_of(x)] = i
-                ledger.elements[ledger.key_of(x)] = x.numel()
+                _own_view(ledger, ledger.key_of(x), x, i)
+
+
+def _own_view(ledger, key, x, i):
+    """Record that parameter i's tensor x (a view of storage ``key``, or all of it) is i's."""
+    whole = x.untyped_storage().nbytes() // max(1, x.element_size())
+    ledger.elements[key] = whole
+    if x.numel() == whole:
+        ledger.owner[key] = i
+        return
+    parts = ledger.views.setdefault(key, [])
+    if not any(p[2] == i for p in parts):
+        parts.append((x.storage_offset(), x.numel(), i))
+    ledger.owner[key] = -1
 
 
 def _unit_hooks(stack, units, ledger, hooks, record):
@@ -520,7 +534,7 @@ def _end_facts(ledger, trainable, cuda_state=None):
     return {
         "grad_keys": {}, "state_keys": set(), "end_live": end_live, "last_state": set(),
         "end_current": ledger.current, "param_groups": [], "param_shapes": [tuple(t.shape) for t in trainable],
-        "param_bytes": [t.untyped_storage().nbytes() for t in trainable],
+        "param_bytes": [t.numel() * t.element_size() for t in trainable],
         "param_numels": [t.numel() for t in trainable], "trainable_numel": sum(t.numel() for t in trainable),
     }  # fmt: skip
 
@@ -694,7 +708,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         facts["param_keys"] = [ledger.key_of(t) for _, t in fparams]
         facts["param_keys_trainable"] = [ledger.key_of(t) for t in trainable]
         for i, t in enumerate(trainable):
-            ledger.owner[ledger.key_of(t)] = i
+            _own_view(ledger, ledger.key_of(t), t, i)
         facts["unit_events"] = []
         if units is not None:
             facts["units"] = unit_params(units, orig_index)
@@ -827,7 +841,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         index = {id(t): i for i, t in enumerate(opt_params)}
         facts["param_groups"] = [[index[id(p_)] for p_ in g["params"] if id(p_) in index] for g in opt.param_groups]
         facts["param_shapes"] = [tuple(t.shape) for t in trainable]
-        facts["param_bytes"] = [t.untyped_storage().nbytes() for t in trainable]
+        facts["param_bytes"] = [t.numel() * t.element_size() for t in trainable]  # its own, not its storage's
         facts["param_numels"] = [t.numel() for t in trainable]
         facts["grad_keys"] = grad_of
         facts["state_keys"] = set(state_keys) - {None}

@@ -1,0 +1,89 @@
+"""estimate(device="cuda", world_size=N, sharding=...): per-rank figures through the caching allocator's model,
+checked by hand counts. No GPU needed.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import memtorch
+
+
+def _block(n):
+    """The caching allocator's rounding of one request: 512 B blocks."""
+    return -(-n // 512) * 512
+
+
+def _rnn(kind):
+    torch.manual_seed(0)
+    return getattr(nn, kind)(64, 64, num_layers=2)
+
+
+# nn.LSTM(64, 64, num_layers=2): per layer weight_ih (256, 64), weight_hh (256, 64), bias_ih (256), bias_hh (256):
+# 2 * (16,384 + 16,384 + 256 + 256) = 66,560 fp32 elements, 266,240 B. nn.GRU: 3 gates, 192 rows: 2 * (12,288 +
+# 12,288 + 192 + 192) = 49,920 elements, 199,680 B. On CUDA the parameters are views of one flat buffer (cuDNN's,
+# nn.RNNBase.flatten_parameters) and their gradients views of one flat dw (_cudnn_rnn_backward): one storage each,
+# that every rank holds once.
+RNN = {"LSTM": (4, 266_240), "GRU": (3, 199_680)}
+
+
+def _fsdp_shard_bytes(gates, n):
+    """FSDP2's per-rank padded shards of the RNN's 8 parameters, each its own block: ceil(rows / n) rows."""
+    rows = -(-gates * 64 // n)
+    return 2 * (2 * _block(rows * 64 * 4) + 2 * _block(rows * 4))
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_flat_rnn_weights_are_one_storage_per_rank(kind, n):
+    gates, whole = RNN[kind]
+    model = _rnn(kind)
+    assert sum(p.numel() * 4 for p in model.parameters()) == whole
+    x = torch.empty(16, 8, 64, device="meta")
+    for sharding in ("ddp", "zero1"):
+        est = memtorch.estimate(model, x, device="cuda", world_size=n, sharding=sharding)
+        for r in est.per_rank:
+            # the whole model once, and DDP's buckets one copy of the gradients (whole is a multiple of 512)
+            assert (r["parameter"], r["gradient"], r["communication_buckets"]) == (whole, whole, whole), sharding
+    for sharding in ("zero2", "zero3"):
+        est = memtorch.estimate(model, x, device="cuda", world_size=n, sharding=sharding)
+        shard = _fsdp_shard_bytes(gates, n)
+        rows = -(-gates * 64 // n)
+        # the reduce-scatter's output: 1/n of the padded flat gradients, one block
+        grads = _block(2 * (2 * rows * 64 + 2 * rows) * n * 4 // n)
+        # AdamW's exp_avg and exp_avg_sq of each parameter's own rows (the chunk, unpadded), each its own block
+        state = 0
+        for rank in range(n):
+            own = max(0, min(rows, gates * 64 - rank * rows))
+            state = max(state, 2 * 2 * (2 * _block(own * 64 * 4) + 2 * _block(own * 4)))
+        for r in est.per_rank:
+            assert r["parameter"] == shard, sharding
+            assert r["gradient"] == grads, sharding
+        assert max(r["optimizer_state"] for r in est.per_rank) == state
+        # the one unit (the root): every parameter's padded rows, gathered
+        assert [u["gathered_bytes"] for u in est.fsdp_units] == [4 * 2 * (2 * rows * 64 + 2 * rows) * n]
+
+
+def test_flat_rnn_figures_by_hand_at_four_ranks():
+    # The figures of issue 36's row, counted once more with the numbers written out (LSTM, 4 ranks):
+    # ddp: parameters 266,240 B on every rank (one flat buffer), not 8 x 266,240 = 2,129,920.
+    # zero2: 64 rows a rank: weights 64 x 64 x 4 = 16,384 B, biases 64 x 4 = 256 B -> a 512 B block:
+    # 2 x (2 x 16,384 + 2 x 512) = 67,584 B of parameters; gradients 66,560 x 4 / 4 = 66,560 B;
+    # AdamW's two moments of the same rows: 2 x 67,584 = 135,168 B.
+    x = torch.empty(16, 8, 64, device="meta")
+    ddp = memtorch.estimate(_rnn("LSTM"), x, device="cuda", world_size=4, sharding="ddp")
+    assert ddp.per_rank[0]["parameter"] == 266_240
+    z2 = memtorch.estimate(_rnn("LSTM"), x, device="cuda", world_size=4, sharding="zero2")
+    r = z2.per_rank[0]
+    assert (r["parameter"], r["gradient"], r["optimizer_state"]) == (67_584, 66_560, 135_168)
+
+
+def test_plan_passes_the_rnn_rank_figures_on():
+    model = _rnn("LSTM")
+    x = torch.empty(16, 8, 64, device="meta")
+    p = memtorch.plan(model, x, device_memory="1 GiB", world_sizes=[4], precisions=["fp32"], checkpointing=[None],
+                      device="cuda", reserve=0)  # fmt: skip
+    assert {o.sharding for o in p.options} >= {"ddp", "zero2"}
+    for o in p.options:
+        est = memtorch.estimate(model, x, device="cuda", world_size=4, sharding=o.sharding)
+        assert o.rank_peaks == tuple(r["peak"] for r in est.per_rank), o.sharding
