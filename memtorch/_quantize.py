@@ -269,9 +269,10 @@ def _int8_layer(bnb, m):
         scb = torch.empty(out_f, dtype=torch.float32, device="meta")
         new.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
     else:
-        # Int8Params.to(device) from the CPU quantizes (int8_vectorwise_quant of the fp16 weight)
+        # what Int8Params.to(device) runs from the CPU (int8_vectorwise_quant of the fp16 weight), on the
+        # weight's own device (to() quantizes only a weight coming from the CPU)
         p = bnb.nn.Int8Params(w.contiguous(), requires_grad=False, has_fp16_weights=False)
-        new.weight = p.to(w.device) if w.device.type != "cpu" else p._quantize("cpu")
+        new.weight = p._quantize(w.device)
     if bias is not None:
         new.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
     new.requires_grad_(False)
