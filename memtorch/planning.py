@@ -432,6 +432,8 @@ def plan(
     optimizer, loss_fn, gpu, fsdp_units, keep_output: as estimate()'s, with its
     defaults. pad=False refuses zero1-even on a world size that does not
     divide the trainable elements (DeepSpeed pads them; so does the default).
+    shardings: among ddp, zero1, zero1-even, zero2, zero3; None (the CLI's
+    "none") alone asks for one device only, the model unwrapped.
     world_sizes: the world sizes to try; default: powers of two up to
     max_world_size, and for each (precision, checkpointing, micro-batch,
     sharding) only up to the first that fits (a larger world size of the same
@@ -472,6 +474,9 @@ def plan(
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise MemtorchError(f"plan() micro_batches must be positive ints, got {mb!r}")
     shardings = list(shardings)
+    # None (the CLI's "none"): one process, the model unwrapped, the row every plan has at world size 1
+    unwrapped_only = bool(shardings) and all(s is None for s in shardings)
+    shardings = [s for s in shardings if s is not None] or ["ddp"]
     for s in shardings:
         _check_sharding(s)
     memory = units.parse(device_memory)
@@ -481,6 +486,8 @@ def plan(
         raise MemtorchError(f"global_batch must be a positive int, got {global_batch!r}")
     frontier = world_sizes is None and not exhaustive
     worlds = _world_sizes(world_sizes, max_world_size, global_batch)
+    if unwrapped_only:
+        worlds = [1]
     notes = []
     checkpointing = list(checkpointing)
     if "blocks" in checkpointing:

@@ -457,3 +457,18 @@ def test_the_table_shows_one_device_first_and_names_it():
     assert "none of 3 combination(s) fit" in str(p) and "on more, none fit" in str(p)
     assert len(p.to_text(limit=1).splitlines()) < len(p.to_text(limit=None).splitlines())
     assert "more row(s): `memtorch plan ... --all` shows every row" in p.to_text(limit=1)
+
+
+def test_shardings_none_alone_is_one_device_unwrapped(capsys):
+    # the CLI's --shardings none: one process, the row every plan has at world size 1
+    import torch
+
+    import memtorch
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    p = memtorch.plan(model, (8, 32), device="cpu", device_memory="1 GiB", shardings=[None], precisions=["fp32"])
+    assert [(o.world_size, o.sharding) for o in p.options] == [(1, None)]
+    one = memtorch.estimate(model, (8, 32), device="cpu")
+    assert p.options[0].peak == one.peak
+    with pytest.raises(MemtorchError, match="unknown sharding 'zero9'"):
+        memtorch.plan(model, (8, 32), device="cpu", shardings=[None, "zero9"])
