@@ -39,6 +39,7 @@ import gc
 
 from . import units
 from .errors import MemtorchError
+from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.advice import EXACT, ESTIMATED, GROUPS, MEASURED, Advice, Suggestion  # the result types' home
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
@@ -998,7 +999,7 @@ def advise(
         framework = _framework_of(model)
     elif framework not in FRAMEWORKS:
         raise ValueError(f"advise(framework=...) expects one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    defaulted = device is None
+    defaulted = device is None and gpu is None
     device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
     _check_args(optimizer if optimizer is not None else "sgd", precision, device, world_size, sharding,
                 checkpointing, None)  # fmt: skip
@@ -1034,8 +1035,7 @@ def advise(
                 "world_size": world_size, "sharding": sharding, "fsdp_units": fsdp_units,
                 "device_type": device}  # fmt: skip
     if defaulted:
-        notes.append(f"device {DEFAULT_DEVICE!r} by default (as estimate(), plan(), fit() and the CLI; the question "
-                     "is a GPU's): device='cpu' models PyTorch's CPU allocator")  # fmt: skip
+        notes.append(DEFAULT_DEVICE_NOTE)
     # the optimizer as one object, for the arithmetic of its state (never stepped)
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     opt_inst = optimizer if isinstance(optimizer, torch.optim.Optimizer) else (
@@ -1081,7 +1081,8 @@ def advise(
         _micro_batch(model, run, base, inputs, items, notes, budget, keep, engine, est_cfg)
         if budget is not None:
             _sharding(model, inputs, engine, base, budget, keep, est_cfg, precision, items, notes)
-        _offload_and_8bit(model, opt_inst, base, budget, items, notes, run if not measure else None, keep)
+        _offload_and_8bit(model, opt_inst, base, budget, items, notes, run if not measure else None, keep,
+                          framework)  # fmt: skip
     # changes how or what the model learns
     if cast is None:
         _precision(mm_step, items, notes)
@@ -1250,11 +1251,12 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, item
         judged_after=judged))  # fmt: skip
 
 
-def _offload_and_8bit(model, opt_inst, base, budget, items, notes, run=None, reserve=0):
+def _offload_and_8bit(model, opt_inst, base, budget, items, notes, run=None, reserve=0, framework="torch"):
     """The optimizer state held in CPU memory (arithmetic on the estimate: not a configuration estimate()
     runs, so not judged against the budget), and bitsandbytes' 8-bit AdamW in place of Adam/AdamW:
-    estimate()'s step with optimizer="adamw8bit" (one more dry run; memtorch._optimizers), judged as the
-    other step rows."""
+    estimate()'s step with optimizer="adamw8bit", or "adamw_bnb_8bit" where the printed line is the
+    Trainer's (its nn.Embedding weights' state stays in 32 bits), one more dry run (memtorch._optimizers),
+    judged as the other step rows."""
     torch = _torch()
     est = base["report"]
     states = getattr(est, "model_states", None)
@@ -1268,27 +1270,38 @@ def _offload_and_8bit(model, opt_inst, base, budget, items, notes, run=None, res
             "offload's own staging buffers are not counted: not judged against the budget)",
             group="keeps the model", code=_code("cpu_offload")))  # fmt: skip
     if isinstance(opt_inst, (torch.optim.Adam, torch.optim.AdamW)) and states is not None and run is not None:
-        eight = _eight_bit_step(model, run)
+        trainer = framework == "transformers"
+        name = "adamw_bnb_8bit" if trainer else "adamw8bit"
+        eight = _eight_bit_step(model, run, name)
         now, after = states.get("optimizer_state", 0), eight["report"].model_states["optimizer_state"]
-        if eight["peak"] < base["peak"] or after < now:
+        if eight["peak"] >= base["peak"]:
+            notes.append(
+                f"8-bit optimizer state ({name}): state {_fmt(now)} -> {_fmt(after)}, but the step peaks at "
+                f"{_fmt(eight['peak'])}, not under {_fmt(base['peak'])}"
+                + (" (bitsandbytes' CPU step makes float32 copies of each parameter's states and gradient)"
+                   if run.base.get("device") == "cpu" else "")
+            )
+        else:
             items.append(_changed(
-                "optimizer_8bit", "8-bit optimizer state (bitsandbytes AdamW8bit)", base, eight,
+                "optimizer_8bit", "8-bit optimizer state (bitsandbytes AdamW, 8-bit)", base, eight,
                 "exp_avg and exp_avg_sq in 8 bits, block-wise scaled (bitsandbytes' state1 and state2)",
-                f"{type(opt_inst).__name__} state {_fmt(now)}; AdamW8bit: uint8 state1 and state2, a float32 absmax "
-                f"per 256 elements each and two shared 256-entry maps, float32 state below 4096 elements: "
-                f"{_fmt(after)}; the step estimated with optimizer='adamw8bit' (transformers' "
-                "optim='adamw_bnb_8bit' also keeps nn.Embedding weights' state in 32 bits)",
+                f"{type(opt_inst).__name__} state {_fmt(now)}; 8-bit: uint8 state1 and state2, a float32 absmax "
+                f"per 256 elements each and two shared 256-entry maps, float32 state below 4096 elements"
+                + (", and nn.Embedding weights' in float32 as the Trainer keeps them" if trainer else "")
+                + f": {_fmt(after)}; the step estimated with optimizer={name!r}"
+                + ("" if trainer else " (the Trainer's optim='adamw_bnb_8bit' also keeps nn.Embedding weights' "
+                                      "state in 32 bits)"),
                 "keeps the model", budget, reserve, code=_code("optimizer_8bit")))  # fmt: skip
 
 
-def _eight_bit_step(model, run):
-    """The figures of estimate()'s step of ``run``'s configuration with optimizer="adamw8bit"."""
+def _eight_bit_step(model, run, optimizer):
+    """The figures of estimate()'s step of ``run``'s configuration with ``optimizer`` (a name)."""
     # lazy: estimation loads only when this path runs (importing advice stays cheap)
     from .estimation import estimate
 
     cfg = {k: v for k, v in run.base.items() if v is not None or k not in ("gpu", "fsdp_units")}
     keep = run.engine.fixed["keep_output"] if run.engine is not None else True
-    est = estimate(model, *run.inputs.as_tuple(), optimizer="adamw8bit", loss_fn=run.loss_fn, keep_output=keep,
+    est = estimate(model, *run.inputs.as_tuple(), optimizer=optimizer, loss_fn=run.loss_fn, keep_output=keep,
                    **cfg)  # fmt: skip
     judged = est.reserved_peak if est.reserved_peak is not None else (est.peak_upper or est.peak)
     return {"peak": int(est.peak), "reserved": est.reserved_peak, "judged": int(judged), "report": est,

@@ -409,3 +409,34 @@ def test_sharded_8bit_state_says_what_is_not_modelled():
     # under DDP every rank holds the whole state
     one = memtorch.estimate(model, make_input(), optimizer="adamw8bit", device="cpu")
     assert ddp.model_states["optimizer_state"] == one.model_states["optimizer_state"]
+
+
+# ---------------------------------------------------------------- advise()'s 8-bit row
+
+
+@pytest.mark.parametrize("framework, name", [("torch", "adamw8bit"), ("transformers", "adamw_bnb_8bit")])
+def test_advise_8bit_row_is_the_estimate_of_its_line(framework, name):
+    # the row's figure is estimate()'s step with the optimizer its printed line builds: AdamW8bit by hand, or
+    # the Trainer's optim='adamw_bnb_8bit' (the embedding's state in 32 bits); on cuda (bitsandbytes' fused
+    # step, no temporaries) against torch's foreach AdamW
+    model, ids = Tagger(), torch.zeros(8, 4, dtype=torch.long)
+    est = memtorch.estimate(model, ids, optimizer=name, device="cuda", gpu="h100")
+    # a budget the 8-bit step fits to the byte (judged on cuda: its reserved peak, the reserve 0)
+    adv = memtorch.advise(model, ids, optimizer="adamw", device="cuda", gpu="h100", framework=framework,
+                          budget=est.reserved_peak, reserve=0)  # fmt: skip
+    (row,) = adv.by_kind("optimizer_8bit")
+    assert row.before == adv.peak > est.peak and row.after == est.peak and row.fits is True
+    assert row.basis == "estimated by memtorch.estimate" and f"optimizer={name!r}" in row.detail
+    assert row.code["torch"].startswith("bitsandbytes.optim.AdamW8bit")
+    assert "adamw_bnb_8bit" in row.code["transformers"]
+
+
+def test_advise_8bit_is_a_note_when_the_step_peaks_higher():
+    # on the CPU bitsandbytes' step makes float32 copies of a parameter's states and gradient: for this small
+    # model, with the Trainer's 32-bit embedding, the step peaks higher than torch's AdamW
+    model, ids = Tagger(), torch.zeros(8, 4, dtype=torch.long)
+    adv = memtorch.advise(model, ids, optimizer="adamw", device="cpu", framework="transformers")
+    est = memtorch.estimate(model, ids, optimizer="adamw_bnb_8bit", device="cpu")
+    assert est.peak > adv.peak and not adv.by_kind("optimizer_8bit")
+    (note,) = [n for n in adv.notes if n.startswith("8-bit optimizer state")]
+    assert memtorch.units.format(est.peak) in note and "float32 copies" in note
