@@ -298,6 +298,8 @@ def _load_source(args, progress, dtype):
     # lazy: each subcommand loads only the engines it runs
     from . import models
 
+    if getattr(args, "double_quant", False) and not getattr(args, "quantize", None):
+        raise UsageError("--double-quant quantizes the 4-bit scales: it goes with --quantize nf4 or fp4")
     with progress.step(f"building {args.target} on the meta device"):
         try:
             model = models.load_model(
