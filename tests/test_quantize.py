@@ -524,3 +524,20 @@ def test_cli_quantize_flags():
 
     est = memtorch.estimate(model, example_inputs(model, 2, 32), device="cpu")
     assert json.loads(out.getvalue())["peak"] == est.peak
+
+
+def test_cli_double_quant_needs_quantize(capsys):
+    import io
+    import pathlib
+
+    from memtorch import cli
+
+    config = pathlib.Path(__file__).parent / "data" / "configs" / "llama" / "config.json"
+    code = cli.main(
+        ["estimate", str(config), "--batch", "2", "--seq", "8", "--double-quant"], out=io.StringIO()
+    )
+    assert code == 2
+    assert (
+        "--double-quant quantizes the 4-bit scales: it goes with --quantize nf4 or fp4"
+        in capsys.readouterr().err
+    )
