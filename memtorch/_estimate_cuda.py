@@ -437,6 +437,10 @@ class CachingAllocator:
         # another, never given back), so equal sizes order by address and blocks are never compared
         self._free = {True: [], False: []}
         self._blocks = {}  # key -> block handed out
+        # key -> bytes of its block beyond its rounded request: a free block too little larger to be split
+        # (a large block's remainder of 1 MiB or less, a small one's under 512 B) is handed out whole, and
+        # allocated counts all of it; set at malloc, kept after the free (keys are given out once)
+        self.unsplit = {}
 
     def _insert(self, b):
         bisect.insort(self._free[b.small], (b.size, b.addr, b))
@@ -473,6 +477,8 @@ class CachingAllocator:
         block.free = False
         self.allocated += block.size
         self._blocks[key] = block
+        if block.size > size:
+            self.unsplit[key] = block.size - size
 
     def free(self, key):
         block = self._blocks.pop(key, None)

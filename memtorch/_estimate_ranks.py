@@ -205,9 +205,10 @@ def _chunk_rows(d0, n, rank):
 def _replay(ledger, size_of, inserts, spans, cuda=False):
     """Curve of a rank: ledger events with sizes from size_of(key), inserts {pos: [(pseudo key, +1/-1)]}.
 
-    Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)], reserved peak);
-    cuda: the curve is the caching allocator's allocated bytes (its blocks), and the reserved peak its
-    segments' (None otherwise).
+    Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)], reserved peak,
+    unsplit); cuda: the curve is the caching allocator's allocated bytes (its blocks), the reserved peak its
+    segments' and unsplit the bytes of the blocks live at the peak beyond their rounded requests (None and 0
+    otherwise).
     """
     cur = 0
     best, best_at = 0, -1
@@ -253,6 +254,7 @@ def _replay(ledger, size_of, inserts, spans, cuda=False):
             live.add(key)
         else:
             live.discard(key)
+    unsplit = sum(alloc.unsplit.get(k, 0) for k in live) if cuda else 0
     phases = []  # (name, bytes at its start, at its end, its highest)
     ends = {e for _n, _s, e in spans}
     for name, s, e in spans:
@@ -262,7 +264,7 @@ def _replay(ledger, size_of, inserts, spans, cuda=False):
         start = curve[s2 - 1] if s2 > 0 else 0
         end = curve[e2 - 1] if e2 > 0 else 0
         phases.append((name, start, end, max(max(curve[s2:e2], default=start), start)))
-    return best, live, (curve[-1] if curve else 0), phases, reserved
+    return best, live, (curve[-1] if curve else 0), phases, reserved, unsplit
 
 
 def even_partition(groups, numels, n):
@@ -374,11 +376,13 @@ def _scaled(nbytes, numel, part, elements):
 
 
 def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered, upper=None):
-    peak, live, end, phases, reserved = rep
+    peak, live, end, phases, reserved, unsplit = rep
     breakdown = {}
     for k in live:
         cat = pseudo[k][1] if isinstance(k, tuple) else info[k][3]
         breakdown[cat] = breakdown.get(cat, 0) + size_of(k)
+    if reserved is not None:  # cuda: the blocks handed out whole, as the peak counts them
+        breakdown[words.ALLOCATOR_ROUNDING] = int(unsplit)
     # between steps: what the one process keeps (parameters, buffers, state, inputs) at this rank's
     # sizes, and DDP's buckets
     steady = sum(size_of(k) for k in facts["end_live"]) + buckets

@@ -1120,7 +1120,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     sizes = None
     reserved_peak = reserved_steady = None
     if device == "cuda":
-        alloc_curve, reserved_curve = CachingAllocator().replay(ledger.events, {k: v[0] for k, v in info.items()})
+        allocator = CachingAllocator()
+        alloc_curve, reserved_curve = allocator.replay(ledger.events, {k: v[0] for k, v in info.items()})
         sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
         reserved_peak = max(reserved_curve, default=0)
         reserved_steady = reserved_curve[-1] if reserved_curve else 0
@@ -1136,6 +1137,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     breakdown = dict.fromkeys(CATEGORIES, 0)
     for k in live:
         breakdown[info[k][3]] += size(k)
+    if sizes is not None:  # the blocks handed out whole beyond their rounded requests: the peak counts them
+        breakdown[words.ALLOCATOR_ROUNDING] = sum(allocator.unsplit.get(k, 0) for k in live)
     end_live = facts["end_live"]
     steady = sum(size(k) for k in end_live)
     # Model states, exact: every storage ever given the category (gradients and optimizer state
@@ -1211,7 +1214,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         if device == "cuda":
             # the highest rank's segments; the model keeps segments (no empty_cache), so they stay
             reserved_peak = reserved_steady = max(r["reserved_peak"] for r in per_rank)
-        breakdown = {c: top["breakdown"].get(c, 0) for c in CATEGORIES + ("communication",)}
+        extra = ("communication",) + ((words.ALLOCATOR_ROUNDING,) if device == "cuda" else ())
+        breakdown = {c: top["breakdown"].get(c, 0) for c in CATEGORIES + extra}
         phases = {}
         for (_n, s, _e), (name, start, end, high) in zip(hooks.spans, top["spans"]):
             if s >= last:  # the last step's, as above

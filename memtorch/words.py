@@ -14,6 +14,7 @@ __all__ = [
     "PHASES",
     "INSPECT_CATEGORIES",
     "ESTIMATE_CATEGORIES",
+    "ALLOCATOR_ROUNDING",
     "MODULE_CATEGORIES",
     "AT_PEAK_KINDS",
     "label",
@@ -60,6 +61,10 @@ MODULE_CATEGORIES = INSPECT_CATEGORIES[:4]
 ESTIMATE_CATEGORIES = (
     "parameter", "buffer", "gradient", "optimizer_state", "activation", "temporary", "input", "workspace",
 )  # fmt: skip
+
+# estimate(device="cuda")'s breakdown line for the bytes of the caching allocator's blocks beyond the rounded
+# requests (a cached block handed out whole, unsplit), so that the breakdown sums to the peak
+ALLOCATOR_ROUNDING = "allocator_rounding"
 
 # at_peak's owner kinds (Owner.kind), as tables print them: the same words as the categories above
 # (workspace: a CUDA block's cuBLAS/cuBLASLt workspaces).

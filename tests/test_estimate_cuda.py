@@ -80,6 +80,9 @@ EXACT = ("mlp-fp32", "gpt2-fp32", "lstm-fp32")
 def test_shipped_h200_case_exact(case):
     est = _estimate_shipped(case)
     assert (est.peak, est.reserved_peak) == (TRUTH[case]["true_peak"], TRUTH[case]["true_reserved"])
+    # the breakdown at the peak adds up to the H200's max_memory_allocated(): the blocks the caching allocator
+    # handed out whole beyond their requests (an unsplit remainder) on a line of their own
+    assert sum(est.breakdown.values()) == TRUTH[case]["true_peak"]
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad", "RMSprop"])
