@@ -40,6 +40,7 @@ first forward of a Linear4bit whose bias is not in the compute dtype (bitsandbyt
 place and 4 bytes per bias element stay allocated, measured on the CPU).
 """
 
+import copy
 import re
 import sys
 
@@ -106,8 +107,10 @@ def _is_transformers(model):
 def _convertible(module):
     """type(module) is nn.Linear, or transformers' Conv1D (GPT-2's), as replace_with_bnb_linear takes."""
     torch = _load_torch()
-    if type(module) is torch.nn.Linear:
-        return True
+    return type(module) is torch.nn.Linear or _is_conv1d(module)
+
+
+def _is_conv1d(module):
     pt = sys.modules.get("transformers.pytorch_utils")
     return pt is not None and isinstance(module, pt.Conv1D)
 
@@ -118,8 +121,8 @@ def apply(model, quantize, *, double_quant=False, compute_dtype=None, skip=None)
     quantize: "nf4" or "fp4" (``bnb.nn.Linear4bit``, blocks of 64, uint8 storage) or "int8"
     (``bnb.nn.Linear8bitLt``, LLM.int8 with outlier threshold 6.0, no fp16 weights), as
     ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`` / ``load_in_8bit=True``.
-    double_quant: bnb_4bit_use_double_quant (4-bit only). compute_dtype: bnb_4bit_compute_dtype,
-    torch.bfloat16 by default (the value QLoRA users set; bitsandbytes' own default, None, computes in
+    double_quant: bnb_4bit_use_double_quant (4-bit only). compute_dtype: bnb_4bit_compute_dtype (4-bit
+    only: LLM.int8 computes in the input's dtype), torch.bfloat16 by default (the value QLoRA users set; bitsandbytes' own default, None, computes in
     the input's dtype).
     skip: module names or patterns left unquantized, with transformers' matching rule; None: the
     ones transformers skips by default (see default_skip); as with ``llm_int8_skip_modules``, a list
@@ -147,8 +150,6 @@ def apply(model, quantize, *, double_quant=False, compute_dtype=None, skip=None)
                 "and peft wraps it): this model is a PeftModel already"
             )
     patterns = default_skip(model) if skip is None else list(skip)
-    import copy
-
     model = copy.deepcopy(model)
     targets = [
         (n, m) for n, m in model.named_modules() if n and _convertible(m) and _should_convert(n, patterns)
@@ -171,7 +172,7 @@ def apply(model, quantize, *, double_quant=False, compute_dtype=None, skip=None)
 def _weight_of(m):
     """(out_features, in_features, weight as [out, in]) of a Linear or a Conv1D ([in, out])."""
     w = m.weight
-    if type(m).__name__ == "Conv1D":
+    if _is_conv1d(m):
         return w.shape[1], w.shape[0], w.detach().t()
     return w.shape[0], w.shape[1], w.detach()
 
