@@ -209,6 +209,7 @@ def _accounting_mode(ledger, kernels, allow_item):
     # Tensor.item() reaches this mode whole where autograd is off (inference_mode): answered as the
     # _local_scalar_dense it decomposes into, not passed below, where the fake mode refuses it
     item = torch.ops.aten.item.default
+    known = _Known()
 
     class Accounting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -216,10 +217,9 @@ def _accounting_mode(ledger, kernels, allow_item):
             if func is item:
                 func = local_scalar
             if allow_item[0] == "generate" and func in (local_scalar, is_nonzero):
-                # generate()'s questions on tensor values: answered for the longest run (estimation._generate)
-                if func is is_nonzero or args[0].dtype == torch.bool:
-                    return False
-                return 0.0 if args[0].dtype.is_floating_point else 0
+                # generate()'s questions on tensor values (estimation._generate): a value computed from
+                # constants alone is the real one; any other is answered for the longest run
+                return known.answer(func, args[0])
             if func is local_scalar:
                 if allow_item[0]:
                     # The optimizers read their step count with .item(); any plausible value
@@ -248,6 +248,8 @@ def _accounting_mode(ledger, kernels, allow_item):
                 extra = 0
             else:
                 out = func(*args, **kwargs)
+                if allow_item[0] == "generate":
+                    known.follow(func, args, kwargs, out)
                 if fix is not None:
                     extra = fix(args, kwargs, out)
                 else:
@@ -276,6 +278,81 @@ def _accounting_mode(ledger, kernels, allow_item):
             return out
 
     return Accounting()
+
+
+class _Known:
+    """The real values of the small tensors generate() computes from constants alone, beside their fakes.
+
+    generate() steers its loops by tensor values: a sequence's end-of-sequence test, and loops of its own
+    (Whisper's ``while (seek < max_frames).any()`` over the audio's segments, seek and max_frames made by
+    torch.zeros and torch.ones times the input's length). An operator whose tensor inputs all have a
+    known value (none for a factory) runs again for real on those values, when its tensors are small; its
+    outputs' values are known. Parameters, inputs and whatever the model computes have none: a question on
+    them is answered for the longest run (False, 0: no sequence has finished, no special token is
+    negative, no prompt is right-padded). A tensor written by an operator with an unknown input (in place,
+    or through a view) has no known value from then on.
+    """
+
+    LIMIT = 1 << 16  # elements of a tensor run for real
+
+    def __init__(self):
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.values = WeakTensorKeyDictionary()  # fake tensor -> real tensor
+        self.dirty = set()  # id(storage) written with an unknown value
+
+    def get(self, t):
+        if id(t.untyped_storage()) in self.dirty:
+            return None
+        return self.values.get(t)
+
+    def answer(self, func, t):
+        torch = _torch()
+        real = self.get(t)
+        if real is not None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return bool(real) if func is torch.ops.aten.is_nonzero.default else real.item()
+        if func is torch.ops.aten.is_nonzero.default or t.dtype == torch.bool:
+            return False
+        return 0.0 if t.dtype.is_floating_point else 0
+
+    def follow(self, func, args, kwargs, out):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        torch = _torch()
+        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+        reals = None
+        if (torch.Tag.nondeterministic_seeded not in func.tags
+                and all(t.numel() <= self.LIMIT for t in ins + outs)
+                and all(self.get(t) is not None for t in ins)):  # fmt: skip
+            real = tree_map(lambda a: self.get(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+            try:
+                with unset_fake_temporarily():
+                    reals = [o for o in tree_leaves(func(*real[0], **real[1])) if isinstance(o, torch.Tensor)]
+            except Exception:  # noqa: BLE001 - a value not known: the run goes on without it
+                reals = None
+        if reals is not None and len(reals) == len(outs):
+            for o, r in zip(outs, reals):
+                self.values[o] = r
+            return
+        # the storages it wrote (its outputs, and the arguments it writes in place) hold unknown values, for
+        # every tensor that views them
+        written = outs + [t for a, arg in zip(func._schema.arguments, args)
+                          if a.alias_info is not None and a.alias_info.is_write
+                          for t in tree_leaves(arg) if isinstance(t, torch.Tensor)]  # fmt: skip
+        for t in written:
+            self.values.pop(t, None)
+            self._dirty(t.untyped_storage())
+
+    def _dirty(self, storage):
+        sid = id(storage)
+        if sid not in self.dirty:
+            self.dirty.add(sid)
+            weakref.finalize(storage, self.dirty.discard, sid)
 
 
 def _owners(ledger, args, kwargs, out):
