@@ -465,6 +465,10 @@ class Scope:
     _lost0 = 0
     _restart = 0  # counters_restarted() at the open: the baseline unknown since then (0: known)
     _fresh = False  # counting began when this scope opened: storages made before it are not counted
+    # (address, bytes) of storages made before counting began that the scope's opener knows of (track():
+    # the model's and optimizer's), entered into the counters as it opens (_adopt); and their bytes entered
+    _known = None
+    _adopted = 0
 
     def __init__(self, timeline: bool = False) -> None:
         if timeline is not False and timeline is not True:
@@ -483,11 +487,13 @@ class Scope:
             if mech != FALLBACK:
                 fresh = False  # counting begins with this scope (set below)
                 if _held:  # one call: an installation of its own, the scope, the statistics it starts from
+                    self._adopt()
                     raw = _C.scope_begin(self._want_timeline)
                 else:
                     fresh = not _C.counters_installed()
                     _C.counters_install()  # the first installation patches (and may raise)
                     try:
+                        self._adopt()
                         raw = _C.scope_open(self._want_timeline)
                     except BaseException:
                         _C.counters_uninstall()
@@ -508,6 +514,13 @@ class Scope:
             self._samples = [(self._t0, now)] if self._want_timeline else None
             self._opened(mech, _processes())
         return self
+
+    def _adopt(self):
+        """Counting is on and this scope not open yet: the known storages the counters have not seen
+        enter them (none while another scope is open: _C.counters_adopt refuses)."""
+        known, self._known = self._known, None
+        if known:
+            self._adopted = _C.counters_adopt([a for a, _ in known], [n for _, n in known])
 
     def close(self) -> None:
         """Close the scope and release its share of the installation. Idempotent."""
@@ -727,6 +740,13 @@ class Scope:
         base = _baseline_sentence(self._restart)
         if base:
             out.append((base, False))
+        elif self._fresh and self._adopted:
+            out.append((
+                "Counting began when this block opened: start, end and peak count the storages allocated since "
+                f"and the {units.format(self._adopted)} of the model's and optimizer's tensors found then, not "
+                "other storages made before it (a batch, a dataset); delta and peak above start are exact. Call "
+                "memtorch.cpu.start() at start-up to count from the start.", False,
+            ))  # fmt: skip
         elif self._fresh:
             out.append((
                 "Counting began when this block opened: start, end and peak count only the storages allocated "

@@ -967,10 +967,12 @@ class Tracker:
             o.see(r)
         return r
 
-    def _open_scope(self, timeline=False, reading=None):
-        """Open a counter scope; CUDA: from ``reading`` (a _read_cuda() the caller shares) or a new read."""
+    def _open_scope(self, timeline=False, reading=None, known=None):
+        """Open a counter scope; CUDA: from ``reading`` (a _read_cuda() the caller shares) or a new read;
+        CPU: ``known``, storages made before counting began that it counts from (_known_storages)."""
         if self._kind == "cpu":
             s = cpu.Scope(timeline=timeline)
+            s._known = known
             s.__enter__()
             return s
         r = self._read_cuda() if reading is None else reading  # a sample for the enclosing scopes too
@@ -1538,7 +1540,7 @@ class Tracker:
             if self._kind == "cuda" and (self._model is not None or self._optimizer is not None or self._with_log):
                 # at_peak: the allocator's own history for the block (restored as found at the end)
                 self._ctrace = _cuda_trace.Recording.maybe_start(self._index)
-            self._scope = self._open_scope(timeline=self._timeline or self._evmode)
+            self._scope = self._open_scope(timeline=self._timeline or self._evmode, known=self._known_storages())
             if self._evmode and not self._timeline:
                 # the log runs for this block's replay, read once at the end: the scope itself
                 # need not read it again when it closes
@@ -1566,6 +1568,51 @@ class Tracker:
             self._cleanup()
             raise
         return self
+
+    def _known_storages(self):
+        """CPU: (address, bytes) of the storages of the model (parameters, buffers, gradients) and the
+        optimizer (its state) that PyTorch's CPU allocator made before counting began, so that the block
+        counts from what they hold (its start is not 0 B, at_peak names them, their frees are seen:
+        cpu.Scope._adopt). Only storages whose memory goes back through libc10's free: resizable (the
+        allocator's own; from_numpy, frombuffer, mmap'd and loaded ones are not), not in shared memory,
+        not pinned (asked only once CUDA is initialized: the question initializes nothing). None when
+        there is nothing to give: the first parameter is counted already (one lookup), or no model."""
+        model = None if self._model is None else self._model()
+        opt = None if self._optimizer is None else self._optimizer()
+        if self._kind != "cpu" or (model is None and opt is None):
+            return None
+        plan = None if model is None else self._model_plan(model)
+        del model
+        tensors = []
+        if plan is not None:
+            first = plan.first()
+            if first is not None and cpu.installed() and cpu._counters_sizes([first.data_ptr() or 0])[0] >= 0:
+                return None  # made while counting: the model's storages are counted already
+            del first
+            for _, ref, _ in plan.params:
+                p = ref()
+                if p is not None:
+                    tensors.append(p)
+                    if p.grad is not None:
+                        tensors.append(p.grad)
+            tensors += [t for _, ref in plan.buffers if (t := ref()) is not None]
+        if opt is not None:
+            tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, _torch_mod.Tensor)]
+        del opt
+        cuda_on = "torch.cuda" in sys.modules and _torch_mod.cuda.is_initialized()
+        known = {}
+        for t in tensors:
+            try:
+                if t.device.type != "cpu":
+                    continue
+                st = t.untyped_storage()
+                a, n = st.data_ptr(), st.nbytes()
+                if a and n and a not in known and st.resizable() and not st.is_shared():
+                    if not (cuda_on and st.is_pinned()):
+                        known[a] = n
+            except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass without a plain storage
+                continue
+        return list(known.items()) or None
 
     def _enter_counters(self):
         """A block of counters only (CPU, no model, optimizer, timeline or largest=), the

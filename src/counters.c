@@ -1154,6 +1154,98 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(adopt_doc,
+"counters_adopt($module, ptrs, sizes, /)\n--\n\n"
+"Enter storages that PyTorch's CPU allocator made before counting began (the\n"
+"caller checked that their memory goes back through libc10's free) into the\n"
+"table, as if their allocations had been counted: their frees are then seen,\n"
+"and current and the peak rise by their bytes (they lived all along). Addresses\n"
+"the table holds already are skipped. Refused while counting is off or a scope\n"
+"is open (its start and peak would mix bytes counted from two baselines).\n"
+"Returns the bytes entered (0 when refused).");
+
+static PyObject *
+counters_adopt(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_ptrs = NULL, *py_sizes = NULL;
+    uintptr_t *keys = NULL;
+    size_t *sizes = NULL;
+    int64_t total = 0;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "counters_adopt() takes 2 arguments (%zd given)", nargs);
+        goto error;
+    }
+    py_ptrs = PySequence_Fast(args[0], "counters_adopt() expects two sequences of ints"); /* new reference */
+    py_sizes = py_ptrs == NULL ? NULL : PySequence_Fast(args[1], "counters_adopt() expects two sequences of ints");
+    if (py_sizes == NULL) { /* new reference, or NULL with py_ptrs's error */
+        goto error;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(py_ptrs);
+    if (PySequence_Fast_GET_SIZE(py_sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "counters_adopt(): ptrs and sizes differ in length");
+        goto error;
+    }
+    /* read into C arrays first: no Python (nor an allocation of ours that the hooks could see) under the locks */
+    keys = PyMem_Calloc((size_t)n + 1, sizeof(uintptr_t));
+    sizes = PyMem_Calloc((size_t)n + 1, sizeof(size_t));
+    if (keys == NULL || sizes == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* borrowed from the sequences, which live through the loop */
+        unsigned long long p = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(py_ptrs, i));
+        if (p == (unsigned long long)-1 && PyErr_Occurred()) {
+            goto error;
+        }
+        long long size = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(py_sizes, i));
+        if (size == -1 && PyErr_Occurred()) {
+            goto error;
+        }
+        if (p == 0 || size < 0) {
+            PyErr_SetString(PyExc_ValueError, "counters_adopt(): an address is 0 or a size negative");
+            goto error;
+        }
+        keys[i] = (uintptr_t)p;
+        sizes[i] = (size_t)size;
+    }
+    mt_lock_all();
+    if (atomic_load(&mt_active) && atomic_load(&mt_scope_mask) == 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t h = mt_hash(keys[i]);
+            mt_stripe *st = &mt_stripes[h & (MT_NSTRIPES - 1)];
+            int held = 0;
+            if (st->count > 0) {
+                for (size_t j = mt_home(st, h); st->slots[j].key != 0; j = (j + 1) & (st->cap - 1)) {
+                    if (st->slots[j].key == keys[i]) {
+                        held = 1;
+                        break;
+                    }
+                }
+            }
+            if (!held && sizes[i] > 0 && mt_stripe_put(st, keys[i], sizes[i], h) == 0) {
+                total += (int64_t)sizes[i];
+            }
+        }
+        /* no scope is open, so none has a start or peak to move; the global peak counts them too */
+        int64_t now = atomic_fetch_add(&mt_current, total) + total;
+        atomic_fetch_add(&mt_peak, total);
+        mt_raise_to(&mt_peak, now);
+    }
+    mt_unlock_all();
+    PyMem_Free(keys);
+    PyMem_Free(sizes);
+    Py_DECREF(py_ptrs);
+    Py_DECREF(py_sizes);
+    return PyLong_FromLongLong((long long)total);
+error:
+    PyMem_Free(keys);
+    PyMem_Free(sizes);
+    Py_XDECREF(py_ptrs);
+    Py_XDECREF(py_sizes);
+    return NULL;
+}
+
 PyDoc_STRVAR(inject_doc,
 "_counters_inject($module, address, size, /)\n--\n\n"
 "Test helper: feed one allocation (size >= 0) or free of `address` through\n"
@@ -1336,6 +1428,7 @@ PyMethodDef mt_counters_methods[] = {
     {"scope_begin", scope_begin, METH_O, scope_begin_doc},
     {"scope_end", (PyCFunction)(void (*)(void))scope_end, METH_FASTCALL, scope_end_doc},
     {"_counters_slot_info", counters_slot_info, METH_O, slot_info_doc},
+    {"counters_adopt", (PyCFunction)(void (*)(void))counters_adopt, METH_FASTCALL, adopt_doc},
     {"_counters_inject", (PyCFunction)(void (*)(void))counters_inject, METH_FASTCALL,
      inject_doc},
     {"_counters_bench", (PyCFunction)(void (*)(void))counters_bench, METH_FASTCALL, bench_doc},

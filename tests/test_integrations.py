@@ -497,12 +497,10 @@ def test_transformers_callback(tmp_path, capsys):
 
 def _hf_capture(transformers, counters):
     class Capture(transformers.TrainerCallback):
-        """Stands for a report_to backend: reads the logs at on_log, the counters at each step's end."""
+        """Stands for a report_to backend: reads the logs at on_log, the counters at each step's end
+        (memtorch's on_step_end runs before: it moved to the front of the list)."""
 
         logs, ended = [], []
-
-        def on_train_begin(self, args, state, control, **kw):
-            counters.start()
 
         def on_step_end(self, args, state, control, **kw):
             counters.boundary()
@@ -516,6 +514,16 @@ def _hf_capture(transformers, counters):
     return Capture()
 
 
+def _hf_begin(transformers, counters):
+    class Begin(transformers.TrainerCallback):
+        """After memtorch's in the list: reads the counters once its block is open."""
+
+        def on_train_begin(self, args, state, control, **kw):
+            counters.start()
+
+    return Begin()
+
+
 @needs_hf
 @exact_only
 @pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
@@ -527,7 +535,8 @@ def test_transformers_callback_logs(tmp_path, capsys):
     counters = _Counters()
     seen = _hf_capture(transformers, counters)  # before memtorch's in the list, as the reporting callbacks are
     cb = MemoryCallback(print_report=False)
-    trainer = _hf_trainer(transformers, model, tmp_path, [seen, cb], logging_strategy="steps", logging_steps=2)
+    begin = _hf_begin(transformers, counters)
+    trainer = _hf_trainer(transformers, model, tmp_path, [seen, cb, begin], logging_strategy="steps", logging_steps=2)
     order = list(trainer.callback_handler.callbacks)
     trainer.train()
     no_hooks(model)
@@ -851,6 +860,75 @@ def test_lightning_callback_closes_on_exception():
         _fit(pl, module, [cb])
     assert cb.tracker is None and cb.report is None
     no_hooks(module)
+
+
+def _fresh_process(code):
+    """Run ``code`` in a new Python (counting not begun: no memtorch block ran there yet); its stdout's last line."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+_FRESH_STEP = """
+import json, torch, memtorch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(64, 64)
+model(x).sum().backward()
+opt.step()  # gradients and Adam's state, made before counting began
+assert not memtorch.cpu.installed()
+with memtorch.track(model, optimizer=opt) as t:
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+r = t.report
+print(json.dumps([r.start, r.at_peak.by_kind(), r.caveats, memtorch.cpu.allocated()]))
+"""
+
+
+@exact_only
+def test_block_counts_from_what_the_model_and_optimizer_hold():
+    # the counters begin with the first block: what the model and optimizer held before (made before
+    # counting began) was not counted: start 0 B, no parameter at the peak, their frees unseen
+    import json
+
+    start, kinds, caveats, after = json.loads(_fresh_process(_FRESH_STEP))
+    # by hand: parameters, gradients, exp_avg and exp_avg_sq the size of the parameters, 4 float32 steps
+    assert start == 4 * P_BYTES + 4 * 4 == P_BYTES + P_BYTES + ADAM_STATE
+    assert kinds["parameter"] == P_BYTES and kinds["optimizer_state"] == ADAM_STATE
+    assert kinds["gradient"] == P_BYTES  # the new ones (zero_grad freed the old: a free seen)
+    assert after == start  # the same storages held again, the old gradients' frees counted
+    assert any(f"the {memtorch.units.format(start)} of the model's and optimizer's" in c for c in caveats)
+    assert not any("free(s) of memory allocated before counting began" in c for c in caveats)
+
+
+@needs_hf
+@exact_only
+@pytest.mark.slow  # a new Python with transformers: 5-10 s
+def test_transformers_callback_counts_the_model(tmp_path):
+    # the callback's block in a new process: the model was made before counting began (was: start 0 B,
+    # at_peak with no parameter)
+    import json
+
+    code = (
+        "import sys, json; sys.path.insert(0, %r)\n" % str(__import__("pathlib").Path(__file__).parent)
+        + "import test_integrations as T, memtorch\n"
+        + "from memtorch.integrations.transformers import MemoryCallback\n"
+        + "transformers, model = T._tiny_gpt2()\n"
+        + "own = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() "
+        + "for p in [*model.parameters(), *model.buffers()]}\n"
+        + "params = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() "
+        + "for p in model.parameters()}.values())\n"
+        + "cb = MemoryCallback(print_report=False)\n"
+        + "T._hf_trainer(transformers, model, %r, [cb]).train()\n" % str(tmp_path)
+        + "print(json.dumps([cb.report.start, sum(own.values()), params, cb.report.at_peak.by_kind()]))\n"
+    )
+    start, own, params, kinds = json.loads(_fresh_process(code))
+    assert start == own  # the parameters and buffers, by their own nbytes (the optimizer's state comes later)
+    assert kinds["parameter"] == params
 
 
 def test_importing_memtorch_imports_no_framework():

@@ -63,6 +63,7 @@ def _calls(handle):
         "counters_check": _C.counters_check,
         "counters_loss_info": _C.counters_loss_info,
         "counters_restarted": _C.counters_restarted,
+        "counters_last_failure": _C.counters_last_failure,
         # refused while installed (a scope is open): the error path; the success path runs in test_coexist
         "_counters_set_target": lambda: (raises(_C._counters_set_target, "libc10.so")(),
                                          raises(_C._counters_set_target, 5)()),
@@ -87,6 +88,9 @@ def _calls(handle):
         ),
         "eventlog_mark": lambda: (_C.eventlog_mark(3, 0, 0), raises(_C.eventlog_mark, 9, 0, 0)(),
                                   raises(_C.eventlog_mark, 1, 0)()),
+        # refused while a scope is open (this suite's): the parsing and the error paths
+        "counters_adopt": lambda: (_C.counters_adopt([0x7A00_0000_0040], [64]), raises(_C.counters_adopt, [1], [])(),
+                                   raises(_C.counters_adopt, [0], [8])(), raises(_C.counters_adopt, 5, 5)()),
         "counters_sizes": lambda: (_C.counters_sizes([0, 0x7A00_0000_0040]), raises(_C.counters_sizes, [-1])(),
                                    raises(_C.counters_sizes, 5)()),
         "counters_serials": lambda: (_C.counters_serials([0, 0x7A00_0000_0040]), raises(_C.counters_serials, [-1])(),
