@@ -26,7 +26,9 @@ quantization ``weight_offset``, ``weight_nested_absmax``, ``weight_nested_quant_
 ``weight_SCB``), views of the very tensors bitsandbytes holds, so that inspect(), track() and
 estimate() count them. The float32 ones are held as int32 views of their storage (same bytes): a
 cast of the model's floating tensors (``model.half()``, estimate's ``precision="bf16-true"``) leaves
-them float32, as bitsandbytes keeps them. In the dry run the weight is a plain fake tensor, so a
+them float32, as bitsandbytes keeps them; after a move (``model.to(device)`` copies buffers, while
+bitsandbytes moves its state itself) each layer points its buffers at the moved state again, so the
+state is held once. In the dry run the weight is a plain fake tensor, so a
 forward pre-hook gives it a QuantState (4-bit) or the layer's state its CB/SCB (int8) made of the
 fake buffers.
 
@@ -41,6 +43,7 @@ place and 4 bytes per bias element stay allocated, measured on the CPU).
 """
 
 import copy
+import functools
 import re
 import sys
 
@@ -226,14 +229,37 @@ def _4bit_layer(bnb, m, quant_type, double_quant, compute_dtype):
     # follows the dequantize-then-matmul path every device runs in training
     new.support_avx512bf16_for_cpu = False
     new.requires_grad_(False)
-    states = {"weight_absmax": qs.absmax, "weight_quant_map": qs.code}
-    if qs.nested:
-        states.update(weight_offset=qs.offset, weight_nested_absmax=qs.state2.absmax,
-                      weight_nested_quant_map=qs.state2.code)  # fmt: skip
-    for key, t in states.items():
-        new.register_buffer(key, _f32_view(t), persistent=False)
+    _state_buffers(new)
     new.register_forward_pre_hook(_bind_4bit)
+    new._apply = functools.partial(_apply_then_share, new)
     return new
+
+
+def _state_buffers(module):
+    """Register (again) the layer's quantization state as its non-persistent buffers: views of the very
+    tensors bitsandbytes reads (the QuantState's, or Int8Params'/MatmulLtState's SCB)."""
+    w = module._parameters["weight"]
+    qs = getattr(w, "quant_state", None)
+    if qs is not None:
+        states = {"weight_absmax": qs.absmax, "weight_quant_map": qs.code}
+        if qs.nested:
+            states.update(weight_offset=qs.offset, weight_nested_absmax=qs.state2.absmax,
+                          weight_nested_quant_map=qs.state2.code)  # fmt: skip
+    else:
+        scb = getattr(w, "SCB", None)
+        states = {"weight_SCB": scb if scb is not None else module.state.SCB}
+    for key, t in states.items():
+        module.register_buffer(key, _f32_view(t), persistent=False)
+
+
+def _apply_then_share(module, fn, recurse=True):
+    """The layer's _apply (model.to(device), .cuda(), .half()): nn.Module's, then the buffers pointed
+    at the state bitsandbytes moved itself (Params4bit.to moves the QuantState, Int8Params.to and
+    Linear8bitLt.to the SCB), so that a move leaves one copy of it, not two."""
+    torch = _load_torch()
+    out = torch.nn.Module._apply(module, fn, recurse)
+    _state_buffers(module)
+    return out
 
 
 def _bind_4bit(module, args):
@@ -277,9 +303,10 @@ def _int8_layer(bnb, m):
     if bias is not None:
         new.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
     new.requires_grad_(False)
-    new.register_buffer("weight_SCB", _f32_view(new.weight.SCB), persistent=False)
+    _state_buffers(new)
     new.register_forward_pre_hook(_bind_int8)
     new.register_forward_hook(_unbind_int8, always_call=True)
+    new._apply = functools.partial(_apply_then_share, new)
     return new
 
 

@@ -541,3 +541,29 @@ def test_cli_double_quant_needs_quantize(capsys):
         "--double-quant quantizes the 4-bit scales: it goes with --quantize nf4 or fp4"
         in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_moving_the_model_keeps_one_copy_of_the_state(kind):
+    """model.to(device) copies every buffer, while bitsandbytes moves the quantization state itself
+    (Params4bit.to, Int8Params.to): the layers point their buffers at the moved state again, so the
+    model holds it once. Simulated with an _apply that copies every tensor (a move to another device
+    is not possible here: bitsandbytes' layers refuse .to("meta"))."""
+    _bnb()
+    q = apply(Net(), kind, double_quant=kind == "nf4")
+    before = memtorch.inspect(q).total
+    q._apply(lambda t: t.clone())
+    assert memtorch.inspect(q).total == before
+    up = q.up
+
+    def same(a, b):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    if kind == "nf4":
+        assert same(up.weight_absmax, up.weight.quant_state.absmax)
+        assert same(up.weight_quant_map, up.weight.quant_state.code)
+    else:
+        assert same(up.weight_SCB, up.weight.SCB)
+    c = copy.deepcopy(q)
+    c._apply(lambda t: t.clone())
+    assert memtorch.inspect(c).total == before
