@@ -320,6 +320,10 @@ def _bind_int8(module, args):
     torch = _load_torch()
     w = module._parameters["weight"]
     if isinstance(w, sys.modules["bitsandbytes"].nn.Int8Params):
+        # Linear8bitLt.to moves its state's SCB after _apply: point the buffer at the one it reads
+        scb, buf = module.state.SCB, module._buffers["weight_SCB"]
+        if scb is not None and w.SCB is None and scb.untyped_storage() is not buf.untyped_storage():
+            _state_buffers(module)
         return
     _note(f"int8 base weights (bitsandbytes LLM.int8, outlier threshold {module.state.threshold})")
     if _run["gpu"] is not None:
