@@ -1607,9 +1607,9 @@ class Tracker:
                     continue
                 st = t.untyped_storage()
                 a, n = st.data_ptr(), st.nbytes()
-                if a and n and a not in known and st.resizable() and not st.is_shared():
-                    if not (cuda_on and st.is_pinned()):
-                        known[a] = n
+                ours = a and n and a not in known and st.resizable() and not st.is_shared()
+                if ours and not (cuda_on and st.is_pinned()):
+                    known[a] = n
             except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass without a plain storage
                 continue
         return list(known.items()) or None

@@ -810,8 +810,11 @@ def test_lightning_callback_logs():
             counters.boundary()
 
     class Logger(pl.loggers.logger.Logger):
-        calls = []
         name, version = "capture", 0
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
 
         def log_hyperparams(self, params, *args, **kwargs):
             pass
@@ -823,12 +826,12 @@ def test_lightning_callback_logs():
     module = _lit_styled(pl, "self.model")
     data = torch.utils.data.TensorDataset(torch.cat(batches(5)))
     trainer = pl.Trainer(
-        max_epochs=1, callbacks=[cb, Capture()], logger=Logger(), log_every_n_steps=2, enable_checkpointing=False,
+        max_epochs=1, callbacks=[cb, Capture()], logger=(log := Logger()), log_every_n_steps=2, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
     )  # fmt: skip
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
     no_hooks(module)
-    calls = [c for c in Logger.calls if c[1]]
+    calls = [c for c in log.calls if c[1]]
     # every 2 steps, and the 5th at the end of training
     assert calls == [(2, counters.expected(0, 2)), (4, counters.expected(2, 4)), (5, counters.expected(4, 5))]
     assert calls[-1][1]["memtorch/leak_bytes_per_step"] == cb.report.leak.per_step
@@ -866,7 +869,7 @@ def _fresh_process(code):
     """Run ``code`` in a new Python (counting not begun: no memtorch block ran there yet); its stdout's last line."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]
 
@@ -913,19 +916,19 @@ def test_transformers_callback_counts_the_model(tmp_path):
     # at_peak with no parameter)
     import json
 
-    code = (
-        "import sys, json; sys.path.insert(0, %r)\n" % str(__import__("pathlib").Path(__file__).parent)
-        + "import test_integrations as T, memtorch\n"
-        + "from memtorch.integrations.transformers import MemoryCallback\n"
-        + "transformers, model = T._tiny_gpt2()\n"
-        + "own = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() "
-        + "for p in [*model.parameters(), *model.buffers()]}\n"
-        + "params = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() "
-        + "for p in model.parameters()}.values())\n"
-        + "cb = MemoryCallback(print_report=False)\n"
-        + "T._hf_trainer(transformers, model, %r, [cb]).train()\n" % str(tmp_path)
-        + "print(json.dumps([cb.report.start, sum(own.values()), params, cb.report.at_peak.by_kind()]))\n"
-    )
+    here = str(__import__("pathlib").Path(__file__).parent)
+    code = f"""
+import sys, json
+sys.path.insert(0, {here!r})
+import test_integrations as T, memtorch
+from memtorch.integrations.transformers import MemoryCallback
+transformers, model = T._tiny_gpt2()
+own = {{p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in [*model.parameters(), *model.buffers()]}}
+params = sum({{p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}}.values())
+cb = MemoryCallback(print_report=False)
+T._hf_trainer(transformers, model, {str(tmp_path)!r}, [cb]).train()
+print(json.dumps([cb.report.start, sum(own.values()), params, cb.report.at_peak.by_kind()]))
+"""
     start, own, params, kinds = json.loads(_fresh_process(code))
     assert start == own  # the parameters and buffers, by their own nbytes (the optimizer's state comes later)
     assert kinds["parameter"] == params

@@ -35,7 +35,7 @@ from fractions import Fraction
 
 from .. import units
 
-__all__ = ["Session", "LOG_NAMES"]
+__all__ = ["LOG_NAMES", "Session"]
 
 # the names the callbacks log (see the module's docstring), in the order they are logged
 LOG_NAMES = (
