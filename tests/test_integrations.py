@@ -606,6 +606,30 @@ def test_logged_figures_on_cuda(monkeypatch):
 
 @needs_hf
 @pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
+def test_transformers_callback_closed_after_a_failed_train(tmp_path):
+    transformers, model = _tiny_gpt2()
+    from memtorch.integrations.transformers import MemoryCallback
+
+    class Fails(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                raise RuntimeError("step 2 failed")
+
+    cb = MemoryCallback(print_report=False)
+    trainer = _hf_trainer(transformers, model, tmp_path, [cb, Fails()])
+    order = list(trainer.callback_handler.callbacks)
+    with pytest.raises(RuntimeError, match="step 2 failed"):
+        trainer.train()
+    # transformers calls no callback when training raises: the block is open, memtorch first in the list
+    assert cb.tracker is not None and trainer.callback_handler.callbacks[0] is cb
+    cb.close()
+    assert cb.tracker is None and cb.report is None
+    assert trainer.callback_handler.callbacks == order
+    no_hooks(model)
+
+
+@needs_hf
+@pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
 def test_transformers_trainer_inside_track(tmp_path):
     transformers, model = _tiny_gpt2()
     trainer = _hf_trainer(transformers, model, tmp_path)

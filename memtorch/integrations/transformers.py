@@ -77,8 +77,15 @@ class MemoryCallback(TrainerCallback):
         return self._session.tracker
 
     def close(self):
-        """Close a block left open by a train() that raised (hooks out); its report is dropped."""
+        """Close a block left open by a train() that raised (hooks out); its report is dropped, and the
+        callback goes back to its place in the Trainer's list."""
         self._session.close(failed=True)
+        place, self._place = self._place, None
+        if place is not None:
+            cbs, i = place
+            if cbs and cbs[0] is self:
+                del cbs[0]
+                cbs.insert(i, self)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self._session.log:
