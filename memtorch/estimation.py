@@ -1076,6 +1076,11 @@ def estimate(
     if defaulted:
         notes.insert(0, f"device={DEFAULT_DEVICE!r} by default (the question is a GPU's; as plan(), advise() and "
                         "the CLI): device='cpu' models PyTorch's CPU allocator, what track() measures on the CPU")
+    if facts.get("bnb_stand_in"):
+        notes.append(
+            f"the optimizer, {facts['bnb_stand_in']}, is a stand-in that allocates what bitsandbytes' does "
+            "(memtorch._optimizers: its state and step rules as of bitsandbytes 0.50), not bitsandbytes itself"
+        )
     if facts.get("bnb_stand_in") and world_size > 1 and sharding not in (None, "ddp"):
         notes.append(
             f"per-rank optimizer state of {facts['bnb_stand_in']}: the one-process state shared out as the sharding "

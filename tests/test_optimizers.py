@@ -391,6 +391,13 @@ def test_torch_adafactor_matches_the_real_step(name):
     assert est.peak == peak
 
 
+def test_the_stand_in_is_named_in_a_note():
+    est = memtorch.estimate(make_model(), make_input(), optimizer="adamw8bit", device="cpu")
+    assert any(n.startswith("the optimizer, AdamW8bit, is a stand-in") and "0.50" in n for n in est.notes)
+    plain = memtorch.estimate(make_model(), make_input(), optimizer="adamw", device="cpu")
+    assert not any("stand-in" in n for n in plain.notes)
+
+
 def test_names_are_listed_and_checked():
     for name in ("adamw8bit", "paged_adamw8bit", "adafactor", "lion", "sgd", "adamw", "adamw-fused"):
         assert name in OPTIMIZERS
