@@ -18,6 +18,8 @@ its source (0.50), named where each is used:
   (4096) elements, or any parameter when optim_bits is 32, keeps ``state1`` (and ``state2``) as float32
   tensors like the parameter; a larger one keeps them as uint8 and a float32 ``absmax1`` (``absmax2``) of
   one entry per block of 256 elements; ``unorm_vec`` (one float32) when max_unorm > 0 (LAMB, LARS).
+  bitsandbytes 0.50 has no ``block_wise`` or ``percentile_clipping`` switch: 8-bit state is always
+  block-wise, and no gradient-norm history (``gnorm_vec``) is kept.
 - ``Optimizer8bit.get_config``: bitsandbytes' GlobalOptimManager may override optim_bits, min_8bit_size
   or max_unorm per parameter (``override_config``, ``register_module_override``); transformers' Trainer
   overrides every nn.Embedding weight to 32 bits when it builds an 8-bit optimizer
