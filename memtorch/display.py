@@ -986,7 +986,9 @@ def _estimate_sections(est):
     out = [("", list(words.SUMMARY_HEADER), [list(r) for r in est._summary_rows()], {1})]
     cats = [list(r) for r in est._category_rows()]
     if cats:
-        out.append(("at the peak", ["category", "bytes", "share"], cats, {1, 2}))
+        rank = getattr(est, "peak_rank", None) if getattr(est, "per_rank", None) else None
+        head = "at the peak" if rank is None else f"at the peak, rank {rank}"
+        out.append((head, ["category", "bytes", "share"], cats, {1, 2}))
     phases = [list(r) for r in est._phase_rows()]
     if phases:
         out.append(("", list(words.PHASE_HEADER[:4]), phases, {1, 2, 3}))

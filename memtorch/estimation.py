@@ -1182,6 +1182,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     # for memtorch.planning's zero1 arithmetic: the parameters' sizes and the step's scratch at the peak
     step_scratch = sum(size(k) for k in live if info[k][3] == "temporary" and info[k][1] == "optimizer")
     one_process = (peak, reserved_peak)  # the step on one process, before any per-rank figures
+    states_total = dict(states)  # the whole model's, unsharded, whatever the ranks
     per_rank = peak_rank = fsdp_units = None
     peak_upper = None
     if world_size > 1:
@@ -1203,6 +1204,8 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
             )  # fmt: skip
             if checkpointing is not None:
                 notes.append("with checkpointing, FSDP gathering a unit again for its recomputation is not modelled")
+            notes.append("the module table is one process's forward: FSDP's all-gathers inside a unit's forward "
+                         "are in the rank's peak and phases, not in the modules' rows")  # fmt: skip
         if device == "cuda":
             notes.append("per rank on cuda: each rank's allocations replayed through the caching allocator's "
                          "model; allocated and reserved figures are that rank's")  # fmt: skip
@@ -1215,6 +1218,9 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
                     "once the next collective's is allocated; a measured peak lies between peak and peak_upper"
                 )
         peak, steady = top["peak"], top["steady"]
+        # one rank's model states, that rank's (buffers are whole on every rank); the model's in states_total
+        states = {"parameter": top["parameter"], "buffer": states_total["buffer"], "gradient": top["gradient"],
+                  "optimizer_state": top["optimizer_state"]}  # fmt: skip
         peak_upper = max(r["peak_upper"] for r in per_rank)
         if device == "cuda":
             # the highest rank's segments; the model keeps segments (no empty_cache), so they stay
@@ -1232,9 +1238,9 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         device=device, precision=precision, optimizer=facts["optimizer_name"], world_size=world_size,
         sharding=sharding, checkpointing=checkpointing, peak=peak, steady=steady,
         breakdown={k: v for k, v in breakdown.items()},
-        model_states=states, phases=phases, modules=hooks.rows, reserved_peak=reserved_peak,
-        reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank, fsdp_units=fsdp_units,
-        peak_upper=peak_upper, notes=notes, seconds=seconds,
+        model_states=states, model_states_total=states_total, phases=phases, modules=hooks.rows,
+        reserved_peak=reserved_peak, reserved_steady=reserved_steady, per_rank=per_rank, peak_rank=peak_rank,
+        fsdp_units=fsdp_units, peak_upper=peak_upper, notes=notes, seconds=seconds,
         _param_numels=facts["param_numels"], _param_groups=facts["param_groups"], _step_scratch_at_peak=step_scratch,
     )  # fmt: skip
 

@@ -41,7 +41,9 @@ class Estimate(Report):
     peak: int  # the step's high-water mark, parameters and inputs included (the highest rank's)
     steady: int  # bytes held between steps
     breakdown: dict  # {category: bytes at the peak}
-    model_states: dict  # {parameter, buffer, gradient, optimizer_state: bytes, exact}
+    # {parameter, buffer, gradient, optimizer_state: bytes, exact}: one rank's (the highest's, peak_rank) when
+    # world_size > 1, as every figure here but model_states_total and fsdp_units
+    model_states: dict
     world_size: int = 1  # ranks
     sharding: "str | None" = None  # ddp, zero1, zero2, zero3 (memtorch.planning.SHARDINGS), or None on one rank
     # None, "blocks" or the module names recomputed in backward (torch.utils.checkpoint), as estimate() was given
@@ -67,6 +69,9 @@ class Estimate(Report):
     # else None or the peak
     peak_upper: "int | None" = None
     notes: list = field(default_factory=list)  # sentences: what was modelled and what was not
+    # the whole model's model states, unsharded (as one process holds them), whatever world_size: equal to
+    # model_states on one rank
+    model_states_total: "dict | None" = None
     seconds: float = field(0.0, to_dict=False)  # time the estimate took (not in the JSON: a timing)
     _param_numels: "list | None" = field(None, repr=False)  # each trainable parameter's elements (for plan())
     _param_groups: "list | None" = field(None, repr=False)  # their indices per optimizer group (for plan())
@@ -84,6 +89,8 @@ class Estimate(Report):
         self.steady = int(self.steady)
         self.breakdown = dict(self.breakdown)
         self.model_states = dict(self.model_states)
+        total = self.model_states_total
+        self.model_states_total = dict(self.model_states if total is None else total)
         self.notes = list(self.notes)
         self.end = self.delta = self.steady
         self.peak_above_start = self.peak
@@ -118,10 +125,14 @@ class Estimate(Report):
         f = units.format
         run = "step" if self.training else ("generate call" if self.max_new_tokens else "forward")
         kept = "held between steps" if self.training else f"held after the {run} returns"
+        on = ""
+        if self.per_rank:  # every figure is one rank's: the highest's
+            on = f" on rank {self.peak_rank} (the highest; each rank's below)"
+            kept += f" on rank {self.peak_rank}"
         if self.device == "cuda":
             kept += ", the cuBLAS workspaces included"
         rows = [
-            ("peak", f(self.peak), f"the {run}'s high-water mark, parameters and inputs included"),
+            ("peak", f(self.peak), f"the {run}'s high-water mark{on}, parameters and inputs included"),
             ("steady", f(self.steady), kept),
         ]
         if self.peak_upper is not None and self.peak_upper > self.peak:
@@ -130,6 +141,10 @@ class Estimate(Report):
         if self.reserved_peak is not None:
             who = "per rank, " if self.per_rank else ""
             rows.append(("reserved peak", f(self.reserved_peak), f"{who}held by the CUDA caching allocator"))
+        if self.per_rank:
+            total = sum(self.model_states_total.values())
+            rows.append(("model states, whole", f(total), "the whole model's parameters, buffers, gradients and "
+                         "optimizer state, unsharded (model_states_total)"))  # fmt: skip
         return rows
 
     def _category_rows(self):
