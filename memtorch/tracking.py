@@ -1506,6 +1506,7 @@ class Tracker:
         d["_boundaries"] = []
         d["_tl_marks"] = []  # timeline=True: (clock ns, kind, label) of phase starts/ends and steps
         d["_step_series"] = []  # [(peak, end)] per step
+        d["_step_lower"] = set()  # CUDA: the steps (0-based) whose peak is a lower bound (cuda.block_peak)
 
     def __enter__(self) -> Tracker:
         if self._open:
@@ -2024,11 +2025,14 @@ class Tracker:
         now = self._current() if r is None else r.allocated
         # the step's peak: the block's peak so far for the first step, then a scope per step
         if self._step_scope is None:
-            step_peak = self._scope.peak if r is None else self._scope._so_far(r)[0].peak
+            p = None if r is None else self._scope._so_far(r)[0]
+            step_peak, exact = (self._scope.peak, True) if p is None else (p.peak, p.exact)
         else:
-            _, _, step_peak, _ = self._close_scope(self._step_scope, r)
+            _, _, step_peak, exact = self._close_scope(self._step_scope, r)
             self._step_scope = None
         self._step_series.append((max(step_peak, now), now))
+        if r is not None and not exact:  # CUDA: the step stayed below an older peak of the process
+            self._step_lower.add(len(self._step_series) - 1)
         self._step_scope = self._open_scope(reading=r)
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based

@@ -544,7 +544,8 @@ def test_transformers_callback_logs(tmp_path, capsys):
     mine = [{k: v for k, v in logs.items() if k.startswith("memtorch/")} for logs in seen.logs]
     # steps 1-2 logged at step 2, step 3 with the end of training's log; the reporting callback saw them
     assert mine == [counters.expected(0, 2), counters.expected(2, 3)]
-    assert set(mine[1]) == set(LOG_NAMES) - {"memtorch/reserved_bytes"}  # the CPU: no reserved figure
+    # the CPU: no reserved figure, and every peak exact
+    assert set(mine[1]) == {n for n in LOG_NAMES if "reserved" not in n and "at_least" not in n}
     # in state.log_history's entries too, and on the console (PrinterCallback, after memtorch's)
     history = [{k: v for k, v in e.items() if k.startswith("memtorch/")} for e in trainer.state.log_history]
     assert history == mine
@@ -559,6 +560,8 @@ def test_transformers_callback_logs(tmp_path, capsys):
 def test_logged_figures_on_cuda(monkeypatch):
     # the callbacks' figures on CUDA: torch.cuda's counters through memtorch.cuda (a faked device,
     # as tests/test_cuda_logic.py's: blocks of 512 B, segments of 2 MiB), reserved at the interval's end
+    from fractions import Fraction
+
     from memtorch import cuda as mcuda
     from memtorch.integrations import Session
     from test_cuda_logic import FakeDevice
@@ -584,6 +587,10 @@ def test_logged_figures_on_cuda(monkeypatch):
         t.step()
         second = session.figures()
         assert session.figures() == {}  # no step since
+        dev.alloc(1 << 20)  # step 4: below step 3's peak, which torch keeps (and memtorch never resets)
+        dev.free(1 << 20)
+        t.step()
+        third = session.figures()
     finally:
         session.close()
     held = 1024 + (2 << 20)
@@ -602,6 +609,15 @@ def test_logged_figures_on_cuda(monkeypatch):
         "memtorch/reserved_bytes": 8 << 20,  # the allocator keeps its segments
     }
     assert dev.reserved == 8 << 20
+    # the device's counters cannot tell how high step 4 went (1 MiB above its start): its figures are lower
+    # bounds, the bytes seen at its boundaries, logged under their own names
+    assert third == {
+        "memtorch/peak_at_least_bytes": held,
+        "memtorch/peak_above_step_start_at_least_bytes": 0,
+        "memtorch/allocated_bytes": held,
+        "memtorch/leak_bytes_per_step": float(Fraction(2 << 20, 3)),  # 2 MiB over 3 judged steps, not whole
+        "memtorch/reserved_bytes": 8 << 20,
+    }
 
 
 @needs_hf

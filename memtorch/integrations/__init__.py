@@ -27,7 +27,13 @@ logged (one logging interval), in bytes:
                                           interval's end (torch.cuda's counters, read through memtorch.cuda)
 
 On the CPU the bytes are the exact counters' (memtorch.cpu); on CUDA torch.cuda's,
-as the block counts them.
+as the block counts them. torch keeps one peak per process, which memtorch never
+resets: a step that stays below an older peak (after the first step, most do) has
+its peak sampled at the phases' boundaries, a lower bound (memtorch.cuda.block_peak).
+An interval with such a step logs its two peak figures as lower bounds, under their
+own names, never as peaks:
+
+    memtorch/peak_at_least_bytes, memtorch/peak_above_step_start_at_least_bytes
 """
 
 import sys
@@ -41,6 +47,8 @@ __all__ = ["LOG_NAMES", "Session"]
 LOG_NAMES = (
     "memtorch/peak_bytes",
     "memtorch/peak_above_step_start_bytes",
+    "memtorch/peak_at_least_bytes",
+    "memtorch/peak_above_step_start_at_least_bytes",
     "memtorch/allocated_bytes",
     "memtorch/leak_bytes_per_step",
     "memtorch/reserved_bytes",
@@ -98,9 +106,11 @@ class Session:
         if k <= lo:
             return {}
         self._logged = k
+        lower = any(i in t._step_lower for i in range(lo, k))  # CUDA: a step's peak is a lower bound
+        at_least = "_at_least" if lower else ""
         out = {
-            "memtorch/peak_bytes": max(p for p, _ in series[lo:k]),
-            "memtorch/peak_above_step_start_bytes": max(series[i][0] - bounds[i] for i in range(lo, k)),
+            f"memtorch/peak{at_least}_bytes": max(p for p, _ in series[lo:k]),
+            f"memtorch/peak_above_step_start{at_least}_bytes": max(series[i][0] - bounds[i] for i in range(lo, k)),
             "memtorch/allocated_bytes": series[k - 1][1],
         }
         warm = min(t._warmup, k)
