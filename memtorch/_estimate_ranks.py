@@ -28,11 +28,15 @@ zero1-even: DeepSpeed's ZeRO stage 1 (deepspeed/runtime/zero/stage_1_and_2.py,
     (flatten_dense_tensors_aligned),
     which get_data_parallel_partitions cuts into N equal partitions; each rank's
     fp32 master weights and optimizer state are its partition, padding included
-    (2 * ceil(E / 2N) elements of a group of E elements, on every rank). Here each
-    elementwise optimizer-state tensor and step temporary of a parameter of E_p
-    elements is scaled to its part of the rank's partition (E_p / E of it, the
-    rounding left to the group's last parameter, so that a group's parts add up
-    to the partition exactly); communication buffers are not modelled.
+    (2 * ceil(E / 2N) elements of a group of E elements, on every rank). DeepSpeed's
+    optimizer steps that one flat partition (single_partition_of_fp32_groups), so
+    each state (exp_avg, exp_avg_sq, the master copy) is one tensor of the partition
+    per group, a scalar state (Adam's step) one per group, and the outputs of one
+    foreach call over a group's parameters one tensor of the partition
+    (_flat_partitions: one allocation, rounded once by CUDA's allocator); any other
+    elementwise storage of the step of a parameter of E_p elements is scaled to its
+    part of the rank's partition (E_p / E of it, the rounding left to the group's
+    last parameter); communication buffers are not modelled.
 zero2, zero3: FSDP2, fully_shard on each unit then on the root
     (torch/distributed/fsdp/_fully_shard), reshard_after_forward False (zero2) or
     True (zero3). Each parameter is split into N chunks along dim 0, each rank
@@ -350,12 +354,8 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
                 fig["floor"] = int(cache[idle][1][0])
         return results
     if sharding in EVEN:
-        _sizes, part = even_partition(facts["param_groups"], numels, n)
-        over = {}
-        for k in info:
-            o = owner.get(k)
-            if o is not None and o >= 0 and in_step(k):
-                over[k] = rnd(_scaled(info[k][0], numels[o], part.get(o, 0), ledger.elements.get(k)))
+        sizes, part = even_partition(facts["param_groups"], numels, n)
+        over = _flat_partitions(ledger, facts, in_step, sizes, part, rnd)
         rep = _replay(ledger, sized(over), {}, hooks.spans, cuda)
         fig = _figures(0, rep, sized(over), info, pseudo, facts, G, 0, 0)
         if facts.get("floor"):
@@ -364,6 +364,61 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
             fig["floor"] = int(_replay(ledger, sized(none), {}, hooks.spans, cuda)[0])
         return [dict(fig, rank=r) for r in range(n)]
     return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G, cuda)
+
+
+def _flat_partitions(ledger, facts, in_step, sizes, part, rnd):
+    """{key: bytes on a rank} of the optimizer step's storages under DeepSpeed's ZeRO stage 1/2.
+
+    DeepSpeed steps one flat fp32 partition per parameter group (single_partition_of_fp32_groups[g], of
+    sizes[g] elements), so each state of the optimizer (exp_avg, exp_avg_sq, a master copy) is one tensor of
+    the partition per group, and a scalar one (Adam's step) one per group; the one-process run holds them per
+    parameter. The first of a group's storages of one state carries the whole flat tensor, rounded once by the
+    allocator, the others nothing. Likewise the step's temporaries: the outputs one foreach call makes for the
+    parameters of a group (one burst of allocations, each parameter once) are one tensor of the partition.
+    Any other storage of the step is its parameter's part (part[i] elements) of the partition, as before.
+    """
+    info, owner, elements = ledger.info, ledger.owner, ledger.elements
+    numels = facts["param_numels"]
+    names = facts.get("state_names", {})
+    group_of = {i: g for g, grp in enumerate(facts["param_groups"]) for i in grp}
+
+    def elementwise(k, o):
+        return numels[o] and elements.get(k) == numels[o]
+
+    slots = {}  # (group, state name or burst, elementwise) -> [keys], in allocation order
+    burst, seen = 0, set()
+    for k, sign in ledger.events:
+        o = owner.get(k) if sign > 0 else None
+        if o is None or o < 0 or not in_step(k) or o not in group_of:
+            if seen:
+                burst, seen = burst + 1, set()
+            continue
+        if k in names:
+            slot = ("state", names[k])
+        elif elementwise(k, o):
+            if o in seen:  # a parameter again: the next call's outputs
+                burst, seen = burst + 1, set()
+            seen.add(o)
+            slot = ("burst", burst)
+        else:
+            continue
+        slots.setdefault((group_of[o], slot, bool(elementwise(k, o))), []).append(k)
+    over = {}
+    for (g, _slot, whole), keys in slots.items():
+        first = keys[0]
+        if whole:
+            # bytes per element of this state (fp32 moments of bf16 parameters: 4) times the partition
+            per = info[first][0] // elements[first]
+            over[first] = rnd(sizes[g] * per)
+        else:
+            over[first] = rnd(info[first][0])  # a scalar state: one per group
+        for k in keys[1:]:
+            over[k] = 0
+    for k in info:
+        o = owner.get(k)
+        if k not in over and o is not None and o >= 0 and in_step(k):
+            over[k] = rnd(_scaled(info[k][0], numels[o], part.get(o, 0), elements.get(k)))
+    return over
 
 
 def _scaled(nbytes, numel, part, elements):

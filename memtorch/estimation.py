@@ -672,6 +672,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     params = _unique_tensors(model.named_parameters(remove_duplicate=False))
     buffers = _unique_tensors(model.named_buffers(remove_duplicate=False))
     grads_keys, state_keys = set(), set()
+    state_names = facts["state_names"] = {}  # state key -> its name in the optimizer's state (zero1-even's flats)
     # checkpoint keeps the RNG states: host tensors, on the CPU's counters but not on a GPU's
     rng_bytes = 0
     if checkpoint_spec is not None and device != "cuda":
@@ -733,6 +734,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             masters = [fake_like(t, "cpu", dtype=torch.float32, requires_grad=True) for t in trainable]
             ledger.mark([ledger.key_of(t) for t in masters], "optimizer_state")
             state_keys.update(ledger.key_of(t) for t in masters)
+            state_names.update((ledger.key_of(t), "fp32 master weights") for t in masters)
             opt_params = masters
         else:
             masters = None
@@ -830,9 +832,10 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             allow_item[0] = False
             index = {id(t): i for i, t in enumerate(opt_params)}
             for p_, st in opt.state.items():
-                for v in st.values():
+                for name, v in st.items():
                     if isinstance(v, torch.Tensor) and ledger.key_of(v) is not None:  # None: host memory
                         state_keys.add(ledger.key_of(v))
+                        state_names[ledger.key_of(v)] = name  # which state (exp_avg, ...): one flat per group
                         if id(p_) in index:
                             ledger.owner[ledger.key_of(v)] = index[id(p_)]
                             ledger.elements[ledger.key_of(v)] = v.numel()
@@ -990,6 +993,9 @@ def estimate(
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
         raise MemtorchError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
+    compiled = _compiled(model)
+    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile(model)
+        model = model._orig_mod
     defaulted = device is None
     if defaulted:
         device = DEFAULT_DEVICE
@@ -1037,12 +1043,21 @@ def estimate(
     elif training and _RECORD_UNITS.get() is not None:
         fsdp_mods = resolve_units(model, _RECORD_UNITS.get()[0], torch)
     notes = []
+    if compiled:
+        notes.append(
+            f"the model is compiled (torch.compile: {', '.join(compiled)}): this estimate models the eager program, "
+            "each operator as PyTorch runs it uncompiled (the compiled code is run eagerly here); the compiled "
+            "program may hold less (fused kernels keep no intermediates between the operators they fuse, "
+            "AOTAutograd may save fewer tensors for backward) or more (CUDA graphs' memory pools)"
+        )
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
     try:
-        ledger, hooks, facts = _dry_run(
-            model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods, gpu=target,
-            keep_output=keep_output, training=training, max_new_tokens=max_new_tokens,
-        )
+        # whatever torch.compile wraps (the model, a submodule, a function its forward calls) runs eagerly
+        with torch.compiler.set_stance("force_eager"):
+            ledger, hooks, facts = _dry_run(
+                model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods, gpu=target,
+                keep_output=keep_output, training=training, max_new_tokens=max_new_tokens,
+            )
     except _DataDependent as e:
         raise MemtorchError(
             f"the model {e}: estimate() runs it on fake tensors that hold no values, so a step whose "
@@ -1106,6 +1121,21 @@ def estimate(
         est.mechanism = "estimate (dry run on fake tensors, " + (
             f"generate, {max_new_tokens} new tokens)" if max_new_tokens else "forward under inference_mode)")
     return est
+
+
+def _compiled(model):
+    """Names of the modules of ``model`` that torch.compile wraps (torch.compile(module)) or compiled in
+    place (module.compile()): "(model)" for the model itself."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    names = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, OptimizedModule) or mod.__dict__.get("_compiled_call_impl") is not None:
+            if not any(name == n or name.startswith(n + ".") for n in names if n):
+                names.append(name or "(model)")
+        if name == "" and isinstance(mod, OptimizedModule):
+            break  # its _orig_mod's modules are the same model's
+    return names
 
 
 def _explain(e, run="training step"):
@@ -1330,8 +1360,8 @@ _RANK_NOTES = {
     "step only for its own (so ranks differ), plus DDP's gradient buckets",
     "zero1-even": "per-rank figures for zero1-even on {n} ranks: DeepSpeed's ZeRO stage 1, each parameter group "
     "padded to a multiple of 2 x {n} elements and split into {n} equal partitions, each rank keeping the "
-    "optimizer state and step temporaries of its partition; DeepSpeed's own communication buffers are not "
-    "modelled",
+    "optimizer state and step temporaries of its partition, one flat tensor per group and state as DeepSpeed "
+    "steps its flat fp32 partition; DeepSpeed's own communication buffers are not modelled",
     "zero2": "per-rank figures for zero2 on {n} ranks: FSDP2 fully_shard(reshard_after_forward=False) on each "
     "unit then the root: parameters, gradients and optimizer state sharded (padded to whole rows), each unit's "
     "parameters gathered from its forward to the end of its backward, all-gather and reduce-scatter buffers "

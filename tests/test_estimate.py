@@ -336,9 +336,10 @@ def test_precisions_by_hand():
 def test_zero1_even_is_the_zero_paper_split():
     # DeepSpeed's stage 1 (sharding="zero1-even"): every optimizer-state tensor split evenly by
     # elements; with mixed-zero's fp32 master weights and Adam's two moments that is ZeRO's K = 12
-    # bytes per parameter over the ranks. The four step counts (4 bytes each) are scalars, kept whole.
+    # bytes per parameter over the ranks. DeepSpeed's optimizer steps one flat partition per group: one
+    # step count (4 bytes), not one per parameter.
     model = small_mlp()
-    psi, nd, steps = 2632, 4, 16
+    psi, nd, steps = 2632, 4, 4
     est = cpu_estimate(model, (4, 32), optimizer="adam", precision="mixed-zero", world_size=nd,
                             sharding="zero1-even")  # fmt: skip
     for r in est.per_rank:

@@ -158,3 +158,63 @@ def test_printed_shares_sum_to_a_hundred():
     text = str(est).split("at the peak:")[1].split("\n\n")[0]
     shares = [float(line.rsplit(None, 1)[1].rstrip("%")) for line in text.splitlines()[3:] if line.endswith("%")]
     assert abs(sum(shares) - 100) <= 0.05 * len(shares)  # each printed to 0.1%
+
+
+# ---------------------------------------------------------------------------
+# zero1-even: DeepSpeed's one flat fp32 partition per parameter group
+
+
+def _small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))  # 2,048 + 64 + 512 + 8 = 2,632 elements
+
+
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_zero1_even_state_is_one_flat_partition_per_group(world):
+    # DeepSpeed (stage_1_and_2.py) pads the group's 2,632 elements to a multiple of 2 * world and gives each rank
+    # single_partition_of_fp32_groups[0]: one fp32 tensor of 2 * ceil(2632 / 2w) elements; the optimizer steps
+    # that one tensor, so exp_avg and exp_avg_sq are one tensor each of the partition, each one block of the
+    # caching allocator (Adam's step count stays in host memory on CUDA). Per-parameter slices, each rounded
+    # to 512 B, would hold more: at 4 ranks 2,048 + 512 + 512 + 512 B a moment instead of one 3,072 B block.
+    partition = 2 * -(-2632 // (2 * world))
+    fp32 = memtorch.estimate(_small_mlp(), (4, 32), device="cuda", world_size=world, sharding="zero1-even")
+    zero = memtorch.estimate(_small_mlp(), (4, 32), device="cuda", precision="mixed-zero", world_size=world,
+                             sharding="zero1-even")  # fmt: skip
+    for r in fp32.per_rank:
+        assert r["optimizer_state"] == 2 * _block(4 * partition)
+    for r in zero.per_rank:  # and the fp32 master weights of the partition, one more flat tensor
+        assert r["optimizer_state"] == 3 * _block(4 * partition)
+    if world == 4:
+        assert fp32.per_rank[0]["optimizer_state"] == 2 * 3072 < 2 * (2048 + 3 * 512)
+
+
+def test_zero1_even_flat_per_group_with_two_groups():
+    # two parameter groups (weights; biases): each its own flat partition, padded on its own.
+    # weights 2,048 + 512 = 2,560 elements, 4 ranks: 640 each (2,560 B, one 2,560 B block);
+    # biases 64 + 8 = 72 elements, padded to 72 (a multiple of 8): 18 each (72 B, a 512 B block).
+    model = _small_mlp()
+    ws = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    bs = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": ws}, {"params": bs, "weight_decay": 0.0}])
+    est = memtorch.estimate(model, (4, 32), optimizer=opt, device="cuda", world_size=4, sharding="zero1-even")
+    for r in est.per_rank:
+        assert r["optimizer_state"] == 2 * (_block(4 * 640) + _block(4 * 18)) == 2 * (2560 + 512)
+
+
+def test_zero1_even_state_is_a_quarter_of_the_whole_at_four_ranks():
+    # issue 36: BERT on cuda, 4 ranks, the largest rank's optimizer state was 0.275-0.281 of the whole (every
+    # parameter's slice rounded); one flat partition per group is a quarter of the elements, in one block per
+    # moment, so at most a quarter of the whole (whose per-parameter tensors are rounded each) plus one block.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, vocab_size=1000)  # fmt: skip
+    model = transformers.BertForMaskedLM(config)
+    n = sum(p.numel() for p in model.parameters())
+    x = ((2, 32), torch.long)
+    whole = memtorch.estimate(model, x, device="cuda").model_states["optimizer_state"]
+    est = memtorch.estimate(model, x, device="cuda", world_size=4, sharding="zero1-even")
+    partition = 2 * -(-n // 8)
+    for r in est.per_rank:
+        assert r["optimizer_state"] == 2 * _block(4 * partition)
+        assert r["optimizer_state"] <= whole / 4 + 1024
