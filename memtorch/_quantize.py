@@ -36,10 +36,10 @@ The step: bitsandbytes' Python code runs as it is (its autograd functions, peft'
 LoRA layers); its operators have fake kernels, and the 4-bit matmul, whose fake kernel shows only
 its output, runs as the target device's kernel allocates (kernel_rules: the dequantized weight).
 Measured against track() of a real LoRA step on the CPU (tests/test_quantize.py): 32 B under, as
-the same Llama without quantization. Not modelled: int8 on cuda (bitsandbytes' LLM.int8 matmul,
-whose outlier columns depend on the data: the estimate takes its CPU path and says so), and the
-first forward of a Linear4bit whose bias is not in the compute dtype (bitsandbytes casts it in
-place and 4 bytes per bias element stay allocated, measured on the CPU).
+the same Llama without quantization. A bias not in the compute dtype is cast in place at the first
+forward (Linear4bit.forward: bias.data = bias.data.to(x.dtype)), in the dry run as in the real step.
+Not modelled: int8 on cuda (bitsandbytes' LLM.int8 matmul, whose outlier columns depend on the
+data: the estimate takes its CPU path and says so).
 """
 
 import copy
