@@ -140,6 +140,7 @@ _eventlog_read_all = _C.eventlog_read_all
 _eventlog_sites = _C.eventlog_sites
 _eventlog_replay = _C.eventlog_replay
 _eventlog_names = _C.eventlog_names
+_counters_open_scopes = _C.counters_open_scopes
 
 
 def _choice():

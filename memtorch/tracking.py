@@ -1578,9 +1578,11 @@ class Tracker:
         allocator's own; from_numpy, frombuffer, mmap'd and loaded ones are not), not in shared memory,
         not pinned (asked only once CUDA is initialized: the question initializes nothing). None when
         there is nothing to give: the first parameter is counted already (one lookup), or no model."""
+        if self._kind != "cpu" or (self._model is None and self._optimizer is None) or cpu._counters_open_scopes():
+            return None  # another block open: the counters would refuse them (cpu.Scope._adopt)
         model = None if self._model is None else self._model()
         opt = None if self._optimizer is None else self._optimizer()
-        if self._kind != "cpu" or (model is None and opt is None):
+        if model is None and opt is None:
             return None
         plan = None if model is None else self._model_plan(model)
         del model
