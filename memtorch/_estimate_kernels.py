@@ -386,6 +386,11 @@ class CudaState:
         self.blas_lt = {}
         self.routed = {}  # what -> count
         self.unmodelled = set()
+        # training _cudnn_rnn calls that read the parameters' own flat buffer in place: [(ledger position before
+        # its outputs, key of that buffer, key of its reserve)]. Where the parameters are not one buffer (FSDP2's
+        # unsharded parameters, each its own tensor) cuDNN copies them into a flat weight_buf of its own, which
+        # autograd saves with the reserve (derivatives.yaml: result4 with result3) until the backward is done
+        self.rnn_in_place = []
 
     def count(self, what):
         self.routed[what] = self.routed.get(what, 0) + 1
@@ -573,6 +578,26 @@ def _cudnn_rnn_forward(state):
     return fix
 
 
+def _cudnn_rnn_after(state):
+    """Note each training _cudnn_rnn that reads the parameters' flat buffer in place (CudaState.rnn_in_place)."""
+
+    def post(ledger, args, kwargs, out):
+        weight_buf, train = args[3], args[12]
+        if not train or weight_buf is None:
+            return
+        buf = ledger.key_of(weight_buf)
+        reserve = ledger.key_of(out[3])
+        first = ledger.key_of(out[0])
+        if buf is None or reserve is None or ledger.info[buf][3] != "parameter":
+            return
+        pos = len(ledger.events)
+        while pos > 0 and ledger.events[pos - 1] != (first, 1):
+            pos -= 1
+        state.rnn_in_place.append((pos - 1 if pos else len(ledger.events), buf, reserve))
+
+    return post
+
+
 def _cudnn_rnn_backward(state):
     """_cudnn_rnn_backward as RNN.cpp runs it: zeros for undefined output gradients, a contiguous
     copy of the output gradient, then backward_input (dx, dhx, dcx, workspace) and
@@ -717,6 +742,7 @@ def cuda_kernels(state):
     for op in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default):
         after[op] = _reduce_after(state)
     after[aten.native_layer_norm_backward.default] = _layer_norm_backward_after
+    after[aten._cudnn_rnn.default] = _cudnn_rnn_after(state)
     return {
         "probe": False,  # the CPU kernels' scratch space is not the GPU's
         "scalars": False,  # Python numbers passed to CUDA kernels stay on the host

@@ -504,6 +504,12 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
     ev += [(e, 3, "backward-end", None) for name, _s, e in spans if name == "backward"]
     ev.sort(key=lambda t: (t[0], t[1]))  # stable: the hooks keep the order they fired in
 
+    # cuDNN's recurrent layers read their parameters' flat buffer in place; FSDP2's unsharded parameters are
+    # each its own tensor, so each training forward copies them into a flat weight_buf of cuDNN's, saved for
+    # backward with the reserve (freed with it)
+    trainable_keys = set(facts["param_keys_trainable"])
+    in_place = [(p, b, res) for p, b, res in getattr(facts.get("cuda_state"), "rnn_in_place", ()) if b in trainable_keys]
+    freed_at = {k: pos for pos, (k, sign) in enumerate(ledger.events) if sign < 0}
     cache = {}
     results = []
     for r in range(n):
@@ -632,6 +638,10 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
                 if st["rs"] is not None:
                     at(pos, (st["rs"], -1))
                     st["rs"] = None
+        for p, b, res in in_place:
+            copy = new("cuDNN weight copy", rnd(info[b][0]), "activation")
+            at(p, (copy, 1))
+            at(freed_at.get(res, len(ledger.events)) + 1, (copy, -1))
         if last_scratch[0] is not None:
             late.setdefault(len(ledger.events) + 1, []).append((last_scratch[0], -1))
         size_of = sized(over)

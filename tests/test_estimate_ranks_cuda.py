@@ -218,3 +218,27 @@ def test_zero1_even_state_is_a_quarter_of_the_whole_at_four_ranks():
     for r in est.per_rank:
         assert r["optimizer_state"] == 2 * _block(4 * partition)
         assert r["optimizer_state"] <= whole / 4 + 1024
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_fsdp_rnn_forward_copies_the_weights_for_cudnn(kind, monkeypatch):
+    # Under FSDP2 each unsharded parameter is its own tensor (copied out of the all-gather), so cuDNN's
+    # try_get_weight_buf finds no flat buffer and _cudnn_rnn copies the weights into one of its own
+    # (num_weights elements: the model's 266,240 B for the LSTM, 199,680 B for the GRU, one block), saved for
+    # backward beside the reserve. The rank's peak (in forward) holds it; DDP's ranks read the flat parameters in
+    # place and hold none.
+    from memtorch import _estimate_kernels
+
+    _gates, whole = RNN[kind]
+    x = torch.empty(16, 8, 64, device="meta")
+
+    def peaks():
+        return {s: memtorch.estimate(_rnn(kind), x, device="cuda", world_size=4, sharding=s).peak
+                for s in ("ddp", "zero2", "zero3")}  # fmt: skip
+
+    with_copy = peaks()
+    monkeypatch.setattr(_estimate_kernels, "_cudnn_rnn_after", lambda state: lambda *a: None)
+    without = peaks()
+    assert with_copy["ddp"] == without["ddp"]
+    assert with_copy["zero2"] - without["zero2"] == whole == _block(whole)
+    assert with_copy["zero3"] - without["zero3"] == whole
