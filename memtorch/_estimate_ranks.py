@@ -431,7 +431,7 @@ def _scaled(nbytes, numel, part, elements):
 
 
 def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered, upper=None):
-    peak, live, end, phases, reserved, unsplit = rep
+    peak, live, _end, phases, reserved, unsplit = rep
     breakdown = {}
     for k in live:
         cat = pseudo[k][1] if isinstance(k, tuple) else info[k][3]
@@ -508,7 +508,8 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
     # each its own tensor, so each training forward copies them into a flat weight_buf of cuDNN's, saved for
     # backward with the reserve (freed with it)
     trainable_keys = set(facts["param_keys_trainable"])
-    in_place = [(p, b, res) for p, b, res in getattr(facts.get("cuda_state"), "rnn_in_place", ()) if b in trainable_keys]
+    in_place = [(p, b, res) for p, b, res in getattr(facts.get("cuda_state"), "rnn_in_place", ())
+                if b in trainable_keys]  # fmt: skip
     freed_at = {k: pos for pos, (k, sign) in enumerate(ledger.events) if sign < 0}
     cache = {}
     results = []
