@@ -404,7 +404,8 @@ def test_cast_precision_leaves_the_quantization_state_float32():
     _bnb()
     model = _lora_net(apply(Net(), "nf4", double_quant=True))
     fp32 = memtorch.estimate(model, (4, 512), optimizer="adamw", device="cpu")
-    bf16 = memtorch.estimate(model, (4, 512), optimizer="adamw", device="cpu", precision="bf16-true")
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)  # a bfloat16 model takes bfloat16 inputs
+    bf16 = memtorch.estimate(model, x, optimizer="adamw", device="cpu", precision="bf16-true")
     assert bf16.model_states["buffer"] == fp32.model_states["buffer"] > 0
 
 
