@@ -23,7 +23,13 @@ from collections import namedtuple
 from . import units
 from .errors import MemtorchError
 
-__all__ = ["Engine", "Figures", "judged_name"]
+__all__ = ["Engine", "Figures", "judged_name", "DEFAULT_DEVICE_NOTE"]
+
+# the one sentence plan(), fit(), advise(), capacity() and the CLI add when the device was not given (neither
+# device= nor gpu=, which names a GPU)
+DEFAULT_DEVICE_NOTE = (
+    "device 'cuda' by default, as estimate() (the question is a GPU's): device='cpu' models PyTorch's CPU allocator"
+)
 
 Figures = namedtuple(
     "Figures", "peak reserved peak_upper rank_peaks rank_peaks_upper judged report floor", defaults=(None,)
@@ -83,7 +89,7 @@ class Engine:
         self.model = model
         self.inputs = inputs
         self.device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
-        self.defaulted = device is None
+        self.defaulted = device is None and gpu is None
         self.fixed = {
             "optimizer": optimizer,
             "loss_fn": loss_fn,

@@ -39,6 +39,7 @@ import gc
 
 from . import units
 from .errors import MemtorchError
+from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.advice import EXACT, ESTIMATED, GROUPS, MEASURED, Advice, Suggestion  # the result types' home
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
@@ -998,7 +999,7 @@ def advise(
         framework = _framework_of(model)
     elif framework not in FRAMEWORKS:
         raise ValueError(f"advise(framework=...) expects one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    defaulted = device is None
+    defaulted = device is None and gpu is None
     device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
     _check_args(optimizer if optimizer is not None else "sgd", precision, device, world_size, sharding,
                 checkpointing, None)  # fmt: skip
@@ -1034,8 +1035,7 @@ def advise(
                 "world_size": world_size, "sharding": sharding, "fsdp_units": fsdp_units,
                 "device_type": device}  # fmt: skip
     if defaulted:
-        notes.append(f"device {DEFAULT_DEVICE!r} by default (as estimate(), plan(), fit() and the CLI; the question "
-                     "is a GPU's): device='cpu' models PyTorch's CPU allocator")  # fmt: skip
+        notes.append(DEFAULT_DEVICE_NOTE)
     # the optimizer as one object, for the arithmetic of its state (never stepped)
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     opt_inst = optimizer if isinstance(optimizer, torch.optim.Optimizer) else (

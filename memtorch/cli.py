@@ -427,10 +427,11 @@ def _run_report(api, name, step, args, out, progress, *call_args, **kwargs):
         except (TypeError, ValueError, MemtorchError) as e:
             raise UsageError(f"{name}: {e}") from None
     notes = getattr(report, "notes", None)
-    if name in ("plan", "advise", "fit", "capacity") and "device" not in kwargs and isinstance(notes, list):
+    if (name in ("plan", "advise", "fit", "capacity") and "device" not in kwargs and "gpu" not in kwargs
+            and isinstance(notes, list)):  # fmt: skip
         if not any("by default" in str(n) and "cuda" in str(n) for n in notes):
-            notes.insert(0, "device 'cuda' by default (as estimate, plan and advise; the question is a GPU's): "
-                            "--device cpu models the CPU")  # fmt: skip
+            notes.insert(0, "device 'cuda' by default, as estimate (the question is a GPU's): --device cpu models "
+                            "the CPU")  # fmt: skip
     _render_report(report, args.format, f"memtorch {name} {args.target}", out, getattr(args, "all", False))
     return EXIT_OK
 

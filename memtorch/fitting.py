@@ -25,6 +25,7 @@ import time
 
 from . import units
 from .errors import MemtorchError
+from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.fit import Fit  # the result type's home
 
 __all__ = ["fit", "Fit", "VARY"]
@@ -269,9 +270,7 @@ def fit(
     if source != "given":
         notes.append(f"device memory: {source}")
     if eng.defaulted:
-        notes.append(
-            "device='cuda' by default, as estimate() and plan(): device='cpu' models PyTorch's CPU allocator"
-        )
+        notes.append(DEFAULT_DEVICE_NOTE)
     notes.append(
         f"every figure is estimate()'s for that {vary} ({len(tried)} dry runs); fit judged on "
         f"{judged_name(eng.device)!r} + the reserve against the device's memory"

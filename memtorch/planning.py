@@ -66,6 +66,7 @@ from collections import namedtuple
 
 from . import units
 from .errors import MemtorchError
+from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.plan import Plan  # the result type's home; its old name stays
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
@@ -586,5 +587,5 @@ def plan(
                      "on the highest rank) plus the reserve fits; the CUDA context and NCCL's buffers are outside "
                      "the figures (the reserve is for them)")  # fmt: skip
     if eng.defaulted:
-        notes.append("device='cuda' by default, as estimate(): device='cpu' models PyTorch's CPU allocator")
+        notes.append(DEFAULT_DEVICE_NOTE)
     return Plan(options, memory, keep, notes, time.perf_counter() - t0, eng.dry_runs - runs0, dev, beyond + cannot + flat)

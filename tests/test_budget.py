@@ -117,7 +117,7 @@ def test_breakdown_lists_phases_modules_and_largest_tensors():
     # fc2 holds more (4096 > 512) and is listed first.
     assert text.index("fc2 (Linear)") < text.index("fc1 (Linear)")
     assert "    32.0 KiB  (64, 128) float32, holds autograd graph" in text
-    assert "  leak: +0 B per step, 0 surviving tensor(s)" in text
+    assert "  leak: +0 B per step, 0 tensor(s) kept unexpectedly" in text
 
 
 def test_assert_budget_on_a_real_track():
