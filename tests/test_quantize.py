@@ -587,8 +587,12 @@ def test_int8_out_of_training_runs_and_says_what_it_leaves_out():
     depends on the data (the fake kernel's output is dynamic): the dry run counts none and says so;
     4-bit inference is exact (measured: 0 B on this Llama)."""
     _bnb()
-    ids = torch.randint(0, 256, (2, 16))
-    est = memtorch.estimate(apply(_llama("meta"), "int8").eval(), ids, device="cpu", training=False)
+    est = memtorch.estimate(
+        apply(_llama("meta"), "int8").eval(),
+        torch.zeros(2, 16, dtype=torch.int64, device="meta"),
+        device="cpu",
+        training=False,
+    )
     assert any(n.startswith("int8 out of training (LLM.int8's matmul)") for n in est.notes)
     base = _llama()
     _warm("nf4", False)
