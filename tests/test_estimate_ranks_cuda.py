@@ -242,3 +242,27 @@ def test_fsdp_rnn_forward_copies_the_weights_for_cudnn(kind, monkeypatch):
     assert with_copy["ddp"] == without["ddp"]
     assert with_copy["zero2"] - without["zero2"] == whole == _block(whole)
     assert with_copy["zero3"] - without["zero3"] == whole
+
+
+def test_flat_rnn_weights_have_no_one_original(monkeypatch):
+    # The probes read a fake storage's real values from the original tensor it stands for
+    # (_estimate_kernels.originals, by storage). cuDNN's flat buffer is one storage that all 8 parameters view:
+    # no one parameter is its original (taking the last, a 256-element bias, made a 256 x 64 weight's view run
+    # out of bounds), so none is recorded for it; the CPU's parameters, each its own storage, each are.
+    from memtorch import _estimate_kernels
+
+    class Recording(dict):
+        def __init__(self):
+            super().__init__()
+            self.set = []
+
+        def __setitem__(self, k, v):
+            self.set.append(v)
+            super().__setitem__(k, v)
+
+    x = torch.empty(16, 8, 64, device="meta")
+    for device, expected in (("cuda", 0), ("cpu", 8)):
+        rec = Recording()
+        monkeypatch.setattr(_estimate_kernels, "originals", rec)
+        memtorch.estimate(_rnn("LSTM"), x, device=device)
+        assert len(rec.set) == expected, device
