@@ -693,10 +693,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         fbufs = [(names, fake_like(b, "cpu", dtype=dt(b), requires_grad=False)) for names, b in buffers]
         ledger.mark([ledger.key_of(t) for _, t in fparams], "parameter")
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
-        # a float32 input given as a shape (a meta tensor: no data) is the step's input in the parameters' dtype
-        # (as Lightning's bf16-true casts it); a tensor given is taken as it is (a float32 one the real step refuses)
-        finputs = inputs.map(lambda t: fake_like(t, "cpu", dtype=low if cast_params and t.is_meta and
-                                                 t.dtype == torch.float32 else None))  # fmt: skip
+        finputs = inputs.map(lambda t: fake_like(t, "cpu"))
         ledger.mark([ledger.key_of(t) for t in finputs.tensors()], "input")
         for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
             # a fake whose storage is not the tensor's own (cuDNN's flat RNN weights: one storage several
