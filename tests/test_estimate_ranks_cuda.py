@@ -73,6 +73,13 @@ def test_flat_rnn_figures_by_hand_at_four_ranks():
     x = torch.empty(16, 8, 64, device="meta")
     ddp = memtorch.estimate(_rnn("LSTM"), x, device="cuda", world_size=4, sharding="ddp")
     assert ddp.per_rank[0]["parameter"] == 266_240
+    # and DDP's buckets on top of the one-process step: its peak plus one copy of the gradients
+    one = memtorch.estimate(_rnn("LSTM"), x, device="cuda")
+    assert ddp.peak == one.peak + 266_240
+    # zero1 (ZeroRedundancyOptimizer: largest first, to the emptiest rank): each rank one 256 x 64 weight and one
+    # bias, AdamW's two moments of each: 2 x (65,536 + 1,024) = 133,120 B
+    z1 = memtorch.estimate(_rnn("LSTM"), x, device="cuda", world_size=4, sharding="zero1")
+    assert [r["optimizer_state"] for r in z1.per_rank] == [133_120] * 4
     z2 = memtorch.estimate(_rnn("LSTM"), x, device="cuda", world_size=4, sharding="zero2")
     r = z2.per_rank[0]
     assert (r["parameter"], r["gradient"], r["optimizer_state"]) == (67_584, 66_560, 135_168)
