@@ -741,6 +741,24 @@ CODE = {
                         "lr=..., momentum=0.9), None))",
         "lightning": "return torch.optim.SGD(self.parameters(), lr=..., momentum=0.9) from configure_optimizers",
     },
+    "lora": {
+        "torch": "model = peft.get_peft_model(model, peft.LoraConfig(r={r}, lora_alpha={alpha}, "
+                 "target_modules={targets}))",
+        "transformers": "model = peft.get_peft_model(model, peft.LoraConfig(r={r}, lora_alpha={alpha}, "
+                        "target_modules={targets})) before Trainer(...)",
+        "lightning": "self.model = peft.get_peft_model(self.model, peft.LoraConfig(r={r}, lora_alpha={alpha}, "
+                     "target_modules={targets})) in the LightningModule's __init__",
+    },
+    "qlora": {
+        "torch": "the model loaded with from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+                 "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)), "
+                 "then peft.get_peft_model(model, peft.LoraConfig(r={r}, lora_alpha={alpha}, target_modules={targets}))",
+        "transformers": "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+                        "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
+                        "bnb_4bit_compute_dtype=torch.bfloat16)) and peft.get_peft_model(model, "
+                        "peft.LoraConfig(r={r}, lora_alpha={alpha}, target_modules={targets}))",
+        "lightning": "the same in the LightningModule's __init__ (transformers' BitsAndBytesConfig, then peft)",
+    },
     "freeze": {
         "torch": "model.{what}.requires_grad_(False), and its parameters left out of the optimizer",
         "transformers": "model.{what}.requires_grad_(False) before Trainer(...)",
@@ -1095,6 +1113,8 @@ def advise(
     _optimizer(mm_step, opt_now, items, notes, device)
     _freeze(mm_step, base["probe"] if base is not None and base["probe"] is not None else model, opt_now, items,
             notes, device)  # fmt: skip
+    if base is not None and not measure:
+        _lora(model, run, base, budget, items, notes, keep)
     # changes the model: only when asked
     if base is not None and budget is not None and base["judged"] + keep > budget:
         if remove_layers:
@@ -1306,6 +1326,98 @@ def _eight_bit_step(model, run, optimizer):
     judged = est.reserved_peak if est.reserved_peak is not None else (est.peak_upper or est.peak)
     return {"peak": int(est.peak), "reserved": est.reserved_peak, "judged": int(judged), "report": est,
             "exact": True, "basis": ESTIMATED}  # fmt: skip
+
+
+# LoRA as advise() proposes it: peft's defaults for a rank-16 adapter (alpha 32, no dropout)
+_LORA_R, _LORA_ALPHA = 16, 32
+
+
+def _meta_clone(model):
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same sizes, dtypes and
+    requires_grad (nothing of the weights copied, the model given never changed): what peft and
+    bitsandbytes' replacement may change in place."""
+    torch = _torch()
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        m = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
+    return copy.deepcopy(model, memo)
+
+
+def _lora(model, run, base, budget, items, notes, reserve=0):
+    """Training LoRA adapters instead of the model (peft's get_peft_model on a meta copy, rank 16 on peft's
+    default targets for the model's type, else every nn.Linear), then the same with a 4-bit NF4 base
+    (QLoRA: memtorch._quantize, as BitsAndBytesConfig), each estimate()'s step of the copy: changes what is
+    trained, labelled so."""
+    import importlib.util
+
+    if type(model).__name__.startswith("Peft") or hasattr(model, "peft_config"):
+        notes.append("LoRA: the model is a peft model already")
+        return
+    if importlib.util.find_spec("peft") is None:
+        notes.append("LoRA and QLoRA: not estimated, peft is not installed (pip install 'memtorch-probe[finetune]')")
+        return
+    # lazy: models loads peft's glue only when this path runs (importing advice stays cheap)
+    from . import models
+
+    torch = _torch()
+    cfg = getattr(model, "config", None)
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+    except ImportError:  # another peft layout: every linear layer
+        mapping = {}
+    # peft's own targets for a transformers family (GPT-2's fused c_attn, a Conv1D), else every linear layer
+    # (nn.Linear, transformers' Conv1D) but an output head
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+                      and n and "head" not in n.rsplit(".", 1)[-1]})  # fmt: skip
+    targets = list(mapping.get(getattr(cfg, "model_type", None), None) or linears)
+    if not targets:
+        notes.append("LoRA: the model has no linear layer to put adapters on")
+        return
+    spec = {"r": _LORA_R, "alpha": _LORA_ALPHA, "targets": targets, "dropout": 0.0}
+    if any(type(m).__name__ == "Conv1D" and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules()):
+        spec["fan_in_fan_out"] = True  # transformers' Conv1D keeps its weight transposed (peft warns otherwise)
+    fill = {"r": _LORA_R, "alpha": _LORA_ALPHA, "targets": targets}
+
+    def step(quantize):
+        clone = _meta_clone(model)
+        if quantize:
+            # lazy: _quantize loads bitsandbytes only when this row is estimated
+            from . import _quantize
+
+            clone = _quantize.apply(clone, "nf4", double_quant=True)
+        clone = models.with_lora(clone, spec)
+        return _eight_bit_step(clone, run, run.engine.fixed["optimizer"] if run.engine is not None else "adamw")
+
+    try:
+        lora = step(False)
+    except Exception as e:  # noqa: BLE001 - a model peft cannot wrap: said, never raised
+        notes.append(f"LoRA: not estimated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return
+    trained = lora["report"].model_states.get("gradient", 0)
+    items.append(_changed(
+        "lora", f"LoRA adapters (rank {_LORA_R} on {', '.join(targets)}): only they learn", base, lora,
+        "the model frozen, low-rank adapters trained beside its linear layers (peft)",
+        f"gradients and optimizer state for the adapters only ({_fmt(trained)} of gradients); the step "
+        f"estimated on a copy wrapped by peft.get_peft_model (r={_LORA_R}, alpha={_LORA_ALPHA})",
+        "changes the training", budget, reserve, code=_code("lora", **fill)))  # fmt: skip
+    if importlib.util.find_spec("bitsandbytes") is None:
+        notes.append("QLoRA (a 4-bit base): not estimated, bitsandbytes is not installed")
+        return
+    try:
+        qlora = step(True)
+    except Exception as e:  # noqa: BLE001 - said, never raised
+        notes.append(f"QLoRA: not estimated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return
+    items.append(_changed(
+        "qlora", f"QLoRA: a 4-bit NF4 base with LoRA adapters (rank {_LORA_R})", base, qlora,
+        "the frozen linear layers' weights in 4 bits (bitsandbytes NF4, double quantization), adapters trained",
+        "the base's linear weights packed 2 per byte with their quantization state, dequantized to bfloat16 in "
+        "each matmul (forward and backward); the step estimated on a copy (memtorch._quantize, then peft)",
+        "changes the training", budget, reserve, code=_code("qlora", **fill)))  # fmt: skip
 
 
 def _grouped(items):

@@ -482,3 +482,37 @@ def test_model_states_alone_over_budget_skip_the_micro_batch_search_on_one_proce
     # sharded over 4 ranks, a rank holds a quarter of them: the smaller micro-batch is weighed
     four = memtorch.advise(model, x, budget=states - 1, reserve=0, device="cpu", world_size=4, sharding="zero3")
     assert not any("the model states alone" in n for n in four.notes)
+
+
+def test_lora_and_qlora_rows_are_estimates_of_the_wrapped_model_and_change_nothing():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    import copy
+
+    import torch
+
+    from memtorch import _quantize, models
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    before = {n: (p.data_ptr(), p.requires_grad) for n, p in model.named_parameters()}
+    ids = ((2, 32), torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    a = memtorch.advise(model, batch, device="cpu", budget="64 MiB", reserve=0)
+    rows = {s.kind: s for s in a.items}
+    assert rows["lora"].group == rows["qlora"].group == "changes the training"
+    # the model given is as it was: no adapter, no quantized layer, the same tensors
+    assert {n: (p.data_ptr(), p.requires_grad) for n, p in model.named_parameters()} == before
+    assert not any("lora" in n for n, _ in model.named_modules())
+    # each row's figure is estimate()'s of the model wrapped as the row's code line wraps it
+    spec = {"r": 16, "alpha": 32, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
+    wrapped = models.with_lora(copy.deepcopy(model), spec)
+    assert rows["lora"].after == memtorch.estimate(wrapped, batch, device="cpu").peak
+    q = models.with_lora(_quantize.apply(model, "nf4", double_quant=True), spec)
+    assert rows["qlora"].after == memtorch.estimate(q, batch, device="cpu").peak
+    assert rows["qlora"].after < rows["lora"].after < a.peak
+    assert "target_modules=['q_proj', 'v_proj']" in rows["lora"].code["transformers"]
+    assert isinstance(peft.LoraConfig(r=16), peft.LoraConfig)
