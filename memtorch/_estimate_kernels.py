@@ -17,8 +17,10 @@ outputs and workspace, for a moment. Without exact counters (not Linux) no
 correction is made and the estimate says so.
 """
 
+import contextlib
 import threading
 
+from .errors import MemtorchError
 from ._quantize import kernel_rules  # bitsandbytes' operators (empty unless bitsandbytes is loaded)
 
 
@@ -270,12 +272,49 @@ def _probeable(func):
     return ok
 
 
-def probe_extra(func, args, kwargs, out):
+class KernelRefuses(MemtorchError):
+    """The real kernel raises at arguments its fake kernel accepts (a dtype its meta kernel does not check, an
+    index out of range): the real step would fail there. ``error`` is the real kernel's exception."""
+
+    def __init__(self, func, error):
+        self.func, self.error = func, error
+        words = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        super().__init__(f"{type(error).__name__}: {words}")
+
+
+def _refuses(func, call, made, error):
+    """Whether ``error``, raised by the real kernel on the probe's stand-ins, is the real step's: it raises
+    again with the stand-ins of unknown value filled with ones instead of zeros (an argument check, a known
+    index out of range; not a kernel that rejects zeros as values, such as a singular matrix)."""
+    name = func._schema.name
+    if "linalg" in name or "cholesky" in name:  # they judge the values themselves
+        return False
+    for base in made:
+        base.fill_(1)
+    try:
+        call()
+    except type(error) as again:
+        return str(again) == str(error)
+    except Exception:  # noqa: BLE001 - another complaint: about the values
+        return False
+    return False
+
+
+def check_real(func, args, kwargs, out, values=None):
+    """Run the real CPU kernel at these arguments (as probe_extra does, without counting) where no probe
+    ran (a kernel the device's table models, the CUDA step): raises KernelRefuses where it would fail."""
+    probe_extra(func, args, kwargs, out, values, count=False)
+
+
+def probe_extra(func, args, kwargs, out, values=None, count=True):
     """Bytes the real CPU kernel allocates and frees inside itself at these arguments, or None.
 
     The kernel runs once per signature (shapes, strides, dtypes, other arguments) on
-    zero-filled tensors, with memtorch.cpu's exact counters; kernels whose arguments
-    exceed PROBE_CAP bytes, random kernels and views are not run (None).
+    zero-filled tensors, or on the tensors' values where values(fake) knows them (a position
+    index made by torch.arange: _estimate_run._Known), with memtorch.cpu's exact counters;
+    kernels whose arguments exceed PROBE_CAP bytes, random kernels and views are not run (None).
+    A kernel that raises at arguments its fake kernel accepted raises KernelRefuses (see _refuses).
+    count=False: the kernel runs for its checks only (check_real; no counters needed), None.
     """
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
@@ -283,21 +322,34 @@ def probe_extra(func, args, kwargs, out):
     # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
     from . import cpu
 
-    if not _probeable(func) or not cpu.exact():
+    if not _probeable(func) or (count and not cpu.exact()):
         return None
     writes = _writes.get(func)
     if writes is None:
         writes = _writes[func] = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     # a kernel that writes an argument runs on zero-filled copies only, never on the model's own tensors
-    if writes and any(isinstance(args[i], torch.Tensor) and id(args[i].untyped_storage()) in originals
-                      for i in writes if i < len(args)):  # fmt: skip
+    # (the lists a foreach kernel writes included)
+    if writes and any(isinstance(t, torch.Tensor) and id(t.untyped_storage()) in originals
+                      for i in writes if i < len(args)
+                      for t in (args[i] if isinstance(args[i], (list, tuple)) else (args[i],))):  # fmt: skip
         return None
+    from torch.utils._pytree import tree_leaves
+
+    known = {}  # id(fake tensor) -> its known value, a real tensor
+    if values is not None:
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and (v := values(t)) is not None:
+                known[id(t)] = v
     key = _probe_key(func, args, kwargs)
     if key is None:
         return None
+    if known:  # the values are part of the signature
+        with _disable_current_modes():
+            key += tuple((v.dtype, tuple(v.reshape(-1).tolist())) for v in known.values())
+    key += (count,)
     cached = _probe_cache.get(key)
     if cached is not None:
-        return cached
+        return cached if count else None
     size = 0
 
     def tensors(a):
@@ -325,6 +377,8 @@ def probe_extra(func, args, kwargs, out):
         made = {}
 
         def real(a):
+            if isinstance(a, torch.Tensor) and id(a) in known:
+                return known[id(a)].clone()  # a copy: a kernel may write it
             if isinstance(a, torch.Tensor):
                 sid = id(a.untyped_storage())
                 base = made.get(sid)
@@ -342,15 +396,25 @@ def probe_extra(func, args, kwargs, out):
                 return tuple(real(x) for x in a)
             return a
 
-        rargs = [real(a) for a in args]
-        rkwargs = {k: real(v) for k, v in kwargs.items()}
+        try:
+            rargs = [real(a) for a in args]
+            rkwargs = {k: real(v) for k, v in kwargs.items()}
+        except RuntimeError:  # a view beyond its fake storage (a modelled kernel's own layout): not run
+            _probe_cache[key] = 0
+            return 0 if count else None
         inputs = {id(b.untyped_storage()) for b in made.values()}
         try:
-            with cpu.Scope() as s:
+            with cpu.Scope() if count else contextlib.nullcontext() as s:
                 rout = func(*rargs, **rkwargs)
-        except Exception:  # noqa: BLE001 - a kernel that rejects zeros: no correction for it
+        except Exception as e:  # noqa: BLE001 - the real step's error, or a kernel that rejects zeros
+            zeros = [b for sid, b in made.items() if sid not in originals]
+            if _refuses(func, lambda: func(*rargs, **rkwargs), zeros, e):
+                raise KernelRefuses(func, e) from e
             _probe_cache[key] = 0
-            return 0
+            return 0 if count else None
+        if not count:
+            _probe_cache[key] = 0
+            return None
         new = {}
         for t in tensors(rout if isinstance(rout, (list, tuple)) else [rout]):
             st = t.untyped_storage()

@@ -20,7 +20,9 @@ torch.func.functional_call, which restores the module's own tensors on exit.
 import contextlib
 import weakref
 
-from ._estimate_kernels import Around, Composite, probe_extra, scalar_extra  # Around, Composite: the kernel tables' entries
+from ._estimate_kernels import (  # Around, Composite: the kernel tables' entries
+    Around, Composite, check_real, probe_extra, scalar_extra,
+)
 from .errors import MemtorchError
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
@@ -196,7 +198,9 @@ def host_factories(ledger):
     return HostFactories()
 
 
-def _accounting_mode(ledger, kernels, allow_item):
+def _accounting_mode(ledger, kernels, allow_item, check=True):
+    """check: where no probe runs, the real CPU kernel checks the arguments (check_real); off where the CPU
+    kernels' rules are not the target's (CUDA's step under autocast: dtype mixes the GPU's kernels take)."""
     probe = kernels.get("probe", True)
     after = kernels.get("after", {})
     scalars = kernels.get("scalars", True)  # Python numbers wrapped into CPU tensors (the CPU's memory)
@@ -236,6 +240,7 @@ def _accounting_mode(ledger, kernels, allow_item):
                 with self:
                     out = func.decompose(*args, **kwargs)
                 if out is not NotImplemented:
+                    known.decomposed(func, args, kwargs, out)
                     return out
             if isinstance(fix, Composite):
                 # a kernel that runs as Python-level operators: each is counted here as it runs
@@ -245,15 +250,19 @@ def _accounting_mode(ledger, kernels, allow_item):
                 # a kernel modelled whole (the target device's own, no fake kernel): it counts its
                 # scratch in order and returns fake outputs, counted below
                 out = fix(ledger, func, args, kwargs)
+                known.follow(func, args, kwargs, out)
                 extra = 0
             else:
                 out = func(*args, **kwargs)
-                if allow_item[0] == "generate":
-                    known.follow(func, args, kwargs, out)
+                known.follow(func, args, kwargs, out)
                 if fix is not None:
                     extra = fix(args, kwargs, out)
+                    if check:  # the real kernel's argument checks, which fake kernels may skip (dtypes, indices)
+                        check_real(func, args, kwargs, out, known.get)
                 else:
-                    extra = probe_extra(func, args, kwargs, out) if probe else None
+                    extra = probe_extra(func, args, kwargs, out, known.get) if probe else None
+                    if not probe and check:
+                        check_real(func, args, kwargs, out, known.get)
                     if extra is None and scalars:
                         extra = scalar_extra(func, args, out)
             owners = _owners(ledger, args, kwargs, out) if ledger.attribute else None
@@ -281,11 +290,13 @@ def _accounting_mode(ledger, kernels, allow_item):
 
 
 class _Known:
-    """The real values of the small tensors generate() computes from constants alone, beside their fakes.
+    """The real values of the small tensors a run computes from constants alone, beside their fakes.
 
-    generate() steers its loops by tensor values: a sequence's end-of-sequence test, and loops of its own
-    (Whisper's ``while (seek < max_frames).any()`` over the audio's segments, seek and max_frames made by
-    torch.zeros and torch.ones times the input's length). An operator whose tensor inputs all have a
+    The CPU kernels run for real (_estimate_kernels.probe_extra, check_real) read them: a position index
+    made by torch.arange is the real one, so an embedding of more positions than the model has raises its
+    real IndexError. generate() steers its loops by tensor values: a sequence's end-of-sequence test, and
+    loops of its own (Whisper's ``while (seek < max_frames).any()`` over the audio's segments, seek and
+    max_frames made by torch.zeros and torch.ones times the input's length). An operator whose tensor inputs all have a
     known value (none for a factory) runs again for real on those values, when its tensors are small; its
     outputs' values are known. Parameters, inputs and whatever the model computes have none: a question on
     them is answered for the longest run (False, 0: no sequence has finished, no special token is
@@ -326,7 +337,7 @@ class _Known:
         ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         reals = None
-        if (torch.Tag.nondeterministic_seeded not in func.tags
+        if (torch.Tag.nondeterministic_seeded not in func.tags and func not in self._undefined()
                 and all(t.numel() <= self.LIMIT for t in ins + outs)
                 and all(self.get(t) is not None for t in ins)):  # fmt: skip
             real = tree_map(lambda a: self.get(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
@@ -347,6 +358,33 @@ class _Known:
         for t in written:
             self.values.pop(t, None)
             self._dirty(t.untyped_storage())
+
+    def decomposed(self, func, args, kwargs, out):
+        """After an operator ran as its decomposition, whose operators may not all have come back through
+        this mode: a functional one's outputs take their values from the operator run for real; an
+        in-place one leaves what it wrote unknown (its operators may not have updated the values)."""
+        from torch.utils._pytree import tree_leaves
+
+        torch = _torch()
+        if func._schema.is_mutable:
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor):
+                    self.values.pop(t, None)
+                    self._dirty(t.untyped_storage())
+        elif any(isinstance(o, torch.Tensor) and self.get(o) is None for o in tree_leaves(out)):
+            self.follow(func, args, kwargs, out)
+
+    _undefined_ops = None
+
+    @classmethod
+    def _undefined(cls):
+        # factories whose values are whatever the memory held (the fakes of the parameters are made by one)
+        if cls._undefined_ops is None:
+            aten = _torch().ops.aten
+            cls._undefined_ops = frozenset({aten.empty.memory_format, aten.empty_strided.default,
+                                            aten.empty_like.default, aten.new_empty.default,
+                                            aten.new_empty_strided.default})  # fmt: skip
+        return cls._undefined_ops
 
     def _dirty(self, storage):
         sid = id(storage)

@@ -680,7 +680,9 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode())
         kernels = cuda_kernels(cuda_state) if cuda_state is not None else kernels_for("cpu")
-        stack.enter_context(_accounting_mode(ledger, kernels, allow_item))
+        # CUDA's autocast is modelled by the CPU's: the CPU kernels' dtype rules are not the GPU's there
+        check = not (cuda_state is not None and autocast)
+        stack.enter_context(_accounting_mode(ledger, kernels, allow_item, check=check))
         ledger.phase = "setup"
 
         def dt(t):
@@ -693,7 +695,10 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         fbufs = [(names, fake_like(b, "cpu", dtype=dt(b), requires_grad=False)) for names, b in buffers]
         ledger.mark([ledger.key_of(t) for _, t in fparams], "parameter")
         ledger.mark([ledger.key_of(t) for _, t in fbufs], "buffer")
-        finputs = inputs.map(lambda t: fake_like(t, "cpu"))
+        # a float32 input given as a shape (a meta tensor: no data) is the step's input in the parameters' dtype
+        # (as Lightning's bf16-true casts it); a tensor given is taken as it is (a float32 one the real step refuses)
+        finputs = inputs.map(lambda t: fake_like(t, "cpu", dtype=low if cast_params and t.is_meta and
+                                                 t.dtype == torch.float32 else None))  # fmt: skip
         ledger.mark([ledger.key_of(t) for t in finputs.tensors()], "input")
         for (_, p), (_, f) in zip(params + buffers, fparams + fbufs):
             # a fake whose storage is not the tensor's own (cuDNN's flat RNN weights: one storage several
@@ -973,7 +978,8 @@ def estimate(
     and the CLI: the question is a GPU's; the CUDA caching allocator's rules)
     or "cpu" (PyTorch's CPU allocator: what track() measures on the CPU).
     checkpointing: None, "blocks" or module names recomputed in backward.
-    world_size, sharding: per-rank figures (Estimate.per_rank, one entry per rank; peak is the highest rank's, peak_rank that rank) for
+    world_size, sharding: per-rank figures (Estimate.per_rank, one entry per rank; peak, steady, breakdown, phases
+    and model_states are the highest rank's, peak_rank that rank; model_states_total the whole model's) for
     ddp (DistributedDataParallel), zero1 (torch's ZeroRedundancyOptimizer
     under DDP: whole parameters per rank, so ranks differ), zero1-even
     (DeepSpeed ZeRO stage 1: optimizer state split evenly by elements, each parameter group padded as DeepSpeed pads it),
@@ -988,7 +994,11 @@ def estimate(
     H100-class device. keep_output: the model's output stays alive through
     backward and the optimizer step, as in a loop ``out = model(x); loss =
     loss_fn(out, x); loss.backward(); opt.step()``; False frees it before
-    backward (a loop that deletes it). Returns an Estimate.
+    backward (a loop that deletes it). A compiled model (torch.compile) is estimated as its eager program, said
+    in a note. A step whose real kernels would raise (an int64 input to a float Linear, a float32 input under
+    bf16-true, more positions than a position embedding has) raises MemtorchError with the real error's
+    words; under bf16-true/fp16-true and the -zero precisions a float32 input given as a shape is taken in
+    the parameters' dtype. Returns an Estimate.
     """
     import time
 
@@ -1061,6 +1071,8 @@ def estimate(
                 model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods, gpu=target,
                 keep_output=keep_output, training=training, max_new_tokens=max_new_tokens,
             )
+    except _estimate_kernels.KernelRefuses as e:
+        raise MemtorchError(_refused(e, training, max_new_tokens, precision, inputs)) from e.error
     except _DataDependent as e:
         raise MemtorchError(
             f"the model {e}: estimate() runs it on fake tensors that hold no values, so a step whose "
@@ -1139,6 +1151,22 @@ def _compiled(model):
         if name == "" and isinstance(mod, OptimizedModule):
             break  # its _orig_mod's modules are the same model's
     return names
+
+
+def _refused(e, training, max_new_tokens, precision, inputs):
+    """The message of a step the real kernels refuse (_estimate_kernels.KernelRefuses): the real error's words."""
+    torch = _torch()
+    run = "training step" if training else ("generate call" if max_new_tokens else "forward")
+    text = (f"the model's {run} fails as the real one would: {e} (the real CPU kernel of {e.func} raises at these "
+            "arguments, which the fake tensors' kernel accepts)")  # fmt: skip
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.split("-")[0])
+    floats = {t.dtype for t in inputs.tensors() if t.is_floating_point()}
+    if precision.endswith("-true") and low is not None and floats - {low}:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in floats - {low}))
+        text += (f"; precision={precision!r} casts the parameters to {str(low).replace('torch.', '')}, not the "
+                 f"inputs ({names}): pass them in {str(low).replace('torch.', '')}, as Lightning's "
+                 f"{precision} precision casts them")  # fmt: skip
+    return text
 
 
 def _explain(e, run="training step"):
