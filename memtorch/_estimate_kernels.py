@@ -333,13 +333,12 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
                       for i in writes if i < len(args)
                       for t in (args[i] if isinstance(args[i], (list, tuple)) else (args[i],))):  # fmt: skip
         return None
-    from torch.utils._pytree import tree_leaves
-
     known = {}  # id(fake tensor) -> its known value, a real tensor
     if values is not None:
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and (v := values(t)) is not None:
-                known[id(t)] = v
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor) and (v := values(t)) is not None:
+                    known[id(t)] = v
     key = _probe_key(func, args, kwargs)
     if key is None:
         return None

@@ -311,6 +311,8 @@ class _Known:
 
         self.values = WeakTensorKeyDictionary()  # fake tensor -> real tensor
         self.dirty = set()  # id(storage) written with an unknown value
+        self.storages = set()  # id(storage) of the fakes given a value (an id may outlive its storage: harmless)
+        self._writes = {}  # operator -> positions of the arguments it writes
 
     def get(self, t):
         if id(t.untyped_storage()) in self.dirty:
@@ -334,12 +336,13 @@ class _Known:
         from torch.utils._pytree import tree_leaves, tree_map
 
         torch = _torch()
-        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+        # tensors and lists of tensors, as operators take them (run for every operator: no pytree walk)
+        ins = _tensors(args, torch.Tensor) + _tensors(kwargs.values(), torch.Tensor)
+        outs = _tensors(out if isinstance(out, (list, tuple)) else (out,), torch.Tensor)
         reals = None
-        if (torch.Tag.nondeterministic_seeded not in func.tags and func not in self._undefined()
-                and all(t.numel() <= self.LIMIT for t in ins + outs)
-                and all(self.get(t) is not None for t in ins)):  # fmt: skip
+        if (all(self.get(t) is not None for t in ins) and func not in self._undefined()
+                and torch.Tag.nondeterministic_seeded not in func.tags
+                and all(t.numel() <= self.LIMIT for t in ins + outs)):  # fmt: skip
             real = tree_map(lambda a: self.get(a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
             try:
                 with unset_fake_temporarily():
@@ -349,15 +352,21 @@ class _Known:
         if reals is not None and len(reals) == len(outs):
             for o, r in zip(outs, reals):
                 self.values[o] = r
+                self.storages.add(id(o.untyped_storage()))
             return
+        if not self.storages:
+            return  # no value known anywhere: none to forget
         # the storages it wrote (its outputs, and the arguments it writes in place) hold unknown values, for
         # every tensor that views them
-        written = outs + [t for a, arg in zip(func._schema.arguments, args)
-                          if a.alias_info is not None and a.alias_info.is_write
-                          for t in tree_leaves(arg) if isinstance(t, torch.Tensor)]  # fmt: skip
+        writes = self._writes.get(func)
+        if writes is None:
+            writes = self._writes[func] = [i for i, a in enumerate(func._schema.arguments)
+                                           if a.alias_info is not None and a.alias_info.is_write]  # fmt: skip
+        written = outs + _tensors([args[i] for i in writes if i < len(args)], torch.Tensor)
         for t in written:
-            self.values.pop(t, None)
-            self._dirty(t.untyped_storage())
+            if id(t.untyped_storage()) in self.storages:
+                self.values.pop(t, None)
+                self._dirty(t.untyped_storage())
 
     def decomposed(self, func, args, kwargs, out):
         """After an operator ran as its decomposition, whose operators may not all have come back through
@@ -391,6 +400,17 @@ class _Known:
         if sid not in self.dirty:
             self.dirty.add(sid)
             weakref.finalize(storage, self.dirty.discard, sid)
+
+
+def _tensors(seq, tensor):
+    """The tensors in ``seq`` and in its lists and tuples (one level: operators' arguments)."""
+    out = []
+    for a in seq:
+        if isinstance(a, tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(b for b in a if isinstance(b, tensor))
+    return out
 
 
 def _owners(ledger, args, kwargs, out):
