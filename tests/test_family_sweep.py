@@ -1,0 +1,262 @@
+"""The family sweep (issue 36): every family memtorch estimates, small, held to the same checks.
+
+Per family: the CPU estimate of a training step equals track() of the real step (two AdamW steps, counted
+from before the model exists) within 0.1%; a larger batch never estimates lower; inference estimates below
+training; the breakdown sums to the peak on the CPU and on cuda; two dry runs give the same figures;
+plan() rows equal estimate() of the same configuration (one GPU, and two ranks under zero3); a rank's
+optimizer state under zero3 at 4 ranks is about a quarter of the whole. Families whose estimate is known
+wrong are marked xfail (strict: a fix shows up as a failure to unmark). The truth checks are slow (a real
+step per family); the rest runs in every pass.
+"""
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import memtorch
+from memtorch import cpu
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+B, S = 2, 16  # batch and sequence of every family's inputs
+
+
+def _ids(vocab, n=B, s=S):
+    return torch.randint(0, vocab, (n, s))
+
+
+def _lm(cls, cfg, vocab):
+    def make():
+        return getattr(transformers, cls)(cfg())
+
+    def batch(n=B):
+        ids = _ids(vocab, n)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return make, batch
+
+
+def _cfg(name, **kw):
+    return lambda: getattr(transformers, name)(**kw)
+
+
+DEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=128, max_position_embeddings=64)  # fmt: skip
+
+
+def _vision(cls, cfg, image):
+    def make():
+        return getattr(transformers, cls)(cfg())
+
+    def batch(n=B):
+        return {"pixel_values": torch.randn(n, 3, image, image), "labels": torch.zeros(n, dtype=torch.long)}
+
+    return make, batch
+
+
+def _whisper():
+    cfg = _cfg("WhisperConfig", d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+               max_source_positions=16, max_target_positions=32, vocab_size=64, decoder_start_token_id=1,
+               pad_token_id=0, eos_token_id=2, bos_token_id=1)  # fmt: skip
+
+    def make():
+        return transformers.WhisperForConditionalGeneration(cfg())
+
+    def batch(n=B):
+        return {"input_features": torch.randn(n, 16, 32), "labels": _ids(64, n, 8)}
+
+    return make, batch
+
+
+def _wav2vec2():
+    cfg = _cfg("Wav2Vec2Config", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
+               num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_labels=4,
+               do_stable_layer_norm=True, feat_extract_norm="layer", classifier_proj_size=16,
+               mask_time_prob=0.0)  # fmt: skip
+
+    def make():
+        # (Wav2Vec2ForCTC is refused: CTC's loss reads the labels' values, .item(), which fakes do not hold)
+        return transformers.Wav2Vec2ForSequenceClassification(cfg())
+
+    def batch(n=B):
+        return {"input_values": torch.randn(n, 400), "labels": torch.zeros(n, dtype=torch.long)}
+
+    return make, batch
+
+
+class _Loss(nn.Module):
+    """A torch module with a loss: forward(x, y) -> a namespace with .loss (as a Hugging Face output)."""
+
+    def __init__(self, body, head):
+        super().__init__()
+        self.body, self.head = body, head
+
+    def forward(self, x, y):
+        out = self.body(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return transformers.utils.ModelOutput(loss=nn.functional.mse_loss(self.head(out), y))
+
+
+def _torch(body, head, x_shape, y_shape):
+    def make():
+        return _Loss(body(), head())
+
+    def batch(n=B):
+        return {"x": torch.randn(n, *x_shape), "y": torch.randn(n, *y_shape)}
+
+    return make, batch
+
+
+FAMILIES = {
+    # transformers decoders
+    "gpt2": _lm("GPT2LMHeadModel", _cfg("GPT2Config", n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64),
+                128),
+    "llama": _lm("LlamaForCausalLM", _cfg("LlamaConfig", **DEC), 128),
+    "mistral": _lm("MistralForCausalLM", _cfg("MistralConfig", **DEC, sliding_window=None), 128),
+    "qwen2": _lm("Qwen2ForCausalLM", _cfg("Qwen2Config", **DEC), 128),
+    "gemma": _lm("GemmaForCausalLM", _cfg("GemmaConfig", **DEC, head_dim=8), 128),
+    "phi": _lm("PhiForCausalLM", _cfg("PhiConfig", **{k: v for k, v in DEC.items()}), 128),
+    # mixture of experts
+    "mixtral": _lm("MixtralForCausalLM", _cfg("MixtralConfig", **DEC, num_local_experts=4, num_experts_per_tok=2), 128),
+    "qwen2_moe": _lm("Qwen2MoeForCausalLM", _cfg("Qwen2MoeConfig", **DEC, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=32), 128),
+    # state space
+    "mamba": _lm("MambaForCausalLM", _cfg("MambaConfig", hidden_size=32, state_size=8, num_hidden_layers=2,
+                                          vocab_size=128, expand=2, conv_kernel=4), 128),
+    # encoders
+    "bert": _lm("BertForMaskedLM", _cfg("BertConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, vocab_size=128, max_position_embeddings=64), 128),
+    "roberta": _lm("RobertaForMaskedLM", _cfg("RobertaConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=64, vocab_size=128, max_position_embeddings=64), 128),
+    "distilbert": _lm("DistilBertForMaskedLM", _cfg("DistilBertConfig", dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                                    vocab_size=128, max_position_embeddings=64), 128),
+    # encoder-decoders
+    "t5": _lm("T5ForConditionalGeneration", _cfg("T5Config", d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+                                                 vocab_size=128, decoder_start_token_id=0), 128),
+    "bart": _lm("BartForConditionalGeneration", _cfg("BartConfig", d_model=32, encoder_layers=1, decoder_layers=1,
+                                                     encoder_attention_heads=2, decoder_attention_heads=2,
+                                                     encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128,
+                                                     max_position_embeddings=64), 128),
+    # vision
+    "vit": _vision("ViTForImageClassification", _cfg("ViTConfig", hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64, image_size=32,
+                                                     patch_size=8, num_labels=4), 32),
+    "convnext": _vision("ConvNextForImageClassification", _cfg("ConvNextConfig", hidden_sizes=[16, 32], depths=[1, 1],
+                                                               num_stages=2, num_labels=4), 32),
+    # speech
+    "whisper": _whisper(),
+    # torch
+    "lstm": _torch(lambda: nn.LSTM(16, 32, num_layers=2, batch_first=True), lambda: nn.Linear(32, 4), (S, 16), (S, 4)),
+    "gru": _torch(lambda: nn.GRU(16, 32, num_layers=2, batch_first=True), lambda: nn.Linear(32, 4), (S, 16), (S, 4)),
+    "cnn": _torch(lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                        nn.MaxPool2d(2), nn.Conv2d(8, 16, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                        nn.Flatten()),
+                  lambda: nn.Linear(16, 4), (3, 16, 16), (4,)),
+    "transformer_encoder": _torch(lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True),
+                                                                2, enable_nested_tensor=False),
+                                  lambda: nn.Linear(32, 4), (S, 32), (S, 4)),
+    "mlp": _torch(lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), lambda: nn.Linear(32, 4),
+                  (32,), (4,)),
+}  # fmt: skip
+
+# the CPU estimate is known off for these (issue 36); a fix turns the strict xfail into a failure to unmark
+KNOWN_OFF = {
+    "mamba": "selective-scan backward: the estimate's backward peak is above the real one (issue 36)",
+    "bart": "+2,032 B (+0.34%) on the CPU (issue 36's BART row), not yet explained",
+    "mixtral": "+24,580 B (+2.1%): top-2 routing sends this batch's tokens to experts by value, the dry run's "
+               "fakes route another way",
+    # the same 508 B under (about 0.1-0.2% of these small steps) in the three families whose loss head is
+    # mse_loss over (batch, sequence, 4); not yet explained
+    "gru": "-508 B (-0.21%), not yet explained (see the comment above)",
+    "lstm": "-508 B (-0.11%), not yet explained",
+    "transformer_encoder": "-508 B (-0.13%), not yet explained",
+}
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return FAMILIES[name][0]()
+
+
+def _batch(name, n=B):
+    torch.manual_seed(1)
+    return FAMILIES[name][1](n)
+
+
+def _step(model, batch, opt):
+    out = model(**batch)  # the output kept until the step ends, as estimate()'s keep_output=True
+    out.loss.backward()
+    del out
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_cpu_estimate_is_the_real_step(name, request):
+    if name in KNOWN_OFF:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_OFF[name], strict=True))
+    # the lazy imports and caches of a first step, made before the measurement
+    warm = _model(name)
+    _step(warm, _batch(name), torch.optim.AdamW(warm.parameters(), foreach=False))
+    del warm
+    gc.collect()
+    cpu.start()
+    base = cpu.allocated()
+    model = _model(name)
+    batch = _batch(name)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    with memtorch.track() as t:
+        for _ in range(2):
+            _step(model, batch, opt)
+    assert t.report.exact
+    measured = t.report.peak - base
+    est = memtorch.estimate(model, batch, device="cpu")
+    assert abs(est.peak - measured) <= 0.001 * measured, (est.peak, measured)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_figures_hang_together(name):
+    model = _model(name)
+    batch, big = _batch(name), _batch(name, 2 * B)
+    one = memtorch.estimate(model, batch, device="cpu")
+    again = memtorch.estimate(model, batch, device="cpu")
+    assert (one.peak, one.breakdown) == (again.peak, again.breakdown)  # two dry runs, the same figures
+    assert sum(one.breakdown.values()) == one.peak
+    assert memtorch.estimate(model, big, device="cpu").peak >= one.peak  # a larger batch never lower
+    inference = memtorch.estimate(model.eval(), batch, device="cpu", training=False)
+    model.train()
+    assert inference.peak < one.peak
+    gpu = memtorch.estimate(model, batch, device="cuda")
+    assert sum(gpu.breakdown.values()) == gpu.peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_plan_rows_are_estimates_and_zero3_splits_the_state(name):
+    model = _model(name)
+    batch = _batch(name)
+    p = memtorch.plan(model, batch, device="cuda", device_memory="80 GiB", world_sizes=[1, 2],
+                      shardings=["zero3"], precisions=["fp32"], checkpointing=[None], exhaustive=True)  # fmt: skip
+    rows = {(o.world_size, o.sharding): o for o in p.options}
+    one = memtorch.estimate(model, batch, device="cuda")
+    assert (rows[(1, None)].peak, rows[(1, None)].reserved) == (one.peak, one.reserved_peak)
+    two = memtorch.estimate(model, batch, device="cuda", world_size=2, sharding="zero3")
+    assert (rows[(2, "zero3")].peak, rows[(2, "zero3")].reserved) == (two.peak, two.reserved_peak)
+    four = memtorch.estimate(model, batch, device="cpu", world_size=4, sharding="zero3")
+    whole = four.model_states_total["optimizer_state"]
+    rank = four.model_states["optimizer_state"]
+    assert 0.2 * whole <= rank <= 0.3 * whole + 4096, (rank, whole)
+
+
+def test_a_family_whose_step_reads_tensor_values_is_refused_in_words():
+    # wav2vec2's step reads tensor values (.item()): refused, with why, never a silent figure
+    make, batch = _wav2vec2()
+    torch.manual_seed(0)
+    with pytest.raises(memtorch.MemtorchError, match=r"calls \.item\(\).*fake tensors that hold no values"):
+        memtorch.estimate(make(), batch(), device="cpu")
