@@ -569,10 +569,14 @@ def _inference(model, finputs, ledger, hooks, stack, fakes, autocast, low, max_n
 def _generate(model, finputs, max_new_tokens, allow_item, hooks):
     """model.generate(*args, max_new_tokens=N, **kwargs) on the fake tensors, N tokens long.
 
-    What generate() decides from tensor values is answered for the longest run: every such question
-    (is a special token negative, is the input right-padded, has every sequence finished) is answered
-    False, so no sequence stops early at an end-of-sequence token, and the run is stopped as the
-    forward for token N + 1 begins (the prefill makes token 1; tokens 2..N take one forward each).
+    generate()'s own decoding loop runs (the encoder once for an encoder-decoder, then the model once per
+    token). What it decides from tensor values computed from constants alone gets the real answer
+    (_estimate_run._Known: Whisper's loop over the audio's segments is entered); a question on values the
+    model computes is answered for the longest run (is a special token negative, is the input
+    right-padded, has every sequence finished: False), so no sequence stops early at an end-of-sequence
+    token, and the run is stopped as the forward for token N + 1 begins (the prefill makes token 1;
+    tokens 2..N take one forward each). generate()'s keywords (min_new_tokens, num_beams) ride in the
+    mapping of inputs, as in the real call.
     """
     forwards = [0]
     stopped = []

@@ -88,3 +88,27 @@ def test_whisper_decodes_n_tokens_on_fakes():
         for h in handles:
             h.remove()
     assert calls == ["encoder"] + ["decoder"] * 5
+
+
+def test_generate_keywords_are_the_real_calls():
+    """generate()'s own keywords ride in the mapping of inputs: min_new_tokens adds its logits processor
+    (a masked copy of the scores each step), in the estimate as in the real call."""
+    model = _model("whisper")
+    model.generation_config.eos_token_id = 2
+    x = _input("whisper")
+    model.generate(x, max_new_tokens=2, min_new_tokens=2)  # generate's lazy imports
+    del model
+    gc.collect()
+    cpu.start()
+    base = cpu.allocated()
+    model, x = _model("whisper"), _input("whisper")
+    model.generation_config.eos_token_id = 2
+    with memtorch.track() as t:
+        out = model.generate(x, max_new_tokens=8, min_new_tokens=8)
+        del out
+    measured = t.report.peak - base
+    est = memtorch.estimate(model, {"input_features": x, "min_new_tokens": 8}, training=False, max_new_tokens=8,
+                            device="cpu")  # fmt: skip
+    plain = memtorch.estimate(model, x, training=False, max_new_tokens=8, device="cpu")
+    assert abs(est.peak - measured) <= 0.001 * measured, (est.peak, measured)
+    assert plain.peak < est.peak  # without the processor's copies
