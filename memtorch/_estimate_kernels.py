@@ -407,7 +407,11 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
                 rout = func(*rargs, **rkwargs)
         except Exception as e:  # noqa: BLE001 - the real step's error, or a kernel that rejects zeros
             zeros = [b for sid, b in made.items() if sid not in originals]
-            if _refuses(func, lambda: func(*rargs, **rkwargs), zeros, e):
+            # only the forward's refusals are the step's: a backward kernel's arguments are the dry run's own
+            # model of autograd (under autocast its gradients' dtypes can differ from the real run's, and a
+            # real bf16-mixed step with LayerNorm or BatchNorm was refused)
+            in_backward = torch._C._current_autograd_node() is not None
+            if not in_backward and _refuses(func, lambda: func(*rargs, **rkwargs), zeros, e):
                 raise KernelRefuses(func, e) from e
             _probe_cache[key] = 0
             return 0 if count else None
