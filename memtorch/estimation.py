@@ -580,14 +580,27 @@ def _generate(model, finputs, max_new_tokens, allow_item, hooks):
     """
     forwards = [0]
     stopped = []
+    depth = [0]
 
     def pre(mod, args):
+        depth[0] += 1
+        if depth[0] > 1:
+            return  # the wrapped model's forward inside the wrapper's: one forward
         forwards[0] += 1
         if forwards[0] > max_new_tokens:
             stopped.append(len(hooks.ledger.events))
             raise _StopGeneration
 
-    handle = model.register_forward_pre_hook(pre)
+    def post(mod, args, out):
+        depth[0] -= 1
+
+    # a wrapper's generate() may call the wrapped model's forward, not its own (peft's PeftModel: the base
+    # model's generate() calls the base model): both counted, a forward inside another once
+    mods = [model]
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and base() is not model:
+        mods.append(base())
+    handles = [h for m in mods for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     allow_item[0] = "generate"
     try:
         return model.generate(*finputs.args, max_new_tokens=max_new_tokens, **finputs.kwargs)
@@ -597,7 +610,8 @@ def _generate(model, finputs, max_new_tokens, allow_item, hooks):
         return None
     finally:
         allow_item[0] = False
-        handle.remove()
+        for h in handles:
+            h.remove()
 
 
 def _unique_tensors(named):
