@@ -261,7 +261,8 @@ def _live_tensors(torch, device, names):
         try:
             if obj.device.type != device or obj.is_meta:
                 continue
-        except Exception:
+            obj.untyped_storage().data_ptr()  # a fake or functional tensor has no memory: not one that holds any
+        except Exception:  # noqa: BLE001 - a tensor with no data pointer, or one being torn down
             continue
         yield obj, names.get(id(obj), ("tensors no local names", "other"))
 
