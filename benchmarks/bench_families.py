@@ -48,11 +48,17 @@ def _real(sweep, name, precision, ckpt):
             for lst in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
                 for block in lst:
                     fwd = block.forward
-                    block.forward = (lambda f: lambda *a, **k: tc.checkpoint(f, *a, use_reentrant=False, **k))(fwd)
+                    block.forward = (
+                        lambda f: lambda *a, **k: tc.checkpoint(f, *a, use_reentrant=False, **k)
+                    )(fwd)
         return model
 
     def run(model, batch, opt):
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+        ctx = (
+            torch.autocast("cpu", dtype=torch.bfloat16)
+            if precision == "bf16-mixed"
+            else contextlib.nullcontext()
+        )
         with ctx:
             out = model(**batch)
         out.loss.backward()

@@ -239,7 +239,9 @@ def _names_from_frames(tb):
                 out.setdefault(id(value), (f"local `{var}` of `{where}`", "activation" if value.grad_fn is not None
                                            else "other"))  # fmt: skip
     del frames
-    for opt in optimizers:  # the state by its parameter's name ("0.weight.exp_avg"), as memtorch's walks name it
+    for (
+        opt
+    ) in optimizers:  # the state by its parameter's name ("0.weight.exp_avg"), as memtorch's walks name it
         for p, state in opt.state.items():
             pname = param_names.get(id(p), "a parameter no local module holds")
             for k, v in state.items():
@@ -315,8 +317,6 @@ def _report_quietly(exc, tb, file):
         print(f"memtorch: the out-of-memory report failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-
-
 UNNAMED = "not named: activations and temporaries no walk of the model or optimizer names"
 
 
@@ -330,5 +330,6 @@ def decode_tag(tag, token):
         return None, None
     row = ((tag >> 2) & ((1 << (TAG_BITS - 2)) - 1)) - 1
     return PHASE_NAMES.get(tag & 3), (row if row >= 0 else None)
+
 
 _real_cuda_figures = cuda_figures  # the function itself, whatever a test patches in its place

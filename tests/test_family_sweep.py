@@ -169,7 +169,7 @@ KNOWN_OFF = {
     "mamba": "selective-scan backward: the estimate's backward peak is above the real one (issue 36)",
     "bart": "+2,032 B (+0.34%) on the CPU (issue 36's BART row), not yet explained",
     "mixtral": "+24,580 B (+2.1%): top-2 routing sends this batch's tokens to experts by value, the dry run's "
-               "fakes route another way",
+    "fakes route another way",
     # the same 508 B under (about 0.1-0.2% of these small steps) in the three families whose loss head is
     # mse_loss over (batch, sequence, 4); not yet explained
     "gru": "-508 B (-0.21%), not yet explained (see the comment above)",

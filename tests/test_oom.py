@@ -75,7 +75,9 @@ def test_a_failing_allocation_in_the_forward_leaves_a_report_of_who_held_what(co
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     steps = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and not v.dim()]
     acts = 2 * 32 * 256 * 4
-    expected = _nbytes(params) + _nbytes(grads) + _nbytes(state) + _nbytes(steps) + x.untyped_storage().nbytes()
+    expected = (
+        _nbytes(params) + _nbytes(grads) + _nbytes(state) + _nbytes(steps) + x.untyped_storage().nbytes()
+    )
     assert r.held == expected + acts
     kinds = r.by_kind()
     assert kinds["parameter"] == _nbytes(params) and kinds["gradient"] == _nbytes(grads)
@@ -162,8 +164,10 @@ def test_the_environment_switch_reports_an_uncaught_error():
 
 
 def test_cuda_messages_and_the_allocators_figures_from_a_real_snapshot():
-    msg = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
-           "3.56 MiB is free. Including non-PyTorch memory, this process has 79.18 GiB memory in use.")
+    msg = (
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "3.56 MiB is free. Including non-PyTorch memory, this process has 79.18 GiB memory in use."
+    )
     assert oom.is_oom(RuntimeError(msg)) == ("cuda", 20 << 20)
     assert oom.is_oom(torch.OutOfMemoryError(msg)) == ("cuda", 20 << 20)
     assert oom.is_oom(RuntimeError("shape mismatch")) is None
@@ -204,8 +208,15 @@ def test_cuda_block_reports_the_allocators_figures_and_fragmentation(monkeypatch
     with pytest.raises(torch.OutOfMemoryError) as err:
         with memtorch.track(device="cuda"):
             fake.alloc(64 << 20)
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {ask / (1 << 20):.2f} MiB. GPU 0")
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {ask / (1 << 20):.2f} MiB. GPU 0"
+            )
     r = err.value.memtorch_report
     assert (r.device, r.requested, r.held, r.reserved, r.largest_free) == (
-        "cuda:0", ask, 892_583_936, 5_316_280_320, free)
+        "cuda:0",
+        ask,
+        892_583_936,
+        5_316_280_320,
+        free,
+    )
     assert not r.exact and any("fragmentation" in n for n in r.notes)
