@@ -86,6 +86,12 @@ def eventlog_names(
     firsts: npt.NDArray[np.int64], k: int, sizes: dict[int, int], /,
 ) -> tuple[list[tuple[Any, ...] | None], list[tuple[tuple[Any, ...], int]]]: ...
 
+# An estimate's allocation sequence replayed, as a sum or through the caching allocator's model (src/allocmodel.c).
+def alloc_replay(
+    events: npt.ArrayLike, sizes: npt.ArrayLike, cuda: bool, /
+) -> tuple[npt.NDArray[np.int64], int, int, int | None, npt.NDArray[np.int64], int]: ...
+# (curve, peak, at, reserved, live keys at the peak, their blocks' unsplit bytes)
+
 # Storage addresses by name (src/names.c).
 def names_walk(names: dict[int, tuple[Any, ...]], params: list[tuple[str, Any]], state: dict[Any, Any] | None,
                want: int, /) -> None: ...

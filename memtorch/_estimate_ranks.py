@@ -71,10 +71,13 @@ allocator's model (_estimate_cuda.CachingAllocator), which gives that rank's
 allocated and reserved curves; a rank's ``reserved_peak`` is its own.
 """
 
+import bisect
 import heapq
 import math
 
-from . import words
+import numpy
+
+from . import _C, words
 from .errors import MemtorchError
 
 EVEN = ("zero1-even",)  # the shardings that split elements evenly and need a dividing world size
@@ -206,65 +209,122 @@ def _chunk_rows(d0, n, rank):
 # The replay
 
 
+class _Sizes:
+    """A rank's bytes per key, size_of(key): the one process's (``base``, rounded to the allocator's blocks on
+    cuda), ``over`` where the rank holds another amount, and the pseudo keys' (tuples) from ``pseudo``."""
+
+    __slots__ = ("base", "over", "pseudo")
+
+    def __init__(self, base, over, pseudo):
+        self.base, self.over, self.pseudo = base, over, pseudo
+
+    def __call__(self, k):
+        if isinstance(k, tuple):
+            return self.pseudo[k][0]
+        v = self.over.get(k)
+        return self.base.values[k] if v is None else v
+
+    def array(self, extra):
+        """int64 sizes of the ledger's keys then of ``extra`` (pseudo keys, in order)."""
+        arr = self.base.array
+        if self.over or extra:
+            arr = numpy.concatenate((arr, numpy.fromiter((self.pseudo[k][0] for k in extra), numpy.int64, len(extra))))
+            if self.over:
+                arr[numpy.fromiter(self.over, numpy.int64, len(self.over))] = numpy.fromiter(
+                    self.over.values(), numpy.int64, len(self.over)
+                )
+        return arr
+
+
+class _Base:
+    """The one process's bytes per ledger key, as a list and an int64 array (rounded on cuda)."""
+
+    __slots__ = ("values", "array")
+
+    def __init__(self, values):
+        self.values = values
+        self.array = numpy.array(values, dtype=numpy.int64)
+
+
+def _encoded(ledger):
+    """The ledger's events as alloc_replay takes them (key, ~key for a free), made once per ledger."""
+    enc = getattr(ledger, "_encoded", None)
+    if enc is None or len(enc) != len(ledger.events):
+        enc = numpy.fromiter((k if s > 0 else ~k for k, s in ledger.events), numpy.int64, len(ledger.events))
+        ledger._encoded = enc
+    return enc
+
+
+def base_sizes(ledger, rnd=None):
+    """_Base of the ledger's keys: info[key][0], through rnd (the allocator's rounding) when given."""
+    cache = ledger.__dict__.setdefault("_base_sizes", {})
+    got = cache.get(rnd)
+    if got is None or len(got.values) != len(ledger.info):
+        info = ledger.info
+        vals = [info[k][0] for k in range(len(info))]
+        if rnd is not None:
+            vals = [rnd(v) for v in vals]
+        got = cache[rnd] = _Base(vals)
+    return got
+
+
+def replay(ledger, sizes, cuda=False):
+    """(curve as a list, peak, index of the event reaching it, reserved, live keys at it, unsplit bytes) of the
+    ledger's own events with int64 ``sizes`` per key (_C.alloc_replay; cuda: through the caching allocator's
+    model, whose requests it rounds itself)."""
+    curve, peak, at, reserved, live, unsplit = _C.alloc_replay(_encoded(ledger), sizes, cuda)
+    return curve.tolist(), peak, at, reserved, set(live.tolist()), unsplit
+
+
 def _replay(ledger, size_of, inserts, spans, cuda=False):
-    """Curve of a rank: ledger events with sizes from size_of(key), inserts {pos: [(pseudo key, +1/-1)]}.
+    """Curve of a rank: ledger events with sizes from size_of (a _Sizes), inserts {pos: [(pseudo key, +1/-1)]}.
 
     Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)], reserved peak,
     unsplit); cuda: the curve is the caching allocator's allocated bytes (its blocks), the reserved peak its
     segments' and unsplit the bytes of the blocks live at the peak beyond their rounded requests (None and 0
-    otherwise).
+    otherwise). The sequence runs in C (_C.alloc_replay; _estimate_cuda.CachingAllocator is its reference).
     """
-    cur = 0
-    best, best_at = 0, -1
-    seq = []
-    before, after = [], []  # per ledger position: where its inserts begin and end in seq
     events = ledger.events
-    for i in range(len(events) + 1):
-        before.append(len(seq))
-        seq.extend(inserts.get(i, ()))
-        after.append(len(seq))
-        if i < len(events):
-            seq.append(events[i])
-    extra = [p for p in inserts if p > len(events)]
-    for p in sorted(extra):
-        seq.extend(inserts[p])
-    curve = []
-    reserved = None
-    if cuda:
-        # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-        from ._estimate_cuda import CachingAllocator
-
-        alloc = CachingAllocator()
-        reserved = 0
-        for key, sign in seq:
-            if sign > 0:
-                alloc.malloc(key, size_of(key))
+    n = len(events)
+    nkeys = len(ledger.info)
+    index = {}  # pseudo key -> its index after the ledger's keys
+    at, values, tail = [], [], []
+    for p in sorted(inserts):
+        for key, sign in inserts[p]:
+            if isinstance(key, tuple):
+                ix = index.get(key)
+                if ix is None:
+                    ix = index[key] = nkeys + len(index)
             else:
-                alloc.free(key)
-            cur = alloc.allocated
-            curve.append(cur)
-            if cur > best:
-                best, best_at = cur, len(curve) - 1
-        reserved = alloc.reserved  # segments are kept: the last figure is the highest
-    else:
-        for key, sign in seq:
-            cur += sign * size_of(key)
-            curve.append(cur)
-            if cur > best:
-                best, best_at = cur, len(curve) - 1
-    live = set()
-    for key, sign in seq[: best_at + 1]:
-        if sign > 0:
-            live.add(key)
-        else:
-            live.discard(key)
-    unsplit = sum(alloc.unsplit.get(k, 0) for k in live) if cuda else 0
+                ix = key
+            v = ix if sign > 0 else ~ix
+            if p > n:
+                tail.append(v)
+            else:
+                at.append(p)
+                values.append(v)
+    seq = _encoded(ledger)
+    if at:
+        seq = numpy.insert(seq, at, values)  # before each position, in the order given
+    if tail:
+        seq = numpy.concatenate((seq, numpy.array(tail, dtype=numpy.int64)))
+    curve, best, _best_at, reserved, live, unsplit = _C.alloc_replay(seq, size_of.array(list(index)), cuda)
+    curve = curve.tolist()
+    names = {ix: key for key, ix in index.items()}
+    live = {names.get(k, k) for k in live.tolist()}
+
+    def before(i):  # where the inserts at ledger position i begin in the sequence
+        return i + bisect.bisect_left(at, i)
+
+    def after(i):
+        return i + bisect.bisect_right(at, i)
+
     phases = []  # (name, bytes at its start, at its end, its highest)
     ends = {e for _n, _s, e in spans}
     for name, s, e in spans:
         # what was inserted at a phase's end (FSDP's final callback) belongs to that phase
-        s2 = after[s] if s in ends else before[s]
-        e2 = after[e]
+        s2 = after(s) if s in ends else before(s)
+        e2 = after(e)
         start = curve[s2 - 1] if s2 > 0 else 0
         end = curve[e2 - 1] if e2 > 0 else 0
         phases.append((name, start, end, max(max(curve[s2:e2], default=start), start)))
@@ -296,6 +356,7 @@ def even_partition(groups, numels, n):
 def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
     """[{rank figures}] for every rank, by replaying the ledger. rnd(bytes): the allocator's rounding (CUDA);
     cuda: each rank's sequence replayed through the caching allocator's model (allocated and reserved)."""
+    base = base_sizes(ledger, rnd)
     rnd = rnd or (lambda b: b)
     info = ledger.info
     owner = ledger.owner
@@ -303,7 +364,7 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
     numels = facts["param_numels"]
 
     def size0(k):
-        return rnd(info[k][0])
+        return base.values[k]
 
     G = sum(size0(k) for k in facts["last_grads"])
 
@@ -314,13 +375,7 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
     pseudo = {}  # pseudo key (a tuple) -> (bytes, category)
 
     def sized(over):
-        def size_of(k):
-            if isinstance(k, tuple):
-                return pseudo[k][0]
-            v = over.get(k)
-            return size0(k) if v is None else v
-
-        return size_of
+        return _Sizes(base, over, pseudo)
 
     results = []
     if sharding in ("ddp", "zero1"):

@@ -56,7 +56,7 @@ from .reports.estimate import Estimate  # the result type's home; its old name s
 from .reports.track import ModuleStats, PhaseStats
 from . import _estimate_kernels, _estimate_ranks, _inputs
 from ._estimate_kernels import cuda_kernels, cuda_routing, CudaState, kernels_for
-from ._estimate_cuda import CachingAllocator, resolve_gpu, round_size
+from ._estimate_cuda import resolve_gpu, round_size
 from ._estimate_ranks import resolve_units, unit_params
 
 __all__ = ["estimate", "Estimate", "checkpointing", "default_loss", "OPTIMIZERS", "PRECISIONS", "SHARDINGS"]
@@ -913,31 +913,6 @@ def _classify(ledger, hooks):
             info[3] = "temporary"
 
 
-def _curve(ledger, sizes=None):
-    """Allocated bytes after each event (a list), with sizes[key] overriding the ledger's."""
-    cur = 0
-    out = []
-    info = ledger.info
-    for key, sign in ledger.events:
-        cur += sign * (info[key][0] if sizes is None else sizes[key])
-        out.append(cur)
-    return out
-
-
-def _peak_set(ledger, curve):
-    at, best = -1, 0
-    for i, v in enumerate(curve):
-        if v > best:
-            best, at = v, i
-    live = set()
-    for key, sign in ledger.events[: at + 1]:
-        if sign > 0:
-            live.add(key)
-        else:
-            live.discard(key)
-    return best, at, live
-
-
 def estimate(
     model,
     *inputs,
@@ -1203,17 +1178,16 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     info = ledger.info
     sizes = None
     reserved_peak = reserved_steady = None
+    unsplit = 0
+    # the sequence runs in C (_estimate_ranks.replay); _estimate_cuda.CachingAllocator is its reference
+    requested = _estimate_ranks.base_sizes(ledger).array
     if device == "cuda":
-        allocator = CachingAllocator()
-        alloc_curve, reserved_curve = allocator.replay(ledger.events, {k: v[0] for k, v in info.items()})
+        curve, peak, _at, reserved_peak, live, unsplit = _estimate_ranks.replay(ledger, requested, cuda=True)
+        reserved_steady = reserved_peak  # segments are kept: the last figure is the highest
         sizes = {k: _cuda_block(v[0]) for k, v in info.items()}
-        reserved_peak = max(reserved_curve, default=0)
-        reserved_steady = reserved_curve[-1] if reserved_curve else 0
         notes += _cuda_notes(facts.get("cuda_state"))
-        curve = alloc_curve
     else:
-        curve = _curve(ledger)
-    peak, at, live = _peak_set(ledger, curve)
+        curve, peak, _at, _reserved, live, _unsplit = _estimate_ranks.replay(ledger, requested)
 
     def size(k):
         return info[k][0] if sizes is None else sizes[k]
@@ -1222,17 +1196,17 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     for k in live:
         breakdown[info[k][3]] += size(k)
     if sizes is not None:  # the blocks handed out whole beyond their rounded requests: the peak counts them
-        breakdown[words.ALLOCATOR_ROUNDING] = sum(allocator.unsplit.get(k, 0) for k in live)
+        breakdown[words.ALLOCATOR_ROUNDING] = unsplit
     end_live = facts["end_live"]
     steady = sum(size(k) for k in end_live)
     # Model states, exact: every storage ever given the category (gradients and optimizer state
     # are all alive together at their own high points).
     states = dict.fromkeys(("parameter", "buffer", "gradient", "optimizer_state"), 0)
-    grads_step = {}
+    last_grads = _grads_of_last_step(ledger)
     for k, v in info.items():
         if v[3] in ("parameter", "buffer", "optimizer_state") and k in end_live:
             states[v[3]] += size(k)
-        elif v[3] == "gradient" and k in grads_step.setdefault(0, _grads_of_last_step(ledger)):
+        elif v[3] == "gradient" and k in last_grads:
             states["gradient"] += size(k)
     # The tables describe one step, as track() describes a step: the last one, which has the
     # optimizer's state (the first creates it); the peak is already that step's or higher.
@@ -1265,7 +1239,7 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
     per_rank = peak_rank = fsdp_units = None
     peak_upper = None
     if world_size > 1:
-        facts["last_grads"] = grads_step.get(0) or _grads_of_last_step(ledger)
+        facts["last_grads"] = last_grads
         per_rank = _rank_results(ledger, hooks, facts, device, world_size, sharding)
         top = max(per_rank, key=lambda d: d["peak"])  # the first rank holding the most
         peak_rank = top["rank"]

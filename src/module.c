@@ -45,6 +45,7 @@ mt_exec(PyObject *module)
     if (PyModule_AddFunctions(module, mt_walker_methods) < 0 ||
         PyModule_AddFunctions(module, mt_counters_methods) < 0 ||
         PyModule_AddFunctions(module, mt_replay_methods) < 0 ||
+        PyModule_AddFunctions(module, mt_allocmodel_methods) < 0 ||
         PyModule_AddFunctions(module, mt_names_methods) < 0 ||
         PyModule_AddFunctions(module, mt_sites_methods) < 0) {
         return -1;

@@ -49,6 +49,7 @@ mt_get_state(PyObject *module)
 extern PyMethodDef mt_walker_methods[];
 extern PyMethodDef mt_counters_methods[];
 extern PyMethodDef mt_replay_methods[];
+extern PyMethodDef mt_allocmodel_methods[];
 extern PyMethodDef mt_names_methods[];
 extern PyMethodDef mt_sites_methods[];
 

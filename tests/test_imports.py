@@ -255,6 +255,7 @@ C_OWNERS = {
     ("counters_", "scope_", "eventlog_"): "memtorch.cpu",
     ("names_walk", "modules_fingerprint", "ModuleMarks"): "memtorch.tracking",
     ("_walk", "_walker_setup"): "memtorch.inspection",
+    ("alloc_replay",): "memtorch._estimate_ranks",
 }
 C_EXCEPTIONS = {
     # _torch hands _C torch's source folder when torch first loads (the loader is below cpu's floor)

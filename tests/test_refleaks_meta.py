@@ -7,6 +7,7 @@ import torch
 
 from memtorch import _C, _torch
 
+import test_alloc_model
 import test_marks
 import test_names_walk
 import test_refleaks_counters
@@ -22,6 +23,7 @@ def test_every_c_function_is_in_a_leak_suite():
     covered |= set(test_refleaks_counters._counters_functions())
     covered |= test_names_walk.NAMES_FUNCTIONS
     covered |= test_marks.MARKS_FUNCTIONS
+    covered |= test_alloc_model.ALLOC_FUNCTIONS
     missing = [n for n in _c_functions() if n not in covered]
     assert missing == [], f"_C functions no leak loop exercises: {missing}"
 
