@@ -57,14 +57,33 @@ NESTED_BLOCKSIZE = 256  # quantize_4bit(compress_statistics=True): quantize_bloc
 INT8_THRESHOLD = 6.0  # BitsAndBytesConfig(llm_int8_threshold=6.0)
 
 
-def _bnb():
+def quiet_import():
+    """bitsandbytes, imported without its CPU backend's warning (None when it is not installed).
+
+    On a CPU with AVX512-BF16 its import fetches a fused 4-bit kernel from the Hub and logs a warning when
+    it cannot (offline). memtorch runs no real 4-bit matmul, so the import memtorch causes (its own, or
+    peft's before a LoRA row) does not print it; the logger's level is put back after."""
+    import logging
+
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         import bitsandbytes
     except ImportError:
-        raise MemtorchError(
-            "quantize= runs bitsandbytes' own layers: install it (pip install bitsandbytes)"
-        ) from None
+        return None
+    finally:
+        log.setLevel(level)
     return bitsandbytes
+
+
+def _bnb():
+    bnb = quiet_import()
+    if bnb is None:
+        raise MemtorchError("quantize= runs bitsandbytes' own layers: install it (pip install bitsandbytes)")
+    return bnb
 
 
 def _check(quantize, compute_dtype, skip):

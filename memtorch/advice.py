@@ -1364,6 +1364,7 @@ def _lora(model, run, base, budget, items, notes, reserve=0):
 
     torch = _torch()
     cfg = getattr(model, "config", None)
+    models._peft()  # imported as memtorch imports it (bitsandbytes' import warning kept quiet)
     try:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
     except ImportError:  # another peft layout: every linear layer

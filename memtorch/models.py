@@ -361,6 +361,10 @@ def _quantized(model, quantize, double_quant, compute_dtype):
 
 
 def _peft():
+    # lazy: _quantize loads only when this path runs; peft imports bitsandbytes, whose warning it keeps quiet
+    from . import _quantize
+
+    _quantize.quiet_import()
     try:
         import peft
     except ImportError:

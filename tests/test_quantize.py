@@ -606,3 +606,33 @@ def test_int8_out_of_training_runs_and_says_what_it_leaves_out():
         del out
     est = memtorch.estimate(model, ids, device="cpu", training=False)
     assert abs(est.peak - (t.report.peak - b0)) <= 64
+
+
+def test_bitsandbytes_is_imported_without_its_hub_warning():
+    # bitsandbytes' CPU backend on a CPU with AVX512-BF16 fetches a kernel from the Hub at import and logs a
+    # warning offline; the import memtorch causes (quantize=, a LoRA row through peft) keeps it quiet and puts
+    # the logger's level back
+    import subprocess
+
+    code = (
+        "import logging, sys\n"
+        "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+        "if sys.argv[1] == 'plain':\n"
+        "    import bitsandbytes\n"
+        "else:\n"
+        "    from memtorch import models\n"
+        "    models._peft()\n"
+        "    assert 'bitsandbytes' in sys.modules and log.level == logging.NOTSET, log.level\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for k in ("LD_PRELOAD", "PYTHONMALLOC"):
+        env.pop(k, None)
+    runs = {
+        how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env, timeout=300)
+        for how in ("plain", "memtorch")
+    }
+    assert runs["memtorch"].returncode == 0, runs["memtorch"].stderr
+    assert "Failed to load" not in runs["memtorch"].stderr
+    # where bitsandbytes does warn (this machine's CPU), memtorch's import is what silenced it
+    if "Failed to load" in runs["plain"].stderr:
+        assert runs["plain"].stderr.count("Failed to load") == 1
