@@ -37,7 +37,7 @@ import copy
 import functools
 import gc
 
-from . import units
+from . import errors, units
 from .errors import MemtorchError
 from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.advice import EXACT, ESTIMATED, GROUPS, MEASURED, Advice, Suggestion  # the result types' home
@@ -987,7 +987,7 @@ def advise(
     from .estimation import DEFAULT_DEVICE, _check_args
 
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"advise() needs a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(errors.not_a_module("advise", model))
     if optimizer is not None and not (
         isinstance(optimizer, (str, torch.optim.Optimizer)) or callable(optimizer)
     ):

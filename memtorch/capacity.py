@@ -19,7 +19,7 @@ token's logits).
 
 import time
 
-from . import units
+from . import errors, units
 from ._engine import Engine, device_memory_of  # cheap: the engine loads estimation when it runs
 from .errors import MemtorchError
 from .fitting import fit  # cheap: fit loads the engine's work when it runs
@@ -87,7 +87,7 @@ def capacity(
 
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
-        raise MemtorchError(f"capacity() needs a torch.nn.Module, got {type(model).__name__}")
+        raise MemtorchError(errors.not_a_module("capacity", model))
     if not callable(getattr(model, "generate", None)):
         raise MemtorchError(
             f"capacity(): {type(model).__name__} has no generate() method (a Hugging Face causal LM has one)"

@@ -39,3 +39,17 @@ class BudgetInconclusive(BudgetExceeded):
     BudgetExceeded: each has ``upper`` (None: no upper bound), ``why`` and ``fix``
     (how to get an exact figure). Raised only when no figure is over budget for sure.
     """
+
+
+def not_a_module(function, model):
+    """The message for ``function``() given something other than an nn.Module; a name or a path (a Hub id, a
+    config.json) says how to build the model from it."""
+    text = f"{function}() needs a torch.nn.Module, got {type(model).__name__}"
+    if isinstance(model, str) or type(model).__name__.endswith("Path"):
+        command = function if function in ("estimate", "plan", "fit", "advise", "capacity") else "estimate"
+        text += (
+            f" {str(model)!r}: a model by Hub id or config.json is built with memtorch.load_model({str(model)!r}) "
+            "(on the meta device, no weights), its batch with memtorch.example_inputs(model, batch, seq); "
+            f"the command line takes the name itself (memtorch {command} NAME --batch 4 --seq 512)"
+        )
+    return text

@@ -48,7 +48,7 @@ import contextvars
 import functools
 import importlib
 
-from . import units, words
+from . import errors, units, words
 from ._estimate_run import (Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode,
                             host_factories)
 from .errors import MemtorchError
@@ -998,7 +998,7 @@ def estimate(
     torch = _torch()
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
-        raise MemtorchError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
+        raise MemtorchError(errors.not_a_module("estimate", model))
     compiled = _compiled(model)
     while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile(model)
         model = model._orig_mod
@@ -1057,6 +1057,8 @@ def estimate(
             "AOTAutograd may save fewer tensors for backward) or more (CUDA graphs' memory pools)"
         )
     skipped0 = _estimate_kernels.probe_stats["skipped_large"]
+    # the kernels' notes are this dry run's: one an earlier estimate left (another model's LSTM) is not this one's
+    _estimate_kernels.notes.clear()
     try:
         # whatever torch.compile wraps (the model, a submodule, a function its forward calls) runs eagerly
         with torch.compiler.set_stance("force_eager"):
@@ -1125,6 +1127,10 @@ def estimate(
     est.training = training
     est.max_new_tokens = max_new_tokens
     est.inputs = inputs.describe()
+    if precision == "fp32":  # no cast: the parameters' own dtypes, which the title names where not all float32
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
+        if dtypes and dtypes != ["float32"]:
+            est._weights = ", ".join(dtypes)
     if not training:
         est.mechanism = "estimate (dry run on fake tensors, " + (
             f"generate, {max_new_tokens} new tokens)" if max_new_tokens else "forward under inference_mode)")

@@ -23,7 +23,7 @@ peak on the CPU, plus ``reserve`` kept free, against ``device_memory``.
 
 import time
 
-from . import units
+from . import errors, units
 from .errors import MemtorchError
 from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.fit import Fit  # the result type's home
@@ -86,7 +86,7 @@ def fit(
 
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
-        raise MemtorchError(f"fit() needs a torch.nn.Module, got {type(model).__name__}")
+        raise MemtorchError(errors.not_a_module("fit", model))
     if vary not in VARY:
         raise MemtorchError(f"fit(vary={vary!r}): expected one of {', '.join(VARY)}")
     if not inputs:

@@ -33,7 +33,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from . import _inputs
+from . import _inputs, errors
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 from .errors import MemtorchError
 
@@ -578,7 +578,7 @@ def example_inputs(
     """
     torch = _torch()
     if not isinstance(model, torch.nn.Module):
-        raise MemtorchError(f"example_inputs() needs a torch.nn.Module, got {type(model).__name__}")
+        raise MemtorchError(errors.not_a_module("example_inputs", model))
     for name, value in (("batch", batch), ("seq", seq)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise MemtorchError(f"example_inputs(): {name} must be a positive int, got {value!r}")

@@ -64,7 +64,7 @@ accumulation steps); then the precision in the order given.
 import math
 from collections import namedtuple
 
-from . import units
+from . import errors, units
 from .errors import MemtorchError
 from ._engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
 from .reports.plan import Plan  # the result type's home; its old name stays
@@ -456,7 +456,7 @@ def plan(
     t0 = time.perf_counter()
 
     if not isinstance(model, torch.nn.Module):
-        raise MemtorchError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
+        raise MemtorchError(errors.not_a_module("plan", model))
     if not inputs:
         raise MemtorchError("plan() needs example inputs: plan(model, x) with one micro-batch")
     # lazy: _inputs loads only when an estimate's dry run needs it

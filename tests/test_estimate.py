@@ -1054,3 +1054,30 @@ def test_swin_with_its_learned_attention_bias_estimates_for_cuda():
     est = memtorch.estimate(model, ((2, 3, 64, 64), torch.float32), device="cuda", precision="bf16-mixed")
     (modelled,) = [n for n in est.notes if "the kernels torch picks there" in n]
     assert "attention: efficient x4" in modelled and "cudnn" not in modelled
+
+
+def test_kernel_notes_are_the_estimates_own():
+    # a kernel's note (oneDNN's LSTM workspace without exact counters) belongs to the estimate whose dry run
+    # met that kernel, not to every estimate after it in the process
+    from memtorch import _estimate_kernels
+
+    model = nn.Linear(4, 2)
+    _estimate_kernels.notes.add("the oneDNN LSTM's workspace is not modelled without exact CPU counters")
+    try:
+        est = memtorch.estimate(model, torch.randn(3, 4), device="cpu")
+    finally:
+        _estimate_kernels.notes.clear()
+    assert not any("oneDNN LSTM" in n for n in est.notes), est.notes
+
+
+def test_the_title_names_the_parameters_dtype_when_nothing_is_cast():
+    # precision "fp32" casts nothing: a model built in bfloat16 steps in bfloat16, and the title says so
+    # rather than "fp32"; a float32 model's title keeps the precision's own name
+    bf16 = nn.Linear(8, 4).to(torch.bfloat16)
+    est = memtorch.estimate(bf16, torch.randn(2, 8, dtype=torch.bfloat16), device="cpu")
+    title = str(est).splitlines()[0]
+    assert "(bfloat16 parameters as given, no autocast, optimizer adamw)" in title, title
+    assert est.precision == "fp32"  # the argument, as given (JSON, plan rows)
+    assert est.breakdown["parameter"] == (8 * 4 + 4) * 2  # bfloat16: 2 bytes per element
+    fp32 = memtorch.estimate(nn.Linear(8, 4), torch.randn(2, 8), device="cpu")
+    assert "(fp32, optimizer adamw)" in str(fp32).splitlines()[0]

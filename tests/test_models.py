@@ -595,3 +595,19 @@ def test_cli_batch_and_seq_for_plan_fit_and_advise(capsys):
     assert within <= 6 * 2**20 < over  # the largest length that fits, by two estimates of their own
     code, text = run("advise", LLAMA, "--batch", 2, "--seq", 16, "--device", "cpu")
     assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("function", ["estimate", "plan", "fit", "advise", "capacity"])
+def test_a_model_name_given_where_a_module_is_needed_says_how_to_build_it(function):
+    # a Hub id or a config.json path given to the Python API (the CLI takes names): the error names
+    # load_model() and example_inputs(), and the command that takes the name itself
+    args = (128, 16) if function == "capacity" else ()  # prompt_len, max_new_tokens
+    for given in ("gpt2", pathlib.Path("some/config.json")):
+        with pytest.raises((MemtorchError, TypeError)) as e:
+            getattr(memtorch, function)(given, *args)
+        text = str(e.value)
+        assert f"{function}() needs a torch.nn.Module" in text
+        assert f"memtorch.load_model({str(given)!r})" in text and "memtorch.example_inputs(model" in text
+        assert f"memtorch {function} NAME" in text
+    with pytest.raises((MemtorchError, TypeError), match=r"needs a torch.nn.Module, got int$"):
+        getattr(memtorch, function)(5, *args)

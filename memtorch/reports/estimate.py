@@ -76,6 +76,8 @@ class Estimate(Report):
     _param_numels: "list | None" = field(None, repr=False)  # each trainable parameter's elements (for plan())
     _param_groups: "list | None" = field(None, repr=False)  # their indices per optimizer group (for plan())
     _step_scratch_at_peak: int = field(0, repr=False)  # the optimizer step's temporaries alive at the peak
+    # precision "fp32" (nothing cast) of a model whose parameters are not all float32: their dtypes, for the title
+    _weights: "str | None" = field(None, repr=False, to_dict=False)
     exact: bool = field(False, init=False)  # always False: an estimate
     live: bool = field(False, init=False, to_dict=False)  # always False (a budget reads it as track()'s)
     start: int = field(0, init=False)  # 0
@@ -108,6 +110,8 @@ class Estimate(Report):
 
     # -- presentation ------------------------------------------------------
     def _title(self):
+        # "fp32" casts nothing: a model built in bfloat16 runs in bfloat16, which the title says
+        precision = self.precision if self._weights is None else f"{self._weights} parameters as given, no autocast"
         extra = f", {self.world_size} ranks, {self.sharding or 'replicated'}" if self.world_size > 1 else ""
         if self.checkpointing is not None:
             names = self.checkpointing if isinstance(self.checkpointing, str) else ", ".join(self.checkpointing)
@@ -115,9 +119,9 @@ class Estimate(Report):
         if not self.training:
             what = (f"generate, {self.max_new_tokens} new tokens" if self.max_new_tokens
                     else "a forward under inference_mode")  # fmt: skip
-            return f"memtorch.estimate on {self.device} ({what}, {self.precision}): estimated, not measured"
+            return f"memtorch.estimate on {self.device} ({what}, {precision}): estimated, not measured"
         return (
-            f"memtorch.estimate on {self.device} ({self.precision}, optimizer {self.optimizer}{extra}): "
+            f"memtorch.estimate on {self.device} ({precision}, optimizer {self.optimizer}{extra}): "
             f"estimated, not measured"
         )
 
