@@ -183,6 +183,9 @@ def kernels_for(device):
 
     _pending_backward.clear()
     return {
+        # autograd's in-place sum of a second gradient, tried before the operator runs (its other calls run
+        # and are probed as any other)
+        "before": {torch.ops.aten.add.Tensor: accumulate_in_place},
         torch.ops.aten.mkldnn_rnn_layer.default: _rnn_forward,
         torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_backward,
         torch.ops.aten._grouped_mm.default: _grouped_mm(cuda=False),
@@ -596,11 +599,13 @@ def _efficient_attention_backward(state):
     return Around(run)
 
 
-def _grad_accumulate(ledger, func, args, kwargs):
+def accumulate_in_place(args, kwargs):
     """autograd's InputBuffer::accumulate adds a second gradient for the same input in place into the
     first when it holds that tensor's only reference (can_accumulate_inplace); a fake tensor counts as
     a tensor subclass there and gets the out-of-place sum, one more gradient-sized block (the encoder's
-    residual connections, 8 MiB each in its trace: none there)."""
+    residual connections, 8 MiB each in its trace: none there; a selective scan's state gradients, one
+    per time step, on the CPU). The in-place sum (aten.add_) where the real step makes it, else None:
+    the operator runs as it is (aten.add of another kind, or outside a backward)."""
     import sys
 
     import torch
@@ -609,15 +614,22 @@ def _grad_accumulate(ledger, func, args, kwargs):
     a = args[0]
     b = args[1] if len(args) > 1 else None
     # a tensor a Python backward holds by a name (a custom autograd.Function's) is not the buffer's: only
-    # the references of this call itself, 4 as measured here, leave it to autograd's buffer alone; its
-    # storage's only references are its tensor's and the Python storage object this check makes
+    # the references of this call itself, 4 as measured here (the args tuple, this frame, the check), leave it to
+    # autograd's buffer alone; its storage's only references are its tensor's and the Python storage
+    # object this check makes
     if torch._C._current_graph_task_id() == -1 or sys.getrefcount(a) > 4 or len(args) != 2 or kwargs:
-        return func(*args, **kwargs)
+        return None
     alike = isinstance(b, torch.Tensor) and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
     only = torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2
     if alike and only and not a._is_view() and dense(a):
         return torch.ops.aten.add_.Tensor(a, b)
-    return func(*args, **kwargs)
+    return None
+
+
+def _grad_accumulate(ledger, func, args, kwargs):
+    """aten.add.Tensor on CUDA (a kernel modelled whole): accumulate_in_place, else the operator."""
+    out = accumulate_in_place(args, kwargs)
+    return func(*args, **kwargs) if out is None else out
 
 
 _RNN_MODES = {0: "RNN_RELU", 1: "RNN_TANH", 2: "LSTM", 3: "GRU"}

@@ -203,6 +203,7 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
     kernels' rules are not the target's (CUDA's step under autocast: dtype mixes the GPU's kernels take)."""
     probe = kernels.get("probe", True)
     after = kernels.get("after", {})
+    before = kernels.get("before", {})  # operator -> fn(args, kwargs): its output made another way, or None
     scalars = kernels.get("scalars", True)  # Python numbers wrapped into CPU tensors (the CPU's memory)
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -230,6 +231,12 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                     # gives the same memory.
                     return 1.0 if args[0].dtype.is_floating_point else 1
                 raise _DataDependent("calls .item() (or converts a tensor to a Python number or bool)")
+            pre = before.get(func)
+            if pre is not None:
+                out = pre(args, kwargs)
+                if out is not None:  # made another way (autograd's in-place sum): counted as any output below
+                    known.follow(func, args, kwargs, out)
+                    return self._count(func, args, kwargs, out, 0)
             fix = kernels.get(func)
             if (not probe and fix is None and func.namespace == "aten" and func not in after
                     and func._can_decompose()):
@@ -265,6 +272,10 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                         check_real(func, args, kwargs, out, known.get)
                     if extra is None and scalars:
                         extra = scalar_extra(func, args, out)
+            return self._count(func, args, kwargs, out, extra)
+
+        def _count(self, func, args, kwargs, out, extra):
+            """Counts the operator's new output storages and its extra bytes; returns ``out``."""
             owners = _owners(ledger, args, kwargs, out) if ledger.attribute else None
             for i, t in enumerate(tree_leaves(out)):
                 # meta outputs (SDPA's RNG seed and offset) own memory nowhere

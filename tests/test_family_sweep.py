@@ -166,7 +166,6 @@ FAMILIES = {
 
 # the CPU estimate is known off for these (issue 36); a fix turns the strict xfail into a failure to unmark
 KNOWN_OFF = {
-    "mamba": "selective-scan backward: the estimate's backward peak is above the real one (issue 36)",
     "bart": "+2,032 B (+0.34%) on the CPU (issue 36's BART row), not yet explained",
     "mixtral": "+24,580 B (+2.1%): top-2 routing sends this batch's tokens to experts by value, the dry run's "
     "fakes route another way",
