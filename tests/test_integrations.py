@@ -984,3 +984,76 @@ def test_importing_memtorch_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@needs_pl
+def test_lightning_callback_reports_an_out_of_memory_error(capsys):
+    # a real failing allocation in training_step (c10's "can't allocate memory"): on_exception closes the
+    # block with the error, which gets the report of who held what (issue 37 item 1), printed once
+    pl = _lightning()
+    from memtorch.integrations.lightning import MemoryCallback
+
+    class Fuse(torch.nn.Module):
+        armed = False
+
+        def forward(self, x):
+            if self.armed:
+                x.new_empty(2**50)  # 4 PiB of float32: no allocator gives it
+            return x
+
+    class Bomb(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.fuse = Fuse()
+
+        def training_step(self, batch, i):
+            self.fuse.armed = i == 1
+            return self.fuse(self.net(batch[0])).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters())
+
+    memtorch.cpu.start()
+    cb = MemoryCallback(print_report=False)
+    module = Bomb()
+    with pytest.raises(RuntimeError, match="can't allocate memory") as err:
+        _fit(pl, module, [cb])
+    r = err.value.memtorch_report
+    assert isinstance(r, memtorch.OomReport) and r.device == "cpu" and r.requested == 2**52
+    assert (r.phase, r.module) == ("forward", "fuse (Fuse)")
+    # at the failure: the parameters, and after step 0 their gradients' place taken by Adam's state
+    params = sum(p.untyped_storage().nbytes() for p in module.parameters())
+    kinds = r.by_kind()
+    assert kinds["parameter"] == params
+    assert kinds["optimizer_state"] >= 2 * params  # exp_avg and exp_avg_sq (and the step counts)
+    assert capsys.readouterr().err.count("memtorch: out of memory on cpu") == 1
+    assert cb.tracker is None and cb.report is None
+    no_hooks(module)
+
+
+@needs_hf
+@pytest.mark.slow  # a Trainer's start: 1-3 s on a busy 2-core machine
+def test_transformers_callback_close_with_the_error_reports_out_of_memory(tmp_path, capsys):
+    transformers, model = _tiny_gpt2()
+    from memtorch.integrations.transformers import MemoryCallback
+
+    class Bomb(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 2:
+                next(model.parameters()).new_empty(2**50)
+
+    memtorch.cpu.start()
+    cb = MemoryCallback(print_report=False)
+    trainer = _hf_trainer(transformers, model, tmp_path, [cb, Bomb()])
+    with pytest.raises(RuntimeError, match="can't allocate memory") as err:
+        trainer.train()
+    cb.close(err.value)  # transformers calls no callback when training raises: the user closes with the error
+    r = err.value.memtorch_report
+    assert isinstance(r, memtorch.OomReport) and r.requested == 2**52
+    # the tied embedding and head share one storage: counted once
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert r.by_kind()["parameter"] == sum(storages.values())
+    assert capsys.readouterr().err.count("memtorch: out of memory on cpu") == 1
+    assert cb.tracker is None
+    no_hooks(model)

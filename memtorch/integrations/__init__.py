@@ -124,12 +124,19 @@ class Session:
             out["memtorch/reserved_bytes"] = cuda.reserved(t._index)
         return out
 
-    def close(self, failed=False):
-        """Close the block: hooks out, the report kept (not when ``failed``). Safe to call again."""
+    def close(self, failed=False, exc=None):
+        """Close the block: hooks out, the report kept (not when ``failed``). Safe to call again.
+
+        exc: the exception training ended with, which the block sees leave it as a ``with track()`` would: an
+        out-of-memory error gets its report (``exc.memtorch_report``, printed once), and under
+        torch.distributed the other ranks are told of the failure."""
         t, self.tracker = self.tracker, None
         if t is None:
             return None
-        t.__exit__(None, None, None)
+        if exc is not None:
+            t.__exit__(type(exc), exc, exc.__traceback__)
+        else:
+            t.__exit__(None, None, None)
         if failed:
             return None
         self.report = t.report

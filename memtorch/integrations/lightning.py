@@ -7,7 +7,9 @@ Importing this module imports Lightning (``pytorch_lightning``, else
 and the block closes at ``on_train_end``: the report is printed
 (print_report=True) and the budgets checked (memtorch.BudgetExceeded raised
 from ``trainer.fit()``). An exception in training closes it too
-(``on_exception``). ``callback.report`` is the TrackReport.
+(``on_exception``): an out-of-memory error leaves its report, who held the memory when the allocation
+failed, on the exception (``err.memtorch_report``) and prints it once, as ``with memtorch.track()`` does.
+``callback.report`` is the TrackReport.
 
 Automatic optimisation steps with ``optimizer.step(closure)``: track() sees the
 closure's forward and backward as the forward and backward phases and the
@@ -93,4 +95,5 @@ class MemoryCallback(Callback):
         self._session.finish()
 
     def on_exception(self, trainer, pl_module, exception):
-        self._session.close(failed=True)
+        # the block sees the error leave it: an out-of-memory error gets its report (exception.memtorch_report)
+        self._session.close(failed=True, exc=exception)

@@ -23,7 +23,8 @@ callback's ``on_train_end`` (TensorBoard's writer is closed first).
 
 transformers calls no callback when training raises: the block is then closed
 by the next ``on_train_begin`` (auto_find_batch_size's retry) or by
-``callback.close()``.
+``callback.close(err)`` with the error train() raised (an out-of-memory error then gets
+its report, ``err.memtorch_report``).
 """
 
 import sys
@@ -76,10 +77,11 @@ class MemoryCallback(TrainerCallback):
     def tracker(self):
         return self._session.tracker
 
-    def close(self):
+    def close(self, exc=None):
         """Close a block left open by a train() that raised (hooks out); its report is dropped, and the
-        callback goes back to its place in the Trainer's list."""
-        self._session.close(failed=True)
+        callback goes back to its place in the Trainer's list. exc: the exception train() raised: an
+        out-of-memory error gets its report of who held the memory (``exc.memtorch_report``, printed once)."""
+        self._session.close(failed=True, exc=exc)
         place, self._place = self._place, None
         if place is not None:
             cbs, i = place
