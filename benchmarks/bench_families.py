@@ -26,11 +26,12 @@ from _common import machine, write_section  # noqa: E402
 
 
 CAVEAT = (
-    "The `blocks` rows' real step is this script's own wrapping of each block's forward in "
-    "`torch.utils.checkpoint(..., use_reentrant=False)`, not the model's own gradient checkpointing: where it and "
-    "`estimate(checkpointing='blocks')` differ (the decoders, -4.5% to -5.5%; ConvNeXt +1.1 to +1.6%) it is not "
-    "yet known which side is off, and T5's and Whisper's blocks refuse the wrapper (CheckpointError). The rows "
-    "without checkpointing are the truth the sweep holds (tests/test_family_sweep.py, 0.1%)."
+    "The `blocks` rows' real step is the model's own gradient checkpointing where it has one (transformers' "
+    "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`: each "
+    "GradientCheckpointingLayer recomputed, run without its cache), else this script's wrapping of each block "
+    "of the outermost ModuleLists in `torch.utils.checkpoint(..., use_reentrant=False)`: what "
+    "`estimate(checkpointing='blocks')` models. The rows without checkpointing are the truth the sweep holds "
+    "(tests/test_family_sweep.py, 0.1%)."
 )
 
 
@@ -39,18 +40,23 @@ def _has_blocks(model):
 
 
 def _real(sweep, name, precision, ckpt):
-    """track()'s peak of two real steps (autocast for bf16-mixed, torch.utils.checkpoint on each block of the
-    model's ModuleLists when ckpt), counted from before the model exists."""
+    """track()'s peak of two real steps (autocast for bf16-mixed; when ckpt, the model's own gradient
+    checkpointing, else torch.utils.checkpoint on each block of its outermost ModuleLists), counted from
+    before the model exists."""
     import torch.utils.checkpoint as tc
 
     def prepare(model):
-        if ckpt:
-            for lst in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
-                for block in lst:
-                    fwd = block.forward
-                    block.forward = (
-                        lambda f: lambda *a, **k: tc.checkpoint(f, *a, use_reentrant=False, **k)
-                    )(fwd)
+        if ckpt and getattr(model, "supports_gradient_checkpointing", False):
+            # transformers' own gradient checkpointing, as its users turn it on (what estimate's "blocks"
+            # models: each block under torch.utils.checkpoint, run without its cache)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif ckpt:
+            from memtorch.estimation import block_names
+
+            for _name, block in block_names(model):  # the outermost lists' blocks, as estimate's "blocks"
+                block.forward = (lambda f: lambda *a, **k: tc.checkpoint(f, *a, use_reentrant=False, **k))(
+                    block.forward
+                )
         return model
 
     def run(model, batch, opt):
@@ -115,7 +121,7 @@ def main():
         "Each family of `tests/test_family_sweep.py` (small configurations, batch 2, sequence 16): "
         "`estimate(device='cpu')` of a training step against `track()` of two real AdamW steps of the same "
         "model and batch, counted from before the model exists (bf16-mixed: the forward under CPU autocast; "
-        "blocks: each block of the model's ModuleLists under torch.utils.checkpoint). Bytes.",
+        "blocks: the model's own gradient checkpointing, see below). Bytes.",
         "",
         "| family | precision | checkpointing | track() | estimate() | difference | error |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -123,7 +129,10 @@ def main():
     for name, prec, ck, real, est, diff, err in rows:
         cells = ["-" if v is None else f"{v:,}" for v in (real, est, diff)]
         md.append(f"| {name} | {prec} | {ck} | {cells[0]} | {cells[1]} | {cells[2]} | {err} |")
-    md += ["", CAVEAT, "", "The H200 cases (tests/data/h200/cases.json, true figures measured on the GPU): the "
+    off = [f"{n} {p}{' blocks' if c == 'blocks' else ''} ({e})" for n, p, c, r, _s, d, e in rows
+           if r is None or abs(d) > 0.001 * r]  # fmt: skip
+    md += ["", f"Rows more than 0.1% off or refused ({len(off)} of {len(rows)}): " + ("; ".join(off) or "none") + ".",
+           "", CAVEAT, "", "The H200 cases (tests/data/h200/cases.json, true figures measured on the GPU): the "
                "\"estimate\" section's CUDA table (`benchmarks/bench_estimate.py`) checks each against its "
                f"max_memory_allocated() ({len(cases.get('cases', cases))} steps).", ""]  # fmt: skip
     text = "\n".join(md)

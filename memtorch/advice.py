@@ -655,15 +655,14 @@ def _device_type(model, inputs):
 
 
 def _checkpoint_blocks(model, base):
-    """The units estimate(checkpointing="blocks") recomputes (each block of every nn.ModuleList); without
-    a ModuleList, the siblings that hold the most activations together (e.g. the layers of a Sequential)."""
-    torch = _torch()
+    """The units estimate(checkpointing="blocks") recomputes (each block of the outermost nn.ModuleLists);
+    without a ModuleList, the siblings that hold the most activations together (e.g. the layers of a
+    Sequential)."""
     mods = base["modules"]
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if lists:
-        names = [f"{n}.{i}" if n else str(i) for n, lst in lists for i in range(len(lst))]
+    names = _block_names(model)
+    if names:
         total = sum(mods[n].activation_bytes for n in names if n in mods)
-        return (total, lists[0][0], names)
+        return (total, names[0].rsplit(".", 1)[0] if "." in names[0] else "", names)
     groups = {}
     for name, m in mods.items():
         if not name or not m.calls:
@@ -683,10 +682,11 @@ def _checkpoint_blocks(model, base):
 
 
 def _block_names(model):
-    """Each block of every nn.ModuleList at any depth: the units estimate(checkpointing="blocks") recomputes."""
-    torch = _torch()
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    return [f"{n}.{i}" if n else str(i) for n, lst in lists for i in range(len(lst))]
+    """The names of the units estimate(checkpointing="blocks") recomputes (estimation.block_names)."""
+    # lazy: estimation loads only when this path runs (importing advice stays cheap)
+    from .estimation import block_names
+
+    return [n for n, _ in block_names(model)]
 
 
 # The one line that makes each change, in the user's framework (memtorch.advise(framework=...)): the plain

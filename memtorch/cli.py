@@ -1018,7 +1018,7 @@ def _step_flags(p):
     p.add_argument("--gpu", help="the GPU modelled with --device cuda (where this install's estimate() takes gpu=)")
     p.add_argument(
         "--checkpointing",
-        help="none, blocks (each block of every nn.ModuleList), or module names, comma-separated "
+        help="none, blocks (each block of the outermost nn.ModuleLists), or module names, comma-separated "
         "(plan: the options to try, comma-separated: none,blocks)",
     )
     p.add_argument("--world-size", type=_positive, help="ranks: per-rank figures (with --sharding)")

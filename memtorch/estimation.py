@@ -244,17 +244,32 @@ def _check_args(optimizer, precision, device, world_size, sharding, checkpointin
 # Checkpointing
 
 
-def _checkpoint_targets(model, spec):
+def block_names(model):
+    """[(name, module)] of the blocks checkpointing="blocks" recomputes: each block of the outermost
+    nn.ModuleLists. A list inside a block (T5Block.layer) is recomputed with its block, as transformers'
+    gradient checkpointing recomputes T5Block alone (checkpoints nested in a checkpoint would recompute
+    again, and keep other tensors)."""
     torch = _torch()
-    named = dict(model.named_modules())
+    blocks = []
+    for name, lst in model.named_modules():
+        if not isinstance(lst, torch.nn.ModuleList) or not len(lst):
+            continue
+        if any(name.startswith(b + ".") for b, _ in blocks):
+            continue
+        blocks += [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(lst)]
+    return blocks
+
+
+def _checkpoint_targets(model, spec):
     if spec == "blocks":
-        lists = [(n, m) for n, m in named.items() if isinstance(m, torch.nn.ModuleList) and len(m)]
-        if not lists:
+        blocks = block_names(model)
+        if not blocks:
             raise MemtorchError(
                 "checkpointing='blocks' found no nn.ModuleList of blocks in the model: "
                 "pass the names of the modules to recompute, e.g. ['encoder.0', 'encoder.1']"
             )
-        return [m for _, lst in lists for m in lst]
+        return [m for _, m in blocks]
+    named = dict(model.named_modules())
     missing = [n for n in spec if n not in named]
     if missing:
         raise MemtorchError(f"checkpointing: no module named {', '.join(map(repr, missing))} in the model")
@@ -296,7 +311,7 @@ def _signature(fn):
 
 @contextlib.contextmanager
 def checkpointing(model, spec, _on_call=None, _dropped=None):
-    """Run ``model`` with the modules ``spec`` names ("blocks": each block of every nn.ModuleList)
+    """Run ``model`` with the modules ``spec`` names ("blocks": each block of the outermost nn.ModuleLists)
     recomputed in backward (torch.utils.checkpoint, non-reentrant); restores them on exit.
     A checkpointed module runs without a KV cache (use_cache=False, past_key_values=None, as
     transformers' gradient checkpointing does); ``_dropped`` (a set) gets the argument names so set.

@@ -157,6 +157,54 @@ def test_checkpointing_matches_track_and_saves():
     assert est.breakdown["activation"] < plain.breakdown["activation"]
 
 
+class _Outer(nn.Module):
+    """A T5-like block: its own ModuleList of sub-layers, each added to the residual stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2))
+
+    def forward(self, x):
+        for sub in self.layer:
+            x = x + sub(x)
+        return x
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.ModuleList(_Outer() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.block:
+            x = b(x)
+        return x
+
+
+def test_blocks_are_the_outermost_lists_blocks():
+    # "blocks" recomputes each block of the outermost ModuleLists, as transformers' gradient checkpointing
+    # recomputes T5Block alone: a list inside a block (T5Block.layer) is recomputed with its block, not
+    # checkpointed again inside it (T5's checkpointed step was +6.7% above transformers' own). The real step:
+    # torch.utils.checkpoint around each outer block, by hand
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    def make():
+        torch.manual_seed(0)
+        model = _Nested()
+        for b in model.block:
+            b.forward = (lambda f: lambda x: ckpt(f, x, use_reentrant=False))(b.forward)
+        return model
+
+    real, wrapped, x, _opt = measured_peak(make, lambda: torch.randn(64, 64), "sgd")
+    torch.manual_seed(0)
+    model = _Nested()
+    model.load_state_dict(wrapped.state_dict())
+    est = cpu_estimate(model, x, optimizer="sgd", checkpointing="blocks")
+    assert est.peak == real
+    targets = memtorch.estimation._checkpoint_targets(model, "blocks")
+    assert targets == list(model.block)
+
+
 # ---------------------------------------------------------------- no real memory, nothing left behind
 
 
