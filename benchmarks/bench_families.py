@@ -27,7 +27,7 @@ from _common import machine, write_section  # noqa: E402
 
 CAVEAT = (
     "The `blocks` rows' real step is the model's own gradient checkpointing where it has one (transformers' "
-    "`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`: each "
+    "`activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})`, formerly `gradient_checkpointing_enable`: each "
     "GradientCheckpointingLayer recomputed, run without its cache), else this script's wrapping of each block "
     "of the outermost ModuleLists in `torch.utils.checkpoint(..., use_reentrant=False)`: what "
     "`estimate(checkpointing='blocks')` models. The rows without checkpointing are the truth the sweep holds "
@@ -49,7 +49,7 @@ def _real(sweep, name, precision, ckpt):
         if ckpt and getattr(model, "supports_gradient_checkpointing", False):
             # transformers' own gradient checkpointing, as its users turn it on (what estimate's "blocks"
             # models: each block under torch.utils.checkpoint, run without its cache)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            sweep._hf_checkpointing(model)
         elif ckpt:
             from memtorch.estimation import block_names
 

@@ -221,6 +221,10 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
             kwargs = kwargs or {}
             if func is item:
                 func = local_scalar
+            if func in (local_scalar, is_nonzero) and known.get(args[0]) is not None:
+                # a value computed from constants alone (a position index) is the real one: the question the
+                # real step asks of it (transformers' packed-sequence check) gets the real step's answer
+                return known.answer(func, args[0])
             if allow_item[0] == "generate" and func in (local_scalar, is_nonzero):
                 # generate()'s questions on tensor values (estimation._generate): a value computed from
                 # constants alone is the real one; any other is answered for the longest run
@@ -297,7 +301,35 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 ledger.trace.append((str(func), extra, ledger.current))
             return out
 
-    return Accounting()
+    mode = Accounting()
+    mode.known = known
+    return mode
+
+
+@contextlib.contextmanager
+def eager_where_known(known):
+    """transformers takes its tracing path for a FakeTensor (utils.import_utils.is_tracing: no question on
+    values; masks made whole, packed sequences assumed): the real step is eager and asks, and its memory
+    differs (a Llama step with use_cache=False made its causal mask: +2.3%). While entered, a fake whose
+    value is known (_Known: computed from constants alone) is not a fake to transformers, so it asks and
+    gets the real answer; the others keep the tracing path. Nothing when transformers is not loaded; the
+    function is put back on exit."""
+    import sys
+
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x):
+        return original(x) and known.get(x) is None
+
+    utils.is_fake_tensor = is_fake_tensor
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original
 
 
 class _Known:

@@ -694,8 +694,10 @@ def _block_names(model):
 CODE = {
     "checkpointing": {
         "torch": "out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) for each block "
-                 "(a Hugging Face model: model.gradient_checkpointing_enable())",
-        "transformers": "TrainingArguments(..., gradient_checkpointing=True)",
+                 "(a Hugging Face model: model.activation_checkpointing_enable(), formerly "
+                 "gradient_checkpointing_enable())",
+        "transformers": "TrainingArguments(..., activation_checkpointing=True) (older transformers: "
+                        "gradient_checkpointing=True)",
         "lightning": "Trainer(strategy=FSDPStrategy(activation_checkpointing_policy={{Block}})), or "
                      "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) in forward",
     },

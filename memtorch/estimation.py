@@ -47,10 +47,11 @@ import inspect
 import contextvars
 import functools
 import importlib
+import weakref
 
 from . import errors, units, words
-from ._estimate_run import (Ledger, _accounting_mode, _DataDependent, _torch, fake_like, fake_mode,
-                            host_factories)
+from ._estimate_run import (Ledger, _accounting_mode, _DataDependent, _torch, eager_where_known, fake_like,
+                            fake_mode, host_factories)
 from .errors import MemtorchError
 from .reports.estimate import Estimate  # the result type's home; its old name stays
 from .reports.track import ModuleStats, PhaseStats
@@ -326,7 +327,7 @@ def checkpointing(model, spec, _on_call=None, _dropped=None):
         yield model
         return
     mods = _checkpoint_targets(model, spec)
-    patched = []
+    patched, flagged = [], []
     try:
         for m in mods:
             if "forward" in m.__dict__:
@@ -341,10 +342,46 @@ def checkpointing(model, spec, _on_call=None, _dropped=None):
 
             m.forward = fwd
             patched.append(m)
+        if spec == "blocks":
+            flagged = _hf_checkpointing_flags(model)
+            if flagged:
+                dropped.add(_HF_FLAG)
         yield model
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
+        for m, had in flagged:
+            m.gradient_checkpointing = False
+            if not had:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+
+
+_HF_FLAG = "gradient_checkpointing"  # in checkpointing()'s _dropped: transformers' flags were set (the note says so)
+
+
+def _call_through(function, *args, **kwargs):
+    return function(*args, **kwargs)
+
+
+def _hf_checkpointing_flags(model):
+    """transformers' gradient checkpointing also sets ``gradient_checkpointing = True`` on every module that
+    has the flag, and some act on it outside the recomputed layers: T5's attention without a relative bias
+    makes its zero position bias require grad (a gradient of the scores' shape in backward), the stacks turn
+    use_cache off. Set here on such modules (the layers transformers itself would checkpoint,
+    GradientCheckpointingLayer's, are recomputed by this module's wrapping instead); a stack that still
+    calls ``self._gradient_checkpointing_func(layer, ...)`` gets one that calls the layer, whose wrapped
+    forward recomputes. Returns [(module, whether it had its own function)] to restore."""
+    flagged = []
+    for m in model.modules():
+        flag = m.__dict__.get("gradient_checkpointing")
+        if flag is not False or any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__):
+            continue
+        had = "_gradient_checkpointing_func" in m.__dict__
+        if not had:
+            m._gradient_checkpointing_func = _call_through
+        m.gradient_checkpointing = True
+        flagged.append((m, had))
+    return flagged
 
 
 # ---------------------------------------------------------------------------
@@ -715,7 +752,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         kernels = cuda_kernels(cuda_state) if cuda_state is not None else kernels_for("cpu")
         # CUDA's autocast is modelled by the CPU's: the CPU kernels' dtype rules are not the GPU's there
         check = not (cuda_state is not None and autocast)
-        stack.enter_context(_accounting_mode(ledger, kernels, allow_item, check=check))
+        accounting = stack.enter_context(_accounting_mode(ledger, kernels, allow_item, check=check))
+        stack.enter_context(eager_where_known(accounting.known))
         ledger.phase = "setup"
 
         def dt(t):
@@ -796,20 +834,23 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
         grad_of = {}
 
         def on_call(fn):
-            # checkpoint keeps the CPU RNG state (a real tensor, unseen by the fake run) from the
-            # forward until the recomputation in backward
+            # checkpoint keeps the CPU RNG state (a real tensor, unseen by the fake run) from the forward until
+            # its frame goes: the frame holds the function it recomputes (``run``), so the copy is freed when
+            # ``run`` is (the block's backward done, its saved tensors released), as the real frame frees it
             key = ledger.add_extra(rng_bytes, "activation", transient=False)
             calls = [0]
+            held = [True]
+
+            def free_forward_copy():
+                if held[0] and not ledger.closed:
+                    held[0] = False
+                    ledger.free_key(key)
 
             def run(*a, **k):
                 calls[0] += 1
                 if calls[0] != 2:
                     return fn(*a, **k)
-                # recomputation: the blocks recomputed before have finished their backward (their
-                # checkpoint frames and RNG copies are gone); torch.random.fork_rng keeps a copy of
-                # the current state while this one recomputes
-                while rng_held:
-                    ledger.free_key(rng_held.pop())
+                # recomputation: torch.random.fork_rng keeps a copy of the current state while this one recomputes
                 fork = ledger.add_extra(rng_bytes, "temporary", transient=False)
                 try:
                     # autograd runs the recomputation without the forward's TorchFunctionModes:
@@ -818,8 +859,9 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                         return fn(*a, **k)
                 finally:
                     ledger.free_key(fork)
-                    rng_held.append(key)  # the forward's copy lives until this block's backward is done
 
+            weakref.finalize(run, free_forward_copy)
+            rng_held.append(free_forward_copy)  # one still held when backward returns is freed then
             return run
 
         routing = []  # CUDA's kernel routing (a TorchFunctionMode), for on_call's recomputations
@@ -850,7 +892,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                 loss.backward()
                 del loss
                 while rng_held:
-                    ledger.free_key(rng_held.pop())
+                    rng_held.pop()()
                 grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
             allow_item[0] = True
             _own(ledger, trainable, masters, grad_of)  # whose is what, for the per-rank figures
@@ -1102,8 +1144,14 @@ def estimate(
         )
     notes += sorted(_estimate_kernels.notes)
     if facts.get("cache_dropped"):
-        names = ", ".join(f"{k}={_NO_CACHE[k]}" for k in sorted(facts["cache_dropped"]))
-        notes.append(f"the checkpointed blocks ran with {names}, as transformers' gradient checkpointing runs them "
+        dropped = set(facts["cache_dropped"])
+        what = []
+        if dropped - {_HF_FLAG}:
+            what.append("the checkpointed blocks ran with "
+                        + ", ".join(f"{k}={_NO_CACHE[k]}" for k in sorted(dropped - {_HF_FLAG})))  # fmt: skip
+        if _HF_FLAG in dropped:
+            what.append("the modules with a gradient_checkpointing flag had it set (the model turns its cache off)")
+        notes.append(f"{' and '.join(what)}, as transformers' gradient checkpointing runs them "
                      "(a cache written in the forward would be written again by the recomputation)")
     # lazy: cpu loads _C and NumPy; only this path needs it (importing estimation stays cheap)
     from . import cpu
