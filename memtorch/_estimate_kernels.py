@@ -185,7 +185,7 @@ def kernels_for(device):
     return {
         # autograd's in-place sum of a second gradient, tried before the operator runs (its other calls run
         # and are probed as any other)
-        "before": {torch.ops.aten.add.Tensor: accumulate_in_place},
+        "before": {torch.ops.aten.add.Tensor: accumulate_in_place, torch.ops.aten.dropout.default: _dropout_off},
         torch.ops.aten.mkldnn_rnn_layer.default: _rnn_forward,
         torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_backward,
         torch.ops.aten._grouped_mm.default: _grouped_mm(cuda=False),
@@ -627,6 +627,17 @@ def accumulate_in_place(args, kwargs):
     only = torch._C._storage_Use_Count(a.untyped_storage()._cdata) == 2
     if alike and only and not a._is_view() and dense(a):
         return torch.ops.aten.add_.Tensor(a, b)
+    return None
+
+
+def _dropout_off(args, kwargs):
+    """aten.dropout reaching the dry run whole (under inference_mode) in eval or with p = 0: the CPU kernel
+    returns its input itself (at::dropout's short cut), where the fake's decomposition clones it (one more
+    hidden-state-sized tensor per dropout of an inference or generate estimate). None: it runs as it is."""
+    names = ("input", "p", "train")
+    given = dict(zip(names, args), **kwargs)
+    if not given.get("train", True) or given.get("p", 0.5) == 0:
+        return given["input"]
     return None
 
 

@@ -946,8 +946,10 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
     return ledger, hooks, facts
 
 
-def _classify(ledger, hooks):
-    """Give every unlabelled allocation a category: activation (made in forward, alive after it) or temporary."""
+def _classify(ledger, hooks, training=True):
+    """Give every unlabelled allocation a category: activation (made in forward, alive after it) or temporary.
+    training=False (a forward under inference_mode, generate()): whatever the forward makes is an activation,
+    as track() names what a module's forward allocates (its KV cache, its per-token scratch)."""
     end_of_fwd = sorted(e for ph, _s, e in hooks.spans if ph == "forward")
     freed_at = {}
     for i, (key, sign) in enumerate(ledger.events):
@@ -962,7 +964,9 @@ def _classify(ledger, hooks):
     for key, info in ledger.info.items():
         if info[3] is not None:
             continue
-        if info[1] == "forward":
+        if info[1] == "forward" and not training:
+            info[3] = "activation"
+        elif info[1] == "forward":
             j = bisect.bisect_left(end_of_fwd, alloc_at[key])
             fwd_end = end_of_fwd[j] if j < len(end_of_fwd) else len(ledger.events)
             info[3] = "activation" if freed_at.get(key, len(ledger.events)) >= fwd_end else "temporary"
@@ -1135,7 +1139,7 @@ def estimate(
     except Exception as e:  # noqa: BLE001 - re-raised with what failed
         run = "training step" if training else ("generate call" if max_new_tokens else "forward")
         raise MemtorchError(_explain(e, run)) from e
-    _classify(ledger, hooks)
+    _classify(ledger, hooks, training)
     skipped = _estimate_kernels.probe_stats["skipped_large"] - skipped0
     if skipped:
         notes.append(
@@ -1289,7 +1293,9 @@ def _report(ledger, hooks, facts, device, precision, world_size, sharding, notes
         end = curve[e - 1] if e > 0 else 0
         top = max(curve[s:e], default=before)
         ps._add(before, end, max(top, before), True, 0.0)
-    forwards = 1
+    # the model's own forwards in the step (generate(): one per new token), by which "left alive" is averaged,
+    # as track() averages it
+    forwards = max(1, sum(1 for i, s, _e in hooks.calls if i == 0 and s >= last))
     for i, s, e in hooks.calls:
         if s < last:
             continue

@@ -119,3 +119,29 @@ def test_generate_keywords_are_the_real_calls():
     measured, est, plain = json.loads(proc.stdout.strip().splitlines()[-1])
     assert abs(est - measured) <= 0.001 * measured, (est, measured)
     assert plain < est  # without the processor's copies
+
+
+def test_generate_rows_read_as_tracks():
+    # issue 37 item 7: an estimate of generate() and track() of the real call print the same module rows:
+    # the calls per module (one forward per new token) and "left alive" per forward, not summed over them;
+    # an eval Dropout is its input itself (at::dropout's short cut), not a copy the fake's decomposition made
+    import transformers
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(1, 128, (2, 8))
+    est = memtorch.estimate(model, ids, training=False, max_new_tokens=8, device="cpu")
+    with memtorch.track(model) as t:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
+    real = {r.name: (r.calls, r.activation_bytes) for r in t.report.modules}
+    mine = {r.name: (r.calls, r.activation_bytes) for r in est.modules}
+    assert real["transformer.drop"] == mine["transformer.drop"] == (8, 0)
+    for name in ("", "transformer", "transformer.wte", "transformer.h.0.mlp.c_fc", "lm_head"):
+        assert mine[name] == real[name], name
+    # the same words: what the forwards make (the KV cache, each token's scratch) is "activation" in both
+    kinds = t.report.at_peak.by_kind()
+    assert est.breakdown["temporary"] < 64 and kinds.get("temporary", 0) == 0
+    assert abs(est.breakdown["activation"] - kinds["activation"]) <= 0.03 * kinds["activation"]
