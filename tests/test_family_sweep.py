@@ -194,26 +194,31 @@ def _step(model, batch, opt):
     opt.zero_grad(set_to_none=True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_cpu_estimate_is_the_real_step(name, request):
-    if name in KNOWN_OFF:
-        request.applymarker(pytest.mark.xfail(reason=KNOWN_OFF[name], strict=True))
-    # the lazy imports and caches of a first step, made before the measurement
-    warm = _model(name)
+def _measured(make, name):
+    """(track()'s peak of two real AdamW steps of make() on the family's batch, counted from before the model
+    exists; the model; the batch). A first step of another make() runs before, for the lazy imports and caches."""
+    warm = make()
     _step(warm, _batch(name), torch.optim.AdamW(warm.parameters(), foreach=False))
     del warm
     gc.collect()
     cpu.start()
     base = cpu.allocated()
-    model = _model(name)
+    model = make()
     batch = _batch(name)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     with memtorch.track() as t:
         for _ in range(2):
             _step(model, batch, opt)
     assert t.report.exact
-    measured = t.report.peak - base
+    return t.report.peak - base, model, batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_cpu_estimate_is_the_real_step(name, request):
+    if name in KNOWN_OFF:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_OFF[name], strict=True))
+    measured, model, batch = _measured(lambda: _model(name), name)
     est = memtorch.estimate(model, batch, device="cpu")
     assert abs(est.peak - measured) <= 0.001 * measured, (est.peak, measured)
 
@@ -259,20 +264,7 @@ def test_cpu_checkpointed_estimate_is_the_real_step(name, request):
                 block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
         return model
 
-    warm = make()
-    _step(warm, _batch(name), torch.optim.AdamW(warm.parameters(), foreach=False))
-    del warm
-    gc.collect()
-    cpu.start()
-    base = cpu.allocated()
-    model = make()
-    batch = _batch(name)
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    with memtorch.track() as t:
-        for _ in range(2):
-            _step(model, batch, opt)
-    assert t.report.exact
-    measured = t.report.peak - base
+    measured, _made, batch = _measured(make, name)
     est = memtorch.estimate(_model(name), batch, device="cpu", checkpointing="blocks")
     assert abs(est.peak - measured) <= 0.001 * measured, (est.peak, measured)
 
