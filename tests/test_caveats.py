@@ -138,6 +138,10 @@ def _child():
     pass
 
 
+# a worker process that never answers is an error after this many seconds, not a hang (DataLoader's timeout)
+_WORKER_TIMEOUT = 120
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork start method")
 def test_process_counter_is_read_without_advancing_it():
     """The processes check reads multiprocessing's counter without moving it, and counts
@@ -148,7 +152,8 @@ def test_process_counter_is_read_without_advancing_it():
     assert cpu._processes()[0] == before
     p = multiprocessing.get_context("fork").Process(target=_child)
     p.start()
-    p.join()
+    p.join(timeout=120)
+    assert p.exitcode == 0, f"the forked child did not exit cleanly: exit code {p.exitcode}"
     after = cpu._processes()[0]
     assert cpu._started(before, after) == 1 and cpu._started(after, after) == 0
     assert cpu._started("count(3)", 5) == 2 and cpu._started(3, "count(5)") == 2
@@ -159,7 +164,7 @@ def test_process_counter_is_read_without_advancing_it():
 def test_dataloader_workers_make_the_scope_not_exact(exact_mode, persistent):
     """num_workers=2: the batches arrive through shared memory the counters do not see."""
     loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2,
-                                         persistent_workers=persistent)
+                                         persistent_workers=persistent, timeout=_WORKER_TIMEOUT)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
         it = iter(loader) if persistent else None  # persistent: workers started before the block
@@ -177,7 +182,7 @@ def test_track_report_with_dataloader_workers_is_not_exact(exact_mode):
     """The issue's case: num_workers=2 used to report a tiny peak, 'exact'."""
     import memtorch
 
-    loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2)
+    loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2, timeout=_WORKER_TIMEOUT)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with memtorch.track(modules=False, leaks=False) as t:

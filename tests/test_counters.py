@@ -562,6 +562,22 @@ def test_exports():
     assert cpu.mechanism() in ("libc10-got", "rss-fallback")
 
 
+def _wait_child(pid, seconds):
+    """The child's wait status; a child still running after ``seconds`` is killed and the test fails."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child was still running after {seconds} s (a deadlock in the child)")
+
+
 @linux_only
 def test_fork_while_counting_leaves_a_working_child(exact_mode):
     """fork() (DataLoader workers) with threads allocating must not deadlock the child's hooks."""
@@ -587,7 +603,7 @@ def test_fork_while_counting_leaves_a_working_child(exact_mode):
                 ok = _C.counters_current() - before == 4000
                 del x
                 os._exit(0 if ok else 1)
-            _, status = os.waitpid(pid, 0)
+            status = _wait_child(pid, 120)
         finally:
             stop.set()
             t.join()

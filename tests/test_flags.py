@@ -83,7 +83,7 @@ def test_a_leak_hidden_by_dataloader_workers_is_flagged_and_its_budget_inconclus
 
     # one batch of 128 x 128 float32 kept per epoch: 128 * 128 * 4 = 65,536 B a step
     ds = TensorDataset(torch.randn(512, 128))
-    loader = DataLoader(ds, batch_size=128, num_workers=workers)
+    loader = DataLoader(ds, batch_size=128, num_workers=workers, timeout=120 if workers else 0)
     kept = []
     gc.collect()  # what earlier tests left to the collector is not freed inside the block
     with memtorch.track() as t:
