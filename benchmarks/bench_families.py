@@ -68,9 +68,9 @@ def _real(sweep, name, precision, ckpt):
         with ctx:
             out = model(**batch)
         out.loss.backward()
-        del out
         opt.step()
         opt.zero_grad(set_to_none=True)
+        del out  # the output kept until the step ends, as estimate()'s keep_output=True
 
     warm = prepare(sweep._model(name))
     run(warm, sweep._batch(name), torch.optim.AdamW(warm.parameters(), foreach=False))

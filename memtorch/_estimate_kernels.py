@@ -200,15 +200,16 @@ def _grouped_mm(cuda):
     kernels run any floating dtype (the CPU's, and CUDA's outside its bf16 fast path, as a loop of
     matrix products into the one output): a float32 MoE model ran on the CPU and failed in the
     dry run. CUDA pads the output's last dimension to 16 bytes (as torch's own meta function does
-    on a CUDA build, _create_grouped_mm_output_tensor); the CPU does not."""
+    on a CUDA build, _create_grouped_mm_output_tensor); the CPU does not.
+
+    The router sends tokens to experts by their values, which fakes do not hold; along this path no size
+    depends on where they go (the tokens are sorted by expert into tensors of every routed token, the
+    output is one, offs one number per expert): real steps of the family sweep's Mixtral and Qwen2-MoE
+    on four different batches each took the same peak, the estimate's (tests/test_family_sweep.py)."""
 
     def run(ledger, func, args, kwargs):
         import torch
 
-        # said, not modelled: the experts' token counts are the router's choice, by values the fakes do not hold
-        notes.add("mixture-of-experts layers (aten._grouped_mm) route tokens to experts by their values, which the "
-                  "dry run's fake tensors do not hold: the figures there are not exact (the family sweep's small "
-                  "Mixtral, top-2 of 4 experts, on the CPU: +2.1% above track() of the real step)")  # fmt: skip
         names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
         given = dict(zip(names, args), **kwargs)
         a, b, offs = given["mat_a"], given["mat_b"], given.get("offs")
@@ -355,7 +356,9 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
     key += (count,)
     cached = _probe_cache.get(key)
     if cached is not None:
-        return cached if count else None
+        extra, grown = cached
+        _grow_outputs(out, grown)
+        return extra if count else None
     size = 0
 
     def tensors(a):
@@ -406,7 +409,7 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
             rargs = [real(a) for a in args]
             rkwargs = {k: real(v) for k, v in kwargs.items()}
         except RuntimeError:  # a view beyond its fake storage (a modelled kernel's own layout): not run
-            _probe_cache[key] = 0
+            _probe_cache[key] = (0, ())
             return 0 if count else None
         inputs = {id(b.untyped_storage()) for b in made.values()}
         try:
@@ -420,10 +423,10 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
             in_backward = torch._C._current_autograd_node() is not None
             if not in_backward and _refuses(func, lambda: func(*rargs, **rkwargs), zeros, e):
                 raise KernelRefuses(func, e) from e
-            _probe_cache[key] = 0
+            _probe_cache[key] = (0, ())
             return 0 if count else None
         if not count:
-            _probe_cache[key] = 0
+            _probe_cache[key] = (0, ())
             return None
         new = {}
         for t in tensors(rout if isinstance(rout, (list, tuple)) else [rout]):
@@ -431,10 +434,46 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
             if id(st) not in inputs:
                 new[id(st)] = st.nbytes()
         extra = max(0, s.peak - s.start - sum(new.values()))
+        grown = _larger_outputs(out, rout, inputs)
         del rout, rargs, rkwargs, made
     probe_stats["probed"] += 1
-    _probe_cache[key] = extra
+    _probe_cache[key] = (extra, grown)
+    _grow_outputs(out, grown)
     return extra
+
+
+def _leaves(out):
+    import torch
+
+    return [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+def _larger_outputs(fake, real, inputs):
+    """((output index, bytes), ...): the real kernel's new output storages larger than the fake's. A reduced
+    loss is one: mse_loss, smooth_l1_loss, binary_cross_entropy and soft_margin_loss with reduction mean or
+    sum return a 0-dim tensor whose storage is the unreduced loss's (the structured kernel's meta function
+    makes the output at the inputs' broadcast shape, then resizes it to a scalar, which keeps the storage):
+    a loss over (2, 16, 4) float32 holds 512 B, not 4 B, while it lives (measured, tests/test_estimate.py)."""
+    fakes, reals = _leaves(fake), _leaves(real)
+    if len(fakes) != len(reals):
+        return ()
+    grown = []
+    for i, (f, r) in enumerate(zip(fakes, reals)):
+        n = r.untyped_storage().nbytes()
+        if id(r.untyped_storage()) not in inputs and n > f.untyped_storage().nbytes():
+            grown.append((i, n))
+    return tuple(grown)
+
+
+def _grow_outputs(out, grown):
+    """The fake outputs' storages made as large as the real kernel's (_larger_outputs), before they are
+    counted."""
+    if grown:
+        leaves = _leaves(out)
+        for i, n in grown:
+            st = leaves[i].untyped_storage()
+            if st.nbytes() < n:
+                st.resize_(n)
 
 
 # ---------------------------------------------------------------------------
@@ -529,6 +568,61 @@ def _reduce_after(state):
             key = ledger.add_extra(buffer, "temporary", transient=False)
             ledger.add_extra(semaphores)
             ledger.free_key(key)
+
+    return after
+
+
+def _reduced_loss_size(args, kwargs, out):
+    """Bytes of the unreduced loss of aten.mse_loss or aten.smooth_l1_loss (the inputs' broadcast shape in
+    the output's dtype), or 0 where the kernel is not the structured one that keeps it: reduction "none"
+    (its output is that shape already), smooth_l1_loss with beta 0 (l1_loss's path)."""
+    import torch
+
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    beta = args[3] if len(args) > 3 else kwargs.get("beta", 1.0)
+    if reduction == 0 or beta == 0 or not isinstance(out, torch.Tensor):
+        return 0
+    return torch.broadcast_shapes(args[0].shape, args[1].shape).numel() * out.element_size()
+
+
+def _reduced_loss_output(args, kwargs, out):
+    """The 0-dim result keeps the unreduced loss's storage: the structured kernel's meta function (shared by
+    every device, Loss.cpp) makes the output at the broadcast shape, then resizes it to a scalar. Grown before
+    the output is counted; what the kernel frees inside it is _reduced_loss_after's."""
+    n = _reduced_loss_size(args, kwargs, out)
+    if n > out.untyped_storage().nbytes():
+        out.untyped_storage().resize_(n)
+    return 0
+
+
+def _reduced_loss_after(state):
+    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
+    from ._estimate_cuda import reduce_staging
+
+    def after(ledger, args, kwargs, out):
+        """Inside mse_loss_out / smooth_l1_loss_out with a reduction: the elementwise loss into a new tensor
+        of the broadcast shape (the TensorIterator's output), then mean_out or sum_out of it into the result
+        (a reduction over every dimension: its staging buffer and semaphores, as _reduce_after), the loss
+        freed when the kernel returns."""
+        import torch
+
+        n = _reduced_loss_size(args, kwargs, out)
+        if not n:
+            return
+        shape = tuple(torch.broadcast_shapes(args[0].shape, args[1].shape))
+        loss = ledger.add_extra(n, "temporary", transient=False)
+        strides, acc = [], 1
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= max(1, d)
+        acc_bytes = 8 if out.dtype == torch.float64 else 4
+        buffer, semaphores = reduce_staging(shape, tuple(reversed(strides)), set(range(len(shape))), acc_bytes,
+                                            state.gpu, 0)  # fmt: skip
+        if buffer:
+            key = ledger.add_extra(buffer, "temporary", transient=False)
+            ledger.add_extra(semaphores)
+            ledger.free_key(key)
+        ledger.free_key(loss)
 
     return after
 
@@ -836,6 +930,8 @@ def cuda_kernels(state):
     for op in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default):
         after[op] = _reduce_after(state)
     after[aten.native_layer_norm_backward.default] = _layer_norm_backward_after
+    for op in (aten.mse_loss.default, aten.smooth_l1_loss.default):
+        after[op] = _reduced_loss_after(state)
     after[aten._cudnn_rnn.default] = _cudnn_rnn_after(state)
     return {
         "probe": False,  # the CPU kernels' scratch space is not the GPU's
@@ -851,6 +947,8 @@ def cuda_kernels(state):
         aten._grouped_mm.default: _grouped_mm(cuda=True),
         aten.native_dropout.default: Around(_dropout_mask_first),
         aten.add.Tensor: Around(_grad_accumulate),
+        aten.mse_loss.default: _reduced_loss_output,
+        aten.smooth_l1_loss.default: _reduced_loss_output,
         aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward(state),
         **{op: Composite(fn) for op, fn in kernel_rules(state.gpu, notes=notes).items()},
     }

@@ -490,3 +490,27 @@ def test_gpu_facts_probe_runs_here_and_says_it_has_no_device(monkeypatch):
         pytest.skip("a CUDA device is here: device_check.sh runs the probe itself")
     monkeypatch.setattr("sys.argv", ["gpu_facts.py"])
     assert mod.main() == 2
+
+
+def test_a_reduced_mse_loss_keeps_the_unreduced_storage():
+    # mse_loss_out (Loss.cpp, one structured kernel for every device): the meta function makes the result at
+    # the inputs' (4096, 64) float32 shape, 1 MiB, and resizes it to a scalar, which keeps the storage; the
+    # loss goes into a new 1 MiB tensor, mean_out reduces it (the staging buffer, 128 B, and semaphores, 4 B,
+    # of reduce_staging: one 512-byte block each), and the loss is freed as the kernel returns
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(self.lin(x), y)
+
+    from memtorch._estimate_cuda import resolve_gpu
+
+    assert reduce_staging((4096, 64), (64, 1), {0, 1}, 4, resolve_gpu("h200")) == (128, 4)
+    events = _dry_run_events(Regression(), {"x": (4096, 64), "y": (4096, 64)}, optimizer="sgd",
+                             loss_fn=lambda out, *a, **k: out)  # fmt: skip
+    forward = [(sign, size) for sign, size, phase in events if phase == "forward"]
+    # the Linear's output, cuBLAS's and cuBLASLt's workspaces, then the loss
+    loss = forward[3:10]
+    assert loss == [(1, MiB), (1, MiB), (1, 512), (1, 512), (-1, 512), (-1, 512), (-1, MiB)]
