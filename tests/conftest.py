@@ -1,11 +1,22 @@
 """Shared fixtures. The autouse check fails any test that leaves memtorch state behind."""
 
+import os
 import sys
 import threading
 
 import pytest
 
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture
+def worker_start():
+    """The start method for the worker processes a test makes (DataLoader's multiprocessing_context): None,
+    the platform's default (fork on Linux), except under AddressSanitizer (.ci/run's second stage), where a
+    DataLoader worker forked from the test process (an xdist worker: threads of its own) once deadlocked in
+    the child, and the stage waited for it until CI's limit; forkserver forks the workers from a server
+    process of one thread. What the tests check (processes made during a block) holds for either."""
+    return "forkserver" if os.environ.get("MEMTORCH_UNDER_ASAN") else None
 
 
 def _leftovers():

@@ -143,14 +143,14 @@ _WORKER_TIMEOUT = 120
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork start method")
-def test_process_counter_is_read_without_advancing_it():
+def test_process_counter_is_read_without_advancing_it(worker_start):
     """The processes check reads multiprocessing's counter without moving it, and counts
     each process made between two reads, whichever form the reads took."""
     import multiprocessing
 
     before = cpu._processes()[0]
     assert cpu._processes()[0] == before
-    p = multiprocessing.get_context("fork").Process(target=_child)
+    p = multiprocessing.get_context(worker_start or "fork").Process(target=_child)
     p.start()
     p.join(timeout=120)
     assert p.exitcode == 0, f"the forked child did not exit cleanly: exit code {p.exitcode}"
@@ -161,10 +161,11 @@ def test_process_counter_is_read_without_advancing_it():
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_dataloader_workers_make_the_scope_not_exact(exact_mode, persistent):
+def test_dataloader_workers_make_the_scope_not_exact(exact_mode, persistent, worker_start):
     """num_workers=2: the batches arrive through shared memory the counters do not see."""
     loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2,
-                                         persistent_workers=persistent, timeout=_WORKER_TIMEOUT)
+                                         persistent_workers=persistent, timeout=_WORKER_TIMEOUT,
+                                         multiprocessing_context=worker_start)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
         it = iter(loader) if persistent else None  # persistent: workers started before the block
@@ -178,11 +179,12 @@ def test_dataloader_workers_make_the_scope_not_exact(exact_mode, persistent):
     del batches
 
 
-def test_track_report_with_dataloader_workers_is_not_exact(exact_mode):
+def test_track_report_with_dataloader_workers_is_not_exact(exact_mode, worker_start):
     """The issue's case: num_workers=2 used to report a tiny peak, 'exact'."""
     import memtorch
 
-    loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2, timeout=_WORKER_TIMEOUT)
+    loader = torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2, timeout=_WORKER_TIMEOUT,
+                                         multiprocessing_context=worker_start)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with memtorch.track(modules=False, leaks=False) as t:

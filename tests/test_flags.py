@@ -78,12 +78,13 @@ def test_format_rate_never_reads_lower_than_the_rate():
 
 @linux
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_leak_hidden_by_dataloader_workers_is_flagged_and_its_budget_inconclusive(workers):
+def test_a_leak_hidden_by_dataloader_workers_is_flagged_and_its_budget_inconclusive(workers, worker_start):
     from torch.utils.data import DataLoader, TensorDataset
 
     # one batch of 128 x 128 float32 kept per epoch: 128 * 128 * 4 = 65,536 B a step
     ds = TensorDataset(torch.randn(512, 128))
-    loader = DataLoader(ds, batch_size=128, num_workers=workers, timeout=120 if workers else 0)
+    loader = DataLoader(ds, batch_size=128, num_workers=workers, timeout=120 if workers else 0,
+                        multiprocessing_context=worker_start if workers else None)
     kept = []
     gc.collect()  # what earlier tests left to the collector is not freed inside the block
     with memtorch.track() as t:
