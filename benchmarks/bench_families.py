@@ -120,8 +120,9 @@ def main():
         "",
         "Each family of `tests/test_family_sweep.py` (small configurations, batch 2, sequence 16): "
         "`estimate(device='cpu')` of a training step against `track()` of two real AdamW steps of the same "
-        "model and batch, counted from before the model exists (bf16-mixed: the forward under CPU autocast; "
-        "blocks: the model's own gradient checkpointing, see below). Bytes.",
+        "model and batch, counted from before the model exists, each step's output kept until the step ends as "
+        "`estimate()`'s `keep_output=True` keeps it (bf16-mixed: the forward under CPU autocast; blocks: the "
+        "model's own gradient checkpointing, see below). Bytes.",
         "",
         "| family | precision | checkpointing | track() | estimate() | difference | error |",
         "|---|---|---|---:|---:|---:|---:|",
