@@ -1206,6 +1206,7 @@ _KEEPS_UNREDUCED = {"mse_loss", "smooth_l1_loss", "binary_cross_entropy", "soft_
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", sorted(_LOSSES))
 def test_a_reduced_loss_holds_what_the_real_kernel_holds(name, reduction, monkeypatch):
+    # (a loss too large for the CPU's probe keeps its storage too: test_a_large_mse_loss_is_grown_without_a_probe)
     # A 0-dim loss whose storage is the unreduced (2, 16, 4) float32 loss, 512 B, where the fake kernel's is
     # 4 B: the loss is alive through backward, where this SGD step peaks
     loss = _LOSSES[name]
@@ -1230,12 +1231,39 @@ def test_a_reduced_loss_holds_what_the_real_kernel_holds(name, reduction, monkey
     est = cpu_estimate(model, x, optimizer="sgd", loss_fn=loss_fn)
     assert est.peak == report.peak - base
     # without the real kernel's output size the estimate is 512 - 4 bytes under, for the kernels that keep it
+    # (mse_loss and smooth_l1_loss by their rule, at any size; the others by the probe's)
     import memtorch._estimate_kernels as kernels
 
     kernels._probe_cache.clear()
     monkeypatch.setattr(kernels, "_grow_outputs", lambda out, grown: None)
+    monkeypatch.setattr(kernels, "_reduced_loss_output", lambda args, kwargs, out: 0)
     try:
         without = cpu_estimate(model, x, optimizer="sgd", loss_fn=loss_fn)
     finally:
         kernels._probe_cache.clear()  # the next estimate probes again, with the outputs grown
     assert est.peak - without.peak == (2 * 16 * 4 * 4 - 4 if name in _KEEPS_UNREDUCED else 0)
+
+
+def test_a_large_mse_loss_is_grown_without_a_probe():
+    # arguments over PROBE_CAP are not probed: mse_loss's rule alone gives its result the unreduced loss's size,
+    # 64 x 1024 x 130 float32 (33.3 MB, over the 32 MiB cap with the input and target), and its transient
+    from memtorch._estimate_kernels import PROBE_CAP
+    from memtorch.estimation import _KEEP_RUNS
+
+    shape = (64, 1024, 130)
+    n = 64 * 1024 * 130 * 4
+    assert 2 * n > PROBE_CAP
+    kept = []
+    token = _KEEP_RUNS.set(kept)
+    try:
+        memtorch.estimate(_Mse(), {"x": shape, "y": shape}, device="cpu", training=False)
+    finally:
+        _KEEP_RUNS.reset(token)
+    ledger = kept[0][0]
+    sizes = [ledger.info[k][0] for k, sign in ledger.events if sign > 0 and ledger.info[k][1] != "setup"]
+    assert sizes == [n, n]  # the result (0-dim, holding the whole loss) and the elementwise loss inside
+
+
+class _Mse(nn.Module):
+    def forward(self, x, y):
+        return nn.functional.mse_loss(x, y)
