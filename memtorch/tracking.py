@@ -571,6 +571,18 @@ def _is_compiled_wrapper(module):
     return wrapper is not None and isinstance(module, wrapper)
 
 
+def _any_compiled(refs):
+    """Whether a module of ``refs`` (weak references) is a torch.compile'd region (_compiled_notes' test)."""
+    ev = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(ev, "OptimizedModule", None)
+    for ref in refs:
+        mod = ref()
+        if mod is not None and ((wrapper is not None and isinstance(mod, wrapper))
+                                or getattr(mod, "_compiled_call_impl", None) is not None):  # fmt: skip
+            return True
+    return False
+
+
 def _compiled_notes(named, root_calls):
     """(caveats, [(row name, note)]) for the modules of a block's model that ran as one
     torch.compile'd graph: ``named`` [(name, module)] in pre-order, ``root_calls`` the forwards
@@ -1887,10 +1899,12 @@ class Tracker:
         model = None if self._model is None else self._model()
         if model is not None:  # torch.compile'd regions: modules without figures of their own
             plan = self._model_plan(model)
-            named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
-            more, row_notes = _compiled_notes(named, self._forwards)
-            caveats += more
-            del named, plan
+            if self._forwards == 0 or _any_compiled(plan.mods):  # else _compiled_notes has nothing to say
+                named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
+                more, row_notes = _compiled_notes(named, self._forwards)
+                caveats += more
+                del named
+            del plan
         del model
         timeline = None
         extra_marks = []
