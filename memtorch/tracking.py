@@ -583,6 +583,13 @@ def _any_compiled(refs):
     return False
 
 
+def _graphs_compiled():
+    """Whether torch.compile has compiled a graph in this process (dynamo's counters; not imported here)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    stats = getattr(utils, "counters", {}).get("stats", {}) if utils is not None else {}
+    return bool(stats.get("unique_graphs", 0))
+
+
 def _compiled_notes(named, root_calls):
     """(caveats, [(row name, note)]) for the modules of a block's model that ran as one
     torch.compile'd graph: ``named`` [(name, module)] in pre-order, ``root_calls`` the forwards
@@ -622,16 +629,13 @@ def _compiled_notes(named, root_calls):
             f"memtorch's hooks do not run inside a compiled graph, so the {len(inside):,} module(s) inside it "
             f"have no figures of their own; the figures are the compiled program's; their bytes are in {holder}"
         )  # fmt: skip
-    if not regions and named and root_calls == 0:
-        utils = sys.modules.get("torch._dynamo.utils")
-        stats = getattr(utils, "counters", {}).get("stats", {}) if utils is not None else {}
-        if stats.get("unique_graphs", 0):
-            caveats.append(
-                "the model's forward was not seen in this block and torch.compile has compiled graphs in this "
-                "process: if the model ran through its compiled wrapper (compiled = torch.compile(model)), its "
-                "hooks ran inside the graph and were compiled away; track the wrapper (memtorch.track(compiled, "
-                "...)) for its phases and module rows"
-            )  # fmt: skip
+    if not regions and named and root_calls == 0 and _graphs_compiled():
+        caveats.append(
+            "the model's forward was not seen in this block and torch.compile has compiled graphs in this "
+            "process: if the model ran through its compiled wrapper (compiled = torch.compile(model)), its "
+            "hooks ran inside the graph and were compiled away; track the wrapper (memtorch.track(compiled, "
+            "...)) for its phases and module rows"
+        )  # fmt: skip
     return caveats, notes
 
 
@@ -710,6 +714,10 @@ def _unwrap_optimizer(opt, where="track"):
     A torch optimizer with step hooks of its own (one that wraps another and adds to its
     update) is kept; a TypeError, before any hook goes in, for anything else."""
     Optimizer = _torch().optim.Optimizer
+    d = getattr(opt, "__dict__", None)
+    if (isinstance(opt, Optimizer) and isinstance(d, dict) and isinstance(d.get("_optimizer_step_pre_hooks"), dict)
+            and "optimizer" not in d and "_optimizer" not in d):
+        return opt  # a torch optimizer that holds no other: what the loop below returns at its first turn
     o = opt
     for _ in range(8):  # wrappers of wrappers, bounded
         d = getattr(o, "__dict__", None)
@@ -1899,7 +1907,8 @@ class Tracker:
         model = None if self._model is None else self._model()
         if model is not None:  # torch.compile'd regions: modules without figures of their own
             plan = self._model_plan(model)
-            if self._forwards == 0 or _any_compiled(plan.mods):  # else _compiled_notes has nothing to say
+            # else _compiled_notes has nothing to say (no region, and the model ran or nothing was compiled)
+            if _any_compiled(plan.mods) or (self._forwards == 0 and _graphs_compiled()):
                 named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
                 more, row_notes = _compiled_notes(named, self._forwards)
                 caveats += more
