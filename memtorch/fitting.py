@@ -8,9 +8,10 @@
 How fit() searches, without running out of memory. Once a step's allocation pattern settles, its bytes
 are affine in the batch size (activations per sample), so two dry runs (the inputs' own value and twice
 it, or half it when that does not fit) give a line, and the line gives the answer. The answer and the
-value above it are then estimated in full: both confirmed is the usual four dry runs, whatever the range.
-Where the line is off (attention that grows with the square of the sequence, the caching allocator's
-rounding of segments on cuda), the search goes on between the values known to fit and not to fit, by
+value above it are then estimated in full: both confirmed is four dry runs, whatever the range. Where the
+line is off (attention that grows with the square of the sequence, the caching allocator's rounding of
+segments on cuda, a start value too small for the pattern to have settled: the peak is the largest of the
+phases' figures, the optimizer's at small batches, the backward's at large ones), the search goes on between the values known to fit and not to fit, by
 the line through the nearest two (or halving the gap when that stalls), until the two are neighbours:
 the answer is always a value whose estimate fits next to one whose estimate does not.
 
