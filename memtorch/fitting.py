@@ -13,7 +13,8 @@ line is off (attention that grows with the square of the sequence, the caching a
 segments on cuda, a start value too small for the pattern to have settled: the peak is the largest of the
 phases' figures, the optimizer's at small batches, the backward's at large ones), the search goes on
 between the values known to fit and not to fit, by the line through the nearest two (or halving the gap
-when that stalls), until the two are neighbours: the answer is always a value whose estimate fits next to one whose estimate does not.
+when that stalls), until the two are neighbours: the answer is always a value whose estimate fits next
+to one whose estimate does not.
 
 Each value's figure is memtorch.estimate()'s for that configuration (memtorch._engine: the same dry
 run), judged as plan() judges it: the reserved figure on cuda (the caching allocator's segments), the
