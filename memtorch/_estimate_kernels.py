@@ -445,9 +445,11 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
 
 
 def _leaves(out):
+    """The tensors of a kernel's outputs, in the order the accounting mode counts them (_estimate_run)."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
-    return [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def _larger_outputs(fake, real, inputs):
@@ -622,13 +624,9 @@ def _reduced_loss_after(state):
             return
         shape = tuple(torch.broadcast_shapes(args[0].shape, args[1].shape))
         loss = ledger.add_extra(n, "temporary", transient=False)
-        strides, acc = [], 1
-        for d in reversed(shape):
-            strides.append(acc)
-            acc *= max(1, d)
+        strides = torch.empty(shape, device="meta").stride()  # the new tensor's: contiguous
         acc_bytes = 8 if out.dtype == torch.float64 else 4
-        buffer, semaphores = reduce_staging(shape, tuple(reversed(strides)), set(range(len(shape))), acc_bytes,
-                                            state.gpu, 0)  # fmt: skip
+        buffer, semaphores = reduce_staging(shape, strides, set(range(len(shape))), acc_bytes, state.gpu, 0)
         if buffer:
             key = ledger.add_extra(buffer, "temporary", transient=False)
             ledger.add_extra(semaphores)

@@ -563,22 +563,28 @@ def _describe_tensor(t):
 # Tracker
 
 
-def _is_compiled_wrapper(module):
-    """Whether ``module`` is what torch.compile(module) returns (an OptimizedModule); read
-    without importing torch._dynamo (a process that never compiled has not imported it)."""
-    ev = sys.modules.get("torch._dynamo.eval_frame")
-    wrapper = getattr(ev, "OptimizedModule", None)
-    return wrapper is not None and isinstance(module, wrapper)
+def _compiled_kind(module, wrapper):
+    """How ``module`` is a torch.compile'd region: "torch.compile" (what torch.compile(module) returns, an
+    instance of ``wrapper``, _optimized_module()), "compile()" (module.compile() was called), else None."""
+    if wrapper is not None and isinstance(module, wrapper):
+        return "torch.compile"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "compile()"
+    return None
+
+
+def _optimized_module():
+    """torch.compile's wrapper class (OptimizedModule), read without importing torch._dynamo (a process
+    that never compiled has not imported it), or None."""
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
 def _any_compiled(refs):
-    """Whether a module of ``refs`` (weak references) is a torch.compile'd region (_compiled_notes' test)."""
-    ev = sys.modules.get("torch._dynamo.eval_frame")
-    wrapper = getattr(ev, "OptimizedModule", None)
+    """Whether a module of ``refs`` (weak references) is a torch.compile'd region (_compiled_notes' regions)."""
+    wrapper = _optimized_module()
     for ref in refs:
         mod = ref()
-        if mod is not None and ((wrapper is not None and isinstance(mod, wrapper))
-                                or getattr(mod, "_compiled_call_impl", None) is not None):  # fmt: skip
+        if mod is not None and _compiled_kind(mod, wrapper) is not None:
             return True
     return False
 
@@ -600,13 +606,13 @@ def _compiled_notes(named, root_calls):
     run outside the graph: its row holds the region's bytes) or module.compile() (its hooks
     run inside: its bytes are in its parent's row)."""
     regions, notes = [], []
+    wrapper = _optimized_module()
     for name, mod in named:
         if mod is None or any(r == "" or name == r or name.startswith(r + ".") for r, _ in regions):
             continue
-        if _is_compiled_wrapper(mod):
-            regions.append((name, "torch.compile"))
-        elif getattr(mod, "_compiled_call_impl", None) is not None:
-            regions.append((name, "compile()"))
+        kind = _compiled_kind(mod, wrapper)
+        if kind is not None:
+            regions.append((name, kind))
     caveats = []
     for r, how in regions:
         inside = [n for n, _ in named if n != r and (r == "" or n.startswith(r + "."))]

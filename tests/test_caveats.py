@@ -152,7 +152,7 @@ def test_process_counter_is_read_without_advancing_it(worker_start):
     assert cpu._processes()[0] == before
     p = multiprocessing.get_context(worker_start or "fork").Process(target=_child)
     p.start()
-    p.join(timeout=120)
+    p.join(timeout=_WORKER_TIMEOUT)
     assert p.exitcode == 0, f"the forked child did not exit cleanly: exit code {p.exitcode}"
     after = cpu._processes()[0]
     assert cpu._started(before, after) == 1 and cpu._started(after, after) == 0
