@@ -6,15 +6,21 @@
     print(f)           # the estimate at both, the line, the dry runs made
 
 How fit() searches, without running out of memory. Once a step's allocation pattern settles, its bytes
-are affine in the batch size (activations per sample), so two dry runs (the inputs' own value and twice
-it, or half it when that does not fit) give a line, and the line gives the answer. The answer and the
-value above it are then estimated in full: both confirmed is four dry runs, whatever the range. Where the
-line is off (attention that grows with the square of the sequence, the caching allocator's rounding of
-segments on cuda, a start value too small for the pattern to have settled: the peak is the largest of the
-phases' figures, the optimizer's at small batches, the backward's at large ones), the search goes on
-between the values known to fit and not to fit, by the line through the nearest two (or halving the gap
-when that stalls), until the two are neighbours: the answer is always a value whose estimate fits next
-to one whose estimate does not.
+are affine in the batch size (activations per sample). The step's peak is the largest of its phases'
+peaks (the optimizer's at small batches, the backward's at large ones), so two dry runs (the inputs' own
+value and twice it, or half it when that does not fit) give each phase its own line, and the first line
+to meet the budget gives the answer. The answer and the value above it are then estimated in full: both
+confirmed is four dry runs. Where the lines are off (a start value too small for a phase's pattern to
+have settled, attention that grows with the square of the sequence, the caching allocator's segments on
+cuda, whose excess over the peak rises in steps), the next lines are drawn through the last guess and
+its neighbour (a tangent where the pattern has settled), and the gap is halved where two such guesses in
+a row did not halve it, until a value known to fit neighbours one known not to: the answer is always a
+value whose estimate fits next to one whose estimate does not. Measured on six 4-layer Llama-7B and GPT-2
+shapes from batch 1 or 2 (benchmarks/bench_fit.py): 3 to 9 dry runs, 4 where the lines held.
+
+On cuda the reserved figure is not monotone in the value everywhere (a larger batch can pack into
+fewer segments): a larger value than the answer may fit too, with a gap that does not. fit() answers the
+first crossing it finds from the inputs' value.
 
 Each value's figure is memtorch.estimate()'s for that configuration (memtorch._engine: the same dry
 run), judged as plan() judges it: the reserved figure on cuda (the caching allocator's segments), the
@@ -33,10 +39,7 @@ from .reports.fit import Fit  # the result type's home
 __all__ = ["fit", "Fit", "VARY"]
 
 VARY = ("batch", "seq", "max_new_tokens")
-_MAX_RUNS = 64
-# the caching allocator's largest rounding of a segment (a 20 MiB large buffer): a judged figure on cuda moves
-# in steps up to this size, so a line drawn through it needs a rise of more than two of them
-_STEP = 20 << 20  # a search that needs more has met a figure that is not monotone in the value
+_MAX_RUNS = 64  # a search that needs more has met a figure that is not monotone in the value
 
 
 def fit(
@@ -215,6 +218,7 @@ def fit(
             hi = b if hi is None else min(hi, b)
     line = None
     last_gap = None  # hi - lo before the last guess
+    stalled = 0  # line guesses in a row that did not halve the gap
     pair = (a, b) if b != a else None  # the two values the next line is drawn through
     if b != a:
         slope = (done[b].judged - done[a].judged) / (b - a)
@@ -226,10 +230,15 @@ def fit(
             break  # the cap fits
         if lo == 0 and hi == 1:
             break
-        # a line whose last guess did not halve the gap gives way to halving it (a figure that rises in
-        # steps, or a line drawn where the pattern had not settled): the search ends in a few dozen runs
+        # a line whose last two guesses did not halve the gap gives way to halving it (a figure that rises
+        # in steps, or lines drawn where the pattern had not settled): the search ends in a few dozen runs.
+        # One such guess is allowed: the first tangent is often drawn far from the answer (a guess from a
+        # line through small values), and the next one, drawn near it, ends the search
         gap = None if hi is None else hi - lo
-        halve = gap is not None and last_gap is not None and gap > last_gap // 2
+        stalled = stalled + 1 if gap is not None and last_gap is not None and gap > last_gap // 2 else 0
+        halve = stalled >= 2
+        if halve:
+            stalled = 0
         last_gap = gap
         guess = _next_guess(done, lo, hi, budget, max_value, pair, bisect=halve)
         if guess is None:
@@ -300,31 +309,63 @@ def fit(
     )
 
 
+def _phase_peaks(f):
+    """{phase: peak} of one value's figures: the estimate's phases (the step's peak is the largest), or the
+    peak alone where no one-process estimate is kept (world_size > 1)."""
+    rep = f.report
+    if rep is None or not rep.phases:
+        return {"step": f.peak}
+    return {n: p.peak for n, p in rep.phases.items()}
+
+
+def _line_guess(done, pair, budget):
+    """The largest value whose figure the line through ``pair`` (two values tried) puts within the budget,
+    or None where no phase rises.
+
+    The step's peak is the largest of its phases' peaks, each affine in the value once its pattern
+    settles (the optimizer's phase highest at small batches, the backward's at large ones): each phase
+    has its own line through the two values, and the guess is where the first of them meets the budget
+    scaled by the peak's share of the judged figure at the nearer value (on cuda the caching allocator's
+    segments, whose excess over the peak grows with it, in steps: measured 3% to 19% of it).
+    """
+    v1, v2 = sorted(pair)
+    f1, f2 = done[v1], done[v2]
+    near = f1 if abs(f1.judged - budget) <= abs(f2.judged - budget) else f2
+    target = budget * near.peak // max(near.judged, 1)
+    p1, p2 = _phase_peaks(f1), _phase_peaks(f2)
+    guess = None
+    for name, a in p1.items():
+        b = p2.get(name)
+        if b is None:
+            continue
+        slope = (b - a) / (v2 - v1)
+        if slope <= 0:
+            if a > target:
+                return v1 - 1  # a phase that does not fall with the value is over already: below v1
+            continue
+        at = v1 + int((target - a) // slope)
+        guess = at if guess is None else min(guess, at)
+    return guess
+
+
 def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False):
     """The next value to try, strictly between lo and hi (0 and None: not known).
 
     The line is drawn through ``pair``, the last two values tried together (the first two, then a guess
-    and its neighbour): through their judged figures where these rise by more than the allocator's steps,
-    else through their peaks (smooth in the value, where the reserved figure on cuda rises in steps) to
-    where the peak plus the judged figure's excess over it at the nearer value meets the budget. bisect:
-    the middle of the gap instead (a line that stalled).
+    and its neighbour), phase by phase (_line_guess). A line that puts the answer at lo (or at or above
+    hi) asks for lo's neighbour (hi's): the one value that confirms it. bisect: the middle of the gap
+    instead (a line that stalled).
     """
     guess = None
     if bisect and hi is not None:
         guess = (lo + hi) // 2
     elif pair is not None:
-        (v1, v2) = pair
-        f1, f2 = done[v1], done[v2]
-        if f2.judged - f1.judged > 2 * _STEP:
-            # the judged figure rises by more than the allocator's steps between the two: its own line
-            slope = (f2.judged - f1.judged) / (v2 - v1)
-            guess = v1 + int((budget - f1.judged) // slope)
-        else:
-            slope = (f2.peak - f1.peak) / (v2 - v1)
-            near = f1 if abs(f1.judged - budget) <= abs(f2.judged - budget) else f2
-            target = budget - (near.judged - near.peak)
-            if slope > 0:
-                guess = v1 + int((target - f1.peak) // slope)
+        guess = _line_guess(done, pair, budget)
+        if guess is not None:
+            if guess <= lo:
+                guess = lo + 1
+            elif hi is not None and guess >= hi:
+                guess = hi - 1
     top = hi
     if guess is None:  # no line that rises: double past the largest fitting value, or halve the gap
         guess = 2 * max(lo, 1) if top is None else (lo + top) // 2

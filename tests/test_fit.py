@@ -152,6 +152,67 @@ def test_new_tokens_of_generation():
     assert f.config["training"] is False
 
 
+def _figures(peaks, judged=None):
+    """Figures of one value whose estimate's phases peak at ``peaks`` ({phase: bytes})."""
+    from types import SimpleNamespace
+
+    from memtorch._engine import Figures
+
+    phases = {n: SimpleNamespace(peak=p) for n, p in peaks.items()}
+    peak = max(peaks.values())
+    judged = peak if judged is None else judged
+    return Figures(peak, None, peak, (peak,), (peak,), judged, SimpleNamespace(phases=phases))
+
+
+def test_each_phase_has_its_own_line():
+    from memtorch.fitting import _line_guess
+
+    # the optimizer's phase is the peak at 1 and 2 (it rises 10 a sample), the backward's rises 100 a sample
+    # from below it: the line of the step's peak would say 91 for 1900, the backward's line meets it at 19
+    done = {
+        1: _figures({"backward": 100, "optimizer": 1000}),
+        2: _figures({"backward": 200, "optimizer": 1010}),
+    }
+    assert _line_guess(done, (1, 2), 1900) == 19
+    assert _line_guess(done, (1, 2), 1100) == 11
+    assert _line_guess(done, (1, 2), 1000) == 1  # the optimizer's 1000 at batch 1 fits exactly
+    assert _line_guess(done, (1, 2), 999) == 0  # below it nothing does
+    # a phase that does not rise and is over the budget already: the answer is below the pair
+    flat = {1: _figures({"forward": 500, "optimizer": 900}), 2: _figures({"forward": 600, "optimizer": 900})}
+    assert _line_guess(flat, (1, 2), 800) == 0
+
+
+def test_the_judged_excess_over_the_peak_is_scaled_with_it():
+    from memtorch.fitting import _line_guess
+
+    # on cuda the reserved figure's excess over the peak grows with the peak (fragmentation, measured 3% to
+    # 19% on Llama shapes): the budget is scaled by the peak's share of the judged figure at the nearer value
+    done = {10: _figures({"backward": 1000}, judged=1250), 11: _figures({"backward": 1100}, judged=1375)}
+    # budget 2500 at 4/5 is a peak of 2000: 10 + (2000 - 1000) / 100
+    assert _line_guess(done, (10, 11), 2500) == 20
+
+
+def test_a_start_below_the_settled_pattern_costs_few_dry_runs():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+
+    def ids(b):
+        return {"input_ids": ((b, 32), torch.long), "labels": ((b, 32), torch.long)}
+
+    at = {b: memtorch.estimate(model, ids(b), device="cpu") for b in (1, 2, 8, 9)}
+    # at batch 1 and 2 the optimizer's phase is the step's peak; from 2 on the backward's (each its own line)
+    assert at[1].phases["optimizer"].peak == at[1].peak and at[9].phases["backward"].peak == at[9].peak
+    f = memtorch.fit(model, ids(1), device_memory=at[8].peak + 1000, reserve=0, device="cpu")
+    assert (f.value, f.next_value) == (8, 9) and at[9].peak > at[8].peak + 1000
+    # the step's line through 1 and 2 said 32 (the search took 6 dry runs); the phases' lines say 9
+    assert [v for v, _ in f.tried] == [1, 2, 9, 8]
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
