@@ -124,7 +124,7 @@ def real_step(model, x, optimizer, loss_fn, precision, checkpoint_spec, steps=2)
     import contextlib
 
     import memtorch
-    from memtorch.estimation import _make_optimizer, checkpointing, default_loss
+    from memtorch.estimator.estimate import _make_optimizer, checkpointing, default_loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     seen, uniq = set(), []

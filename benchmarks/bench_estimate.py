@@ -80,7 +80,7 @@ def run_case(name):
     measured = report.peak - base
     # model states after real steps: one more forward/backward so that gradients exist
     out = model(x)
-    (loss_fn or memtorch.estimation.default_loss)(out, x).backward()
+    (loss_fn or memtorch.estimator.estimate.default_loss)(out, x).backward()
     del out
     mm = memtorch.inspect(model, optimizer=opt).by_category
     real_states = {k: mm.get(k, 0) for k in ("parameter", "buffer", "gradient", "optimizer_state")}
@@ -201,7 +201,7 @@ def resnet18_workspaces(data, cases, truth):
     it took on the H200 (tests/data/h200/conv_workspaces.py reads them off the snapshot)."""
     import importlib.util
 
-    from memtorch import _estimate_kernels
+    from memtorch.estimator import kernels as _estimate_kernels
 
     spec = importlib.util.spec_from_file_location("h200_conv_workspaces", os.path.join(data, "conv_workspaces.py"))
     cw = importlib.util.module_from_spec(spec)

@@ -51,7 +51,7 @@ def _real(sweep, name, precision, ckpt):
             # models: each block under torch.utils.checkpoint, run without its cache)
             sweep._hf_checkpointing(model)
         elif ckpt:
-            from memtorch.estimation import block_names
+            from memtorch.estimator.estimate import block_names
 
             for _name, block in block_names(model):  # the outermost lists' blocks, as estimate's "blocks"
                 block.forward = (lambda f: lambda *a, **k: tc.checkpoint(f, *a, use_reentrant=False, **k))(

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MATMUL = r"""
 import json, torch
-from memtorch._estimate_cuda import resolve_gpu
+from memtorch.estimator.allocator import resolve_gpu
 dtype = getattr(torch, {dtype!r})
 a = torch.randn(256, 256, device="cuda", dtype=dtype)
 torch.cuda.synchronize()
@@ -38,7 +38,7 @@ print(json.dumps({{"measured": grown, "modelled": resolve_gpu().cublas_workspace
 SDPA = r"""
 import json, torch
 import torch.nn.functional as F
-from memtorch._estimate_cuda import resolve_gpu, sdpa_backend
+from memtorch.estimator.allocator import resolve_gpu, sdpa_backend
 q = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     F.scaled_dot_product_attention(q, q, q, dropout_p={p!r}).sum().backward()

@@ -407,11 +407,11 @@ def _describe_4bit(module):
 
 
 def kernel_rules(gpu=None, notes=None):
-    """{operator: fn} for bitsandbytes' operators in estimate()'s kernel tables (_estimate_kernels wraps
+    """{operator: fn} for bitsandbytes' operators in estimate()'s kernel tables (estimator.kernels wraps
     each fn as a Composite: run under the accounting mode, each operator inside it counted): the CPU's
-    (gpu None) or the CUDA GPU ``gpu``'s (an _estimate_cuda.GPU). Empty while bitsandbytes is not
+    (gpu None) or the CUDA GPU ``gpu``'s (an estimator.allocator.GPU). Empty while bitsandbytes is not
     loaded (no bitsandbytes layer can exist then). notes: the set the estimate's notes are read from
-    (_estimate_kernels.notes); the quantized layers of this dry run describe themselves there, and
+    (estimator.kernels.notes); the quantized layers of this dry run describe themselves there, and
     the previous run's lines are taken out."""
     if notes is not None:
         notes.difference_update(_run["given"])

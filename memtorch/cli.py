@@ -1010,7 +1010,7 @@ def _step_flags(p):
         "(repeat for several; keyword inputs after the positional ones: model(*args, **kwargs))",
     )
     p.add_argument("--optimizer", help="optimizer name: sgd, sgd-momentum, adam, adamw, adamw-fused, adamw8bit, "
-                   "paged_adamw8bit, lion, lion8bit, adafactor, ... (memtorch.estimation.OPTIMIZERS; default adamw)")
+                   "paged_adamw8bit, lion, lion8bit, adafactor, ... (memtorch.estimator.estimate.OPTIMIZERS; default adamw)")
     p.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true, fp16-true, mixed-zero, fp16-zero")
     p.add_argument(
         "--device", help="the device modelled: cuda (the default for estimate, plan and advise) or cpu"

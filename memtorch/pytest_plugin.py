@@ -607,7 +607,7 @@ def memtorch_estimate():
 
     def check(model, *inputs, peak=None, delta=None, **options):
         # lazy: the plugin loads in every pytest run: memtorch's engines load only when a test uses them
-        from .estimation import estimate
+        from .estimator.estimate import estimate
 
         est = estimate(model, *inputs, **options)
         est.check(peak=peak, delta=delta)

@@ -6,7 +6,7 @@
 #include <string.h>
 
 /* The caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp, default settings); the same as
- * memtorch/_estimate_cuda.py's, which is the reference this file is tested against. */
+ * memtorch/estimator/allocator.py's, which is the reference this file is tested against. */
 #define MT_MIN_BLOCK 512
 #define MT_SMALL_SIZE ((int64_t)1 << 20)
 #define MT_SMALL_BUFFER ((int64_t)2 << 20)

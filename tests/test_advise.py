@@ -291,7 +291,7 @@ def test_model_that_fails_to_run_leaves_nothing_behind():
 
 
 def test_submodule_import_does_not_shadow_the_function():
-    import memtorch.advice  # noqa: F401
+    import memtorch.estimator.advise  # noqa: F401
 
     assert callable(memtorch.advise) and memtorch.advise is advice.advise
 

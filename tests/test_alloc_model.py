@@ -1,5 +1,5 @@
 """_C.alloc_replay, the C replay behind estimate()'s and every rank's figures, held against its Python
-reference (memtorch._estimate_cuda.CachingAllocator, itself held against the H200's traces in
+reference (memtorch.estimator.allocator.CachingAllocator, itself held against the H200's traces in
 test_estimate_cuda) event by event, and _estimate_ranks._replay's sequence with inserts against the
 sequence built by hand."""
 
@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from memtorch import _C, _estimate_ranks
-from memtorch._estimate_cuda import CachingAllocator, round_size
+from memtorch import _C
+from memtorch.estimator import ranks as _estimate_ranks
+from memtorch.estimator.allocator import CachingAllocator, round_size
 
 # The allocation model's entry points in _C, each exercised by the leak loop below.
 ALLOC_FUNCTIONS = {"alloc_replay"}

@@ -82,13 +82,13 @@ def test_kv_cache_per_token_is_the_real_caches(make, precision):
         cache = model(ids, use_cache=True).past_key_values
     real = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert memtorch.capacity.__module__  # the function, not the submodule
-    from memtorch.capacity import kv_bytes_per_token
+    from memtorch.estimator.capacity import kv_bytes_per_token
 
     assert kv_bytes_per_token(model, precision) * 3 * 10 == real
 
 
 def test_kv_cache_per_token_is_none_for_a_cache_of_another_shape():
-    from memtorch.capacity import kv_bytes_per_token
+    from memtorch.estimator.capacity import kv_bytes_per_token
 
     mistral = transformers.MistralConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -35,7 +35,7 @@ def test_zero1_even_pads_each_group_as_deepspeed_does(world, partition):
 
 
 def test_even_partition_by_hand():
-    from memtorch._estimate_ranks import even_partition
+    from memtorch.estimator.ranks import even_partition
 
     # two groups: 10 + 7 elements and 5; 4 ranks pad to multiples of 8: 24 -> 6 each, 8 -> 2 each
     sizes, parts = even_partition([[0, 1], [2]], [10, 7, 5], 4)

@@ -15,7 +15,7 @@ from torch import nn
 import memtorch
 from memtorch import cpu
 from memtorch.errors import BudgetExceeded, MemtorchError
-from memtorch.estimation import OPTIMIZERS, _make_optimizer, checkpointing, default_loss
+from memtorch.estimator.estimate import OPTIMIZERS, _make_optimizer, checkpointing, default_loss
 
 def cpu_estimate(*args, **kwargs):
     """memtorch.estimate() of the CPU's step (its default device is cuda): what track() measures here."""
@@ -201,7 +201,7 @@ def test_blocks_are_the_outermost_lists_blocks():
     model.load_state_dict(wrapped.state_dict())
     est = cpu_estimate(model, x, optimizer="sgd", checkpointing="blocks")
     assert est.peak == real
-    targets = memtorch.estimation._checkpoint_targets(model, "blocks")
+    targets = memtorch.estimator.estimate._checkpoint_targets(model, "blocks")
     assert targets == list(model.block)
 
 
@@ -209,7 +209,7 @@ def test_blocks_are_the_outermost_lists_blocks():
 
 
 def test_real_model_not_copied():
-    from memtorch._estimate_kernels import PROBE_CAP
+    from memtorch.estimator.kernels import PROBE_CAP
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 3072), nn.Linear(3072, 8))  # a 48 MiB weight
@@ -402,7 +402,7 @@ def test_zero1_even_is_the_zero_paper_split():
 
 
 def test_zero_partition_by_hand():
-    from memtorch._estimate_ranks import zero_partition
+    from memtorch.estimator.ranks import zero_partition
 
     # one group, 3 ranks, numels 5, 7, 7, 3, 10: by size, largest first, ties in their order
     # (10, 7 (index 1), 7 (index 2), 5, 3); each to the rank with the fewest elements, the first on a tie:
@@ -422,7 +422,7 @@ def test_zero_partition_is_torchs():
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from memtorch._estimate_ranks import zero_partition
+    from memtorch.estimator.ranks import zero_partition
 
     numels = [5, 7, 7, 3, 10]
     params = [nn.Parameter(torch.zeros(k)) for k in numels]
@@ -493,7 +493,7 @@ class Blocks(nn.Module):
 
 
 def test_fsdp_units_default_names_types_and_predicate():
-    from memtorch._estimate_ranks import resolve_units
+    from memtorch.estimator.ranks import resolve_units
 
     m = Blocks()
     names = lambda us: [n for n, _ in us]  # noqa: E731
@@ -543,7 +543,7 @@ def test_fsdp_world_size_need_not_divide():
 
 
 def test_cuda_rounding_and_segments():
-    from memtorch._estimate_cuda import CachingAllocator, round_size, segment_size
+    from memtorch.estimator.allocator import CachingAllocator, round_size, segment_size
 
     assert [round_size(n) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
     MiB = 1 << 20
@@ -606,7 +606,7 @@ def test_shape_inputs_and_dtype_pairs():
 
 def test_scalar_wrapping_measured():
     # A Python number where a kernel takes a Tensor: 8 bytes wrapped, cast to the result dtype.
-    from memtorch._estimate_kernels import scalar_extra
+    from memtorch.estimator.kernels import scalar_extra
 
     cpu.start()
     t = torch.randn(10)
@@ -1046,7 +1046,7 @@ def test_checkpointed_bf16_step_estimates_for_cuda():
     CUDA's routing (cuDNN attention) was not taken again and the recomputation saved other tensors.
     Now the recomputation takes the forward's kernels: cuDNN attention once per block per forward
     and once per recomputation (2 blocks x 2 steps x 2)."""
-    from memtorch._estimate_cuda import GPU
+    from memtorch.estimator.allocator import GPU
 
     with torch.device("meta"):
         model = _tiny_gpt2_lm()
@@ -1102,8 +1102,8 @@ def test_mixture_of_experts_estimate_is_tracks_peak(name):
 def test_grouped_mm_output_as_each_device_allocates_it():
     """(10 x 8) fp32 rows in 3 groups times (3 x 8 x 5) weights: a 10 x 5 output. The CPU allocates
     it contiguous (200 B); CUDA pads rows to 16 B (5 -> 8 floats, stride 8): 9 x 8 + 5 = 77 floats."""
-    from memtorch._estimate_kernels import _grouped_mm
-    from memtorch._estimate_run import fake_mode
+    from memtorch.estimator.kernels import _grouped_mm
+    from memtorch.estimator.dispatch import fake_mode
 
     with fake_mode():
         a, b = torch.empty(10, 8), torch.empty(3, 8, 5)
@@ -1132,7 +1132,7 @@ def test_swin_with_its_learned_attention_bias_estimates_for_cuda():
 def test_kernel_notes_are_the_estimates_own():
     # a kernel's note (oneDNN's LSTM workspace without exact counters) belongs to the estimate whose dry run
     # met that kernel, not to every estimate after it in the process
-    from memtorch import _estimate_kernels
+    from memtorch.estimator import kernels as _estimate_kernels
 
     model = nn.Linear(4, 2)
     _estimate_kernels.notes.add("the oneDNN LSTM's workspace is not modelled without exact CPU counters")
@@ -1232,7 +1232,7 @@ def test_a_reduced_loss_holds_what_the_real_kernel_holds(name, reduction, monkey
     assert est.peak == report.peak - base
     # without the real kernel's output size the estimate is 512 - 4 bytes under, for the kernels that keep it
     # (mse_loss and smooth_l1_loss by their rule, at any size; the others by the probe's)
-    import memtorch._estimate_kernels as kernels
+    import memtorch.estimator.kernels as kernels
 
     kernels._probe_cache.clear()
     monkeypatch.setattr(kernels, "_grow_outputs", lambda out, grown: None)
@@ -1247,8 +1247,8 @@ def test_a_reduced_loss_holds_what_the_real_kernel_holds(name, reduction, monkey
 def test_a_large_mse_loss_is_grown_without_a_probe():
     # arguments over PROBE_CAP are not probed: mse_loss's rule alone gives its result the unreduced loss's size,
     # 64 x 1024 x 130 float32 (33.3 MB, over the 32 MiB cap with the input and target), and its transient
-    from memtorch._estimate_kernels import PROBE_CAP
-    from memtorch.estimation import _KEEP_RUNS
+    from memtorch.estimator.kernels import PROBE_CAP
+    from memtorch.estimator.estimate import _KEEP_RUNS
 
     shape = (64, 1024, 130)
     n = 64 * 1024 * 130 * 4

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import memtorch
-from memtorch._estimate_cuda import GPU, reduce_staging, resolve_gpu, rnn_sizes, sdpa_backend
+from memtorch.estimator.allocator import GPU, reduce_staging, resolve_gpu, rnn_sizes, sdpa_backend
 from memtorch.errors import MemtorchError
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "h200")
@@ -133,7 +133,7 @@ def test_resnet18_reserved_with_the_traces_workspaces(monkeypatch):
     sizes = cw.trace_workspaces()
     assert len(sizes) == 2 * (19 + 37) and sizes[:56] == sizes[56:]  # two identical steps
     traced = cw.TraceWorkspaces(sizes)
-    monkeypatch.setattr("memtorch._estimate_kernels._conv_transposes", traced)
+    monkeypatch.setattr("memtorch.estimator.kernels._conv_transposes", traced)
     est = _estimate_shipped("resnet18-fp32")
     # 20 convolutions: 20 forward, 19 grad_input (not the first: the input needs no gradient), 20 grad_weight
     assert traced.calls == 2 * (20 + 19 + 20) and traced.left == []
@@ -146,7 +146,7 @@ def test_resnet18_conv_workspace_fact():
     spec = importlib.util.spec_from_file_location("h200_conv_workspaces", os.path.join(DATA, "conv_workspaces.py"))
     cw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cw)
-    from memtorch.estimation import CUDNN_CONV_FACT
+    from memtorch.estimator.estimate import CUDNN_CONV_FACT
 
     assert cw.workspace_segments() == CUDNN_CONV_FACT
     # by hand from the trace's segment_alloc events: the forward's conv1 (118 MiB), layer1 and layer2 (8 x 26 MiB),
@@ -303,7 +303,7 @@ def test_reduction_staging_from_the_trace():
 def test_reduction_staging_in_the_estimate(monkeypatch):
     # a bias gradient of 4096 rows after a ReLU: the backward's peak holds the 16 MiB staging buffer and
     # the semaphores, one 512-byte block, on top of what it held without them
-    import memtorch._estimate_cuda as cuda
+    import memtorch.estimator.allocator as cuda
 
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU())
     with_staging = memtorch.estimate(model, (4096, 512), optimizer="sgd", device="cuda", gpu="h200")
@@ -314,8 +314,8 @@ def test_reduction_staging_in_the_estimate(monkeypatch):
 
 def _dry_run_events(model, *inputs, **kwargs):
     """The dry run's allocation events: [(+1 or -1, bytes rounded as the caching allocator does, phase)]."""
-    from memtorch._estimate_cuda import round_size
-    from memtorch.estimation import _KEEP_RUNS
+    from memtorch.estimator.allocator import round_size
+    from memtorch.estimator.estimate import _KEEP_RUNS
 
     kept = []
     token = _KEEP_RUNS.set(kept)
@@ -339,7 +339,7 @@ def test_encoder_step_allocates_as_its_trace():
     # attention backward's gradient copy, delta's temporaries and workspace (below), the reductions' staging
     # buffers, and the residual gradients summed in place (autograd's InputBuffer). Replayed through the
     # caching allocator model from the same parameters, the trace's own events give the estimate's figures
-    from memtorch._estimate_cuda import CachingAllocator, round_size
+    from memtorch.estimator.allocator import CachingAllocator, round_size
 
     torch.manual_seed(0)
     model, inputs, loss_fn, opt, precision, _ = _cases().build("encoder-fp32")
@@ -422,7 +422,7 @@ def test_caching_allocator_takes_the_lowest_address_of_equal_blocks():
     # BlockComparatorSize (CUDACachingAllocator.cpp): free blocks ordered by size, then address. Two full
     # 20 MiB segments, each an 8 MiB block and a 12 MiB one; the 8 MiB blocks freed high then low: the next
     # 8 MiB request takes the low one (the model's segments lie in the order they were reserved)
-    from memtorch._estimate_cuda import CachingAllocator
+    from memtorch.estimator.allocator import CachingAllocator
 
     alloc = CachingAllocator()
     for first, rest in (("a", "f"), ("b", "g")):
@@ -505,7 +505,7 @@ def test_a_reduced_mse_loss_keeps_the_unreduced_storage():
         def forward(self, x, y):
             return nn.functional.mse_loss(self.lin(x), y)
 
-    from memtorch._estimate_cuda import resolve_gpu
+    from memtorch.estimator.allocator import resolve_gpu
 
     assert reduce_staging((4096, 64), (64, 1), {0, 1}, 4, resolve_gpu("h200")) == (128, 4)
     events = _dry_run_events(Regression(), {"x": (4096, 64), "y": (4096, 64)}, optimizer="sgd",

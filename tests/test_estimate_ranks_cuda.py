@@ -101,7 +101,7 @@ def test_plan_passes_the_rnn_rank_figures_on():
 
 
 def test_an_unsplit_block_is_its_own_line_by_hand():
-    from memtorch._estimate_cuda import CachingAllocator
+    from memtorch.estimator.allocator import CachingAllocator
 
     MiB = 1 << 20
     alloc = CachingAllocator()
@@ -234,7 +234,7 @@ def test_fsdp_rnn_forward_copies_the_weights_for_cudnn(kind, monkeypatch):
     # (num_weights elements: the model's 266,240 B for the LSTM, 199,680 B for the GRU, one block), saved for
     # backward beside the reserve. The rank's peak (in forward) holds it; DDP's ranks read the flat parameters in
     # place and hold none.
-    from memtorch import _estimate_kernels
+    from memtorch.estimator import kernels as _estimate_kernels
 
     _gates, whole = RNN[kind]
     x = torch.empty(16, 8, 64, device="meta")
@@ -256,7 +256,7 @@ def test_flat_rnn_weights_have_no_one_original(monkeypatch):
     # (_estimate_kernels.originals, by storage). cuDNN's flat buffer is one storage that all 8 parameters view:
     # no one parameter is its original (taking the last, a 256-element bias, made a 256 x 64 weight's view run
     # out of bounds), so none is recorded for it; the CPU's parameters, each its own storage, each are.
-    from memtorch import _estimate_kernels
+    from memtorch.estimator import kernels as _estimate_kernels
 
     class Recording(dict):
         def __init__(self):

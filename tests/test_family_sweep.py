@@ -231,7 +231,7 @@ KNOWN_OFF_BLOCKS = {}
 
 
 def test_the_blocks_families_are_those_with_a_module_list():
-    with_lists = {n for n in FAMILIES if memtorch.estimation.block_names(_model(n))}
+    with_lists = {n for n in FAMILIES if memtorch.estimator.estimate.block_names(_model(n))}
     assert sorted(with_lists) == BLOCKS
 
 
@@ -249,7 +249,7 @@ def test_cpu_checkpointed_estimate_is_the_real_step(name, request):
         if getattr(model, "supports_gradient_checkpointing", False):
             _hf_checkpointing(model)
         else:
-            for _n, block in memtorch.estimation.block_names(model):
+            for _n, block in memtorch.estimator.estimate.block_names(model):
                 block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
         return model
 

@@ -13,7 +13,7 @@ from torch import nn
 import memtorch
 from memtorch import cpu
 from memtorch.errors import MemtorchError
-from memtorch.estimation import _make_optimizer, default_loss
+from memtorch.estimator.estimate import _make_optimizer, default_loss
 
 
 def mlp():
@@ -156,7 +156,7 @@ def _figures(peaks, judged=None):
     """Figures of one value whose estimate's phases peak at ``peaks`` ({phase: bytes})."""
     from types import SimpleNamespace
 
-    from memtorch._engine import Figures
+    from memtorch.estimator.engine import Figures
 
     phases = {n: SimpleNamespace(peak=p) for n, p in peaks.items()}
     peak = max(peaks.values())
@@ -165,7 +165,7 @@ def _figures(peaks, judged=None):
 
 
 def test_each_phase_has_its_own_line():
-    from memtorch.fitting import _line_guess
+    from memtorch.estimator.fit import _line_guess
 
     # the optimizer's phase is the peak at 1 and 2 (it rises 10 a sample), the backward's rises 100 a sample
     # from below it: the line of the step's peak would say 91 for 1900, the backward's line meets it at 19
@@ -183,7 +183,7 @@ def test_each_phase_has_its_own_line():
 
 
 def test_the_judged_excess_over_the_peak_is_scaled_with_it():
-    from memtorch.fitting import _line_guess
+    from memtorch.estimator.fit import _line_guess
 
     # on cuda the reserved figure's excess over the peak grows with the peak (fragmentation, measured 3% to
     # 19% on Llama shapes): the budget is scaled by the peak's share of the judged figure at the nearer value

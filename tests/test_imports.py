@@ -4,8 +4,9 @@
     floor 1  the result types: memtorch.reports (the Record/Report bases and the result dataclasses),
              report.py (ModelMemory), and budget (the verdict a report's check() gives)
     floor 2  the engines that measure and build results: inspection, cpu, cuda, tracking, peak,
-             leaks, estimation and its _estimate_* parts, _inputs, _reference, _cuda_trace,
-             planning, advice, distributed, integrations, models (a model from its name or config)
+             leaks, estimator (estimate() and the decisions: plan, advise, fit, capacity; estimation,
+             planning, advice and fitting are its first names), _inputs, _reference, _cuda_trace,
+             distributed, integrations, models (a model from its name or config)
     floor 3  renderers and front ends: display, plot, mermaid, cli, pytest_plugin, __main__, and the
              package itself (memtorch/__init__.py, whose lazy loader reaches every floor)
 
@@ -50,10 +51,9 @@ FLOORS = {
     0: ["errors", "units", "words", "_torch", "_C"],
     1: ["reports", "report", "budget"],
     2: [
-        "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "estimation", "_estimate_run",
-        "_estimate_kernels", "_estimate_cuda", "_estimate_ranks", "_inputs", "_reference", "_cuda_trace",
-        "planning", "advice", "fitting", "_engine", "distributed", "integrations", "_optimizers", "models",
-        "capacity", "_quantize", "oom",
+        "inspection", "cpu", "cuda", "tracking", "peak", "leaks", "estimator", "estimation", "planning",
+        "advice", "fitting", "_inputs", "_reference", "_cuda_trace", "distributed", "integrations",
+        "_optimizers", "models", "_quantize", "oom",
     ],
     3: ["display", "plot", "mermaid", "cli", "pytest_plugin", "__main__", ""],
 }  # fmt: skip
@@ -255,7 +255,7 @@ C_OWNERS = {
     ("counters_", "scope_", "eventlog_"): "memtorch.cpu",
     ("names_walk", "modules_fingerprint", "ModuleMarks"): "memtorch.tracking",
     ("_walk", "_walker_setup"): "memtorch.inspection",
-    ("alloc_replay",): "memtorch._estimate_ranks",
+    ("alloc_replay",): "memtorch.estimator.ranks",
 }
 C_EXCEPTIONS = {
     # _torch hands _C torch's source folder when torch first loads (the loader is below cpu's floor)
@@ -295,3 +295,36 @@ def test_storage_helpers_and_vocabulary_are_defined_once():
                     constants.append(f"{module}:{node.lineno} {names}")
     assert defs == {"storage_key": ["memtorch.leaks"], "storage_nbytes": ["memtorch.reports.leaks"]}
     assert not constants, f"define these in memtorch.words and alias them: {constants}"
+
+
+_SHADOW_CHECK = """
+import importlib, pkgutil, sys
+import memtorch
+names = [m.name for m in pkgutil.walk_packages(memtorch.__path__, "memtorch.")]
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ImportError as e:  # an optional dependency (lightning): its module is not the question
+        print("skipped", name, e, file=sys.stderr)
+wrong = []
+for public, (modname, attr) in memtorch._EXPORTS.items():
+    want = importlib.import_module("memtorch." + modname)
+    if attr is not None:
+        want = getattr(want, attr)
+    if getattr(memtorch, public) is not want:
+        wrong.append((public, repr(getattr(memtorch, public))[:80]))
+print(len(names), wrong)
+"""
+
+
+def test_importing_a_submodule_never_shadows_a_public_name():
+    """`import memtorch.x` sets the attribute x of the package to the submodule: a public function of the
+    same name (memtorch.capacity was one: capacity.py) became the module after `from memtorch.capacity
+    import ...`. Every submodule imported, every public name is still what memtorch exports."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHADOW_CHECK], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    count, wrong = out.stdout.strip().split(" ", 1)
+    assert int(count) > 30 and wrong == "[]", out.stdout

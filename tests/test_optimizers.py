@@ -22,7 +22,7 @@ from torch import nn
 import memtorch
 from memtorch import cpu
 from memtorch.errors import MemtorchError
-from memtorch.estimation import OPTIMIZERS, _make_optimizer
+from memtorch.estimator.estimate import OPTIMIZERS, _make_optimizer
 
 BNB_CLASS = {
     "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit", "paged_adamw8bit": "PagedAdamW8bit",

@@ -4,7 +4,7 @@ import pytest
 
 from memtorch import planning as mplan
 from memtorch.errors import MemtorchError, UnitError
-from memtorch.planning import Breakdown, per_rank, plan_from, zero_model_states
+from memtorch.estimator.plan import Breakdown, per_rank, plan_from, zero_model_states
 
 GB = 10**9
 MIB = 2**20

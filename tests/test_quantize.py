@@ -320,7 +320,7 @@ def test_qlora_autocast_step_estimate_matches_track(kind):
     """precision="bf16-mixed": the same real step under CPU autocast (forward and loss; backward
     after it), tracked, against the estimate. Measured: 48 B under (-0.009%)."""
     _bnb()
-    from memtorch.estimation import _make_optimizer, default_loss
+    from memtorch.estimator.estimate import _make_optimizer, default_loss
 
     base = _llama()
     _warm(kind, False)
@@ -453,7 +453,7 @@ def test_cuda_takes_bitsandbytes_own_kernel_choice():
     GPU: its fused kernel for up to 4 rows of A (_GEMM_4BIT_CUSTOM_FLOOR_M), dequantize + linear for
     a training step's thousands of rows."""
     _bnb()
-    from memtorch._estimate_cuda import GPU
+    from memtorch.estimator.allocator import GPU
     from memtorch._quantize import _bnb_heuristic
 
     decide = _bnb_heuristic(GPU("H100", (9, 0), sms=132))
@@ -464,9 +464,9 @@ def test_cuda_takes_bitsandbytes_own_kernel_choice():
 def _cuda_gemm_4bit(M, N, K, nested):
     """(transient bytes, bytes left allocated) of one bitsandbytes::gemm_4bit on fake tensors, with the
     kernel table of estimate(device="cuda") on an H100."""
-    from memtorch._estimate_cuda import GPU
-    from memtorch._estimate_kernels import CudaState, cuda_kernels
-    from memtorch._estimate_run import Ledger, _accounting_mode, fake_mode
+    from memtorch.estimator.allocator import GPU
+    from memtorch.estimator.kernels import CudaState, cuda_kernels
+    from memtorch.estimator.dispatch import Ledger, _accounting_mode, fake_mode
 
     ledger = Ledger()
     blocks = N * K // 64

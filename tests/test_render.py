@@ -11,7 +11,7 @@ import memtorch
 from memtorch import display, units, words
 from memtorch import distributed as mdist
 from memtorch.leaks import LeakReport
-from memtorch.planning import Breakdown, plan_from
+from memtorch.estimator.plan import Breakdown, plan_from
 
 
 class _Deep(nn.Module):

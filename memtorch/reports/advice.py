@@ -1,5 +1,5 @@
 """The result of memtorch.advise(): the suggestions, largest saving first, and how each figure was
-obtained. Data only: the checks that find them stay in memtorch.advice."""
+obtained. Data only: the checks that find them stay in memtorch.estimator.advise."""
 
 import dataclasses
 

@@ -1,6 +1,6 @@
 """The result of memtorch.capacity(): the most sequences a model generates at once on one device, with
 the weights, the KV cache and the prefill beside the whole generate call's figure. Data only: the search
-stays in memtorch.capacity (through memtorch.fitting)."""
+stays in memtorch.estimator.capacity (through memtorch.estimator.fit)."""
 
 import dataclasses
 

@@ -1,5 +1,5 @@
 """The result of memtorch.estimate(): one step's predicted peak, its breakdown, phases and modules, per
-rank where sharded. Data only: the dry run that fills it stays in memtorch.estimation."""
+rank where sharded. Data only: the dry run that fills it stays in memtorch.estimator.estimate."""
 
 import dataclasses
 
@@ -45,7 +45,7 @@ class Estimate(Report):
     # world_size > 1, as every figure here but model_states_total and fsdp_units
     model_states: dict
     world_size: int = 1  # ranks
-    sharding: "str | None" = None  # ddp, zero1, zero2, zero3 (memtorch.planning.SHARDINGS), or None on one rank
+    sharding: "str | None" = None  # ddp, zero1, zero2, zero3 (memtorch.estimator.plan.SHARDINGS), or None on one rank
     # None, "blocks" or the module names recomputed in backward (torch.utils.checkpoint), as estimate() was given
     checkpointing: "str | list | None" = None
     training: bool = True  # a training step; False: a forward under inference_mode (or generation)
@@ -65,7 +65,7 @@ class Estimate(Report):
     peak_rank: "int | None" = None  # the first rank with the highest peak (peak, steady, breakdown, phases: its)
     # zero2/zero3: [{name, gathered_bytes}], each unit's padded unsharded parameters, else None
     fsdp_units: "list | None" = None
-    # per rank on the CPU: the peak when gloo frees each collective's scratch late (see _estimate_ranks);
+    # per rank on the CPU: the peak when gloo frees each collective's scratch late (see estimator.ranks);
     # else None or the peak
     peak_upper: "int | None" = None
     notes: list = field(default_factory=list)  # sentences: what was modelled and what was not

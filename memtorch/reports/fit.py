@@ -1,6 +1,6 @@
 """The result of memtorch.fit(): the largest value of one setting (the batch, the sequence length, the new
 tokens) whose estimated step fits a device, with the estimate there and at the next value. Data only: the
-search stays in memtorch.fitting."""
+search stays in memtorch.estimator.fit."""
 
 import dataclasses
 

@@ -1,5 +1,5 @@
 """The result of memtorch.plan(): the combinations tried, cheapest first (each an Option of
-memtorch.planning). Data only: the search stays in memtorch.planning."""
+memtorch.estimator.plan). Data only: the search stays in memtorch.estimator.plan."""
 
 import dataclasses
 

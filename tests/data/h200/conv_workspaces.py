@@ -54,7 +54,7 @@ def workspace_segments(path=os.path.join(HERE, "resnet18-fp32.snapshot.pickle.gz
 
 
 class TraceWorkspaces:
-    """A stand-in for memtorch._estimate_kernels._conv_transposes: each call gets the trace's next workspace,
+    """A stand-in for memtorch.estimator.kernels._conv_transposes: each call gets the trace's next workspace,
     0 for the passes in NO_WORKSPACE. ``left`` is what no call took (empty when the two line up)."""
 
     def __init__(self, sizes=None, modelled=None):
@@ -67,7 +67,7 @@ class TraceWorkspaces:
         import torch
 
         self.calls += 1
-        # _estimate_kernels passes (tensor, is_filter) pairs: forward (x, out, w) with grad mode on, grad_weight
+        # memtorch.estimator.kernels passes (tensor, is_filter) pairs: forward (x, out, w) with grad mode on, grad_weight
         # (x, grad_out, dw) inside backward (grad mode off), grad_input (grad_out, w, dx)
         flags = tuple(f for _t, f in tensors)
         if flags == (False, True, False):

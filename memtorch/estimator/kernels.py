@@ -20,8 +20,8 @@ correction is made and the estimate says so.
 import contextlib
 import threading
 
-from .errors import MemtorchError
-from ._quantize import kernel_rules  # bitsandbytes' operators (empty unless bitsandbytes is loaded)
+from ..errors import MemtorchError
+from .._quantize import kernel_rules  # bitsandbytes' operators (empty unless bitsandbytes is loaded)
 
 
 class Around:
@@ -71,8 +71,8 @@ def _probe_rnn(args):
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
-    from . import cpu
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing kernels stays cheap)
+    from .. import cpu
 
     def measured(op, *a):
         with cpu.Scope() as s:
@@ -100,8 +100,8 @@ def _probe_rnn(args):
 
 
 def _rnn_forward(args, kwargs, out):
-    # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
-    from . import cpu
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing kernels stays cheap)
+    from .. import cpu
 
     if not cpu.exact():
         notes.add("the oneDNN LSTM's workspace is not modelled without exact CPU counters")
@@ -321,7 +321,7 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
 
     The kernel runs once per signature (shapes, strides, dtypes, other arguments) on
     zero-filled tensors, or on the tensors' values where values(fake) knows them (a position
-    index made by torch.arange: _estimate_run._Known), with memtorch.cpu's exact counters;
+    index made by torch.arange: dispatch._Known), with memtorch.cpu's exact counters;
     kernels whose arguments exceed PROBE_CAP bytes, random kernels and views are not run (None).
     A kernel that raises at arguments its fake kernel accepted raises KernelRefuses (see _refuses).
     count=False: the kernel runs for its checks only (check_real; no counters needed), None.
@@ -329,8 +329,8 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    # lazy: cpu loads _C and NumPy; only this path needs it (importing _estimate_kernels stays cheap)
-    from . import cpu
+    # lazy: cpu loads _C and NumPy; only this path needs it (importing kernels stays cheap)
+    from .. import cpu
 
     if not _probeable(func) or (count and not cpu.exact()):
         return None
@@ -445,7 +445,7 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
 
 
 def _leaves(out):
-    """The tensors of a kernel's outputs, in the order the accounting mode counts them (_estimate_run)."""
+    """The tensors of a kernel's outputs, in the order the accounting mode counts them (dispatch)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -547,8 +547,8 @@ def _blas_after(state, lt=False):
 
 
 def _reduce_after(state):
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import reduce_staging
+    # lazy: allocator loads only when an estimate's dry run needs it
+    from .allocator import reduce_staging
 
     def after(ledger, args, kwargs, out):
         """A sum or mean split across thread blocks (Reduce.cuh): its staging buffer and semaphores,
@@ -609,8 +609,8 @@ def _reduced_loss_cpu(args, kwargs, out):
 
 
 def _reduced_loss_after(state):
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import reduce_staging
+    # lazy: allocator loads only when an estimate's dry run needs it
+    from .allocator import reduce_staging
 
     def after(ledger, args, kwargs, out):
         """Inside mse_loss_out / smooth_l1_loss_out with a reduction: the elementwise loss into a new tensor
@@ -754,8 +754,8 @@ _RNN_MODES = {0: "RNN_RELU", 1: "RNN_TANH", 2: "LSTM", 3: "GRU"}
 
 
 def _cudnn_rnn_forward(state):
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import rnn_sizes
+    # lazy: allocator loads only when an estimate's dry run needs it
+    from .allocator import rnn_sizes
 
     def fix(args, kwargs, out):
         (inp, weight, stride0, weight_buf, hx, cx, mode, hidden, proj, layers, batch_first, dropout, train,
@@ -799,8 +799,8 @@ def _cudnn_rnn_backward(state):
     """_cudnn_rnn_backward as RNN.cpp runs it: zeros for undefined output gradients, a contiguous
     copy of the output gradient, then backward_input (dx, dhx, dcx, workspace) and
     backward_weight (a flat dw like the weight buffer, workspace)."""
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import rnn_sizes
+    # lazy: allocator loads only when an estimate's dry run needs it
+    from .allocator import rnn_sizes
 
     def run(ledger, func, args, kwargs):
         import torch
@@ -926,7 +926,7 @@ def _host_rng(slots):
 
 
 def cuda_kernels(state):
-    """The kernel table for estimate(device="cuda") (see _estimate_run._accounting_mode)."""
+    """The kernel table for estimate(device="cuda") (see dispatch._accounting_mode)."""
     import torch
 
     aten = torch.ops.aten
@@ -992,8 +992,8 @@ def cuda_routing(state):
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import sdpa_backend
+    # lazy: allocator loads only when an estimate's dry run needs it
+    from .allocator import sdpa_backend
 
     aten = torch.ops.aten
     VF = torch._C._VariableFunctions

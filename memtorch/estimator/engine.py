@@ -20,8 +20,8 @@ asking plan, fit verifying a value) is answered from the same run.
 import time
 from collections import namedtuple
 
-from . import units
-from .errors import MemtorchError
+from .. import units
+from ..errors import MemtorchError
 
 __all__ = ["Engine", "Figures", "judged_name", "DEFAULT_DEVICE_NOTE"]
 
@@ -84,7 +84,7 @@ class Engine:
         units=False,
     ):
         # lazy: estimation loads only when this path runs (importing the engine stays cheap)
-        from .estimation import DEFAULT_DEVICE
+        from .estimate import DEFAULT_DEVICE
 
         self.model = model
         self.inputs = inputs
@@ -117,7 +117,7 @@ class Engine:
         key = self._key(precision, checkpointing, inputs, training, max_new_tokens)
         if key not in self.runs:
             # lazy: estimation loads only when this path runs (importing the engine stays cheap)
-            from .estimation import _KEEP_RUNS, _RECORD_UNITS, estimate
+            from .estimate import _KEEP_RUNS, _RECORD_UNITS, estimate
 
             t0 = time.perf_counter()
             kept = []
@@ -195,7 +195,7 @@ class Engine:
                     f"sharding {sharding!r} needs the dry run to record FSDP's units (Engine(units=True))"
                 )
             # lazy: estimation loads only when this path runs (importing the engine stays cheap)
-            from .estimation import _rank_results
+            from .estimate import _rank_results
 
             t0 = time.perf_counter()
             _est, ledger, hooks, facts = self.runs[key]
@@ -230,13 +230,13 @@ class Engine:
 
 def device_memory_of(device_memory, gpu, who):
     """(bytes, where the figure came from) of one device: device_memory (a size) or the nominal memory of
-    the GPU named (memtorch._estimate_cuda.GPU_MEMORY)."""
+    the GPU named (memtorch.estimator.allocator.GPU_MEMORY)."""
     if device_memory is not None:
         return units.parse(device_memory), "given"
     if gpu is None:
         raise MemtorchError(f"{who} needs device_memory= (a size such as '80 GiB') or gpu= (a GPU's name)")
-    # lazy: _estimate_cuda loads only when an estimate's dry run needs it
-    from ._estimate_cuda import GPU_MEMORY
+    # lazy: allocator loads only when an estimate's dry run needs it
+    from .allocator import GPU_MEMORY
 
     def norm(name):
         return str(name).strip().lower().replace("nvidia", "").replace(" ", "").replace("-", "")

@@ -19,11 +19,11 @@ token's logits).
 
 import time
 
-from . import errors, units
-from ._engine import Engine, device_memory_of  # cheap: the engine loads estimation when it runs
-from .errors import MemtorchError
-from .fitting import fit  # cheap: fit loads the engine's work when it runs
-from .reports.capacity import Capacity  # the result type's home
+from .. import errors, units
+from .engine import Engine, device_memory_of  # cheap: the engine loads estimation when it runs
+from ..errors import MemtorchError
+from .fit import fit  # cheap: fit loads the engine's work when it runs
+from ..reports.capacity import Capacity  # the result type's home
 
 __all__ = ["capacity", "Capacity", "kv_bytes_per_token"]
 
@@ -83,7 +83,7 @@ def capacity(
     import torch
 
     # lazy: _inputs loads only when this path runs (importing capacity stays cheap)
-    from . import _inputs
+    from .. import _inputs
 
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):

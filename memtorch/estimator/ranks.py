@@ -3,7 +3,7 @@
 The dry run (estimation._dry_run) records every allocation of one process's
 training step in order, and for the optimizer step which trainable parameter
 each storage belongs to (its state, and the temporaries the optimizer computes
-from its parameter, gradient and state: _estimate_run follows ownership from
+from its parameter, gradient and state: dispatch follows ownership from
 an operator's inputs to its outputs). A rank's step is that same sequence with
 the sizes of what the rank does not hold changed, and the wrappers' own
 buffers inserted where the wrapper allocates and frees them. Nothing here is
@@ -67,7 +67,7 @@ zero2, zero3: FSDP2, fully_shard on each unit then on the root
     collective's scratch is allocated (the highest the late frees can reach).
 
 device="cuda": each rank's sequence of allocations goes through the caching
-allocator's model (_estimate_cuda.CachingAllocator), which gives that rank's
+allocator's model (allocator.CachingAllocator), which gives that rank's
 allocated and reserved curves; a rank's ``reserved_peak`` is its own.
 """
 
@@ -77,8 +77,8 @@ import math
 
 import numpy
 
-from . import _C, words
-from .errors import MemtorchError
+from .. import _C, words
+from ..errors import MemtorchError
 
 EVEN = ("zero1-even",)  # the shardings that split elements evenly and need a dividing world size
 FSDP = ("zero2", "zero3")
@@ -282,7 +282,7 @@ def _replay(ledger, size_of, inserts, spans, cuda=False):
     Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)], reserved peak,
     unsplit); cuda: the curve is the caching allocator's allocated bytes (its blocks), the reserved peak its
     segments' and unsplit the bytes of the blocks live at the peak beyond their rounded requests (None and 0
-    otherwise). The sequence runs in C (_C.alloc_replay; _estimate_cuda.CachingAllocator is its reference).
+    otherwise). The sequence runs in C (_C.alloc_replay; allocator.CachingAllocator is its reference).
     """
     events = ledger.events
     n = len(events)

@@ -10,7 +10,7 @@ C++ StorageImpl lives, so a weakref finalizer on the storage fires exactly at
 the StorageImpl's death, as the real allocator's free would).
 
 Where a CPU kernel allocates something its fake kernel does not show (internal
-temporaries, a different saved tensor), ``_estimate_kernels`` adds it.
+temporaries, a different saved tensor), ``kernels`` adds it.
 
 Nothing real is allocated for the model: parameters, buffers and inputs are
 replaced by fake tensors of the same shape, dtype and strides through
@@ -20,11 +20,11 @@ torch.func.functional_call, which restores the module's own tensors on exit.
 import contextlib
 import weakref
 
-from ._estimate_kernels import (  # Around, Composite: the kernel tables' entries
+from .kernels import (  # Around, Composite: the kernel tables' entries
     Around, Composite, check_real, probe_extra, scalar_extra,
 )
-from .errors import MemtorchError
-from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
+from ..errors import MemtorchError
+from .._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 
 _torch_mod = None
 
@@ -335,7 +335,7 @@ def eager_where_known(known):
 class _Known:
     """The real values of the small tensors a run computes from constants alone, beside their fakes.
 
-    The CPU kernels run for real (_estimate_kernels.probe_extra, check_real) read them: a position index
+    The CPU kernels run for real (kernels.probe_extra, check_real) read them: a position index
     made by torch.arange is the real one, so an embedding of more positions than the model has raises its
     real IndexError. generate() steers its loops by tensor values: a sequence's end-of-sequence test, and
     loops of its own (Whisper's ``while (seek < max_frames).any()`` over the audio's segments, seek and
