@@ -154,14 +154,11 @@ def test_new_tokens_of_generation():
 
 def _figures(peaks, judged=None):
     """Figures of one value whose estimate's phases peak at ``peaks`` ({phase: bytes})."""
-    from types import SimpleNamespace
-
     from memtorch.estimator.engine import Figures
 
-    phases = {n: SimpleNamespace(peak=p) for n, p in peaks.items()}
     peak = max(peaks.values())
     judged = peak if judged is None else judged
-    return Figures(peak, None, peak, (peak,), (peak,), judged, SimpleNamespace(phases=phases))
+    return Figures(peak, None, peak, (peak,), (peak,), judged, None, None, dict(peaks))
 
 
 def test_each_phase_has_its_own_line():

@@ -32,7 +32,9 @@ DEFAULT_DEVICE_NOTE = (
 )
 
 Figures = namedtuple(
-    "Figures", "peak reserved peak_upper rank_peaks rank_peaks_upper judged report floor", defaults=(None,)
+    "Figures",
+    "peak reserved peak_upper rank_peaks rank_peaks_upper judged report floor phase_peaks",
+    defaults=(None, None),
 )
 Figures.__doc__ = """One configuration's figures, in bytes, as estimate() reports them.
 
@@ -43,7 +45,8 @@ rank_peaks_upper: every rank's; judged: the figure a device must hold (reserved 
 the CPU); report: the Estimate of a one-process configuration (None for world_size > 1); floor: bytes
 that no larger world size of the same sharding can take off the highest rank's peak (its peak less the
 parameters, gradients, optimizer state and step temporaries alive at it), so that a floor over the device
-rules out every larger world size (None for one process).
+rules out every larger world size (None for one process); phase_peaks: {phase: peak} of the highest
+rank (fit() draws a line per phase), or None.
 """
 
 # what each sharding splits across ranks, of the categories alive at a rank's peak (with the optimizer
@@ -181,6 +184,8 @@ class Engine:
                 None if cuda else (int(upper),),
                 int(est.reserved_peak if cuda else upper),
                 est,
+                None,
+                {n: int(p.peak) for n, p in est.phases.items()} or None,
             )
         if sharding is None:
             sharding = "ddp"
@@ -217,6 +222,7 @@ class Engine:
                 int(reserved if cuda else upper),
                 None,
                 int(floor),
+                {n: int(v) for n, v in top.get("phases", {}).items()} or None,
             )
             self.seconds += time.perf_counter() - t0
         f = self.ranks[rkey]

@@ -310,12 +310,9 @@ def fit(
 
 
 def _phase_peaks(f):
-    """{phase: peak} of one value's figures: the estimate's phases (the step's peak is the largest), or the
-    peak alone where no one-process estimate is kept (world_size > 1)."""
-    rep = f.report
-    if rep is None or not rep.phases:
-        return {"step": f.peak}
-    return {n: p.peak for n, p in rep.phases.items()}
+    """{phase: peak} of one value's figures (the highest rank's phases: the step's peak is the largest), or
+    the peak alone where the figures have no phases."""
+    return f.phase_peaks or {"step": f.peak}
 
 
 def _line_guess(done, pair, budget):
