@@ -265,3 +265,40 @@ def test_cli_fit_prints_the_api_answer(tmp_path, monkeypatch, capsys):
     assert f"the largest batch that fits in {memtorch.units.format(budget)} per device is {f.value:,}" in out
     assert cli.main(["fit", "fitmods:mlp", "--input", "8x32", "--device", "cpu", "--quiet"]) == 2
     assert "needs --device-memory" in capsys.readouterr().err
+
+
+class _TableEngine:
+    """An engine whose figures come from a table: peak(v) = 100 MiB + v MiB, reserved = peak + excess(v)."""
+
+    device = "cuda"
+    defaulted = False
+
+    def __init__(self, excess):
+        self.excess = excess
+
+    def figures(self, precision, checkpointing, inputs, **kw):
+        from memtorch.estimator.engine import Figures
+
+        v = inputs.batch_size()
+        peak = (100 + v) << 20
+        reserved = peak + self.excess(v)
+        return Figures(peak, reserved, None, (peak,), None, reserved, None, None, {"backward": peak})
+
+
+def test_a_reserved_figure_that_jumps_past_the_peak_is_said():
+    # reserved 2 MiB over the peak up to batch 20, 60 MiB over it from 21 (a segment more), 2 MiB again from
+    # 24: 20 fits a 124 MiB budget, 21 does not, and 24 would (not tried)
+    def excess(v):
+        return (60 << 20) if 21 <= v <= 23 else (2 << 20)
+
+    f = memtorch.fit(mlp(), (8, 32), device_memory=124 << 20, reserve=0, _engine=_TableEngine(excess))
+    assert (f.value, f.next_value) == (20, 21)
+    assert any("reserved figure rises by 59.0 MiB where the peak rises by 1.0 MiB" in n for n in f.notes), (
+        f.notes
+    )
+    # a reserved figure that follows the peak: no such note
+    f = memtorch.fit(
+        mlp(), (8, 32), device_memory=124 << 20, reserve=0, _engine=_TableEngine(lambda v: 2 << 20)
+    )
+    assert (f.value, f.next_value) == (22, 23)
+    assert not any("reserved figure rises" in n for n in f.notes), f.notes

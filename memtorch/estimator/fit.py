@@ -39,6 +39,9 @@ from ..reports.fit import Fit  # the result type's home
 __all__ = ["fit", "Fit", "VARY"]
 
 VARY = ("batch", "seq", "max_new_tokens")
+# the caching allocator's largest rounding of a segment (a 20 MiB large buffer): a reserved figure that rises
+# by more than this beyond the peak's rise has met the segments' steps, not the step's bytes
+_SEGMENT = 20 << 20
 _MAX_RUNS = 64  # a search that needs more has met a figure that is not monotone in the value
 
 
@@ -278,6 +281,16 @@ def fit(
         )
     if hi is None:
         notes.append(f"the cap {vary}={max_value} fits: no value above it was tried")
+    elif lo > 0 and eng.device == "cuda":
+        a, b = done[lo], done[hi]
+        if (b.judged - a.judged) - (b.peak - a.peak) > _SEGMENT:
+            # the segments rose by more than the peak: a larger value may pack its blocks into fewer
+            notes.append(
+                f"from {vary}={lo} to {hi} the reserved figure rises by {units.format(b.judged - a.judged)} where "
+                f"the peak rises by {units.format(b.peak - a.peak)}: the caching allocator's segments, which do "
+                f"not grow steadily with the {vary}; a larger {vary} may pack into fewer and fit (not tried: "
+                "estimate() it)"
+            )
     if source != "given":
         notes.append(f"device memory: {source}")
     if eng.defaulted:
