@@ -283,8 +283,9 @@ def fit(
         notes.append(f"the cap {vary}={max_value} fits: no value above it was tried")
     elif lo > 0 and eng.device == "cuda":
         a, b = done[lo], done[hi]
-        if (b.judged - a.judged) - (b.peak - a.peak) > _SEGMENT:
-            # the segments rose by more than the peak: a larger value may pack its blocks into fewer
+        # the segments' share of the judged figure grows with the peak (fragmentation): a rise beyond the
+        # peak's rise at the answer's ratio, by more than a segment, is the segments' step
+        if (b.judged - a.judged) - (b.peak - a.peak) * a.judged / max(a.peak, 1) > _SEGMENT:
             notes.append(
                 f"from {vary}={lo} to {hi} the reserved figure rises by {units.format(b.judged - a.judged)} where "
                 f"the peak rises by {units.format(b.peak - a.peak)}: the caching allocator's segments, which do "
