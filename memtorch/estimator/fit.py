@@ -286,10 +286,11 @@ def fit(
         # the segments' share of the judged figure grows with the peak (fragmentation): a rise beyond the
         # peak's rise at the answer's ratio, by more than a segment, is the segments' step
         if (b.judged - a.judged) - (b.peak - a.peak) * a.judged / max(a.peak, 1) > _SEGMENT:
+            word = {"batch": "batch", "seq": "sequence length", "max_new_tokens": "number of new tokens"}[vary]
             notes.append(
                 f"from {vary}={lo} to {hi} the reserved figure rises by {units.format(b.judged - a.judged)} where "
                 f"the peak rises by {units.format(b.peak - a.peak)}: the caching allocator's segments, which do "
-                f"not grow steadily with the {vary}; a larger {vary} may pack into fewer and fit (not tried: "
+                f"not grow steadily with the {word}; a larger {word} may pack into fewer and fit (not tried: "
                 "estimate() it)"
             )
     if source != "given":
