@@ -26,8 +26,8 @@ obtained (``basis``):
 - sparse storage: counted (a CSR matrix holds rows + 1 and nnz int64 indices and nnz values) and
   measured on the converted tensor, which must agree.
 
-This file is named advice.py, apart from the function, so that importing the submodule never shadows
-``memtorch.advise`` (as inspection.py / tracking.py).
+This module is memtorch.estimator.advise (first named memtorch.advice, which stays): inside the package,
+importing it never shadows the function ``memtorch.advise``.
 
 The user's model and optimizer are never changed: a variant is estimated on a copy (measured on a deep
 copy with measure=True). Savings are each estimated alone; they do not add up.

@@ -30,8 +30,8 @@ FSDP2's all-gather and reduce-scatter); ranks holds the rules and the
 torch source each follows. For FSDP the dry run records where each unit's
 forward, backward start and backward end fall (_unit_hooks).
 
-This file is named estimation.py, apart from the function, so that importing
-the submodule never shadows ``memtorch.estimate`` (as inspection.py/tracking.py).
+This module is memtorch.estimator.estimate (first named memtorch.estimation, which
+stays): inside the package, importing it never shadows the function ``memtorch.estimate``.
 
 What the figures are: ``peak`` is the step's high-water mark of tensor bytes,
 parameters, buffers and the example inputs included; ``steady`` is what stays

@@ -20,13 +20,15 @@ shapes from batch 1 or 2 (benchmarks/bench_fit.py): 3 to 9 dry runs, 4 where the
 
 On cuda the reserved figure is not monotone in the value everywhere (a larger batch can pack into
 fewer segments): a larger value than the answer may fit too, with a gap that does not. fit() answers the
-first crossing it finds from the inputs' value.
+first crossing it finds from the inputs' value, and a note says so where the reserved figure rises from the
+answer to the value above by more than a segment beyond the peak's rise.
 
 Each value's figure is memtorch.estimate()'s for that configuration (memtorch.estimator.engine: the same dry
 run), judged as plan() judges it: the reserved figure on cuda (the caching allocator's segments), the
 peak on the CPU, plus ``reserve`` kept free, against ``device_memory``.
 
-(Named fitting.py, not fit.py, so that importing the submodule never shadows memtorch.fit the function.)
+(memtorch.estimator.fit, not memtorch.fit: a submodule of the package named fit would shadow the function
+once imported; memtorch.fitting is this module's first name.)
 """
 
 import time

@@ -52,8 +52,8 @@ paper's own figures (16-bit parameters and gradients, K = 12 bytes of fp32
 master weights and Adam state per parameter). This arithmetic is an
 approximation (no FSDP2 buffers); plan() does not use it.
 
-(Named planning.py, not plan.py, so that importing the submodule never
-shadows memtorch.plan the function.)
+(memtorch.estimator.plan, first named memtorch.planning, which stays: inside the
+package, importing it never shadows memtorch.plan the function.)
 
 Cheapest first means: fewest devices; then without checkpointing (recomputing a
 forward costs about a third more compute); then the sharding that communicates
