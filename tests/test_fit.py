@@ -183,7 +183,7 @@ def test_the_judged_excess_over_the_peak_is_scaled_with_it():
     from memtorch.estimator.fit import _line_guess
 
     # on cuda the reserved figure's excess over the peak grows with the peak (fragmentation, measured 3% to
-    # 19% on Llama shapes): the budget is scaled by the peak's share of the judged figure at the nearer value
+    # 24% on Llama shapes): the budget is scaled by the peak's share of the judged figure at the nearer value
     done = {10: _figures({"backward": 1000}, judged=1250), 11: _figures({"backward": 1100}, judged=1375)}
     # budget 2500 at 4/5 is a peak of 2000: 10 + (2000 - 1000) / 100
     assert _line_guess(done, (10, 11), 2500) == 20

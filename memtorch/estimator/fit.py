@@ -340,7 +340,7 @@ def _line_guess(done, pair, budget):
     settles (the optimizer's phase highest at small batches, the backward's at large ones): each phase
     has its own line through the two values, and the guess is where the first of them meets the budget
     scaled by the peak's share of the judged figure at the nearer value (on cuda the caching allocator's
-    segments, whose excess over the peak grows with it, in steps: measured 3% to 19% of it).
+    segments, whose excess over the peak grows with it, in steps: measured 3% to 24% of it).
     """
     v1, v2 = sorted(pair)
     f1, f2 = done[v1], done[v2]
