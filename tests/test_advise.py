@@ -309,7 +309,10 @@ def test_model_that_cannot_be_copied():
 
 def test_sampled_peaks_are_not_called_exact():
     assert advice._measured({"exact": True}, {"exact": True}) == "measured"
-    assert advice._measured({"exact": True}, {"exact": False}) == "measured (not exact: the counters sampled the peak)"
+    assert (
+        advice._measured({"exact": True}, {"exact": False})
+        == "measured (not exact: the counters sampled the peak)"
+    )
 
 
 def test_estimate_mode_against_estimate_and_measurement():
@@ -351,14 +354,18 @@ def test_sharded_configuration_is_estimated_with_its_fsdp_units():
     x = torch.randn(8, 128)
     units = ["0"]  # blocks 1 and 2 left to the root's unit, gathered together (the default wraps each block)
     # world_size and sharding can only be estimated: measure=None estimates them (the model lives on the CPU)
-    adv = cpu_advise(model, x, optimizer="adam", world_size=2, sharding="zero3", fsdp_units=units, measure=False)
+    adv = cpu_advise(
+        model, x, optimizer="adam", world_size=2, sharding="zero3", fsdp_units=units, measure=False
+    )
     kw = dict(optimizer="adam", device="cpu", world_size=2, sharding="zero3")
     est = memtorch.estimate(model, x, fsdp_units=units, **kw)
     assert adv.peak == est.peak
     assert [u["name"] for u in est.fsdp_units] == ["0", "(model)"]
     default = memtorch.estimate(model, x, **kw)
     assert [u["name"] for u in default.fsdp_units] == ["0", "1", "2"] and default.peak != est.peak
-    with pytest.raises(memtorch.MemtorchError, match="fsdp_units=...\\) applies to sharding='zero2' or 'zero3'"):
+    with pytest.raises(
+        memtorch.MemtorchError, match="fsdp_units=...\\) applies to sharding='zero2' or 'zero3'"
+    ):
         cpu_advise(model, x, fsdp_units=units)
 
 
@@ -480,7 +487,9 @@ def test_model_states_alone_over_budget_skip_the_micro_batch_search_on_one_proce
     adv = memtorch.advise(model, x, budget=states - 1, reserve=0, device="cpu")
     assert any("the model states alone" in n for n in adv.notes) and not adv.by_kind("micro_batch")
     # sharded over 4 ranks, a rank holds a quarter of them: the smaller micro-batch is weighed
-    four = memtorch.advise(model, x, budget=states - 1, reserve=0, device="cpu", world_size=4, sharding="zero3")
+    four = memtorch.advise(
+        model, x, budget=states - 1, reserve=0, device="cpu", world_size=4, sharding="zero3"
+    )
     assert not any("the model states alone" in n for n in four.notes)
 
 
@@ -516,3 +525,19 @@ def test_lora_and_qlora_rows_are_estimates_of_the_wrapped_model_and_change_nothi
     assert rows["qlora"].after < rows["lora"].after < a.peak
     assert "target_modules=['q_proj', 'v_proj']" in rows["lora"].code["transformers"]
     assert isinstance(peft.LoraConfig(r=16), peft.LoraConfig)
+
+
+def test_the_bf16_weights_row_names_the_step_it_starts_from():
+    # from a bf16-mixed step the weights are float32 under autocast: the row says so, not "in float32"
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
+    )
+    ids = ((2, 16), torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    (mixed,) = memtorch.advise(model, batch, device="cpu", precision="bf16-mixed").by_kind("bf16_weights")
+    assert "with float32 weights under bfloat16 autocast, " in mixed.detail, mixed.detail
+    (plain,) = memtorch.advise(model, batch, device="cpu").by_kind("bf16_weights")
+    assert " in float32, " in plain.detail and "autocast" not in plain.detail, plain.detail

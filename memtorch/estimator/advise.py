@@ -300,8 +300,9 @@ def _precision(mm, items, notes):
     )
 
 
-def _precision_step(model, run, base, items, notes, budget=None, reserve=0):
-    """bf16 weights over a whole step (measured or estimated), in place of the held-bytes arithmetic."""
+def _precision_step(model, run, base, items, notes, budget=None, reserve=0, amp=None):
+    """bf16 weights over a whole step (measured or estimated), in place of the held-bytes arithmetic. amp:
+    the autocast dtype of the step as given ("bfloat16", "float16"), or None."""
     torch = _torch()
     mine = [s for s in items if s.kind == "bf16_weights"]
     if not mine:
@@ -320,7 +321,9 @@ def _precision_step(model, run, base, items, notes, budget=None, reserve=0):
     s.before, s.after = base["peak"], run["peak"]
     s.fits, s.judged_after = _judge(run, budget, reserve), run["judged"]
     s.detail = (
-        f"step peak {_fmt(base['peak'])} in float32, {_fmt(run['peak'])} with the model and inputs in bfloat16 "
+        f"step peak {_fmt(base['peak'])} "
+        + ("in float32" if amp is None else f"with float32 weights under {amp} autocast")
+        + f", {_fmt(run['peak'])} with the model and inputs in bfloat16 "
         f"({_source(run)}); of which held throughout: {held}"
     )
 
@@ -1107,7 +1110,7 @@ def advise(
     if cast is None:
         _precision(mm_step, items, notes)
         if base is not None:
-            _precision_step(model, run, base, items, notes, budget, keep)
+            _precision_step(model, run, base, items, notes, budget, keep, amp)
     else:
         notes.append(f"16-bit parameters: precision {precision!r} has them already")
     stepped = base is not None and base["optimizer"] is not None
