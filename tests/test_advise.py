@@ -541,3 +541,20 @@ def test_the_bf16_weights_row_names_the_step_it_starts_from():
     assert "with float32 weights under bfloat16 autocast, " in mixed.detail, mixed.detail
     (plain,) = memtorch.advise(model, batch, device="cpu").by_kind("bf16_weights")
     assert " in float32, " in plain.detail and "autocast" not in plain.detail, plain.detail
+
+
+def test_a_change_that_raises_the_peak_is_not_called_a_small_saving():
+    # seen in examples/will_it_fit.py: "each under 1% of the step peak (21.8 GiB): QLoRA ... (-2.2 GiB)"
+    from types import SimpleNamespace
+
+    from memtorch.estimator.advise import _considered
+
+    rows = [SimpleNamespace(title="QLoRA", saves=-(2 << 30)), SimpleNamespace(title="sparse", saves=1536),
+            SimpleNamespace(title="SGD", saves=4096), SimpleNamespace(title="8-bit", saves=-1024)]  # fmt: skip
+    assert _considered(rows, "step peak", 100 << 30) == [
+        "also considered, each saving under 1% of the step peak (100.0 GiB): SGD (4.0 KiB); sparse (1.5 KiB)",
+        "also considered, each raising the step peak (100.0 GiB): QLoRA (+2.0 GiB); 8-bit (+1.0 KiB)",
+    ]
+    assert _considered(rows[1:3], "bytes held", 1 << 20) == [
+        "also considered, each saving under 1% of the bytes held (1.0 MiB): SGD (4.0 KiB); sparse (1.5 KiB)"
+    ]

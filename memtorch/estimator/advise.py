@@ -1138,11 +1138,7 @@ def advise(
     small = [s for s in items if s.saves < 0.01 * reference and s.fits is not True]
     if small:
         items = [s for s in items if s not in small]
-        notes.append(
-            f"also considered, each under 1% of the {'step peak' if base is not None else 'bytes held'} "
-            f"({_fmt(reference)}): "
-            + "; ".join(f"{s.title} ({_fmt(s.saves)})" for s in sorted(small, key=lambda s: -s.saves))
-        )
+        notes += _considered(small, "step peak" if base is not None else "bytes held", reference)
     basis = None if base is None else (MEASURED + ", inputs apart" if base["basis"] == MEASURED
                                        else f"estimated on {device}, as memtorch.estimate()")  # fmt: skip
     return Advice(type(model).__name__, items, None if base is None else base["peak"], held.total, budget, notes,
@@ -1221,6 +1217,26 @@ def _micro_batch(model, run, base, inputs, items, notes, budget, reserve, engine
         base, after, f"{k} forward/backward passes of {mb} samples per optimizer step (about as fast per sample "
         "when the micro-batch still fills the device)", detail, "keeps the model", budget, reserve,
         _code("micro_batch", mb=mb, k=k)))  # fmt: skip
+
+
+def _considered(small, what, reference):
+    """The notes for the rows left out of the table (each saves under 1% of ``reference`` and does not make
+    the step fit): those that save a little, and apart from them those that raise ``what`` (a saving below
+    0 is no saving: "+" and the bytes it adds)."""
+    saving = [s for s in small if s.saves >= 0]
+    raising = [s for s in small if s.saves < 0]
+    notes = []
+    if saving:
+        notes.append(
+            f"also considered, each saving under 1% of the {what} ({_fmt(reference)}): "
+            + "; ".join(f"{s.title} ({_fmt(s.saves)})" for s in sorted(saving, key=lambda s: -s.saves))
+        )
+    if raising:
+        notes.append(
+            f"also considered, each raising the {what} ({_fmt(reference)}): "
+            + "; ".join(f"{s.title} (+{_fmt(-s.saves)})" for s in sorted(raising, key=lambda s: s.saves))
+        )
+    return notes
 
 
 def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, items, notes):
