@@ -27,7 +27,9 @@ __all__ = ["Engine", "Figures", "judged_name", "DEFAULT_DEVICE_NOTE"]
 
 # the one sentence plan(), fit(), advise(), capacity() and the CLI add when the device was not given (neither
 # device= nor gpu=, which names a GPU)
-DEFAULT_DEVICE_NOTE = "device 'cuda' by default, as estimate() (the question is a GPU's): device='cpu' models PyTorch's CPU allocator"
+DEFAULT_DEVICE_NOTE = (
+    "device 'cuda' by default, as estimate() (the question is a GPU's): device='cpu' models PyTorch's CPU allocator"
+)
 
 Figures = namedtuple(
     "Figures",
