@@ -2,11 +2,11 @@
 
 Each question runs in its own fresh process (cuBLAS's workspaces are per process and thread):
 - bf16-first: the first matmul of the process is bf16. Does it allocate the cuBLAS workspace the
-  estimate adds (_estimate_cuda.GPU.cublas_workspace), as the first fp32 matmul does (facts.json:
-  33,554,432 B on the H200)? facts.json's after_first_bf16_matmul = 0 was read after an fp32 matmul.
+  estimate adds (memtorch.estimator.allocator.GPU.cublas_workspace), as the first fp32 matmul does
+  (facts.json: 33,554,432 B on the H200)? facts.json's after_first_bf16_matmul = 0 was read after an fp32 matmul.
 - fp32-first: the same for an fp32 matmul (the known figure, as a control).
 - sdpa-dropout-<p>: which attention kernel a bf16 SDPA forward+backward with dropout p runs, against
-  _estimate_cuda.sdpa_backend (torch 2.12+ leaves cuDNN for a p that is not a multiple of 1/16).
+  memtorch.estimator.allocator.sdpa_backend (torch 2.12+ leaves cuDNN for a p that is not a multiple of 1/16).
 
 Prints one line per question ("agrees" / "DIFFERS") and a JSON object; exit status 0 when all agree,
 1 when one differs, 2 without CUDA.
