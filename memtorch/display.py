@@ -18,6 +18,7 @@ import html
 from . import reports as _reports, units, words
 from .errors import MemtorchError
 from .reports.advice import GROUP_TITLES
+from .reports.fit import VARY_WORDS
 from .units import format_rate
 
 __all__ = [
@@ -1148,7 +1149,7 @@ def plan_html(plan, limit=40):
 def _fit_lines(f):
     """(title, lines, notes) of a Fit: the answer, the estimate at it and at the value above, the line."""
     fmt = _fmt
-    word = {"batch": "batch", "seq": "sequence length", "max_new_tokens": "number of new tokens"}[f.vary]
+    word = VARY_WORDS[f.vary]
     where = f"{fmt(f.device_memory)} per {'GPU' if f.device == 'cuda' else 'device'}" + (
         f" ({fmt(f.reserve)} kept free)" if f.reserve else "")
     if f.value >= 1:

@@ -36,7 +36,7 @@ import time
 from .. import errors, units
 from ..errors import MemtorchError
 from .engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
-from ..reports.fit import Fit  # the result type's home
+from ..reports.fit import VARY_WORDS, Fit  # the result type's home
 
 __all__ = ["fit", "Fit", "VARY"]
 
@@ -288,7 +288,7 @@ def fit(
         # the segments' share of the judged figure grows with the peak (fragmentation): a rise beyond the
         # peak's rise at the answer's ratio, by more than a segment, is the segments' step
         if (b.judged - a.judged) - (b.peak - a.peak) * a.judged / max(a.peak, 1) > _SEGMENT:
-            word = {"batch": "batch", "seq": "sequence length", "max_new_tokens": "number of new tokens"}[vary]
+            word = VARY_WORDS[vary]
             notes.append(
                 f"from {vary}={lo} to {hi} the reserved figure rises by {units.format(b.judged - a.judged)} where "
                 f"the peak rises by {units.format(b.peak - a.peak)}: the caching allocator's segments, which do "

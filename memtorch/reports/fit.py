@@ -6,7 +6,10 @@ import dataclasses
 
 from . import Report, field, render
 
-__all__ = ["Fit"]
+__all__ = ["Fit", "VARY_WORDS"]
+
+# what fit() varies, in the words its report and notes print
+VARY_WORDS = {"batch": "batch", "seq": "sequence length", "max_new_tokens": "number of new tokens"}
 
 
 @dataclasses.dataclass(eq=False)
