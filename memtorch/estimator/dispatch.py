@@ -66,6 +66,8 @@ class Ledger:
         self._round = rounding or (lambda n: n)
         self.host = set()  # id(storage) of host memory a device step keeps (Adam's step counts on CUDA)
         self.to_host = False  # set while a factory makes a tensor in host memory (host_factories)
+        self.gone = set()  # keys freed before their storage dies (replay.py): its death is not counted again
+        self.on_free = None  # fn(key) told of each storage's death (replay.py)
 
     def add_host(self, storage):
         """``storage`` lives in host memory: never counted, whatever operator returns it later."""
@@ -123,8 +125,13 @@ class Ledger:
             return
         if self.live.get(sid) == key:
             del self.live[sid]
+        if key in self.gone:
+            self.gone.discard(key)
+            return
         self.events.append((key, -1))
         self.current -= self.info[key][0]
+        if self.on_free is not None:
+            self.on_free(key)
 
     def key_of(self, tensor):
         return self.live.get(id(tensor.untyped_storage()))

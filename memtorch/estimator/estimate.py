@@ -56,7 +56,7 @@ from ..errors import MemtorchError
 from ..reports.estimate import Estimate  # the result type's home; its old name stays
 from ..reports.track import ModuleStats, PhaseStats
 from .. import _inputs
-from . import kernels as _kernels, ranks as _ranks
+from . import kernels as _kernels, ranks as _ranks, replay as _replay
 from .kernels import cuda_kernels, cuda_routing, CudaState, kernels_for
 from .allocator import resolve_gpu, round_size
 from .ranks import resolve_units, unit_params
@@ -711,7 +711,7 @@ def _cudnn_flat_weights(model, params, dt):
 
 
 def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_spec, steps=2, units=None,
-             gpu=None, keep_output=True, training=True, max_new_tokens=None):
+             gpu=None, keep_output=True, training=True, max_new_tokens=None, replay=False):
     """Run the steps on fake tensors; returns (ledger, hooks, facts).
 
     inputs: a memtorch._inputs.Inputs (model(*args, **kwargs)). training=False: one forward under
@@ -723,6 +723,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
 
     units: [(name, module)] FSDP would wrap (innermost first, the root last): their forward, the
     start of their backward and its end are recorded as ledger positions (facts["unit_events"]).
+    replay: identical blocks are replayed rather than run (replay.py); raises replay.Mismatch where the
+    blocks turn out not to repeat (the caller runs the step again without).
     """
     torch = _torch()
 
@@ -873,10 +875,17 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             stack.enter_context(routing[0])
         hooks.install()
         stack.callback(hooks.remove)
+        replayer = None
+        if replay:
+            # after checkpointing's: a block's forward is the checkpointed one, replayed whole
+            replayer = _replay.Replayer(ledger, hooks, model, facts["unit_events"]).install()
+            stack.callback(replayer.remove)
         loss_fn = loss_fn or default_loss
         loss_args = finputs.as_tuple()
         for _step in range(steps):
             hooks.steps.append(len(ledger.events))
+            if replayer is not None:
+                replayer.new_step()
             with hooks.phase("forward"):
                 hooks.recording = True
                 ctx = torch.autocast("cpu", dtype=low) if autocast else contextlib.nullcontext()
@@ -892,6 +901,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                     raise MemtorchError("loss_fn must return a one-element tensor (the loss)")
                 loss.backward()
                 del loss
+                if replayer is not None:
+                    replayer.check()
                 while rng_held:
                     rng_held.pop()()
                 grads_keys.update(ledger.key_of(t.grad) for t in trainable if t.grad is not None)
@@ -913,6 +924,8 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
             # zero_grad outside the phase, as track() sees a step (its hooks wrap step() only)
             opt.zero_grad(set_to_none=True)
             out = None  # a loop's step ends: the output it kept goes
+            if replayer is not None:
+                replayer.end_step()
             allow_item[0] = False
             index = {id(t): i for i, t in enumerate(opt_params)}
             for p_, st in opt.state.items():
@@ -923,6 +936,7 @@ def _dry_run(model, inputs, optimizer, loss_fn, precision, device, checkpoint_sp
                         if id(p_) in index:
                             ledger.owner[ledger.key_of(v)] = index[id(p_)]
                             ledger.elements[ledger.key_of(v)] = v.numel()
+        facts["replayed"] = 0 if replayer is None else replayer.replayed
         facts["paged"] = [(t.untyped_storage().nbytes(), t.numel()) for t in getattr(opt, "paged", ())]
         facts["bnb_stand_in"] = getattr(opt, "name", None) if type(opt).__name__ == "BnbStandIn" else None
         index = {id(t): i for i, t in enumerate(opt_params)}
@@ -1124,10 +1138,16 @@ def estimate(
     try:
         # whatever torch.compile wraps (the model, a submodule, a function its forward calls) runs eagerly
         with torch.compiler.set_stance("force_eager"):
-            ledger, hooks, facts = _dry_run(
-                model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods, gpu=target,
-                keep_output=keep_output, training=training, max_new_tokens=max_new_tokens,
+            run = functools.partial(
+                _dry_run, model, inputs, optimizer, loss_fn, precision, device, checkpointing, units=fsdp_mods,
+                gpu=target, keep_output=keep_output, training=training, max_new_tokens=max_new_tokens,
             )
+            try:
+                ledger, hooks, facts = run(replay=training and _replay.ENABLED)
+            except _replay.Mismatch:  # the blocks do not repeat: the step runs whole
+                _kernels.notes.clear()
+                _kernels.probe_stats["skipped_large"] = skipped0
+                ledger, hooks, facts = run(replay=False)
     except _kernels.KernelRefuses as e:
         raise MemtorchError(_refused(e, training, max_new_tokens, precision, inputs)) from e.error
     except _DataDependent as e:
