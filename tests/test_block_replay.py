@@ -64,8 +64,9 @@ FAMILIES = {
     "transformer_encoder": (_Encoder, lambda: (torch.randn(B, S, 32),), True),
 }  # fmt: skip
 
-# settings where block 1's backward is not block n-2's, so the run is done again without replay (its figures
-# are the full run's; only the time is lost): under CPU autocast with checkpointing, measured on these
+# settings where block 1's backward may differ from block n-2's, so that the run is done again without replay
+# (its figures are the full run's; only the time is lost): under CPU autocast with checkpointing, seen on
+# these in one process and not in another (qwen2 replayed in CI's run), so either outcome passes there
 FALLS_BACK = {(name, "bf16-mixed", "cpu", "blocks") for name in ("gpt2", "qwen2", "bert", "transformer_encoder")}
 
 SETTINGS = [
@@ -122,7 +123,6 @@ def test_a_replayed_run_is_the_full_run(name, precision, device, checkpointing):
     except replay.Mismatch as e:
         assert not replays or (name, precision, device, checkpointing) in FALLS_BACK, f"{name}: {e}"
         return
-    assert (name, precision, device, checkpointing) not in FALLS_BACK, "replayed now: take it off FALLS_BACK"
     assert got == full
     if replays:
         assert replayed == 2 * (L - 4), f"{name}: {replayed} blocks replayed over two steps"
