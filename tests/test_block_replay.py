@@ -106,8 +106,14 @@ def _dry(model, batch, precision, device, checkpointing, on):
     return _canon(ledger, hooks), facts["replayed"]
 
 
-@pytest.mark.parametrize("precision,device,checkpointing", SETTINGS)
-@pytest.mark.parametrize("name", list(FAMILIES))
+# every family in every setting in the full pass; two in the sanitizer and -X dev passes
+_QUICK = {("llama", "fp32", "cpu", None), ("bert", "bf16-mixed", "cuda", None)}
+
+
+@pytest.mark.parametrize(
+    "name,precision,device,checkpointing",
+    [pytest.param(n, *st, marks=() if (n, *st) in _QUICK else pytest.mark.slow) for n in FAMILIES for st in SETTINGS],
+)
 def test_a_replayed_run_is_the_full_run(name, precision, device, checkpointing):
     make, batch, replays = FAMILIES[name]
     torch.manual_seed(0)
