@@ -374,7 +374,7 @@ class Replayer:
             if sign > 0 and r[0] == "n":
                 nb, ph, mod, cat = ledger.info[key]
                 infos.append((nb, ph, self._row_rel(g, k, mod), cat))
-        w.events, w.infos = tuple(evs), tuple(infos)
+        w.events, w.infos = _sorted_frees(evs), tuple(infos)
         w.calls = tuple((self._row_rel(g, k, r), s - start, e - start) for r, s, e in hooks.calls[calls0:])
         w.module_end = self._row_rel(g, k, ledger.module)
         alive = set()
@@ -479,7 +479,7 @@ class Replayer:
                 if sign > 0 and r[0] == "n":
                     nb, ph, mod, cat = ledger.info[key]
                     infos.append((nb, ph, self._row_rel(g, k, mod), cat))
-            w.events, w.infos = tuple(evs), tuple(infos)
+            w.events, w.infos = _sorted_frees(evs), tuple(infos)
             w.calls = tuple((self._row_rel(g, k, r), s - start, e - start)
                             for r, s, e in hooks.calls[state["calls"]:])  # fmt: skip
             w.module_end = self._row_rel(g, k, ledger.module)
@@ -674,6 +674,22 @@ class _Run:
         self.keys = None
         del x
         return (gx,) + grads
+
+
+def _sorted_frees(evs):
+    """The window's events with each run of consecutive frees in one order (by role): the autograd engine and
+    the checkpoint's tables free a node's storages in an order that follows addresses, which varies from
+    process to process; frees with no allocation between them give the same figures in any order."""
+    out, run = [], []
+    for e in evs:
+        if e[0] < 0:
+            run.append(e)
+            continue
+        out += sorted(run)
+        run = []
+        out.append(e)
+    out += sorted(run)
+    return tuple(out)
 
 
 def _fwd_sig(w):
