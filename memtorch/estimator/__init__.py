@@ -8,6 +8,8 @@ look at, so the four answer what estimate() answers for that configuration, to t
                    report (peak, breakdown, phases, modules, per rank)
     dispatch.py    the ledger of the dry run's storages and the dispatch mode that counts every kernel's
                    allocations and frees as the real allocator sees them
+    replay.py      identical blocks (a decoder's layers) replayed in the dry run rather than run again: the
+                   events of one block emitted for the next, checked against the blocks that ran
     kernels.py     the kernels' own allocations beyond their outputs: CPU probes of the real kernels,
                    CUDA's rules (cuBLAS and cuDNN workspaces, reductions' staging, fused kernels)
     allocator.py   the CUDA caching allocator's model (blocks, segments, rounding; the reference of
