@@ -209,3 +209,27 @@ def test_blocks_with_different_attributes_are_not_a_group():
     assert replay.groups(mixed, E._Hooks(None, mixed), torch) == []
     short = Net([False] * 4)
     assert replay.groups(short, E._Hooks(None, short), torch) == []
+
+
+def test_blocks_without_an_input_that_needs_a_gradient_run_once(monkeypatch):
+    """Only the head trains: no block's input needs a gradient, so no block is replayed, and the step is
+    dry-run once (not once with replay and again without)."""
+    make, batch, _ = FAMILIES["llama"]
+    model, b = make(), batch()
+    for p in model.model.parameters():
+        p.requires_grad_(False)
+    runs = []
+    real = E._dry_run
+
+    def counted(*a, **k):
+        runs.append(k.get("replay"))
+        out = real(*a, **k)
+        assert out[2]["replayed"] == 0
+        return out
+
+    monkeypatch.setattr(E, "_dry_run", counted)
+    on = memtorch.estimate(model, b, optimizer="adamw", device="cpu")
+    assert runs == [True]
+    monkeypatch.setattr(replay, "ENABLED", False)
+    off = memtorch.estimate(model, b, optimizer="adamw", device="cpu")
+    assert (on.peak, on.breakdown) == (off.peak, off.breakdown)

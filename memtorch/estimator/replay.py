@@ -344,8 +344,11 @@ class Replayer:
         torch = self.torch
         ledger, hooks = self.ledger, self.hooks
         found = self._inputs(args, kwargs)
-        if found is None:
-            self._fail(f"block {k} of a replayed list has no single input that needs a gradient")
+        if found is None:  # no single input needs a gradient (a frozen start, a second one): no template
+            if role == "first":
+                g.fwd = None  # the blocks after it run as they are
+            elif g.replays:
+                self._fail(f"block {k} has no single input that needs a gradient, as block 1 had")
             return inner(*args, **kwargs)
         j, flat, spec = found
         x = flat[j]
