@@ -20,10 +20,18 @@ their index), per step:
   is the backward template (the replayed blocks' backwards come after it), and block 1's backward
   window, when it comes, is checked against it.
 
+What a block leaves alive beyond its windows (autocast's weight casts, freed as the forward ends;
+transformers' KV cache entries, freed with the output; what the graph itself holds) is freed, for the
+replayed blocks, when block 1's counterpart is freed; end_step checks that they all went in one run of
+frees. Within a window each run of consecutive frees is compared and emitted in one order: the autograd
+engine frees a node's storages in an order that follows addresses, and frees with no allocation between
+them give the same figures in any order.
+
 A block is replayed only when its inputs are block 1's (the same tensors but the hidden state, which
-has block 1's shape, strides and dtype; the same other arguments). Any check that fails makes the run
-raise Mismatch and estimate() runs the step again without replay, so a replayed run's figures are the
-full run's or there is none; tests/test_block_replay.py holds replayed runs to full ones, byte for byte.
+has block 1's shape, strides and dtype; equal plain values; the same transformers cache). Any check that
+fails makes the run raise Mismatch and estimate() runs the step again without replay, so a replayed
+run's figures are the full run's or there is none; tests/test_block_replay.py holds replayed runs to
+full ones, byte for byte.
 """
 
 import weakref
