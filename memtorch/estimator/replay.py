@@ -31,7 +31,9 @@ A block is replayed only when its inputs are block 1's (the same tensors but the
 has block 1's shape, strides and dtype; equal plain values; the same transformers cache). Any check that
 fails makes the run raise Mismatch and estimate() runs the step again without replay, so a replayed
 run's figures are the full run's or there is none; tests/test_block_replay.py holds replayed runs to
-full ones, byte for byte.
+full ones, byte for byte. What no check sees: a block whose allocations depend on Python state outside
+its inputs and attributes (a global counter, a schedule read from elsewhere) is taken to do what block 1
+did; transformers' and torch's blocks do not.
 """
 
 import weakref
