@@ -23,9 +23,9 @@ their index), per step:
 What a block leaves alive beyond its windows (autocast's weight casts, freed as the forward ends;
 transformers' KV cache entries, freed with the output; what the graph itself holds) is freed, for the
 replayed blocks, when block 1's counterpart is freed; end_step checks that they all went in one run of
-frees. Within a window each run of consecutive frees is compared and emitted in one order: the autograd
-engine frees a node's storages in an order that follows addresses, and frees with no allocation between
-them give the same figures in any order.
+frees. Within a window each run of consecutive frees is compared as a set and emitted in the template's
+order: the autograd engine frees a node's storages in an order that follows addresses, and frees with no
+allocation between them give the same figures in any order.
 
 A block is replayed only when its inputs are block 1's (the same tensors but the hidden state, which
 has block 1's shape, strides and dtype; equal plain values; the same transformers cache). Any check that
@@ -160,11 +160,12 @@ class _Window:
         "ok",
         "meta",
         "deferred",
+        "order",
     )
 
     def signature(self):
         return (
-            self.events,
+            self.order,
             self.infos,
             self.calls,
             self.module_end,
@@ -387,7 +388,7 @@ class Replayer:
             if sign > 0 and r[0] == "n":
                 nb, ph, mod, cat = ledger.info[key]
                 infos.append((nb, ph, self._row_rel(g, k, mod), cat))
-        w.events, w.infos = _sorted_frees(evs), tuple(infos)
+        w.events, w.order, w.infos = tuple(evs), _sorted_frees(evs), tuple(infos)
         w.calls = tuple((self._row_rel(g, k, r), s - start, e - start) for r, s, e in hooks.calls[calls0:])
         w.module_end = self._row_rel(g, k, ledger.module)
         alive = set()
@@ -492,7 +493,7 @@ class Replayer:
                 if sign > 0 and r[0] == "n":
                     nb, ph, mod, cat = ledger.info[key]
                     infos.append((nb, ph, self._row_rel(g, k, mod), cat))
-            w.events, w.infos = _sorted_frees(evs), tuple(infos)
+            w.events, w.order, w.infos = tuple(evs), _sorted_frees(evs), tuple(infos)
             w.calls = tuple((self._row_rel(g, k, r), s - start, e - start)
                             for r, s, e in hooks.calls[state["calls"]:])  # fmt: skip
             w.module_end = self._row_rel(g, k, ledger.module)
@@ -690,9 +691,11 @@ class _Run:
 
 
 def _sorted_frees(evs):
-    """The window's events with each run of consecutive frees in one order (by role): the autograd engine and
-    the checkpoint's tables free a node's storages in an order that follows addresses, which varies from
-    process to process; frees with no allocation between them give the same figures in any order."""
+    """The window's events with each run of consecutive frees in one order (by role), for comparing windows:
+    the autograd engine and the checkpoint's tables free a node's storages in an order that follows
+    addresses, which varies from process to process; frees with no allocation between them give the same
+    figures in any order. A replayed block emits its template's own order (the real step's, as the CUDA
+    traces show it)."""
     out, run = [], []
     for e in evs:
         if e[0] < 0:
@@ -706,7 +709,7 @@ def _sorted_frees(evs):
 
 
 def _fwd_sig(w):
-    return (w.events, w.infos, w.calls, w.module_end, w.out[:4] if w.out else None)
+    return (w.order, w.infos, w.calls, w.module_end, w.out[:4] if w.out else None)
 
 
 def _nbytes(t):
