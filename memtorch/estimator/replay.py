@@ -90,7 +90,6 @@ class _Group:
         self.size = size
         self.n = len(blocks)
         self.fwd = None  # block 1's forward window this step
-        self.fwd_last = None  # block n-2's
         self.bwd = None  # block n-2's backward window this step (the template)
         self.bwd_first = None  # block 1's, checked against it
         self.replays = 0  # blocks replayed this step
@@ -159,7 +158,6 @@ class _Window:
         "gx",
         "ok",
         "meta",
-        "deferred",
         "order",
     )
 
@@ -173,7 +171,6 @@ class _Window:
             self.grads,
             self.gx,
             self.meta,
-            self.deferred,
         )
 
 
@@ -232,7 +229,7 @@ class Replayer:
 
     def new_step(self):
         for g in self.groups:
-            g.fwd = g.fwd_last = g.bwd = g.bwd_first = None
+            g.fwd = g.bwd = g.bwd_first = None
             g.replays = 0
         self._step_start = len(self.ledger.events)
         self._siblings = {}
@@ -351,6 +348,35 @@ class Replayer:
     def _row_abs(self, g, k, rel):
         return g.rows[k + rel[1]] + rel[2] if rel[0] == "r" else rel[1]
 
+    def _window(self, g, k, start, next0, calls0, known):
+        """The block's window from event ``start`` to now, as a _Window (ok, out, grads, gx and meta left to
+        the caller), and its storages' roles by key: ("n", i) the i-th storage allocated since key
+        ``next0``, known[key] for the storages named before it, ("o", key) any other."""
+        ledger = self.ledger
+        names = {}
+        evs, infos = [], []
+        for key, sign in ledger.events[start:]:
+            r = names.get(key)
+            if r is None:
+                r = names[key] = ("n", len(infos)) if key >= next0 else known.get(key, ("o", key))
+            evs.append((sign, r))
+            if sign > 0 and r[0] == "n":
+                nb, ph, mod, cat = ledger.info[key]
+                infos.append((nb, ph, self._row_rel(g, k, mod), cat))
+        w = _Window()
+        w.ok = True
+        w.events, w.order, w.infos = tuple(evs), _sorted_frees(evs), tuple(infos)
+        w.calls = tuple(
+            (self._row_rel(g, k, r), s - start, e - start) for r, s, e in self.hooks.calls[calls0:]
+        )
+        w.module_end = self._row_rel(g, k, ledger.module)
+        alive = set()
+        for sign, r in evs:
+            if r[0] == "n":
+                (alive.add if sign > 0 else alive.discard)(r)
+        w.alive = frozenset(alive)
+        return w, names
+
     def _record(self, g, k, role, inner, args, kwargs):
         torch = self.torch
         ledger, hooks = self.ledger, self.hooks
@@ -366,36 +392,8 @@ class Replayer:
         x_key = ledger.key_of(x)
         start, next0, calls0, units0 = len(ledger.events), ledger._next, len(hooks.calls), len(self.units)
         out = inner(*args, **kwargs)
-        w = _Window()
-        w.ok = True
-        names = {}  # key -> role
-
-        def name(key):
-            r = names.get(key)
-            if r is None:
-                if key >= next0:
-                    r = names[key] = ("n", len([1 for v in names.values() if v[0] == "n"]))
-                elif key == x_key:
-                    r = names[key] = ("x",)
-                else:
-                    r = names[key] = ("o", key)
-            return r
-
-        evs, infos = [], []
-        for key, sign in ledger.events[start:]:
-            r = name(key)
-            evs.append((sign, r))
-            if sign > 0 and r[0] == "n":
-                nb, ph, mod, cat = ledger.info[key]
-                infos.append((nb, ph, self._row_rel(g, k, mod), cat))
-        w.events, w.order, w.infos = tuple(evs), _sorted_frees(evs), tuple(infos)
-        w.calls = tuple((self._row_rel(g, k, r), s - start, e - start) for r, s, e in hooks.calls[calls0:])
-        w.module_end = self._row_rel(g, k, ledger.module)
-        alive = set()
-        for sign, r in evs:
-            if r[0] == "n":
-                (alive.add if sign > 0 else alive.discard)(r)
-        w.alive = frozenset(alive)
+        w, names = self._window(g, k, start, next0, calls0, {x_key: ("x",)})
+        evs = w.events
         leaves, ospec = _flatten(out)
         tensors = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
         y = leaves[tensors[0]] if len(tensors) == 1 else None
@@ -434,20 +432,16 @@ class Replayer:
                 sib = self._siblings.get(g.first_keys.get(r) if g.fwd is not None else None)
                 if sib is not None:
                     sib[1] = key
-            g.fwd_last = w
             differs = g.fwd is None or not (g.fwd.ok and w.ok) or _fwd_sig(g.fwd) != _fwd_sig(w)
-            if differs and self.replayed_in_step(g):
+            if differs and g.replays:
                 raise Mismatch(
                     f"block {k}'s forward differs from block 1's, which the replayed blocks copied"
                 )
         if w.ok and y is not None:
-            self._watch_backward(g, k, role, w, x, y, names, next0)
+            self._watch_backward(g, k, role, x, y, names)
         return out
 
-    def replayed_in_step(self, g):
-        return g.replays > 0
-
-    def _watch_backward(self, g, k, role, fw, x, y, fnames, fnext):
+    def _watch_backward(self, g, k, role, x, y, fnames):
         """Hooks on the block's output (its backward starts) and input (its backward ends)."""
         ledger, hooks = self.ledger, self.hooks
         state = {}
@@ -466,42 +460,12 @@ class Replayer:
             if "start" not in state:
                 self._fail(f"block {k}'s backward began where it was not seen")
                 return
-            start, next0, gy_key = state["start"], state["next"], state["gy"]
-            w = _Window()
-            w.ok = True
-            names = {}
-
-            def name(key):
-                r = names.get(key)
-                if r is None:
-                    if key >= next0:
-                        r = names[key] = ("n", len([1 for v in names.values() if v[0] == "n"]))
-                    elif key in fkeys:
-                        r = names[key] = ("f", fkeys[key][1])
-                    elif key == x_key:
-                        r = names[key] = ("x",)
-                    elif key == gy_key:
-                        r = names[key] = ("gy",)
-                    else:
-                        r = names[key] = ("o", key)
-                return r
-
-            evs, infos = [], []
-            for key, sign in ledger.events[start:]:
-                r = name(key)
-                evs.append((sign, r))
-                if sign > 0 and r[0] == "n":
-                    nb, ph, mod, cat = ledger.info[key]
-                    infos.append((nb, ph, self._row_rel(g, k, mod), cat))
-            w.events, w.order, w.infos = tuple(evs), _sorted_frees(evs), tuple(infos)
-            w.calls = tuple((self._row_rel(g, k, r), s - start, e - start)
-                            for r, s, e in hooks.calls[state["calls"]:])  # fmt: skip
-            w.module_end = self._row_rel(g, k, ledger.module)
-            alive = set()
-            for sign, r in evs:
-                if r[0] == "n":
-                    (alive.add if sign > 0 else alive.discard)(r)
-            w.alive = frozenset(alive)
+            gy_key = state["gy"]
+            known = {key: ("f", r[1]) for key, r in fkeys.items()}
+            known[x_key] = ("x",)
+            known[gy_key] = ("gy",)
+            w, names = self._window(g, k, state["start"], state["next"], state["calls"], known)
+            evs = w.events
             w.out = None
             metas = {}
             grads = []
@@ -514,24 +478,13 @@ class Replayer:
                 r = names.get(ledger.key_of(pg))
                 grads.append(r)
                 if r is not None:
-                    metas[r] = (tuple(pg.shape), pg.stride(), pg.dtype, pg.untyped_storage().nbytes() == _nbytes(pg)
-                                and pg.storage_offset() == 0)  # fmt: skip
+                    metas[r] = _meta(pg)
             gkey = ledger.key_of(grad)
             gx = None if gkey is None else ("gy",) if gkey == gy_key else names.get(gkey)
             if gx is not None and gx[0] == "n":
-                metas[gx] = (
-                    tuple(grad.shape),
-                    grad.stride(),
-                    grad.dtype,
-                    grad.untyped_storage().nbytes() == _nbytes(grad) and grad.storage_offset() == 0,
-                )
+                metas[gx] = _meta(grad)
             w.grads, w.gx = tuple(grads), gx
             w.meta = tuple(sorted(metas.items()))
-            freed = {r for s, r in evs if s < 0 and r[0] == "f"}
-            saved = {("f", r[1]) for r in fw.alive} - {("f", fw.out[0][1])}
-            # saved by the forward and not freed by the backward: held by the autograd graph itself,
-            # freed when it goes (end_step checks that they go together, with no allocation between)
-            w.deferred = tuple(sorted(saved - freed))
             w.ok = (
                 all(r[0] != "o" for _s, r in evs)
                 and all(r is None or (r[0] == "n" and r in w.alive) for r in grads)
@@ -544,7 +497,7 @@ class Replayer:
             else:
                 g.bwd_first = w
                 differs = g.bwd is None or not (g.bwd.ok and w.ok) or g.bwd.signature() != w.signature()
-                if differs and self.replayed_in_step(g):
+                if differs and g.replays:
                     self._fail(f"block {k}'s backward differs from the template the replayed blocks copied")
 
         y.register_hook(on_y)
@@ -553,15 +506,9 @@ class Replayer:
     # -- replaying ----------------------------------------------------------------------------------
     def _alloc(self, info, g, k):
         """A storage no tensor holds: its key, allocated now."""
-        ledger = self.ledger
         nb, ph, rel, cat = info
-        key = ledger._next
-        ledger._next += 1
-        ledger.info[key] = [nb, ph, self._row_abs(g, k, rel), cat]
-        ledger.events.append((key, 1))
-        ledger.current += nb
-        if ledger.current > ledger.peak:
-            ledger.peak = ledger.current
+        key = self.ledger.add_extra(nb, cat, transient=False)
+        self.ledger.info[key][1:3] = [ph, self._row_abs(g, k, rel)]
         return key
 
     def _real(self, info, meta, g, k):
@@ -646,8 +593,17 @@ class _Run:
         ledger = rep.ledger
         x, self.x = self.x, None
         b = g.bwd
+        x_key = None if x is None else ledger.key_of(x)
+        gy_key = ledger.key_of(gy)
+        why = None
         if b is None or not b.ok:
-            rep._fail(f"block {k} was replayed but the backward template (block {g.n - 2}) was not recorded")
+            why = f"block {k} was replayed but the backward template (block {g.n - 2}) was not recorded"
+        elif (x_key is None and any(r == ("x",) for _s, r in b.events)) or (
+            gy_key is None and any(r == ("gy",) for _s, r in b.events)
+        ):
+            why = f"block {k}'s input or incoming gradient has no storage the run counted"
+        if why is not None:  # the run is done again without replay: gradients of the right shapes until then
+            rep._fail(why)
             return (torch.empty_like(gy),) + tuple(torch.empty_like(p) for p in self.params)
         base = len(ledger.events)
         fkeys = self.keys
@@ -655,13 +611,6 @@ class _Run:
         real = {}
         metas = dict(b.meta)
         infos = iter(b.infos)
-        x_key = None if x is None else ledger.key_of(x)
-        gy_key = ledger.key_of(gy)
-        if (x_key is None and any(r == ("x",) for _s, r in b.events)) or (
-            gy_key is None and any(r == ("gy",) for _s, r in b.events)
-        ):
-            rep._fail(f"block {k}'s input or incoming gradient has no storage the run counted")
-            return (torch.empty_like(gy),) + tuple(torch.empty_like(p) for p in self.params)
         for sign, r in b.events:
             kind = r[0]
             if kind == "n":
@@ -710,6 +659,12 @@ def _sorted_frees(evs):
 
 def _fwd_sig(w):
     return (w.order, w.infos, w.calls, w.module_end, w.out[:4] if w.out else None)
+
+
+def _meta(t):
+    """(shape, strides, dtype, whether torch.empty_strided of them makes ``t``'s whole storage)."""
+    whole = t.untyped_storage().nbytes() == _nbytes(t) and t.storage_offset() == 0
+    return (tuple(t.shape), t.stride(), t.dtype, whole)
 
 
 def _nbytes(t):
