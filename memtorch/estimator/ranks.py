@@ -276,11 +276,48 @@ def replay(ledger, sizes, cuda=False):
     return curve.tolist(), peak, at, reserved, set(live.tolist()), unsplit
 
 
-def _replay(ledger, size_of, inserts, spans, cuda=False):
-    """Curve of a rank: ledger events with sizes from size_of (a _Sizes), inserts {pos: [(pseudo key, +1/-1)]}.
+def _categories(ledger):
+    """(category names, int64 array of each ledger key's category index), made once per ledger."""
+    got = getattr(ledger, "_categories", None)
+    info = ledger.info
+    if got is None or len(got[1]) != len(info):
+        index = {}
+        codes = numpy.fromiter((index.setdefault(info[k][3], len(index)) for k in range(len(info))), numpy.int64,
+                               len(info))  # fmt: skip
+        got = ledger._categories = (list(index), codes)
+    return got
 
-    Returns (peak, live keys at the peak, bytes at the end, [(phase, start, end, highest)], reserved peak,
-    unsplit); cuda: the curve is the caching allocator's allocated bytes (its blocks), the reserved peak its
+
+class _Rep:
+    """A rank's replay (_replay): peak, live (the keys live at the peak: ledger keys and pseudo keys), end
+    (bytes at the end), phases [(phase, start, end, highest)], reserved, unsplit; and, for the sums of
+    _figures, sizes (int64 bytes per index: the ledger's keys, then the pseudo keys'), live_ix (the indices
+    live at the peak) and pseudo_at ({index: pseudo key})."""
+
+    __slots__ = ("peak", "end", "phases", "reserved", "unsplit", "sizes", "live_ix", "pseudo_at")
+
+    def __init__(self, peak, end, phases, reserved, unsplit, sizes, live_ix, pseudo_at):
+        self.peak, self.end, self.phases, self.reserved, self.unsplit = peak, end, phases, reserved, unsplit
+        self.sizes, self.live_ix, self.pseudo_at = sizes, live_ix, pseudo_at
+
+    @property
+    def live(self):
+        at = self.pseudo_at
+        return {at.get(k, k) for k in self.live_ix.tolist()}
+
+    def pseudo_live(self):
+        """[(pseudo key, bytes)] live at the peak."""
+        nk = len(self.sizes) - len(self.pseudo_at)
+        extra = self.live_ix[self.live_ix >= nk]
+        return [(self.pseudo_at[i], int(self.sizes[i])) for i in extra.tolist()]
+
+
+def _replay(ledger, size_of, inserts, spans, cuda=False):
+    """A rank's curve (a _Rep): ledger events with sizes from size_of (a _Sizes), inserts {pos: [(pseudo key,
+    +1/-1)]}.
+
+    Its peak, the keys live at it, the bytes at the end, [(phase, start, end, highest)], the reserved peak and
+    unsplit; cuda: the curve is the caching allocator's allocated bytes (its blocks), the reserved peak its
     segments' and unsplit the bytes of the blocks live at the peak beyond their rounded requests (None and 0
     otherwise). The sequence runs in C (_C.alloc_replay; allocator.CachingAllocator is its reference).
     """
@@ -308,10 +345,8 @@ def _replay(ledger, size_of, inserts, spans, cuda=False):
         seq = numpy.insert(seq, at, values)  # before each position, in the order given
     if tail:
         seq = numpy.concatenate((seq, numpy.array(tail, dtype=numpy.int64)))
-    curve, best, _best_at, reserved, live, unsplit = _C.alloc_replay(seq, size_of.array(list(index)), cuda)
-    curve = curve.tolist()
-    names = {ix: key for key, ix in index.items()}
-    live = {names.get(k, k) for k in live.tolist()}
+    sizes = size_of.array(list(index))
+    curve, best, _best_at, reserved, live, unsplit = _C.alloc_replay(seq, sizes, cuda)
 
     def before(i):  # where the inserts at ledger position i begin in the sequence
         return i + bisect.bisect_left(at, i)
@@ -319,16 +354,20 @@ def _replay(ledger, size_of, inserts, spans, cuda=False):
     def after(i):
         return i + bisect.bisect_right(at, i)
 
+    def value(i):
+        return int(curve[i - 1]) if i > 0 else 0
+
     phases = []  # (name, bytes at its start, at its end, its highest)
     ends = {e for _n, _s, e in spans}
     for name, s, e in spans:
         # what was inserted at a phase's end (FSDP's final callback) belongs to that phase
         s2 = after(s) if s in ends else before(s)
         e2 = after(e)
-        start = curve[s2 - 1] if s2 > 0 else 0
-        end = curve[e2 - 1] if e2 > 0 else 0
-        phases.append((name, start, end, max(max(curve[s2:e2], default=start), start)))
-    return best, live, (curve[-1] if curve else 0), phases, reserved, unsplit
+        start = value(s2)
+        high = int(curve[s2:e2].max()) if e2 > s2 else start
+        phases.append((name, start, value(e2), max(high, start)))
+    return _Rep(best, int(curve[-1]) if len(curve) else 0, phases, reserved, unsplit, sizes, live,
+                {ix: key for key, ix in index.items()})  # fmt: skip
 
 
 def even_partition(groups, numels, n):
@@ -377,6 +416,9 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
     def sized(over):
         return _Sizes(base, over, pseudo)
 
+    # (key, parameter index) of every storage of a parameter's step (its state, its temporaries)
+    stepped = [(k, o) for k, o in owner.items() if o is not None and o >= 0 and in_step(k)]
+
     results = []
     if sharding in ("ddp", "zero1"):
         pseudo[("buckets",)] = (rnd(G), "communication")  # the Reducer's buckets, from wrapping on
@@ -386,15 +428,10 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
         for r in range(n):
             mine = None if parts is None else frozenset(parts[r])
             if mine not in cache:
-                over = {}
-                if mine is not None:
-                    for k in info:
-                        o = owner.get(k)
-                        if o is not None and o >= 0 and o not in mine and in_step(k):
-                            over[k] = 0
+                over = {} if mine is None else {k: 0 for k, o in stepped if o not in mine}
                 cache[mine] = (over, _replay(ledger, sized(over), inserts, hooks.spans, cuda))
             over, rep = cache[mine]
-            fig = _figures(r, rep, sized(over), info, pseudo, facts, G, rnd(G), 0)
+            fig = _figures(r, rep, ledger, pseudo, facts, G, rnd(G), 0)
             if parts is not None:
                 fig["parameters_stepped"] = len(parts[r])
             results.append(fig)
@@ -403,22 +440,22 @@ def per_rank(ledger, hooks, facts, n, sharding, rnd=None, cuda=False):
             # adding ranks once this is over the device)
             idle = frozenset()
             if idle not in cache:
-                over = {k: 0 for k in info if owner.get(k) is not None and owner[k] >= 0 and in_step(k)}
+                over = {k: 0 for k, _o in stepped}
                 cache[idle] = (over, _replay(ledger, sized(over), inserts, hooks.spans, cuda))
             for fig in results:
-                fig["floor"] = int(cache[idle][1][0])
+                fig["floor"] = int(cache[idle][1].peak)
         return results
     if sharding in EVEN:
         sizes, part = even_partition(facts["param_groups"], numels, n)
         over = _flat_partitions(ledger, facts, in_step, sizes, part, rnd)
         rep = _replay(ledger, sized(over), {}, hooks.spans, cuda)
-        fig = _figures(0, rep, sized(over), info, pseudo, facts, G, 0, 0)
+        fig = _figures(0, rep, ledger, pseudo, facts, G, 0, 0)
         if facts.get("floor"):
             # no partition at all: what a rank holds whatever the world size (memtorch.plan's stopping bound)
             none = {k: 0 for k in over}
-            fig["floor"] = int(_replay(ledger, sized(none), {}, hooks.spans, cuda)[0])
+            fig["floor"] = int(_replay(ledger, sized(none), {}, hooks.spans, cuda).peak)
         return [dict(fig, rank=r) for r in range(n)]
-    return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G, cuda)
+    return _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, stepped, G, cuda)
 
 
 def _flat_partitions(ledger, facts, in_step, sizes, part, rnd):
@@ -485,40 +522,51 @@ def _scaled(nbytes, numel, part, elements):
     return nbytes
 
 
-def _figures(rank, rep, size_of, info, pseudo, facts, grads, buckets, gathered, upper=None):
-    peak, live, _end, phases, reserved, unsplit = rep
-    breakdown = {}
-    for k in live:
-        cat = pseudo[k][1] if isinstance(k, tuple) else info[k][3]
-        breakdown[cat] = breakdown.get(cat, 0) + size_of(k)
-    if reserved is not None:  # cuda: the blocks handed out whole, as the peak counts them
-        breakdown[words.ALLOCATOR_ROUNDING] = int(unsplit)
+def _figures(rank, rep, ledger, pseudo, facts, grads, buckets, gathered, upper=None):
+    sizes, live = rep.sizes, rep.live_ix
+    names, codes = _categories(ledger)
+    own = live[live < len(codes)]
+    # per category of the ledger's keys live at the peak, in the order of their first key
+    cats = codes[own]
+    totals = numpy.zeros(len(names), numpy.int64)
+    numpy.add.at(totals, cats, sizes[own])
+    present, first = numpy.unique(cats, return_index=True)
+    breakdown = {names[c]: int(totals[c]) for c in present[numpy.argsort(first, kind="stable")].tolist()}
+    for key, nbytes in rep.pseudo_live():
+        cat = pseudo[key][1]
+        breakdown[cat] = breakdown.get(cat, 0) + nbytes
+    if rep.reserved is not None:  # cuda: the blocks handed out whole, as the peak counts them
+        breakdown[words.ALLOCATOR_ROUNDING] = int(rep.unsplit)
+
+    def total(keys):
+        return int(sizes[numpy.fromiter(keys, numpy.int64)].sum()) if keys else 0
+
     # between steps: what the one process keeps (parameters, buffers, state, inputs) at this rank's
     # sizes, and DDP's buckets
-    steady = sum(size_of(k) for k in facts["end_live"]) + buckets
+    steady = total(facts["end_live"]) + buckets
+    peak = rep.peak
     return {
         "rank": rank,
         "peak": int(peak),
         # gloo (CPU FSDP): the peak if each collective's scratch is freed only when the next one begins
         "peak_upper": int(peak if upper is None else max(peak, upper)),
-        "reserved_peak": None if reserved is None else int(reserved),
+        "reserved_peak": None if rep.reserved is None else int(rep.reserved),
         "steady": int(steady),
         # each storage once: several parameters may view one (cuDNN's flat RNN weights)
-        "parameter": sum(size_of(k) for k in set(facts["param_keys"])),
+        "parameter": total(set(facts["param_keys"])),
         "gradient": int(grads),
-        "optimizer_state": sum(size_of(k) for k in facts["last_state"]),
+        "optimizer_state": total(facts["last_state"]),
         "communication_buckets": int(buckets),
         "gathered_parameters": int(gathered),
         "breakdown": breakdown,
-        "phases": {name: max(top for n, _s, _e, top in phases if n == name) for name, *_ in phases},
-        "spans": phases,
+        "phases": {name: max(top for n, _s, _e, top in rep.phases if n == name) for name, *_ in rep.phases},
+        "spans": rep.phases,
     }
 
 
-def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step, G, cuda=False):
+def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, stepped, G, cuda=False):
     gloo = facts.get("device", "cpu") == "cpu"
     info = ledger.info
-    owner = ledger.owner
     shapes = facts["param_shapes"]
     numels = facts["param_numels"]
     units = facts["units"]  # [[param index]]: innermost first, the root last
@@ -568,22 +616,26 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
     freed_at = {k: pos for pos, (k, sign) in enumerate(ledger.events) if sign < 0}
     cache = {}
     results = []
+    # rank r's rows of each parameter's dim 0 (_chunk_rows for every parameter at once)
+    d0s = numpy.fromiter((d0_of(i) for i in range(len(numels))), numpy.int64, len(numels))
+    chunk = -(-d0s // n)
+    shards = {}
+    for i, k in enumerate(facts["param_keys_trainable"]):
+        # the padded shard FSDP2 keeps, one per parameter: a storage several parameters view (cuDNN's flat
+        # RNN weights) holds all of theirs
+        shards[k] = shards.get(k, 0) + rnd(padded(i) // n * esize[i])
     for r in range(n):
-        rows = tuple(_chunk_rows(d0_of(i), n, r)[0] for i in range(len(numels)))
-        if rows in cache:
-            results.append(dict(cache[rows], rank=r))
+        mine = numpy.clip(d0s - r * chunk, 0, chunk)
+        sig = mine.tobytes()
+        if sig in cache:
+            results.append(dict(cache[sig], rank=r))
             continue
-        over = {}
-        for i, k in enumerate(facts["param_keys_trainable"]):
-            # the padded shard FSDP2 keeps, one per parameter: a storage several parameters view (cuDNN's flat
-            # RNN weights) holds all of theirs
-            over[k] = over.get(k, 0) + rnd(padded(i) // n * esize[i])
-        for k in info:
-            o = owner.get(k)
-            if o is not None and o >= 0 and in_step(k):
-                d0 = d0_of(o)
-                part = rows[o] * (numels[o] // d0) if d0 else 0
-                over[k] = rnd(_scaled(info[k][0], numels[o], part, ledger.elements.get(k)))
+        rows = mine.tolist()
+        over = dict(shards)
+        for k, o in stepped:
+            d0 = d0_of(o)
+            part = rows[o] * (numels[o] // d0) if d0 else 0
+            over[k] = rnd(_scaled(info[k][0], numels[o], part, ledger.elements.get(k)))
         for k in grad_keys:  # autograd's unsharded gradient: replaced by a pseudo key freed when reduced
             over[k] = 0
         inserts = {}
@@ -702,9 +754,9 @@ def _fsdp(ledger, hooks, facts, n, sharding, size0, rnd, pseudo, sized, in_step,
             late.setdefault(len(ledger.events) + 1, []).append((last_scratch[0], -1))
         size_of = sized(over)
         rep = _replay(ledger, size_of, inserts, spans, cuda)
-        upper = _replay(ledger, size_of, late, spans)[0] if gloo else None
-        gathered = sum(size_of(k) for k in rep[1] if isinstance(k, tuple) and k[0] == "unsharded parameters")
-        fig = _figures(r, rep, size_of, info, pseudo, facts, sum(rs_out_u), 0, gathered, upper)
-        cache[rows] = fig
+        upper = _replay(ledger, size_of, late, spans).peak if gloo else None
+        gathered = sum(b for k, b in rep.pseudo_live() if k[0] == "unsharded parameters")
+        fig = _figures(r, rep, ledger, pseudo, facts, sum(rs_out_u), 0, gathered, upper)
+        cache[sig] = fig
         results.append(fig)
     return results
