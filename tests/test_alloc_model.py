@@ -150,7 +150,8 @@ def test_rank_replay_with_inserts_is_the_hand_built_sequence(cuda):
     base = _estimate_ranks.base_sizes(ledger, round_size if cuda else None)
     size_of = _estimate_ranks._Sizes(base, over, pseudo)
     spans = [("forward", 0, 5), ("backward", 5, n)]
-    peak, live, end, phases, reserved, _unsplit = _estimate_ranks._replay(ledger, size_of, inserts, spans, cuda)
+    rep = _estimate_ranks._replay(ledger, size_of, inserts, spans, cuda)
+    peak, live, end, phases, reserved = rep.peak, rep.live, rep.end, rep.phases, rep.reserved
     if not cuda:
         want = _reference_replay(events, size_of, inserts)
         assert peak == max(want) and end == want[-1]
@@ -168,6 +169,10 @@ def test_rank_replay_with_inserts_is_the_hand_built_sequence(cuda):
         allocated, res = ref.replay(seq, {k: size_of(k) for k, _ in seq})
         assert (peak, end, reserved) == (max(allocated), allocated[-1], res[-1])
     assert ("buckets",) in live
+    # the sizes _figures sums: every key's, the pseudo keys' after the ledger's
+    assert [int(v) for v in rep.sizes] == [size_of(k) for k in range(len(sizes))] + [size_of(k) for k in pseudo
+                                                                                   if k in rep.pseudo_at.values()]
+    assert dict(rep.pseudo_live()) == {k: size_of(k) for k in live if isinstance(k, tuple)}
 
 
 def test_bad_input_is_a_clear_error():

@@ -225,6 +225,7 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
     from torch._subclasses.fake_tensor import FakeTensor
 
     known = _Known()
+    like = _LikeOperators(torch)
 
     class Accounting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -286,7 +287,9 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                     # tensor's metadata, a millisecond a tensor on a 7B model's 291
                     out = None
                 else:
-                    out = func(*args, **kwargs)
+                    out = _new_like(func, args, kwargs, FakeTensor) if func in like else None
+                    if out is None:
+                        out = func(*args, **kwargs)
                 known.follow(func, args, kwargs, out)
                 if fix is not None:
                     extra = fix(args, kwargs, out)
@@ -340,6 +343,147 @@ def _inplace_foreach(func):
             name.startswith("aten::_foreach_") and name.endswith("_") and not func._schema.returns
         )
     return hit
+
+
+# out-of-place foreach operators whose i-th output is a new tensor like the i-th of their first list when every
+# tensor is floating point (sqrt, neg, ... of a float keeps its dtype; so does a float op a float of its own dtype
+# or a Python number): AdamW's torch._foreach_sqrt over every parameter's exp_avg_sq
+_FOREACH_UNARY = frozenset((
+    "sqrt", "neg", "abs", "exp", "log", "reciprocal", "sign", "sigmoid", "tanh", "log1p", "expm1", "erf",
+    "sin", "cos", "ceil", "floor", "round", "trunc", "frac",
+))  # fmt: skip
+_FOREACH_BINARY = frozenset(("add", "sub", "mul", "div", "maximum", "minimum", "clamp_min", "clamp_max", "pow"))
+_FOREACH_LIKE = {}
+
+
+def _foreach_like(func):
+    """"unary", "List", "Scalar" or "ScalarList": how ``func``'s outputs follow its first list (see above);
+    False for any other operator."""
+    hit = _FOREACH_LIKE.get(func)
+    if hit is None:
+        schema = func._schema
+        name, overload = schema.name, schema.overload_name
+        op = name[len("aten::_foreach_"):] if name.startswith("aten::_foreach_") else ""
+        hit = False
+        if op in _FOREACH_UNARY and overload in ("", "default"):
+            hit = "unary"
+        elif op in _FOREACH_BINARY and overload in ("List", "Scalar", "ScalarList"):
+            hit = overload
+        _FOREACH_LIKE[func] = hit
+    return hit
+
+
+def _number(x):
+    return type(x) in (int, float)
+
+
+class _LikeOperators:
+    """``func in like``: whether _new_like may make ``func``'s outputs (a cheap test, before any other)."""
+
+    def __init__(self, torch):
+        aten = torch.ops.aten
+        self.factories = (aten.zeros_like.default, aten.empty_like.default)
+
+    def __contains__(self, func):
+        return func in self.factories or bool(_foreach_like(func))
+
+
+def _new_like(func, args, kwargs, fake_type):
+    """The outputs of an operator that makes new tensors like its fake inputs, made directly: FakeTensorMode
+    runs the operator's meta kernel and checks it (80 us a tensor for zeros_like, 300 us for each tensor of an
+    out-of-place foreach operator: a 7B model's AdamW makes 582 states with zeros_like and runs
+    torch._foreach_sqrt over 291). Only where the outputs are certain: None otherwise, and the operator runs
+    as usual."""
+    if func._schema.name in ("aten::zeros_like", "aten::empty_like"):
+        return _factory_like(args, kwargs, fake_type)
+    return _foreach_like_out(func, args, kwargs, fake_type)
+
+
+def _plain(t):
+    """Whether ``t`` has elements and the strides of a contiguous tensor of its shape (each dim's stride the
+    product of the sizes after it, size-1 dims included): the layout every rule of a new tensor like it
+    (empty_like's preserve_format, TensorIterator's outputs) gives it again."""
+    stride, expect = t.stride(), 1
+    shape = t.shape
+    for i in range(len(shape) - 1, -1, -1):
+        if stride[i] != expect:
+            return False
+        expect *= shape[i]
+    return expect > 0
+
+
+def _fakes(specs, mode):
+    """New contiguous fake tensors, one per (shape, dtype, fake device) of ``specs``."""
+    torch = _torch()
+    # lazy: torch's own helper, loaded with torch already
+    from torch.utils._mode_utils import no_dispatch
+
+    empty = torch.ops.aten.empty.memory_format
+    with no_dispatch(), torch._C.DisableTorchFunction():
+        metas = [empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in specs]
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return [FakeTensor(mode, m, device) for m, (_, _, device) in zip(metas, specs)]
+
+
+def _factory_like(args, kwargs, fake_type):
+    """torch.zeros_like / empty_like of a contiguous fake tensor (_plain), in its dtype or the one given: a new
+    contiguous fake of its shape on its device (preserve_format keeps that layout)."""
+    torch = _torch()
+    if len(args) != 1 or not isinstance(args[0], fake_type):
+        return None
+    t = args[0]
+    dtype = kwargs.get("dtype")
+    if (set(kwargs) - {"dtype", "layout", "device", "pin_memory", "memory_format"}
+            or kwargs.get("layout") not in (None, torch.strided) or kwargs.get("device") is not None
+            or kwargs.get("pin_memory") or kwargs.get("memory_format") not in (None, torch.preserve_format,
+                                                                               torch.contiguous_format)
+            or (dtype is not None and not isinstance(dtype, torch.dtype))):  # fmt: skip
+        return None
+    mode = t.fake_mode
+    if mode.in_kernel_invocation or not _plain(t):
+        return None
+    return _fakes([(t.shape, t.dtype if dtype is None else dtype, t.fake_device)], mode)[0]
+
+
+def _foreach_like_out(func, args, kwargs, fake_type):
+    """The outputs of an out-of-place foreach operator on fake tensors (_foreach_like): one new fake tensor
+    each, of its input's shape, dtype and device, contiguous as its input is (what the operator's meta
+    kernel gives, empty_like of each)."""
+    kind = _foreach_like(func)
+    if not kind or not args or (kwargs and (set(kwargs) != {"alpha"} or not _number(kwargs["alpha"]))):
+        return None
+    first = args[0]
+    if not isinstance(first, (list, tuple)) or not first or not isinstance(first[0], fake_type):
+        return None
+    rest = args[1:]
+    if kind == "unary":
+        if rest:
+            return None
+    elif kind == "List":
+        if not 1 <= len(rest) <= 2 or not isinstance(rest[0], (list, tuple)) or len(rest[0]) != len(first):
+            return None
+        if len(rest) == 2 and not _number(rest[1]):  # alpha given by position
+            return None
+    elif kind == "Scalar":
+        if len(rest) != 1 or not _number(rest[0]):
+            return None
+    elif len(rest) != 1 or not isinstance(rest[0], (list, tuple)) or len(rest[0]) != len(first) or \
+            not all(_number(x) for x in rest[0]):
+        return None
+    mode = first[0].fake_mode
+    if mode.in_kernel_invocation:
+        return None
+    other = rest[0] if kind == "List" else None
+    for i, t in enumerate(first):
+        if not (isinstance(t, fake_type) and t.fake_mode is mode and t.dtype.is_floating_point and _plain(t)):
+            return None
+        if other is not None:
+            u = other[i]
+            if not (isinstance(u, fake_type) and u.fake_mode is mode and u.dtype == t.dtype and u.shape == t.shape
+                    and u.fake_device == t.fake_device):  # fmt: skip
+                return None
+    return _fakes([(t.shape, t.dtype, t.fake_device) for t in first], mode)
 
 
 @contextlib.contextmanager
