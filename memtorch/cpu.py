@@ -470,6 +470,9 @@ class Scope:
     # the model's and optimizer's), entered into the counters as it opens (_adopt); and their bytes entered
     _known = None
     _adopted = 0
+    # False: the event log is recorded while open (timeline=True) for another reader (track()'s report, which
+    # reads it whole), and its (times, bytes) arrays are not read again at the close
+    _keep_events = True
 
     def __init__(self, timeline: bool = False) -> None:
         if timeline is not False and timeline is not True:
@@ -572,7 +575,7 @@ class Scope:
     def _set_closed(self, raw, procs):
         (self._start, self._end, self._peak, self._t1, ev1, self._hook_lost, self._other_bytes,
          self._other_allocs, lost, unseen, unseen_b) = raw  # fmt: skip
-        if self._want_timeline:
+        if self._want_timeline and self._keep_events:
             t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
             self._events = (t, b)
         self._lost_entries = lost - self._lost0
@@ -848,6 +851,8 @@ class Scope:
             arr = np.array(self._samples, dtype=np.int64).reshape(-1, 2)
             return arr[:, 0].copy(), arr[:, 1].copy()
         if self._state == "closed":
+            if not self._keep_events:
+                raise MemtorchError("this Scope's timeline was left to another reader (track()'s report)")
             t, b = self._events
             ends = [(self._t0, self._start)], [(self._t1, self._end)]
         else:

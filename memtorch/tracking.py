@@ -993,12 +993,15 @@ class Tracker:
             o.see(r)
         return r
 
-    def _open_scope(self, timeline=False, reading=None, known=None):
+    def _open_scope(self, timeline=False, reading=None, known=None, keep_events=True):
         """Open a counter scope; CUDA: from ``reading`` (a _read_cuda() the caller shares) or a new read;
-        CPU: ``known``, storages made before counting began that it counts from (_known_storages)."""
+        CPU: ``known``, storages made before counting began that it counts from (_known_storages);
+        keep_events=False: the event log is recorded (timeline=True) for the report alone, which reads it
+        whole at the close (_finish), so the scope does not read its timeline again."""
         if self._kind == "cpu":
             s = cpu.Scope(timeline=timeline)
             s._known = known
+            s._keep_events = keep_events
             s.__enter__()
             return s
         r = self._read_cuda() if reading is None else reading  # a sample for the enclosing scopes too
@@ -1567,7 +1570,8 @@ class Tracker:
             if self._kind == "cuda" and (self._model is not None or self._optimizer is not None or self._with_log):
                 # at_peak: the allocator's own history for the block (restored as found at the end)
                 self._ctrace = _cuda_trace.Recording.maybe_start(self._index)
-            self._scope = self._open_scope(timeline=self._timeline or self._evmode, known=self._known_storages())
+            self._scope = self._open_scope(timeline=self._timeline or self._evmode, known=self._known_storages(),
+                                           keep_events=self._timeline)  # fmt: skip
             if self._evmode and not self._timeline:
                 # the log runs for this block's replay, read once at the end: the scope itself
                 # need not read it again when it closes
@@ -1935,7 +1939,7 @@ class Tracker:
             totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
             del opt, m
             snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
-            addrs = list({a for _, names in snapshots for a in names})
+            addrs = list(set().union(*[names for _, names in snapshots]))
             sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
             if self._oom is not None and self._oom["kind"] == "cpu":
                 self._oom_at_failure(ev, dropped, start, snapshots, sizes, sites)
