@@ -1,7 +1,7 @@
 """New tensors like their fake inputs, made without FakeTensorMode (memtorch/estimator/dispatch.py, _new_like).
 
-The dry run makes the outputs of zeros_like / empty_like and of out-of-place foreach operators
-(AdamW's torch._foreach_sqrt) directly where they are certain. Each such output must be what
+The dry run makes the outputs of zeros_like / empty_like, empty_strided on the CPU, detach and of
+out-of-place foreach operators (AdamW's torch._foreach_sqrt) directly where they are certain. Each such output must be what
 FakeTensorMode gives (shape, strides, dtype, device, storage bytes), every other case must fall
 through to FakeTensorMode (None), and a dry run must record the same events either way.
 """
@@ -79,6 +79,31 @@ def test_factories_like_are_fake_tensor_modes(func, kwargs):
         _same(got, want)
 
 
+@pytest.mark.parametrize("size,stride", [((3, 4), (4, 1)), ((3, 4), (1, 3)), ((2, 3), (10, 2)), ((), ()), ((0, 5), (5, 1))])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.int64])
+def test_empty_strided_is_fake_tensor_modes(size, stride, dtype):
+    mode = FakeTensorMode()
+    kwargs = {"device": "cpu"} if dtype is None else {"dtype": dtype, "device": torch.device("cpu")}
+    with mode:
+        got = D._new_like(aten.empty_strided.default, (list(size), list(stride)), kwargs, FakeTensor)
+        want = aten.empty_strided.default(size, stride, **kwargs)
+    assert got is not None
+    _same(got, want)
+
+
+def test_detach_is_fake_tensor_modes():
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(3, 4, dtype=torch.bfloat16)
+        for t in (x, x.t(), x[1:, ::2]):
+            got = D._new_like(aten.detach.default, (t,), {}, FakeTensor)
+            want = aten.detach.default(t)
+            _same(got, want)
+            assert got.storage_offset() == want.storage_offset()
+            # a view: the input's own storage, no new allocation
+            assert got.untyped_storage()._cdata == t.untyped_storage()._cdata == want.untyped_storage()._cdata
+
+
 def test_anything_uncertain_is_left_to_fake_tensor_mode():
     mode = FakeTensorMode()
     with mode:
@@ -100,8 +125,18 @@ def test_anything_uncertain_is_left_to_fake_tensor_mode():
             (aten.zeros_like.default, (x,), {"device": "cpu"}),
             (aten.zeros_like.default, (x,), {"memory_format": torch.channels_last}),
         ]
-    for func, args, kwargs in cases:
-        assert D._new_like(func, args, kwargs, FakeTensor) is None, (func, args, kwargs)
+        const = torch.tensor(2.0)  # a fake holding its constant
+        assert const.constant is not None
+        cases += [
+            (aten.detach.default, (const,), {}),
+            (aten.empty_strided.default, ([2, 3], [3, 1]), {"device": "meta"}),
+            (aten.empty_strided.default, ([2, 3], [3, 1]), {"device": "cpu", "pin_memory": True}),
+            (aten.empty_strided.default, ([2, True], [3, 1]), {"device": "cpu"}),
+        ]
+        for func, args, kwargs in cases:
+            assert D._new_like(func, args, kwargs, FakeTensor) is None, (func, args, kwargs)
+    # no fake mode: a factory is not the dry run's
+    assert D._new_like(aten.empty_strided.default, ([2, 3], [3, 1]), {"device": "cpu"}, FakeTensor) is None
     real = [torch.empty(3)]
     assert D._new_like(aten._foreach_sqrt.default, (real,), {}, FakeTensor) is None  # a real tensor
     assert D._new_like(aten.zeros_like.default, (real[0],), {}, FakeTensor) is None

@@ -382,10 +382,11 @@ class _LikeOperators:
 
     def __init__(self, torch):
         aten = torch.ops.aten
-        self.factories = (aten.zeros_like.default, aten.empty_like.default)
+        self.direct = (aten.zeros_like.default, aten.empty_like.default, aten.empty_strided.default,
+                       aten.detach.default)  # fmt: skip
 
     def __contains__(self, func):
-        return func in self.factories or bool(_foreach_like(func))
+        return func in self.direct or bool(_foreach_like(func))
 
 
 def _new_like(func, args, kwargs, fake_type):
@@ -394,9 +395,60 @@ def _new_like(func, args, kwargs, fake_type):
     out-of-place foreach operator: a 7B model's AdamW makes 582 states with zeros_like and runs
     torch._foreach_sqrt over 291). Only where the outputs are certain: None otherwise, and the operator runs
     as usual."""
-    if func._schema.name in ("aten::zeros_like", "aten::empty_like"):
+    name = func._schema.name
+    if name in ("aten::zeros_like", "aten::empty_like"):
         return _factory_like(args, kwargs, fake_type)
+    if name == "aten::empty_strided":
+        return _empty_strided(args, kwargs, fake_type)
+    if name == "aten::detach":
+        return _detach(args, kwargs, fake_type)
     return _foreach_like_out(func, args, kwargs, fake_type)
+
+
+def _empty_strided(args, kwargs, fake_type):
+    """torch.empty_strided(size, stride, device="cpu") under the fake mode (the dry run's parameters, inputs
+    and replayed gradients, made by fake_like): a fake of that size and those strides on the CPU, its storage
+    as large as they reach (the meta kernel's)."""
+    torch = _torch()
+    if len(args) != 2 or not all(isinstance(x, (list, tuple)) for x in args) or len(args[0]) != len(args[1]):
+        return None
+    if not all(type(x) is int for x in (*args[0], *args[1])):  # noqa: E721  (no SymInt, no bool)
+        return None
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    if (set(kwargs) - {"dtype", "layout", "device", "pin_memory"}
+            or kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory")
+            or not (isinstance(dtype, torch.dtype) or dtype is None)
+            or not (device == "cpu" or (isinstance(device, torch.device) and device == torch.device("cpu")))):  # fmt: skip
+        return None
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None or mode.in_kernel_invocation:
+        return None
+    # lazy: torch's own helper, loaded with torch already
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch(), torch._C.DisableTorchFunction():
+        meta = torch.ops.aten.empty_strided.default(
+            args[0], args[1], dtype=torch.get_default_dtype() if dtype is None else dtype, device="meta"
+        )
+    return fake_type(mode, meta, torch.device("cpu"))
+
+
+def _detach(args, kwargs, fake_type):
+    """t.detach() of a fake tensor holding no constant (AccumulateGrad's, for every gradient): a fake viewing
+    the same storage, the meta kernel's alias, as FakeTensorMode makes it."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], fake_type):
+        return None
+    t = args[0]
+    mode = t.fake_mode
+    if mode.in_kernel_invocation or t.constant is not None:
+        return None
+    torch = _torch()
+    # lazy: torch's own helper, loaded with torch already
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    with in_kernel_invocation_manager(mode), torch._C.DisableTorchFunction():
+        out = torch.ops.aten.detach.default(t)
+    return fake_type(mode, out, t.fake_device)
 
 
 def _plain(t):
