@@ -22,7 +22,12 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
 
 def _same(got, want):
     assert type(got) is FakeTensor
-    assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+    assert (got.shape, got.stride(), got.dtype, got.device) == (
+        want.shape,
+        want.stride(),
+        want.dtype,
+        want.device,
+    )
     assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes()
     assert got.fake_mode is want.fake_mode
 
@@ -62,11 +67,19 @@ def test_foreach_outputs_are_fake_tensor_modes(func, kind):
         _same(g, w)
 
 
-@pytest.mark.parametrize("func", [aten.zeros_like.default, aten.empty_like.default], ids=["zeros_like", "empty_like"])
+@pytest.mark.parametrize(
+    "func", [aten.zeros_like.default, aten.empty_like.default], ids=["zeros_like", "empty_like"]
+)
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"dtype": torch.float16}, {"dtype": torch.int64}, {"memory_format": torch.preserve_format},
-     {"memory_format": torch.contiguous_format}, {"layout": torch.strided, "pin_memory": False}],  # fmt: skip
+    [
+        {},
+        {"dtype": torch.float16},
+        {"dtype": torch.int64},
+        {"memory_format": torch.preserve_format},
+        {"memory_format": torch.contiguous_format},
+        {"layout": torch.strided, "pin_memory": False},
+    ],  # fmt: skip
 )
 def test_factories_like_are_fake_tensor_modes(func, kwargs):
     mode = FakeTensorMode()
@@ -79,7 +92,9 @@ def test_factories_like_are_fake_tensor_modes(func, kwargs):
         _same(got, want)
 
 
-@pytest.mark.parametrize("size,stride", [((3, 4), (4, 1)), ((3, 4), (1, 3)), ((2, 3), (10, 2)), ((), ()), ((0, 5), (5, 1))])
+@pytest.mark.parametrize(
+    "size,stride", [((3, 4), (4, 1)), ((3, 4), (1, 3)), ((2, 3), (10, 2)), ((), ()), ((0, 5), (5, 1))]
+)
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.int64])
 def test_empty_strided_is_fake_tensor_modes(size, stride, dtype):
     mode = FakeTensorMode()
@@ -111,7 +126,11 @@ def test_anything_uncertain_is_left_to_fake_tensor_mode():
         odd = torch.empty_strided((4, 1), (1, 7))  # contiguous, but a size-1 dim with a stride of its own
         cases = [
             (aten._foreach_sqrt.default, ([x.t()],), {}),  # not contiguous
-            (aten._foreach_sqrt.default, ([torch.empty(3, dtype=torch.int64)],), {}),  # sqrt of an integer is a float
+            (
+                aten._foreach_sqrt.default,
+                ([torch.empty(3, dtype=torch.int64)],),
+                {},
+            ),  # sqrt of an integer is a float
             (aten._foreach_sqrt.default, ([odd],), {}),
             (aten._foreach_sqrt.default, ([torch.empty(0, 4)],), {}),  # no element
             (aten._foreach_add.List, ([x], [torch.empty(3, 4, dtype=torch.float64)]), {}),  # promotes

@@ -464,8 +464,9 @@ def _plain(t):
     return expect > 0
 
 
-def _fakes(specs, mode):
-    """New contiguous fake tensors, one per (shape, dtype, fake device) of ``specs``."""
+def _fakes(specs, mode, fake_type):
+    """New contiguous fake tensors of ``mode``, one per (shape, dtype, fake device) of ``specs``: meta tensors
+    made with every mode and torch function override off, then wrapped (what FakeTensorMode does last)."""
     torch = _torch()
     # lazy: torch's own helper, loaded with torch already
     from torch.utils._mode_utils import no_dispatch
@@ -473,9 +474,7 @@ def _fakes(specs, mode):
     empty = torch.ops.aten.empty.memory_format
     with no_dispatch(), torch._C.DisableTorchFunction():
         metas = [empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in specs]
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return [FakeTensor(mode, m, device) for m, (_, _, device) in zip(metas, specs)]
+    return [fake_type(mode, m, device) for m, (_, _, device) in zip(metas, specs)]
 
 
 def _factory_like(args, kwargs, fake_type):
@@ -495,7 +494,7 @@ def _factory_like(args, kwargs, fake_type):
     mode = t.fake_mode
     if mode.in_kernel_invocation or not _plain(t):
         return None
-    return _fakes([(t.shape, t.dtype if dtype is None else dtype, t.fake_device)], mode)[0]
+    return _fakes([(t.shape, t.dtype if dtype is None else dtype, t.fake_device)], mode, fake_type)[0]
 
 
 def _foreach_like_out(func, args, kwargs, fake_type):
@@ -535,7 +534,7 @@ def _foreach_like_out(func, args, kwargs, fake_type):
             if not (isinstance(u, fake_type) and u.fake_mode is mode and u.dtype == t.dtype and u.shape == t.shape
                     and u.fake_device == t.fake_device):  # fmt: skip
                 return None
-    return _fakes([(t.shape, t.dtype, t.fake_device) for t in first], mode)
+    return _fakes([(t.shape, t.dtype, t.fake_device) for t in first], mode, fake_type)
 
 
 @contextlib.contextmanager
