@@ -48,8 +48,8 @@ def _ops():
             continue
         for overload in ("default", "List", "Scalar", "ScalarList"):
             func = getattr(packet, overload, None)
-            if func is not None and D._foreach_like(func):
-                out.append(pytest.param(func, D._foreach_like(func), id=f"{op}.{overload}"))
+            if func is not None and D._kind(func):
+                out.append(pytest.param(func, D._kind(func), id=f"{op}.{overload}"))
     return out
 
 
@@ -117,6 +117,21 @@ def test_detach_is_fake_tensor_modes():
             assert got.storage_offset() == want.storage_offset()
             # a view: the input's own storage, no new allocation
             assert got.untyped_storage()._cdata == t.untyped_storage()._cdata == want.untyped_storage()._cdata
+
+
+def test_each_operator_is_classified_once_by_its_schema():
+    assert D._kind(aten._foreach_mul_.Scalar) == "inplace"  # writes its list, returns nothing
+    assert D._kind(aten._foreach_sqrt.default) == "unary"
+    assert D._kind(aten._foreach_add.List) == "List"
+    assert D._kind(aten.zeros_like.default) == D._kind(aten.empty_like.default) == "factory"
+    assert (D._kind(aten.empty_strided.default), D._kind(aten.detach.default)) == ("strided", "detach")
+    for func in (
+        aten._foreach_mul.Tensor,
+        aten._foreach_lerp.Scalar,
+        aten.mm.default,
+        aten.empty.memory_format,
+    ):
+        assert D._kind(func) is None
 
 
 def test_anything_uncertain_is_left_to_fake_tensor_mode():

@@ -225,7 +225,6 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
     from torch._subclasses.fake_tensor import FakeTensor
 
     known = _Known()
-    like = _LikeOperators(torch)
 
     class Accounting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -280,14 +279,15 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 known.follow(func, args, kwargs, out)
                 extra = 0
             else:
-                if _inplace_foreach(func) and all(isinstance(t, FakeTensor) for t in tree_leaves(args)
-                                                  if isinstance(t, torch.Tensor)):  # fmt: skip
+                kind = _kind(func)
+                if kind == "inplace" and all(isinstance(t, FakeTensor) for t in tree_leaves(args)
+                                             if isinstance(t, torch.Tensor)):  # fmt: skip
                     # an optimizer's in-place foreach kernel (exp_avg.mul_(...) over every parameter) on fake
                     # tensors: nothing to allocate and nothing to return; FakeTensorMode would check each
                     # tensor's metadata, a millisecond a tensor on a 7B model's 291
                     out = None
                 else:
-                    out = _new_like(func, args, kwargs, FakeTensor) if func in like else None
+                    out = _new_like(func, args, kwargs, FakeTensor) if kind else None
                     if out is None:
                         out = func(*args, **kwargs)
                 known.follow(func, args, kwargs, out)
@@ -331,20 +331,6 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
     return mode
 
 
-_INPLACE_FOREACH = {}
-
-
-def _inplace_foreach(func):
-    """Whether ``func`` is an in-place foreach operator (aten::_foreach_mul_ ...: writes its lists, returns nothing)."""
-    hit = _INPLACE_FOREACH.get(func)
-    if hit is None:
-        name = func._schema.name
-        hit = _INPLACE_FOREACH[func] = (
-            name.startswith("aten::_foreach_") and name.endswith("_") and not func._schema.returns
-        )
-    return hit
-
-
 # out-of-place foreach operators whose i-th output is a new tensor like the i-th of their first list when every
 # tensor is floating point (sqrt, neg, ... of a float keeps its dtype; so does a float op a float of its own dtype
 # or a Python number): AdamW's torch._foreach_sqrt over every parameter's exp_avg_sq
@@ -353,40 +339,36 @@ _FOREACH_UNARY = frozenset((
     "sin", "cos", "ceil", "floor", "round", "trunc", "frac",
 ))  # fmt: skip
 _FOREACH_BINARY = frozenset(("add", "sub", "mul", "div", "maximum", "minimum", "clamp_min", "clamp_max", "pow"))
-_FOREACH_LIKE = {}
+# operators whose outputs _new_like makes, by name
+_DIRECT = {"aten::zeros_like": "factory", "aten::empty_like": "factory", "aten::empty_strided": "strided",
+           "aten::detach": "detach"}  # fmt: skip
+_KINDS = {}
 
 
-def _foreach_like(func):
-    """"unary", "List", "Scalar" or "ScalarList": how ``func``'s outputs follow its first list (see above);
-    False for any other operator."""
-    hit = _FOREACH_LIKE.get(func)
-    if hit is None:
+def _kind(func):
+    """What the accounting mode may do for ``func`` without FakeTensorMode, read from its schema once per
+    operator: "inplace" (an in-place foreach operator, aten::_foreach_mul_ ...: writes its lists, returns
+    nothing), the kinds whose outputs _new_like makes ("factory": zeros_like and empty_like, "strided",
+    "detach"; how an out-of-place foreach operator's outputs follow its first list: "unary", "List", "Scalar",
+    "ScalarList"), else None."""
+    hit = _KINDS.get(func, False)
+    if hit is False:
         schema = func._schema
         name, overload = schema.name, schema.overload_name
         op = name[len("aten::_foreach_"):] if name.startswith("aten::_foreach_") else ""
-        hit = False
-        if op in _FOREACH_UNARY and overload in ("", "default"):
+        hit = _DIRECT.get(name)
+        if op.endswith("_") and not schema.returns:
+            hit = "inplace"
+        elif op in _FOREACH_UNARY and overload in ("", "default"):
             hit = "unary"
         elif op in _FOREACH_BINARY and overload in ("List", "Scalar", "ScalarList"):
             hit = overload
-        _FOREACH_LIKE[func] = hit
+        _KINDS[func] = hit
     return hit
 
 
 def _number(x):
     return type(x) in (int, float)
-
-
-class _LikeOperators:
-    """``func in like``: whether _new_like may make ``func``'s outputs (a cheap test, before any other)."""
-
-    def __init__(self, torch):
-        aten = torch.ops.aten
-        self.direct = (aten.zeros_like.default, aten.empty_like.default, aten.empty_strided.default,
-                       aten.detach.default)  # fmt: skip
-
-    def __contains__(self, func):
-        return func in self.direct or bool(_foreach_like(func))
 
 
 def _new_like(func, args, kwargs, fake_type):
@@ -395,14 +377,16 @@ def _new_like(func, args, kwargs, fake_type):
     out-of-place foreach operator: a 7B model's AdamW makes 582 states with zeros_like and runs
     torch._foreach_sqrt over 291). Only where the outputs are certain: None otherwise, and the operator runs
     as usual."""
-    name = func._schema.name
-    if name in ("aten::zeros_like", "aten::empty_like"):
+    kind = _kind(func)
+    if kind == "factory":
         return _factory_like(args, kwargs, fake_type)
-    if name == "aten::empty_strided":
+    if kind == "strided":
         return _empty_strided(args, kwargs, fake_type)
-    if name == "aten::detach":
+    if kind == "detach":
         return _detach(args, kwargs, fake_type)
-    return _foreach_like_out(func, args, kwargs, fake_type)
+    if kind in ("unary", "List", "Scalar", "ScalarList"):
+        return _foreach_like_out(kind, args, kwargs, fake_type)
+    return None
 
 
 def _empty_strided(args, kwargs, fake_type):
@@ -423,14 +407,8 @@ def _empty_strided(args, kwargs, fake_type):
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     if mode is None or mode.in_kernel_invocation:
         return None
-    # lazy: torch's own helper, loaded with torch already
-    from torch.utils._mode_utils import no_dispatch
-
-    with no_dispatch(), torch._C.DisableTorchFunction():
-        meta = torch.ops.aten.empty_strided.default(
-            args[0], args[1], dtype=torch.get_default_dtype() if dtype is None else dtype, device="meta"
-        )
-    return fake_type(mode, meta, torch.device("cpu"))
+    spec = (args[0], args[1], torch.get_default_dtype() if dtype is None else dtype, torch.device("cpu"))
+    return _fakes([spec], mode, fake_type)[0]
 
 
 def _detach(args, kwargs, fake_type):
@@ -465,16 +443,19 @@ def _plain(t):
 
 
 def _fakes(specs, mode, fake_type):
-    """New contiguous fake tensors of ``mode``, one per (shape, dtype, fake device) of ``specs``: meta tensors
-    made with every mode and torch function override off, then wrapped (what FakeTensorMode does last)."""
+    """New fake tensors of ``mode``, one per (shape, strides or None: contiguous, dtype, fake device) of
+    ``specs``: meta tensors made with every mode and torch function override off, then wrapped (what
+    FakeTensorMode does last)."""
     torch = _torch()
     # lazy: torch's own helper, loaded with torch already
     from torch.utils._mode_utils import no_dispatch
 
-    empty = torch.ops.aten.empty.memory_format
+    aten = torch.ops.aten
     with no_dispatch(), torch._C.DisableTorchFunction():
-        metas = [empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in specs]
-    return [fake_type(mode, m, device) for m, (_, _, device) in zip(metas, specs)]
+        metas = [aten.empty.memory_format(shape, dtype=dtype, device="meta") if stride is None else
+                 aten.empty_strided.default(shape, stride, dtype=dtype, device="meta")
+                 for shape, stride, dtype, _ in specs]  # fmt: skip
+    return [fake_type(mode, m, spec[3]) for m, spec in zip(metas, specs)]
 
 
 def _factory_like(args, kwargs, fake_type):
@@ -494,15 +475,14 @@ def _factory_like(args, kwargs, fake_type):
     mode = t.fake_mode
     if mode.in_kernel_invocation or not _plain(t):
         return None
-    return _fakes([(t.shape, t.dtype if dtype is None else dtype, t.fake_device)], mode, fake_type)[0]
+    return _fakes([(t.shape, None, t.dtype if dtype is None else dtype, t.fake_device)], mode, fake_type)[0]
 
 
-def _foreach_like_out(func, args, kwargs, fake_type):
-    """The outputs of an out-of-place foreach operator on fake tensors (_foreach_like): one new fake tensor
+def _foreach_like_out(kind, args, kwargs, fake_type):
+    """The outputs of an out-of-place foreach operator of ``kind`` (_kind) on fake tensors: one new fake tensor
     each, of its input's shape, dtype and device, contiguous as its input is (what the operator's meta
     kernel gives, empty_like of each)."""
-    kind = _foreach_like(func)
-    if not kind or not args or (kwargs and (set(kwargs) != {"alpha"} or not _number(kwargs["alpha"]))):
+    if not args or (kwargs and (set(kwargs) != {"alpha"} or not _number(kwargs["alpha"]))):
         return None
     first = args[0]
     if not isinstance(first, (list, tuple)) or not first or not isinstance(first[0], fake_type):
@@ -534,7 +514,7 @@ def _foreach_like_out(func, args, kwargs, fake_type):
             if not (isinstance(u, fake_type) and u.fake_mode is mode and u.dtype == t.dtype and u.shape == t.shape
                     and u.fake_device == t.fake_device):  # fmt: skip
                 return None
-    return _fakes([(t.shape, t.dtype, t.fake_device) for t in first], mode, fake_type)
+    return _fakes([(t.shape, None, t.dtype, t.fake_device) for t in first], mode, fake_type)
 
 
 @contextlib.contextmanager
