@@ -1,7 +1,8 @@
 """New tensors like their fake inputs, made without FakeTensorMode (memtorch/estimator/dispatch.py, _new_like).
 
-The dry run makes the outputs of zeros_like / empty_like, empty_strided on the CPU, detach and of
-out-of-place foreach operators (AdamW's torch._foreach_sqrt) directly where they are certain. Each such output must be what
+The dry run makes the outputs of zeros_like / empty_like, empty_strided on the CPU, detach, torch.tensor
+of one number (lift_fresh) and of out-of-place foreach operators (AdamW's torch._foreach_sqrt) directly where
+they are certain. Each such output must be what
 FakeTensorMode gives (shape, strides, dtype, device, storage bytes), every other case must fall
 through to FakeTensorMode (None), and a dry run must record the same events either way.
 """
@@ -119,12 +120,89 @@ def test_detach_is_fake_tensor_modes():
             assert got.untyped_storage()._cdata == t.untyped_storage()._cdata == want.untyped_storage()._cdata
 
 
+@pytest.mark.parametrize("value", [0.0, 3, 2.5, True, [1.5], [[7]]], ids=repr)
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.bfloat16, torch.int32])
+def test_torch_tensor_of_one_number_is_fake_tensor_modes(value, dtype):
+    """torch.tensor(x) under the fake mode: FakeTensorMode's fake with its constant, made directly."""
+    mode = FakeTensorMode()
+    made = []
+    lift = D._lift_fresh
+
+    def counted(*a):
+        out = lift(*a)
+        made.append(out)
+        return out
+
+    with mode:
+        want = torch.tensor(value, dtype=dtype)
+    D._lift_fresh = counted
+    try:
+        with _Accounting(mode):
+            got = torch.tensor(value, dtype=dtype)
+    finally:
+        D._lift_fresh = lift
+    assert made and made[0] is got  # made here, not by FakeTensorMode
+    _same(got, want)
+    assert got.constant is not None and got.constant is not want.constant
+    assert (got.constant.dtype, got.constant.shape, got.constant.tolist()) == (
+        want.constant.dtype,
+        want.constant.shape,
+        want.constant.tolist(),
+    )
+    with mode:
+        assert got.item() == want.item()  # answered from the constant, as FakeTensorMode's
+        got.add_(torch.empty((), dtype=got.dtype))  # written with a value no one knows: the constant goes
+        want.add_(torch.empty((), dtype=want.dtype))
+    assert got.constant is None and want.constant is None
+
+
+def test_anything_but_one_plain_number_is_lifted_by_fake_tensor_mode():
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(())
+    one = torch.tensor(1.0)
+    cases = [
+        ((torch.tensor([1.0, 2.0]),), {}),  # two numbers: FakeTensorMode keeps no constant
+        ((one.to_sparse(),), {}),
+        ((torch.tensor(1.0, requires_grad=True),), {}),
+        ((torch.nn.Parameter(torch.ones(())),), {}),  # a subclass
+        ((fake,), {}),
+        ((one,), {"x": 1}),
+        ((one, one), {}),
+    ]
+    with mode:
+        for args, kwargs in cases:
+            assert D._lift_fresh(args, kwargs, FakeTensor) is None, args
+    assert D._lift_fresh((torch.tensor(1.0),), {}, FakeTensor) is None  # no fake mode
+
+
+class _Accounting(torch.utils._python_dispatch.TorchDispatchMode):
+    """The accounting mode's way to _new_like, alone: a fake mode below it."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self.mode.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = D._new_like(func, args, kwargs or {}, FakeTensor) if D._kind(func) else None
+        return func(*args, **(kwargs or {})) if out is None else out
+
+
 def test_each_operator_is_classified_once_by_its_schema():
     assert D._kind(aten._foreach_mul_.Scalar) == "inplace"  # writes its list, returns nothing
     assert D._kind(aten._foreach_sqrt.default) == "unary"
     assert D._kind(aten._foreach_add.List) == "List"
     assert D._kind(aten.zeros_like.default) == D._kind(aten.empty_like.default) == "factory"
     assert (D._kind(aten.empty_strided.default), D._kind(aten.detach.default)) == ("strided", "detach")
+    assert D._kind(aten.lift_fresh.default) == "lift" and D._kind(aten.lift_fresh_copy.default) is None
     for func in (
         aten._foreach_mul.Tensor,
         aten._foreach_lerp.Scalar,
