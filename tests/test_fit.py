@@ -302,3 +302,76 @@ def test_a_reserved_figure_that_jumps_past_the_peak_is_said():
     )
     assert (f.value, f.next_value) == (22, 23)
     assert not any("reserved figure rises" in n for n in f.notes), f.notes
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _ids(b, s=128):
+    return {"input_ids": ((b, s), torch.long), "labels": ((b, s), torch.long)}
+
+
+def test_figures_predicted_from_two_dry_runs_are_estimates_at_values_not_run():
+    """Two dry runs whose events are the same, each storage's size on its line: the allocator's replay gives
+    estimate()'s own peak and reserved figure at values never run, to the byte (cuda: the caching
+    allocator's model), and nothing where the two runs' events differ."""
+    from memtorch import _inputs
+    from memtorch.estimator import fit as fit_mod
+    from memtorch.estimator.engine import Engine
+
+    model = _tiny_llama()
+    given = _inputs.read((_ids(2),))
+    for device, gpu in (("cuda", "l4"), ("cpu", None)):
+        eng = Engine(model, given, device=device, gpu=gpu)
+        done = {v: eng.figures(inputs=given.with_batch(v)) for v in (2, 4)}
+        ledgers = {v: eng.ledger(inputs=given.with_batch(v)) for v in (2, 4)}
+        predicted = fit_mod._predictor(ledgers, done, (2, 4), device == "cuda")
+        assert predicted is not None
+        for v in (3, 9, 17, 30):
+            est = memtorch.estimate(model, _ids(v), device=device, gpu=gpu)
+            judged = est.reserved_peak if device == "cuda" else est.peak
+            assert predicted(v) == (est.peak, judged), (device, v)
+    # a checkpointed run's events are not the plain run's: no prediction from the two
+    eng = Engine(model, given, device="cpu")
+    done = {2: eng.figures(inputs=given.with_batch(2)), 4: eng.figures("fp32", "blocks", given.with_batch(4))}
+    ledgers = {
+        2: eng.ledger(inputs=given.with_batch(2)),
+        4: eng.ledger("fp32", "blocks", given.with_batch(4)),
+    }
+    assert fit_mod._predictor(ledgers, done, (2, 4), False) is None
+
+
+@pytest.mark.slow
+def test_fit_on_cuda_finds_the_largest_batch_where_the_reserved_figure_falls_back():
+    """On cuda the caching allocator's segments make the reserved figure fall back at some batches: the
+    answer is the largest batch that fits (a brute-force search by estimate()), the smaller ones that do not
+    fit are named, and four dry runs find it."""
+    model = _tiny_llama()
+    at = {}
+    for b in range(1, 41):
+        est = memtorch.estimate(model, _ids(b), gpu="l4")
+        at[b] = (est.peak, est.reserved_peak)
+    falls = [b for b in range(2, 41) if at[b][1] < at[b - 1][1]]
+    assert falls, "no batch here whose reserved figure falls below the one before"
+    budget = at[falls[0]][1]  # that batch fits, the one before it does not
+    assert at[falls[0] - 1][1] > budget
+    can = [b for b in at if at[b][0] <= budget]  # above these even the peak is over the budget
+    assert max(can) < 40
+    fitting = [b for b in can if at[b][1] <= budget]
+    brute = max(fitting)
+    holes = [b for b in range(1, brute) if at[b][1] > budget]
+    f = memtorch.fit(model, _ids(2), device_memory=budget, reserve=0, gpu="l4")
+    assert (f.value, f.next_value) == (brute, brute + 1)
+    assert f.figures["judged"] == at[brute][1] and f.next_figures["judged"] == at[brute + 1][1]
+    assert len(f.tried) == 4
+    from memtorch.estimator.fit import _ranges
+
+    assert any(f"batch={_ranges(holes)} predicted over the budget" in n for n in f.notes), (holes, f.notes)
+    assert any(f"no batch above {brute} is predicted to fit: up to {max(can)}" in n for n in f.notes), f.notes

@@ -152,6 +152,12 @@ class Engine:
             self.seconds += time.perf_counter() - t0
         return self.runs[key][0]
 
+    def ledger(self, precision="fp32", checkpointing=None, inputs=None, training=True, max_new_tokens=None):
+        """The ledger of a configuration's dry run (its events and storages: fit() predicts from two)."""
+        self.run(precision, checkpointing, inputs, training, max_new_tokens)
+        inputs = self.inputs if inputs is None else inputs
+        return self.runs[self._key(precision, checkpointing, inputs, training, max_new_tokens)][1]
+
     def facts(self, precision="fp32", checkpointing=None, inputs=None):
         """The dry run's facts of a training configuration (trainable_numel, param_numels, ...)."""
         self.run(precision, checkpointing, inputs)

@@ -5,23 +5,30 @@
     f.value            # the largest batch that fits; f.next_value the first that does not
     print(f)           # the estimate at both, the line, the dry runs made
 
-How fit() searches, without running out of memory. Once a step's allocation pattern settles, its bytes
-are affine in the batch size (activations per sample). The step's peak is the largest of its phases'
-peaks (the optimizer's at small batches, the backward's at large ones), so two dry runs (the inputs' own
-value and twice it, or half it when that does not fit) give each phase its own line, and the first line
-to meet the budget gives the answer. The answer and the value above it are then estimated in full: both
-confirmed is four dry runs. Where the lines are off (a start value too small for a phase's pattern to
-have settled, attention that grows with the square of the sequence, the caching allocator's segments on
-cuda, whose excess over the peak rises in steps), the next lines are drawn through the last guess and
-its neighbour (a tangent where the pattern has settled), and the gap is halved where two such guesses in
-a row did not halve it, until a value known to fit neighbours one known not to: the answer is always a
-value whose estimate fits next to one whose estimate does not. Measured on six 4-layer Llama-7B and GPT-2
-shapes from batch 1 or 2 (benchmarks/bench_fit.py): 3 to 9 dry runs, 4 where the lines held.
+How fit() searches, without running out of memory. Two dry runs come first: the inputs' own value and
+twice it (half it when it does not fit). Where their events are the same (the same storages made and freed
+in the same order, only their sizes differing: an activation's grows with the batch, a parameter's stays),
+each storage's size is put on the line through its two sizes and the events are replayed through the
+allocator's model, as estimate() replays its own: a figure for any value without a dry run, to the byte
+where every size is affine in the value and the events stay the same (a batch, measured on Llama and GPT-2
+shapes), close where not (a longer sequence may change a kernel's choice). The guess is the largest value
+whose predicted figure fits; the answer and the value above it are then estimated in full: both
+confirmed is four dry runs. Where the events differ, each phase gets its own line through the two values
+(the step's peak is the largest of its phases' peaks: the optimizer's at small batches, the backward's at
+large ones), and the first line to meet the budget gives the guess. Either way, where a guess is off, the
+next is drawn through the last guess and its neighbour (a tangent where the pattern has settled), and the
+gap is halved where two such guesses in a row did not halve it, until a value known to fit neighbours one
+known not to: the answer is always a value whose estimate fits next to one whose estimate does not.
+Measured on six 4-layer Llama-7B and GPT-2 shapes from batch 1 or 2 (benchmarks/bench_fit.py): four dry
+runs where the first two runs' events are the same, five where they are not (batch 1 and 2).
 
-On cuda the reserved figure is not monotone in the value everywhere (a larger batch can pack into
-fewer segments): a larger value than the answer may fit too, with a gap that does not. fit() answers the
-first crossing it finds from the inputs' value, and a note says so where the reserved figure rises from the
-answer to the value above by more than a segment beyond the peak's rise.
+On cuda the reserved figure is not monotone in the value everywhere (a larger batch can pack into fewer
+segments): past the first value predicted not to fit, a larger one may fit again, and it is the answer
+when it does (no value whose peak alone is over the budget can fit: the values up to there are looked
+at). The notes name the smaller values predicted not to fit, so that "the largest that fits" is not
+read as "every smaller one fits". Without a prediction fit() answers the first crossing it finds from the
+inputs' value, and a note says so where the reserved figure rises from the answer to the value above by
+more than a segment beyond the peak's rise.
 
 Each value's figure is memtorch.estimate()'s for that configuration (memtorch.estimator.engine: the same dry
 run), judged as plan() judges it: the reserved figure on cuda (the caching allocator's segments), the
@@ -200,7 +207,26 @@ def fit(
             except MemtorchError as e:
                 raise MemtorchError(f"fit(): the estimate at {vary}={v} failed: {e}") from None
             tried.append((v, done[v].judged))
+            if world_size == 1 and hasattr(eng, "ledger"):  # one process: its events predict other values
+                ledgers[v] = eng.ledger(
+                    precision, checkpointing, inputs_at(v), training,
+                    v if vary == "max_new_tokens" else max_new_tokens,
+                )  # fmt: skip
         return done[v]
+
+    ledgers = {}  # value -> its dry run's ledger (one process)
+    predictors = {}  # pair -> _predictor's, or None
+
+    def predictor(pair):
+        if pair is None or pair[0] not in ledgers or pair[1] not in ledgers:
+            return None
+        if pair not in predictors:
+            predictors[pair] = _predictor(ledgers, done, pair, eng.device == "cuda")
+            if predictors[pair] is not None:
+                last[0] = predictors[pair]
+        return predictors[pair]
+
+    last = [None]  # the last predictor made: the notes' figures for values not tried
 
     budget = memory - keep
 
@@ -245,7 +271,7 @@ def fit(
         if halve:
             stalled = 0
         last_gap = gap
-        guess = _next_guess(done, lo, hi, budget, max_value, pair, bisect=halve)
+        guess = _next_guess(done, lo, hi, budget, max_value, pair, bisect=halve, predicted=predictor(pair))
         if guess is None:
             break
         ok = fits(guess)
@@ -285,16 +311,19 @@ def fit(
         notes.append(f"the cap {vary}={max_value} fits: no value above it was tried")
     elif lo > 0 and eng.device == "cuda":
         a, b = done[lo], done[hi]
+        word = VARY_WORDS[vary]
+        pred = last[0]
         # the segments' share of the judged figure grows with the peak (fragmentation): a rise beyond the
         # peak's rise at the answer's ratio, by more than a segment, is the segments' step
-        if (b.judged - a.judged) - (b.peak - a.peak) * a.judged / max(a.peak, 1) > _SEGMENT:
-            word = VARY_WORDS[vary]
+        if pred is None and (b.judged - a.judged) - (b.peak - a.peak) * a.judged / max(a.peak, 1) > _SEGMENT:
             notes.append(
                 f"from {vary}={lo} to {hi} the reserved figure rises by {units.format(b.judged - a.judged)} where "
                 f"the peak rises by {units.format(b.peak - a.peak)}: the caching allocator's segments, which do "
                 f"not grow steadily with the {word}; a larger {word} may pack into fewer and fit (not tried: "
                 "estimate() it)"
             )
+        if pred is not None:
+            notes += _segment_notes(pred, lo, hi, budget, max_value, vary, word)
     if source != "given":
         notes.append(f"device memory: {source}")
     if eng.defaulted:
@@ -324,6 +353,49 @@ def fit(
         notes,
         time.perf_counter() - t0,
     )
+
+
+def _ranges(values):
+    """'3, 5-9, 12' of sorted ints."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _segment_notes(predicted, lo, hi, budget, max_value, vary, word):
+    """On cuda, what the prediction (_predictor's) says of the values not tried: those below the answer whose
+    reserved figure is over the budget (the segments' steps: a smaller value that does not fit), and those
+    above the value found not to fit that fit again, up to the last whose peak alone is within it."""
+    notes = []
+    low = max(lo - _SCAN, 1)
+    holes = [v for v in range(low, lo) if predicted(v)[1] > budget]
+    if holes:
+        seen = f" (of {vary}={low} to {lo - 1}; smaller ones not looked at)" if low > 1 else ""
+        notes.append(
+            f"not every smaller {word} fits: {vary}={_ranges(holes)} predicted over the budget{seen} (the "
+            f"caching allocator's segments: the reserved figure does not rise steadily with the {word}); "
+            "estimate() a value before using it"
+        )
+    top = _last_fitting(lambda v: predicted(v)[0] <= budget, hi, None, max_value)
+    if top is not None and predicted(hi)[0] <= budget:
+        end = min(top[0], hi + _SCAN)
+        above = [v for v in range(hi + 1, end + 1) if predicted(v)[1] <= budget]
+        if above:
+            notes.append(
+                f"{vary}={_ranges(above)} predicted to fit too, above {hi}, which does not (the caching "
+                f"allocator's segments); estimate() one to be sure"
+            )
+        else:
+            notes.append(
+                f"no {word} above {lo} is predicted to fit: up to {end} the reserved figure is over the budget "
+                "(the caching allocator's segments), and from there the peak alone"
+            )
+    return notes
 
 
 def _phase_peaks(f):
@@ -362,17 +434,109 @@ def _line_guess(done, pair, budget):
     return guess
 
 
-def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False):
+def _predictor(ledgers, done, pair, cuda):
+    """The judged figure at any value, from the dry runs of the two values of ``pair`` when their ledgers are
+    the same events (the same storages made and freed in the same order; only their sizes differ): each
+    storage's size on the line through its two sizes (an activation's grows with the batch, a parameter's
+    stays), the events replayed through the allocator's model as estimate() replays its own (_C.alloc_replay:
+    the caching allocator's on cuda). Exact where every size is affine in the value and the events stay the
+    same (measured: to the byte at the answer on Llama shapes), close where not; it only chooses the values
+    tried, whose figures are their own dry runs'. None where the events differ, or where the replay does not
+    give both values' own figures back."""
+    import numpy
+
+    # lazy: C core and per-rank replays load with the engine's dry runs (importing fitting stays cheap)
+    from .. import _C
+    from . import ranks
+
+    a, b = pair
+    ea, eb = ranks._encoded(ledgers[a]), ranks._encoded(ledgers[b])
+    sa, sb = ranks.base_sizes(ledgers[a]).array, ranks.base_sizes(ledgers[b]).array
+    if a == b or len(ea) != len(eb) or len(sa) != len(sb) or not numpy.array_equal(ea, eb):
+        return None
+    rise = sb - sa
+
+    def predicted(v):
+        sizes = numpy.maximum(sa + (rise * (v - a)) // (b - a), 0)
+        _curve, peak, _at, reserved, _live, _unsplit = _C.alloc_replay(ea, sizes, cuda)
+        return int(peak), int(reserved if cuda else peak)
+
+    if predicted(a)[1] != done[a].judged or predicted(b)[1] != done[b].judged:
+        return None
+    return predicted
+
+
+# values looked at one by one in predicted figures (each a replay of the dry run's events: 0.2 ms for a 4-layer
+# Llama shape, 1.1 ms for a 32-layer one's 20,801 events): below the answer and above the first crossing
+_SCAN = 256
+
+
+def _last_fitting(fits, lo, hi, max_value):
+    """(the last value from lo on that ``fits``, the first that does not), doubling from lo then halving, with
+    hi (known not to fit) and max_value as bounds; None where every value up to 2**40 fits."""
+    good, bad, step = lo, None, 1
+    while bad is None:
+        v = lo + step
+        if hi is not None and v >= hi:
+            bad = hi
+        elif max_value is not None and v > max_value:
+            bad = max_value + 1
+        elif not fits(v):
+            bad = v
+        else:
+            good = v
+            step *= 2
+            if step > 1 << 40:
+                return None
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, bad
+
+
+def _predicted_guess(predicted, lo, hi, budget, max_value):
+    """The largest value above lo (below hi, up to max_value) whose predicted judged figure fits; lo itself
+    where none is predicted to; None where every value up to 2**40 is.
+
+    On cuda the reserved figure rises in the segments' steps, not always with the value: past the first
+    value predicted not to fit, a larger one may fit again. The peak never falls as the value rises (each
+    size on its line), and no value whose peak is over the budget can fit: the values between the first
+    crossing and the last whose peak fits are looked at from the top down, and the largest that fits is the
+    guess."""
+    first = _last_fitting(lambda v: predicted(v)[1] <= budget, lo, hi, max_value)
+    if first is None:
+        return None
+    good, bad = first
+    top = _last_fitting(lambda v: predicted(v)[0] <= budget, bad, hi, max_value)
+    if top is not None and predicted(bad)[0] <= budget:
+        for v in range(top[0], max(bad, top[0] - _SCAN), -1):
+            if predicted(v)[1] <= budget:
+                return v
+    return good
+
+
+def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False, predicted=None):
     """The next value to try, strictly between lo and hi (0 and None: not known).
 
-    The line is drawn through ``pair``, the last two values tried together (the first two, then a guess
-    and its neighbour), phase by phase (_line_guess). A line that puts the answer at lo (or at or above
-    hi) asks for lo's neighbour (hi's): the one value that confirms it. bisect: the middle of the gap
-    instead (a line that stalled).
+    predicted (_predictor's, of ``pair``): the largest value it puts within the budget. Else the line is
+    drawn through ``pair``, the last two values tried together (the first two, then a guess and its
+    neighbour), phase by phase (_line_guess). A guess that puts the answer at lo (or at or above hi) asks for
+    lo's neighbour (hi's): the one value that confirms it. bisect: the middle of the gap instead (a guess
+    that stalled).
     """
     guess = None
     if bisect and hi is not None:
         guess = (lo + hi) // 2
+    elif predicted is not None:
+        guess = _predicted_guess(predicted, lo, hi, budget, max_value)
+        if guess is not None:
+            if guess <= lo:
+                guess = lo + 1
+            elif hi is not None and guess >= hi:
+                guess = hi - 1
     elif pair is not None:
         guess = _line_guess(done, pair, budget)
         if guess is not None:
