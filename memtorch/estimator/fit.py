@@ -223,10 +223,10 @@ def fit(
         if pair not in predictors:
             predictors[pair] = _predictor(ledgers, done, pair, eng.device == "cuda")
             if predictors[pair] is not None:
-                last[0] = predictors[pair]
+                last[:] = [predictors[pair], pair]
         return predictors[pair]
 
-    last = [None]  # the last predictor made: the notes' figures for values not tried
+    last = [None, None]  # the last predictor made and its pair: the notes' figures for values not tried
 
     budget = memory - keep
 
@@ -317,12 +317,12 @@ def fit(
         # peak's rise at the answer's ratio, by more than a segment, is the segments' step
         if pred is None and (b.judged - a.judged) - (b.peak - a.peak) * a.judged / max(a.peak, 1) > _SEGMENT:
             notes.append(
-                f"from {vary}={lo} to {hi} the reserved figure rises by {units.format(b.judged - a.judged)} where "
+                f"from {vary}={lo:,} to {hi:,} the reserved figure rises by {units.format(b.judged - a.judged)} where "
                 f"the peak rises by {units.format(b.peak - a.peak)}: the caching allocator's segments, which do "
                 f"not grow steadily with the {word}; a larger {word} may pack into fewer and fit (not tried: "
                 "estimate() it)"
             )
-        if pred is not None:
+        if pred is not None and _checked(pred, done, last[1]):
             notes += _segment_notes(pred, lo, hi, budget, max_value, vary, word)
     if source != "given":
         notes.append(f"device memory: {source}")
@@ -356,13 +356,13 @@ def fit(
 
 
 def _ranges(values):
-    """'3, 5-9, 12' of sorted ints."""
+    """'3, 5-9, 1,024' of sorted ints."""
     out, i = [], 0
     while i < len(values):
         j = i
         while j + 1 < len(values) and values[j + 1] == values[j] + 1:
             j += 1
-        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        out.append(f"{values[i]:,}" if i == j else f"{values[i]:,}-{values[j]:,}")
         i = j + 1
     return ", ".join(out)
 
@@ -375,7 +375,7 @@ def _segment_notes(predicted, lo, hi, budget, max_value, vary, word):
     low = max(lo - _SCAN, 1)
     holes = [v for v in range(low, lo) if predicted(v)[1] > budget]
     if holes:
-        seen = f" (of {vary}={low} to {lo - 1}; smaller ones not looked at)" if low > 1 else ""
+        seen = f" (of {vary}={low:,} to {lo - 1:,}; smaller ones not looked at)" if low > 1 else ""
         notes.append(
             f"not every smaller {word} fits: {vary}={_ranges(holes)} predicted over the budget{seen} (the "
             f"caching allocator's segments: the reserved figure does not rise steadily with the {word}); "
@@ -387,14 +387,20 @@ def _segment_notes(predicted, lo, hi, budget, max_value, vary, word):
         above = [v for v in range(hi + 1, end + 1) if predicted(v)[1] <= budget]
         if above:
             notes.append(
-                f"{vary}={_ranges(above)} predicted to fit too, above {hi}, which does not (the caching "
+                f"{vary}={_ranges(above)} predicted to fit too, above {hi:,}, which does not (the caching "
                 f"allocator's segments); estimate() one to be sure"
             )
         else:
             notes.append(
-                f"no {word} above {lo} is predicted to fit: up to {end} the reserved figure is over the budget "
+                f"no {word} above {lo:,} is predicted to fit: up to {end:,} the reserved figure is over the budget "
                 "(the caching allocator's segments), and from there the peak alone"
             )
+    if notes:
+        notes.append(
+            "predicted: the events of two dry runs replayed with each storage's size on the line through its "
+            "two sizes, through the caching allocator's model (they give the figures of every value run, to "
+            "the byte)"
+        )
     return notes
 
 
@@ -469,6 +475,15 @@ def _predictor(ledgers, done, pair, cuda):
 # values looked at one by one in predicted figures (each a replay of the dry run's events: 0.2 ms for a 4-layer
 # Llama shape, 1.1 ms for a 32-layer one's 20,801 events): below the answer and above the first crossing
 _SCAN = 256
+
+
+def _checked(predicted, done, pair):
+    """Whether ``predicted`` (_predictor's, drawn through ``pair``) gives the figures of every other value run
+    (at least one: the answer and the value above it), peak and judged, to the byte: then its figures for the
+    values not run are given in the notes, as predictions. Not where a size grows faster than its line (a
+    mask with the square of a sequence) and the runs show it."""
+    others = [v for v in done if v not in pair]
+    return bool(others) and all(predicted(v) == (done[v].peak, done[v].judged) for v in others)
 
 
 def _last_fitting(fits, lo, hi, max_value):
