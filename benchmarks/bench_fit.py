@@ -6,7 +6,8 @@ Six searches on 4-layer shapes built on the meta device (no weights), each start
 an A100-80GB with block checkpointing and on the CPU with 20 GiB; GPT-2's shape (768 wide, 512 tokens)
 on an L4, and by sequence length on a T4. For each: the answer, the values the dry runs were made at,
 and the check that estimate() at the answer fits and at the value above it does not (the script asserts
-it). The ideal is four dry runs (two for the lines, the answer and the value above it).
+it), and that every smaller value its notes name as predicted not to fit does not (estimate() at each).
+The ideal is four dry runs (two to predict from, the answer and the value above it).
 
     python benchmarks/bench_fit.py [--no-write]
 """
@@ -62,6 +63,23 @@ CASES = [
 ]  # fmt: skip
 
 
+def _named_holes(notes):
+    """The smaller values a fit's notes name as predicted not to fit ('batch=5, 7, 82-85 predicted ...')."""
+    for n in notes:
+        if n.startswith("not every smaller"):
+            spec = n.split("=", 1)[1].split(" predicted", 1)[0]
+            out = []
+            for part in spec.split(", "):  # ranges apart by ", ", thousands by a bare ","
+                lo, _, hi = part.replace(",", "").partition("-")
+                out += list(range(int(lo), int(hi or lo) + 1))
+            return out
+    return []
+
+
+def _ranges(values):
+    return memtorch.estimator.fit._ranges(values) if values else ""
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-write", action="store_true")
@@ -87,9 +105,11 @@ def main():
         assert judged(f.value) <= budget, name
         if f.next_value is not None:
             assert judged(f.next_value) > budget, name
+        holes = _named_holes(f.notes)
+        assert all(judged(v) > budget for v in holes), (name, holes)
         tried = ", ".join(str(v) for v, _ in f.tried)
         print(f"{name}: {vary} {f.value} ({len(f.tried)} dry runs at {tried}), {seconds:.1f} s", flush=True)
-        rows.append((name, vary, f.value, f.next_value, len(f.tried), tried, seconds))
+        rows.append((name, vary, f.value, f.next_value, len(f.tried), tried, _ranges(holes) or "-", seconds))
     md = [
         "## fit(): dry runs to the largest batch that fits",
         "",
@@ -97,15 +117,16 @@ def main():
         "",
         "Four-layer shapes on the meta device, AdamW, each search started from a small value (the optimizer's "
         "phase is the step's peak there, the backward's at the answer). The script asserts that estimate() at "
-        "the answer fits and at the value above it does not. Four dry runs is the least a search can make (two "
-        "for the lines, the answer and the value above it).",
+        "the answer fits and at the value above it does not, and that each smaller value the notes name as "
+        "predicted not to fit (the caching allocator's segments) does not: estimate() at each. Four dry runs is "
+        "the least a search can make (two to predict from, the answer and the value above it).",
         "",
-        "| search | varies | answer | does not fit | dry runs | at | seconds |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "| search | varies | answer | does not fit | dry runs | at | smaller, not fitting (checked) | seconds |",
+        "|---|---|---:|---:|---:|---|---|---:|",
     ]
     md += [
-        f"| {n} | {v} | {a} | {'-' if b is None else b} | {r} | {t} | {s:.1f} |"
-        for n, v, a, b, r, t, s in rows
+        f"| {n} | {v} | {a} | {'-' if b is None else b} | {r} | {t} | {h} | {s:.1f} |"
+        for n, v, a, b, r, t, h, s in rows
     ]
     md.append("")
     text = "\n".join(md)
