@@ -558,3 +558,40 @@ def test_a_change_that_raises_the_peak_is_not_called_a_small_saving():
     assert _considered(rows[1:3], "bytes held", 1 << 20) == [
         "also considered, each saving under 1% of the bytes held (1.0 MiB): SGD (4.0 KiB); sparse (1.5 KiB)"
     ]
+
+
+@pytest.mark.slow
+def test_micro_batch_row_skips_a_divisor_the_caching_allocators_segments_keep_from_fitting():
+    """On cuda a micro-batch below fit()'s answer may not fit (the reserved figure falls back at larger
+    batches): the row is the largest divisor of the batch whose own estimate fits, not the largest below
+    the answer."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+
+    def ids(b):
+        return {"input_ids": ((b, 128), torch.long), "labels": ((b, 128), torch.long)}
+
+    at = {b: memtorch.estimate(model, ids(b), gpu="l4").reserved_peak for b in range(18, 33)}
+    falls = [b for b in range(19, 33) if at[b] < at[b - 1]]
+    assert falls, "no batch here whose reserved figure falls below the one before"
+    budget = at[falls[0]]
+    hole = falls[0] - 1  # does not fit, where a larger batch does
+    assert at[hole] > budget
+    batch = 2 * hole  # its largest divisor below fit()'s answer is the hole
+    f = memtorch.fit(model, ids(batch), device_memory=budget, reserve=0, gpu="l4", max_value=batch - 1)
+    assert hole < f.value < batch
+    adv = memtorch.advise(model, ids(batch), budget=budget, reserve=0, gpu="l4")
+    (row,) = adv.by_kind("micro_batch")
+    fitting = [
+        d
+        for d in range(1, hole)
+        if batch % d == 0 and memtorch.estimate(model, ids(d), gpu="l4").reserved_peak <= budget
+    ]
+    want = max(fitting)
+    assert f"Micro-batches of {want} with {batch // want} gradient accumulation steps" in row.title, row.title
+    assert row.fits and f"but {hole} does not" in row.detail, row.detail

@@ -1199,16 +1199,29 @@ def _micro_batch(model, run, base, inputs, items, notes, budget, reserve, engine
             mb = f.value
             how_found = f"the largest that fits (memtorch.fit: {f.value})"
     mb = _largest_divisor(batch, mb)
-    k = batch // mb
-    if k == 1:
-        return
-    try:
-        after = run(model, batch=mb)
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        notes.append(f"smaller micro-batch: a step at batch {mb} did not run: {type(e).__name__}: {e}")
-        return
+    skipped = []  # divisors below fit()'s answer whose own estimate does not fit
+    while True:
+        k = batch // mb
+        if k == 1:
+            return
+        try:
+            after = run(model, batch=mb)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            notes.append(f"smaller micro-batch: a step at batch {mb} did not run: {type(e).__name__}: {e}")
+            return
+        # on cuda a smaller micro-batch than fit()'s answer may not fit (the caching allocator's segments: fit's
+        # notes name them): the next divisor down, while fit() found one that fits
+        if how_found == "half the batch" or mb == 1 or after["judged"] + reserve <= budget:
+            break
+        skipped.append(mb)
+        mb = _largest_divisor(batch, mb - 1)
+    why = f"{how_found}, a divisor of {batch}"
+    if skipped:
+        names = ", ".join(str(d) for d in skipped)
+        why = (f"the largest divisor of {batch} that fits: memtorch.fit finds {f.value}, but {names} "
+               f"{'does' if len(skipped) == 1 else 'do'} not (the caching allocator's segments)")  # fmt: skip
     detail = (f"step peak {_fmt(base['peak'])} at batch {batch}, {_fmt(after['peak'])} at micro-batch {mb} "
-              f"({how_found}, a divisor of {batch}) with {k} accumulation steps ({_source(after)})")  # fmt: skip
+              f"({why}) with {k} accumulation steps ({_source(after)})")  # fmt: skip
     if after["peak"] >= base["peak"]:
         notes.append(f"smaller micro-batch: no saving ({detail})")
         return

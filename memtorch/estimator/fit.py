@@ -254,6 +254,33 @@ def fit(
     if b != a:
         slope = (done[b].judged - done[a].judged) / (b - a)
         line = (done[a].judged - slope * a, slope)
+    # where two runs predict every value (_predictor): the largest value predicted to fit, on whichever side of
+    # the runs it lies (on cuda a larger value may fit where a smaller one does not), estimated in full, and its
+    # neighbour (above it where it fits, below where not): the answer where they are a fitting value next to
+    # one that does not; else once more from the prediction of those two; then the search below, from the
+    # largest value known to fit
+    for _ in range(2):
+        pred = predictor(pair)
+        c = None if pred is None else _largest_predicted(pred, budget, max_value)
+        if c is None:
+            break
+        if c == 0 or fits(c):  # then the value above it
+            above = None if max_value is not None and c + 1 > max_value else fits(c + 1)
+            if not above:  # False, or None past the cap
+                lo, hi = c, None if above is None else c + 1
+                break
+            pair = (c, c + 1) if c > 0 else (1, 2)
+        else:  # then the value below it
+            if c == 1 or fits(c - 1):
+                lo, hi = c - 1, c
+                break
+            pair = (c - 1, c)
+    settled = hi == lo + 1 if hi is not None else max_value is not None and lo >= max_value
+    if not settled:
+        # not settled: between the largest value known to fit and the smallest above it known not to
+        fitting = [v for v in done if done[v].judged <= budget]
+        lo = max(fitting, default=0)
+        hi = min((v for v in done if v > lo and done[v].judged > budget), default=None)
     while True:
         if hi is not None and hi == lo + 1:
             break
@@ -510,6 +537,20 @@ def _last_fitting(fits, lo, hi, max_value):
         else:
             bad = mid
     return good, bad
+
+
+def _largest_predicted(predicted, budget, max_value):
+    """The largest value whose predicted judged figure fits (0: none does), looked at from the last value
+    whose predicted peak fits down (no value above it can fit: the reserved figure is never below the peak),
+    else the first crossing from 1; None where every value up to 2**40 is predicted to fit."""
+    top = _last_fitting(lambda v: predicted(v)[0] <= budget, 0, None, max_value)
+    if top is None:
+        return None
+    for v in range(top[0], max(0, top[0] - _SCAN), -1):
+        if predicted(v)[1] <= budget:
+            return v
+    first = _last_fitting(lambda v: predicted(v)[1] <= budget, 0, None, max_value)
+    return None if first is None else first[0]
 
 
 def _predicted_guess(predicted, lo, hi, budget, max_value):
