@@ -417,6 +417,11 @@ def _segment_notes(predicted, lo, hi, budget, max_value, vary, word):
                 f"{vary}={_ranges(above)} predicted to fit too, above {hi:,}, which does not (the caching "
                 f"allocator's segments); estimate() one to be sure"
             )
+        elif end < top[0]:
+            notes.append(
+                f"no {word} from {hi:,} to {end:,} is predicted to fit (the caching allocator's segments; larger "
+                "ones not looked at)"
+            )
         else:
             notes.append(
                 f"no {word} above {lo:,} is predicted to fit: up to {end:,} the reserved figure is over the budget "
@@ -471,15 +476,14 @@ def _predictor(ledgers, done, pair, cuda):
     """The judged figure at any value, from the dry runs of the two values of ``pair`` when their ledgers are
     the same events (the same storages made and freed in the same order; only their sizes differ): each
     storage's size on the line through its two sizes (an activation's grows with the batch, a parameter's
-    stays), the events replayed through the allocator's model as estimate() replays its own (_C.alloc_replay:
+    stays), the events replayed through the allocator's model as estimate() replays its own (ranks.replay_peaks:
     the caching allocator's on cuda). Exact where every size is affine in the value and the events stay the
     same (measured: to the byte at the answer on Llama shapes), close where not; it only chooses the values
     tried, whose figures are their own dry runs'. None where the events differ, or where the replay does not
     give both values' own figures back."""
     import numpy
 
-    # lazy: C core and per-rank replays load with the engine's dry runs (importing fitting stays cheap)
-    from .. import _C
+    # lazy: the per-rank replays load with the engine's dry runs (importing fitting stays cheap)
     from . import ranks
 
     a, b = pair
@@ -491,8 +495,8 @@ def _predictor(ledgers, done, pair, cuda):
 
     def predicted(v):
         sizes = numpy.maximum(sa + (rise * (v - a)) // (b - a), 0)
-        _curve, peak, _at, reserved, _live, _unsplit = _C.alloc_replay(ea, sizes, cuda)
-        return int(peak), int(reserved if cuda else peak)
+        peak, reserved = ranks.replay_peaks(ledgers[a], sizes, cuda)
+        return peak, reserved if cuda else peak
 
     if predicted(a)[1] != done[a].judged or predicted(b)[1] != done[b].judged:
         return None
