@@ -332,7 +332,7 @@ def test_figures_predicted_from_two_dry_runs_are_estimates_at_values_not_run():
         eng = Engine(model, given, device=device, gpu=gpu)
         done = {v: eng.figures(inputs=given.with_batch(v)) for v in (2, 4)}
         ledgers = {v: eng.ledger(inputs=given.with_batch(v)) for v in (2, 4)}
-        predicted = fit_mod._predictor(ledgers, done, (2, 4), device == "cuda")
+        predicted = fit_mod._predictor(ledgers, done, (2, 4), eng.predicted)
         assert predicted is not None
         for v in (3, 9, 17, 30):
             est = memtorch.estimate(model, _ids(v), device=device, gpu=gpu)
@@ -345,7 +345,28 @@ def test_figures_predicted_from_two_dry_runs_are_estimates_at_values_not_run():
         2: eng.ledger(inputs=given.with_batch(2)),
         4: eng.ledger("fp32", "blocks", given.with_batch(4)),
     }
-    assert fit_mod._predictor(ledgers, done, (2, 4), False) is None
+    assert fit_mod._predictor(ledgers, done, (2, 4), eng.predicted) is None
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero3"])
+def test_per_rank_figures_predicted_from_two_dry_runs_are_the_engines_at_values_not_run(sharding):
+    """With several ranks each prediction replays every rank of the same events with the sizes on their lines:
+    the highest rank's peak and reserved figure are the engine's (estimate(world_size=..., sharding=...)'s)."""
+    from memtorch import _inputs
+    from memtorch.estimator import fit as fit_mod
+    from memtorch.estimator.engine import Engine
+
+    model = _tiny_llama()
+    given = _inputs.read((_ids(2),))
+    eng = Engine(model, given, gpu="l4", units=True)
+    kw = dict(world_size=4, sharding=sharding)
+    done = {v: eng.figures(inputs=given.with_batch(v), **kw) for v in (2, 4)}
+    ledgers = {v: eng.ledger(inputs=given.with_batch(v)) for v in (2, 4)}
+    predicted = fit_mod._predictor(ledgers, done, (2, 4), lambda led, sizes: eng.predicted(led, sizes, **kw))
+    assert predicted is not None
+    for v in (3, 11):
+        real = eng.figures(inputs=given.with_batch(v), **kw)
+        assert predicted(v) == (real.peak, real.judged), (sharding, v)
 
 
 @pytest.mark.slow

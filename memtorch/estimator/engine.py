@@ -17,6 +17,7 @@ asking plan, fit verifying a value) is answered from the same run.
 (planning.py, advice.py and fitting.py hold the three questions; this file holds what they share.)
 """
 
+import copy
 import time
 from collections import namedtuple
 
@@ -201,35 +202,9 @@ class Engine:
         # ddp: every rank holds the whole model and one bucket copy of the gradients, whatever the world size
         rkey = (key, 2 if sharding == "ddp" else world_size, sharding)
         if rkey not in self.ranks:
-            if sharding in ("zero2", "zero3") and not self.runs[key][3].get("units"):
-                raise MemtorchError(
-                    f"sharding {sharding!r} needs the dry run to record FSDP's units (Engine(units=True))"
-                )
-            # lazy: estimation loads only when this path runs (importing the engine stays cheap)
-            from .estimate import _rank_results
-
             t0 = time.perf_counter()
             _est, ledger, hooks, facts = self.runs[key]
-            facts["floor"] = True  # per_rank replays a rank holding no share too: plan's stopping bound
-            rows = _rank_results(ledger, hooks, facts, self.device, rkey[1], sharding)
-            top = max(rows, key=lambda d: d["peak"])  # as estimate(): the first highest
-            reserved = max(r["reserved_peak"] for r in rows) if cuda else None
-            upper = max(r["peak_upper"] for r in rows)
-            if "floor" in rows[0]:  # the replay of a rank holding no share (zero1, zero1-even)
-                floor = rows[0]["floor"]
-            else:
-                floor = max(r["peak"] - sum(r["breakdown"].get(c, 0) for c in _SPLIT[sharding]) for r in rows)
-            self.ranks[rkey] = Figures(
-                int(top["peak"]),
-                reserved,
-                None if cuda else int(upper),
-                tuple(int(r["peak"]) for r in rows),
-                None if cuda else tuple(int(r["peak_upper"]) for r in rows),
-                int(reserved if cuda else upper),
-                None,
-                int(floor),
-                {n: int(v) for n, v in top.get("phases", {}).items()} or None,
-            )
+            self.ranks[rkey] = self._rank_figures(ledger, hooks, facts, rkey[1], sharding)
             self.seconds += time.perf_counter() - t0
         f = self.ranks[rkey]
         if sharding == "ddp" and world_size != rkey[1]:
@@ -238,6 +213,57 @@ class Engine:
                 rank_peaks_upper=None if cuda else f.rank_peaks_upper[:1] * world_size,
             )
         return f
+
+    def _rank_figures(self, ledger, hooks, facts, world_size, sharding):
+        """Figures of every rank (estimate(..., world_size=N, sharding=...)'s) from one dry run's ledger."""
+        if sharding in ("zero2", "zero3") and not facts.get("units"):
+            raise MemtorchError(
+                f"sharding {sharding!r} needs the dry run to record FSDP's units (Engine(units=True))"
+            )
+        # lazy: estimation loads only when this path runs (importing the engine stays cheap)
+        from .estimate import _rank_results
+
+        cuda = self.device == "cuda"
+        facts["floor"] = True  # per_rank replays a rank holding no share too: plan's stopping bound
+        rows = _rank_results(ledger, hooks, facts, self.device, world_size, sharding)
+        top = max(rows, key=lambda d: d["peak"])  # as estimate(): the first highest
+        reserved = max(r["reserved_peak"] for r in rows) if cuda else None
+        upper = max(r["peak_upper"] for r in rows)
+        if "floor" in rows[0]:  # the replay of a rank holding no share (zero1, zero1-even)
+            floor = rows[0]["floor"]
+        else:
+            floor = max(r["peak"] - sum(r["breakdown"].get(c, 0) for c in _SPLIT[sharding]) for r in rows)
+        return Figures(
+            int(top["peak"]),
+            reserved,
+            None if cuda else int(upper),
+            tuple(int(r["peak"]) for r in rows),
+            None if cuda else tuple(int(r["peak_upper"]) for r in rows),
+            int(reserved if cuda else upper),
+            None,
+            int(floor),
+            {n: int(v) for n, v in top.get("phases", {}).items()} or None,
+        )
+
+    def predicted(self, ledger, sizes, world_size=1, sharding=None):
+        """(peak, judged) of the highest rank with the storages of ``ledger`` (a dry run's, from ledger()) at
+        ``sizes`` (int64 bytes per key) instead of their own: the same events replayed as figures() replays
+        them, one process through the allocator's model (ranks.replay_peaks), several per rank. fit() predicts
+        a value it has not run from two it has."""
+        # lazy: the per-rank replays load with the dry runs (importing the engine stays cheap)
+        from . import ranks
+
+        cuda = self.device == "cuda"
+        if world_size == 1:
+            peak, reserved = ranks.replay_peaks(ledger, sizes, cuda)
+            return peak, reserved if cuda else peak
+        run = next(r for r in self.runs.values() if r[1] is ledger)
+        view = copy.copy(ledger)  # the same events and owners, its own sizes
+        view.__dict__.pop("_base_sizes", None)
+        view.info = {k: [int(sizes[k]), *v[1:]] for k, v in ledger.info.items()}
+        f = self._rank_figures(view, run[2], dict(run[3]), 2 if sharding in (None, "ddp") else world_size,
+                               sharding or "ddp")  # fmt: skip
+        return f.peak, f.judged
 
 
 def device_memory_of(device_memory, gpu, who):

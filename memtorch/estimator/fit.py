@@ -207,7 +207,7 @@ def fit(
             except MemtorchError as e:
                 raise MemtorchError(f"fit(): the estimate at {vary}={v} failed: {e}") from None
             tried.append((v, done[v].judged))
-            if world_size == 1 and hasattr(eng, "ledger"):  # one process: its events predict other values
+            if hasattr(eng, "ledger"):  # its events predict other values (_predictor)
                 ledgers[v] = eng.ledger(
                     precision, checkpointing, inputs_at(v), training,
                     v if vary == "max_new_tokens" else max_new_tokens,
@@ -221,12 +221,16 @@ def fit(
         if pair is None or pair[0] not in ledgers or pair[1] not in ledgers:
             return None
         if pair not in predictors:
-            predictors[pair] = _predictor(ledgers, done, pair, eng.device == "cuda")
+            predictors[pair] = _predictor(
+                ledgers, done, pair, lambda led, sizes: eng.predicted(led, sizes, world_size, sharding)
+            )
             if predictors[pair] is not None:
                 last[:] = [predictors[pair], pair]
         return predictors[pair]
 
     last = [None, None]  # the last predictor made and its pair: the notes' figures for values not tried
+    # values looked at one by one in predictions: fewer where each replays every rank
+    scan = _SCAN if world_size == 1 else _SCAN_RANKS
 
     budget = memory - keep
 
@@ -261,7 +265,9 @@ def fit(
     # largest value known to fit
     for _ in range(2):
         pred = predictor(pair)
-        c = None if pred is None else _largest_predicted(pred, budget, max_value)
+        # the doubling towards the last value whose peak fits starts from the largest run whose peak does
+        known = max((v for v in done if done[v].peak <= budget), default=0)
+        c = None if pred is None else _largest_predicted(pred, budget, max_value, scan, known)
         if c is None:
             break
         if c == 0 or fits(c):  # then the value above it
@@ -298,7 +304,9 @@ def fit(
         if halve:
             stalled = 0
         last_gap = gap
-        guess = _next_guess(done, lo, hi, budget, max_value, pair, bisect=halve, predicted=predictor(pair))
+        guess = _next_guess(
+            done, lo, hi, budget, max_value, pair, bisect=halve, predicted=predictor(pair), scan=scan
+        )
         if guess is None:
             break
         ok = fits(guess)
@@ -349,8 +357,9 @@ def fit(
                 f"not grow steadily with the {word}; a larger {word} may pack into fewer and fit (not tried: "
                 "estimate() it)"
             )
-        if pred is not None and _checked(pred, done, last[1]):
-            notes += _segment_notes(pred, lo, hi, budget, max_value, vary, word)
+        # one process: its predictions take a millisecond; with several ranks, tens (FSDP's units replayed)
+        if pred is not None and world_size == 1 and _checked(pred, done, last[1]):
+            notes += _segment_notes(pred, lo, hi, budget, max_value, vary, word, scan)
     if source != "given":
         notes.append(f"device memory: {source}")
     if eng.defaulted:
@@ -394,12 +403,13 @@ def _ranges(values):
     return ", ".join(out)
 
 
-def _segment_notes(predicted, lo, hi, budget, max_value, vary, word):
+def _segment_notes(predicted, lo, hi, budget, max_value, vary, word, scan=None):
     """On cuda, what the prediction (_predictor's) says of the values not tried: those below the answer whose
     reserved figure is over the budget (the segments' steps: a smaller value that does not fit), and those
     above the value found not to fit that fit again, up to the last whose peak alone is within it."""
+    scan = _SCAN if scan is None else scan
     notes = []
-    low = max(lo - _SCAN, 1)
+    low = max(lo - scan, 1)
     holes = [v for v in range(low, lo) if predicted(v)[1] > budget]
     if holes:
         seen = f" (of {vary}={low:,} to {lo - 1:,}; smaller ones not looked at)" if low > 1 else ""
@@ -410,7 +420,7 @@ def _segment_notes(predicted, lo, hi, budget, max_value, vary, word):
         )
     top = _last_fitting(lambda v: predicted(v)[0] <= budget, hi, None, max_value)
     if top is not None and predicted(hi)[0] <= budget:
-        end = min(top[0], hi + _SCAN)
+        end = min(top[0], hi + scan)
         above = [v for v in range(hi + 1, end + 1) if predicted(v)[1] <= budget]
         if above:
             notes.append(
@@ -472,15 +482,16 @@ def _line_guess(done, pair, budget):
     return guess
 
 
-def _predictor(ledgers, done, pair, cuda):
-    """The judged figure at any value, from the dry runs of the two values of ``pair`` when their ledgers are
-    the same events (the same storages made and freed in the same order; only their sizes differ): each
-    storage's size on the line through its two sizes (an activation's grows with the batch, a parameter's
-    stays), the events replayed through the allocator's model as estimate() replays its own (ranks.replay_peaks:
-    the caching allocator's on cuda). Exact where every size is affine in the value and the events stay the
-    same (measured: to the byte at the answer on Llama shapes), close where not; it only chooses the values
-    tried, whose figures are their own dry runs'. None where the events differ, or where the replay does not
-    give both values' own figures back."""
+def _predictor(ledgers, done, pair, replay):
+    """The figures (peak, judged) at any value, from the dry runs of the two values of ``pair`` when their
+    ledgers are the same events (the same storages made and freed in the same order; only their sizes
+    differ): each storage's size on the line through its two sizes (an activation's grows with the batch, a
+    parameter's stays), the events replayed through the allocator's model as estimate() replays its own
+    (``replay(ledger, sizes)``: Engine.predicted, the caching allocator's on cuda, every rank's where there
+    are several). Exact where every size is affine in the value and the events stay the same (measured: to
+    the byte at the answer on Llama shapes), close where not; it only chooses the values tried, whose figures
+    are their own dry runs'. None where the events differ, or where the replay does not give both values'
+    own figures back."""
     import numpy
 
     # lazy: the per-rank replays load with the engine's dry runs (importing fitting stays cheap)
@@ -489,23 +500,35 @@ def _predictor(ledgers, done, pair, cuda):
     a, b = pair
     ea, eb = ranks._encoded(ledgers[a]), ranks._encoded(ledgers[b])
     sa, sb = ranks.base_sizes(ledgers[a]).array, ranks.base_sizes(ledgers[b]).array
-    if a == b or len(ea) != len(eb) or len(sa) != len(sb) or not numpy.array_equal(ea, eb):
+    if a == b or len(ea) != len(eb) or len(sa) != len(sb):
+        return None
+    if not numpy.array_equal(ea, eb) and not numpy.array_equal(_frees_sorted(ea), _frees_sorted(eb)):
         return None
     rise = sb - sa
 
     def predicted(v):
-        sizes = numpy.maximum(sa + (rise * (v - a)) // (b - a), 0)
-        peak, reserved = ranks.replay_peaks(ledgers[a], sizes, cuda)
-        return peak, reserved if cuda else peak
+        return replay(ledgers[a], numpy.maximum(sa + (rise * (v - a)) // (b - a), 0))
 
     if predicted(a)[1] != done[a].judged or predicted(b)[1] != done[b].judged:
         return None
     return predicted
 
 
+def _frees_sorted(encoded):
+    """Encoded events (key, ~key for a free) with each run of consecutive frees in key order: two dry runs of
+    the same step can free a run in another order (autocast's cache goes in address order), which changes no
+    figure (the allocator's free blocks are kept by size and address, whatever order they came back in)."""
+    import numpy
+
+    free = encoded < 0
+    group = numpy.cumsum(~free)  # an allocation and the frees after it share a group
+    return encoded[numpy.lexsort((-encoded, free, group))]  # ~k falls as k rises: key order among the frees
+
+
 # values looked at one by one in predicted figures (each a replay of the dry run's events: 0.2 ms for a 4-layer
 # Llama shape, 1.1 ms for a 32-layer one's 20,801 events): below the answer and above the first crossing
 _SCAN = 256
+_SCAN_RANKS = 32  # the same with several ranks: each prediction replays every rank (11 ms, 7B shape, 8 ranks)
 
 
 def _checked(predicted, done, pair):
@@ -543,21 +566,22 @@ def _last_fitting(fits, lo, hi, max_value):
     return good, bad
 
 
-def _largest_predicted(predicted, budget, max_value):
+def _largest_predicted(predicted, budget, max_value, scan=None, known=0):
     """The largest value whose predicted judged figure fits (0: none does), looked at from the last value
-    whose predicted peak fits down (no value above it can fit: the reserved figure is never below the peak),
-    else the first crossing from 1; None where every value up to 2**40 is predicted to fit."""
-    top = _last_fitting(lambda v: predicted(v)[0] <= budget, 0, None, max_value)
+    whose predicted peak fits down (no value above it can fit: the reserved figure is never below the peak;
+    found by doubling from ``known``, a value whose peak fits), else the first crossing from 1; None where
+    every value up to 2**40 is predicted to fit."""
+    top = _last_fitting(lambda v: predicted(v)[0] <= budget, known, None, max_value)
     if top is None:
         return None
-    for v in range(top[0], max(0, top[0] - _SCAN), -1):
+    for v in range(top[0], max(0, top[0] - (_SCAN if scan is None else scan)), -1):
         if predicted(v)[1] <= budget:
             return v
     first = _last_fitting(lambda v: predicted(v)[1] <= budget, 0, None, max_value)
     return None if first is None else first[0]
 
 
-def _predicted_guess(predicted, lo, hi, budget, max_value):
+def _predicted_guess(predicted, lo, hi, budget, max_value, scan=None):
     """The largest value above lo (below hi, up to max_value) whose predicted judged figure fits; lo itself
     where none is predicted to; None where every value up to 2**40 is.
 
@@ -572,13 +596,13 @@ def _predicted_guess(predicted, lo, hi, budget, max_value):
     good, bad = first
     top = _last_fitting(lambda v: predicted(v)[0] <= budget, bad, hi, max_value)
     if top is not None and predicted(bad)[0] <= budget:
-        for v in range(top[0], max(bad, top[0] - _SCAN), -1):
+        for v in range(top[0], max(bad, top[0] - (_SCAN if scan is None else scan)), -1):
             if predicted(v)[1] <= budget:
                 return v
     return good
 
 
-def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False, predicted=None):
+def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False, predicted=None, scan=None):
     """The next value to try, strictly between lo and hi (0 and None: not known).
 
     predicted (_predictor's, of ``pair``): the largest value it puts within the budget. Else the line is
@@ -591,7 +615,7 @@ def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False, predicted=N
     if bisect and hi is not None:
         guess = (lo + hi) // 2
     elif predicted is not None:
-        guess = _predicted_guess(predicted, lo, hi, budget, max_value)
+        guess = _predicted_guess(predicted, lo, hi, budget, max_value, scan)
         if guess is not None:
             if guess <= lo:
                 guess = lo + 1
