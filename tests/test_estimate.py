@@ -1267,3 +1267,42 @@ def test_a_large_mse_loss_is_grown_without_a_probe():
 class _Mse(nn.Module):
     def forward(self, x, y):
         return nn.functional.mse_loss(x, y)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "blocks"])
+def test_the_dry_run_frees_by_reference_counts_not_by_the_cycle_collector(monkeypatch, checkpoint):
+    """estimate() pauses Python's cycle collector for its dry run (a full collection walks every object of
+    the process): so the ledger must not depend on it. With the collector on and collecting at every chance
+    (threshold 1), the figures, phases and module rows are the same, on cuda and on the CPU."""
+    import contextlib
+
+    from memtorch.estimator import estimate as E
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = {"input_ids": ((2, 64), torch.long), "labels": ((2, 64), torch.long)}
+
+    def figures(est):
+        rows = [(m.name, m.calls, m.activation_bytes, m.peak_above_start) for m in est.modules]
+        phases = {n: (p.peak, p.peak_above_start, p.calls) for n, p in est.phases.items()}
+        return est.peak, est.reserved_peak, est.model_states, phases, rows
+
+    for device in ("cuda", "cpu"):
+        kw = dict(device=device, checkpointing=checkpoint, precision="bf16-mixed")
+        paused = figures(memtorch.estimate(model, ids, **kw))
+        threshold = gc.get_threshold()
+        monkeypatch.setattr(E, "_collector_paused", contextlib.nullcontext)
+        gc.set_threshold(1, 1, 1)
+        try:
+            assert gc.isenabled()
+            collecting = figures(memtorch.estimate(model, ids, **kw))
+        finally:
+            gc.set_threshold(*threshold)
+            monkeypatch.undo()
+        assert paused == collecting, device
+    assert gc.isenabled()  # as it was
