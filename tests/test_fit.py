@@ -395,4 +395,4 @@ def test_fit_on_cuda_finds_the_largest_batch_where_the_reserved_figure_falls_bac
     from memtorch.estimator.fit import _ranges
 
     assert any(f"batch={_ranges(holes)} predicted over the budget" in n for n in f.notes), (holes, f.notes)
-    assert any(f"no batch above {brute} is predicted to fit: up to {max(can)}" in n for n in f.notes), f.notes
+    assert any(f"no batch above {brute} is predicted to fit: to {max(can)}" in n for n in f.notes), f.notes

@@ -432,10 +432,10 @@ def _segment_notes(predicted, lo, hi, budget, max_value, vary, word, scan=None):
                 f"no {word} from {hi:,} to {end:,} is predicted to fit (the caching allocator's segments; larger "
                 "ones not looked at)"
             )
-        else:
+        elif end > hi:  # (at hi itself the figure is known: nothing to add)
             notes.append(
-                f"no {word} above {lo:,} is predicted to fit: up to {end:,} the reserved figure is over the budget "
-                "(the caching allocator's segments), and from there the peak alone"
+                f"no {word} above {lo:,} is predicted to fit: to {end:,} the reserved figure is over the budget "
+                f"(the caching allocator's segments), above {end:,} the peak alone"
             )
     if notes:
         notes.append(
