@@ -580,13 +580,10 @@ def _optimized_module():
 
 
 def _any_compiled(refs):
-    """Whether a module of ``refs`` (weak references) is a torch.compile'd region (_compiled_notes' regions)."""
-    wrapper = _optimized_module()
-    for ref in refs:
-        mod = ref()
-        if mod is not None and _compiled_kind(mod, wrapper) is not None:
-            return True
-    return False
+    """Whether a module of ``refs`` (weak references) is a torch.compile'd region (_compiled_notes' regions,
+    _compiled_kind's test): one C call at every block's end, not a getattr per module (20 us of a block on
+    a 2-layer nn.TransformerEncoder's 23 modules, caches cold after a step)."""
+    return _C.modules_compiled(refs, _optimized_module())
 
 
 def _graphs_compiled():

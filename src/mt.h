@@ -21,6 +21,7 @@ typedef struct {
     PyObject *untyped_storage, *data_ptr, *grad, *shape, *dtype, *state_attr;
     PyObject *dict_keys[3]; /* "_modules", "_parameters", "_buffers" */
     PyObject *next_id;      /* RemovableHandle.next_id (marks.c's install) */
+    PyObject *compiled_call_impl; /* nn.Module._compiled_call_impl (set by module.compile()) */
     PyObject *parameter, *gradient, *state, *buffer, *input;
 } mt_strs;
 

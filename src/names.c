@@ -17,6 +17,7 @@ mt_names_strs_clear(mt_strs *s)
         Py_CLEAR(s->dict_keys[j]);
     }
     Py_CLEAR(s->next_id);
+    Py_CLEAR(s->compiled_call_impl);
     Py_CLEAR(s->parameter);
     Py_CLEAR(s->gradient);
     Py_CLEAR(s->state);
@@ -45,12 +46,14 @@ mt_names_strs(PyObject *module)
     s->dict_keys[1] = PyUnicode_InternFromString("_parameters");
     s->dict_keys[2] = PyUnicode_InternFromString("_buffers");
     s->next_id = PyUnicode_InternFromString("next_id");
+    s->compiled_call_impl = PyUnicode_InternFromString("_compiled_call_impl");
     s->parameter = PyUnicode_FromString("parameter");
     s->gradient = PyUnicode_FromString("gradient");
     s->state = PyUnicode_FromString("optimizer state");
     s->buffer = PyUnicode_FromString("buffer");
     if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->state_attr ||
-        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->next_id || !s->parameter ||
+        !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->next_id || !s->compiled_call_impl ||
+        !s->parameter ||
         !s->gradient || !s->state || !s->buffer) {
         mt_names_strs_clear(s);
         return NULL;
@@ -380,7 +383,77 @@ error:
     return py_result;
 }
 
+PyDoc_STRVAR(modules_compiled_doc,
+"modules_compiled($module, modules, wrapper, /)\n--\n\n"
+"Whether a module of the list (or of a list of weak references to modules: dead\n"
+"ones are skipped) is a torch.compile'd region: an instance of `wrapper` (the class\n"
+"torch.compile wraps a module in, or None) or one whose `_compiled_call_impl` is not\n"
+"None (module.compile() was called). One call for a track() block's end, in place of\n"
+"a getattr per module.");
+
+static PyObject *
+modules_compiled(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *py_seq = NULL, *py_m = NULL, *py_impl = NULL, *py_result = NULL;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "modules_compiled() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *py_wrapper = args[1]; /* borrowed */
+    if (py_wrapper != Py_None && !PyType_Check(py_wrapper)) {
+        PyErr_SetString(PyExc_TypeError, "modules_compiled(): the wrapper must be a class or None");
+        return NULL;
+    }
+    const mt_strs *s = mt_names_strs(module); /* borrowed from the module state */
+    if (s == NULL) {
+        goto error;
+    }
+    py_seq = PySequence_Fast(args[0], "modules_compiled() expects a list of modules"); /* new reference */
+    if (py_seq == NULL) {
+        goto error;
+    }
+    int found = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(py_seq) && !found; i++) {
+        py_m = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
+        if (PyWeakref_CheckRef(py_m)) { /* what track()'s plan keeps: the module, if alive */
+            PyObject *py_obj;
+            if (PyWeakref_GetRef(py_m, &py_obj) < 0) { /* py_obj: new reference or NULL */
+                goto error;
+            }
+            Py_SETREF(py_m, py_obj);
+            if (py_m == NULL) {
+                continue;
+            }
+        }
+        if (py_wrapper != Py_None) {
+            found = PyObject_IsInstance(py_m, py_wrapper);
+            if (found < 0) {
+                goto error;
+            }
+        }
+        if (!found) { /* getattr(module, "_compiled_call_impl", None) is not None */
+            py_impl = PyObject_GetAttr(py_m, s->compiled_call_impl); /* new reference */
+            if (py_impl == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                    goto error;
+                }
+                PyErr_Clear(); /* no such attribute: not compiled, as getattr(..., None) answers */
+            }
+            found = py_impl != NULL && py_impl != Py_None;
+            Py_CLEAR(py_impl);
+        }
+        Py_CLEAR(py_m);
+    }
+    py_result = Py_NewRef(found ? Py_True : Py_False);
+error:
+    Py_XDECREF(py_seq);
+    Py_XDECREF(py_m);
+    Py_XDECREF(py_impl);
+    return py_result;
+}
+
 PyMethodDef mt_names_methods[] = {
+    {"modules_compiled", (PyCFunction)(void (*)(void))modules_compiled, METH_FASTCALL, modules_compiled_doc},
     {"modules_fingerprint", (PyCFunction)modules_fingerprint, METH_O, modules_fingerprint_doc},
     {"names_walk", (PyCFunction)(void (*)(void))names_walk, METH_FASTCALL, names_walk_doc},
     {NULL, NULL, 0, NULL},

@@ -253,7 +253,7 @@ def test_render_names_a_type_with_no_renderer():
 # Each family of _C functions has one Python owner: only it names them on _C (others go through it).
 C_OWNERS = {
     ("counters_", "scope_", "eventlog_"): "memtorch.cpu",
-    ("names_walk", "modules_fingerprint", "ModuleMarks"): "memtorch.tracking",
+    ("names_walk", "modules_fingerprint", "modules_compiled", "ModuleMarks"): "memtorch.tracking",
     ("_walk", "_walker_setup"): "memtorch.inspection",
     ("alloc_replay",): "memtorch.estimator.ranks",
 }

@@ -1,5 +1,6 @@
-"""_C.names_walk and _C.modules_fingerprint (track()'s names for at_peak and its per-model
-plan kept between blocks): held against plain Python, their leaks, and the plan's rebuilds."""
+"""_C.names_walk, _C.modules_fingerprint and _C.modules_compiled (track()'s names for at_peak, its
+per-model plan kept between blocks, its compiled regions): held against plain Python, their leaks, and
+the plan's rebuilds."""
 
 import gc
 import weakref
@@ -12,7 +13,7 @@ from memtorch import tracking
 
 from test_refleaks_walker import assert_no_leak
 
-NAMES_FUNCTIONS = {"names_walk", "modules_fingerprint"}
+NAMES_FUNCTIONS = {"names_walk", "modules_fingerprint", "modules_compiled"}
 
 
 def _trained():
@@ -209,6 +210,64 @@ def test_modules_fingerprint_does_not_leak():
             pass
 
     assert_no_leak(call, list(model.parameters()) + mods)
+
+
+class _Wrapper(torch.nn.Module):
+    """A stand-in for torch.compile's wrapper class (an instance of it is a compiled region)."""
+
+
+def _python_compiled(mods, wrapper):
+    """_C.modules_compiled in plain Python (tracking._compiled_kind of each live module)."""
+    for m in mods:
+        m = m() if isinstance(m, weakref.ref) else m
+        if m is not None and tracking._compiled_kind(m, wrapper) is not None:
+            return True
+    return False
+
+
+def test_modules_compiled_is_the_python_test_of_each_module():
+    model, _ = _trained()
+    mods = list(model.modules())
+    refs = [weakref.ref(m) for m in mods]
+    wrapped = _Wrapper()
+    dead = weakref.ref(_Wrapper())  # gone: skipped
+    cases = [(mods, None), (refs, None), (refs + [dead], _Wrapper), (mods + [wrapped], None),
+             (mods + [wrapped], _Wrapper), ([weakref.ref(wrapped)], _Wrapper), ([], None)]  # fmt: skip
+    for ms, wrapper in cases:
+        assert _C.modules_compiled(ms, wrapper) == _python_compiled(ms, wrapper)
+    assert _C.modules_compiled(mods + [wrapped], _Wrapper) and not _C.modules_compiled(mods, _Wrapper)
+    # module.compile() sets the instance's _compiled_call_impl (set here by hand: the model is not called)
+    model[1].__dict__["_compiled_call_impl"] = lambda *a, **k: None
+    try:
+        assert _C.modules_compiled(refs, None) and _python_compiled(refs, None)
+    finally:
+        del model[1].__dict__["_compiled_call_impl"]
+    assert not _C.modules_compiled(refs, None)
+    with pytest.raises(TypeError, match="list of modules"):
+        _C.modules_compiled(5, None)
+    with pytest.raises(TypeError, match="a class or None"):
+        _C.modules_compiled(mods, "OptimizedModule")
+    with pytest.raises(TypeError, match="2 arguments"):
+        _C.modules_compiled(mods)
+
+
+def test_modules_compiled_does_not_leak():
+    model, _ = _trained()
+    mods = list(model.modules())
+    refs = [weakref.ref(m) for m in mods] + [weakref.ref(torch.nn.ReLU())]  # the last one dead
+    wrapped = _Wrapper()
+
+    def call():
+        _C.modules_compiled(mods, None)
+        _C.modules_compiled(refs, _Wrapper)
+        _C.modules_compiled(mods + [wrapped], _Wrapper)
+        for bad in ((5, None), (mods, 5)):
+            try:
+                _C.modules_compiled(*bad)
+            except TypeError:
+                pass
+
+    assert_no_leak(call, mods + [wrapped])
 
 
 def test_block_names_come_from_the_plan_only_while_the_same_allocations_live():
