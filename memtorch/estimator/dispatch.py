@@ -349,8 +349,8 @@ def _kind(func):
     """What the accounting mode may do for ``func`` without FakeTensorMode, read from its schema once per
     operator: "inplace" (an in-place foreach operator, aten::_foreach_mul_ ...: writes its lists, returns
     nothing), the kinds whose outputs _new_like makes ("factory": zeros_like and empty_like, "strided",
-    "detach", "lift": torch.tensor's; how an out-of-place foreach operator's outputs follow its first list: "unary", "List", "Scalar",
-    "ScalarList"), else None."""
+    "detach", "lift": torch.tensor's; how an out-of-place foreach operator's outputs follow its first list:
+    "unary", "List", "Scalar", "ScalarList"), else None."""
     hit = _KINDS.get(func, False)
     if hit is False:
         schema = func._schema

@@ -278,7 +278,8 @@ def replay(ledger, sizes, cuda=False):
 
 def replay_peaks(ledger, sizes, cuda=False):
     """(peak, reserved: None but on cuda) of the ledger's own events with int64 ``sizes`` per key, as replay()
-    gives them without the curve (fit()'s predictions, many per search: 1.1 ms each for a 32-layer Llama shape's 20,801 events)."""
+    gives them without the curve (fit()'s predictions, many per search: 1.1 ms each for a 32-layer Llama
+    shape's 20,801 events)."""
     _curve, peak, _at, reserved, _live, _unsplit = _C.alloc_replay(_encoded(ledger), sizes, cuda)
     return int(peak), None if reserved is None else int(reserved)
 
