@@ -888,13 +888,8 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
     PyObject *pre = PyTuple_GET_ITEM(py_hooks, 0), *post = PyTuple_GET_ITEM(py_hooks, 1); /* borrowed */
     Py_ssize_t n = py_seq == NULL ? 0 : PySequence_Fast_GET_SIZE(py_seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        py_mod = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
-        if (PyWeakref_CheckRef(py_mod)) { /* what track()'s plan keeps: the module, if alive */
-            PyObject *py_obj;
-            if (PyWeakref_GetRef(py_mod, &py_obj) < 0) { /* py_obj: new reference or NULL */
-                goto error;
-            }
-            Py_SETREF(py_mod, py_obj);
+        if (mt_module_at(py_seq, i, &py_mod) < 0) { /* py_mod: new reference, NULL if dead */
+            goto error;
         }
         if (py_mod != NULL && py_mod != Py_None) {
             PyObject *dicts[3]; /* borrowed from py_dict */

@@ -67,6 +67,7 @@ int mt_names_put(PyObject *module, PyObject *names, PyObject *t, PyObject *name,
 /* names.c: the module's strings (borrowed from its state), made on first use; NULL with an exception set. */
 const mt_strs *mt_names_strs(PyObject *module);
 void mt_names_strs_clear(mt_strs *s);
+int mt_module_at(PyObject *py_seq, Py_ssize_t i, PyObject **out);
 
 /* Per-file hooks called from module.c's exec slot, traverse and clear.
  * Each returns 0 on success, -1 with an exception set. */

@@ -309,6 +309,20 @@ names_walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* *out: a new reference to item i of the fast sequence py_seq (borrowed), or to its referent when it
+ * is a weak reference (what track()'s plan keeps of a module), NULL when that one is dead. 0, or -1
+ * with an exception set (*out NULL). */
+int
+mt_module_at(PyObject *py_seq, Py_ssize_t i, PyObject **out)
+{
+    PyObject *py_item = PySequence_Fast_GET_ITEM(py_seq, i); /* borrowed from py_seq */
+    if (PyWeakref_CheckRef(py_item)) {
+        return PyWeakref_GetRef(py_item, out) < 0 ? -1 : 0; /* *out: new reference or NULL */
+    }
+    *out = Py_NewRef(py_item);
+    return 0;
+}
+
 /* Mix every (key, value) identity of the dict py_d (borrowed) into *h. Reads the
  * dict directly: no user code runs. */
 static void
@@ -344,17 +358,12 @@ modules_fingerprint(PyObject *module, PyObject *py_mods)
         goto error;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(py_seq); i++) {
-        py_m = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
-        if (PyWeakref_CheckRef(py_m)) { /* what track()'s plan keeps: the module, if alive */
-            PyObject *py_obj;
-            if (PyWeakref_GetRef(py_m, &py_obj) < 0) { /* py_obj: new reference or NULL */
-                goto error;
-            }
-            Py_SETREF(py_m, py_obj);
-            if (py_m == NULL) {
-                py_result = Py_NewRef(Py_None);
-                goto error;
-            }
+        if (mt_module_at(py_seq, i, &py_m) < 0) { /* py_m: new reference, NULL if dead */
+            goto error;
+        }
+        if (py_m == NULL) {
+            py_result = Py_NewRef(Py_None);
+            goto error;
         }
         py_dict = PyObject_GenericGetDict(py_m, NULL); /* new reference: the instance __dict__ */
         if (py_dict == NULL) {
@@ -414,16 +423,11 @@ modules_compiled(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     int found = 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(py_seq) && !found; i++) {
-        py_m = Py_NewRef(PySequence_Fast_GET_ITEM(py_seq, i)); /* new reference */
-        if (PyWeakref_CheckRef(py_m)) { /* what track()'s plan keeps: the module, if alive */
-            PyObject *py_obj;
-            if (PyWeakref_GetRef(py_m, &py_obj) < 0) { /* py_obj: new reference or NULL */
-                goto error;
-            }
-            Py_SETREF(py_m, py_obj);
-            if (py_m == NULL) {
-                continue;
-            }
+        if (mt_module_at(py_seq, i, &py_m) < 0) { /* py_m: new reference, NULL if dead */
+            goto error;
+        }
+        if (py_m == NULL) {
+            continue;
         }
         if (py_wrapper != Py_None) {
             found = PyObject_IsInstance(py_m, py_wrapper);
