@@ -565,17 +565,10 @@ def test_micro_batch_row_skips_a_divisor_the_caching_allocators_segments_keep_fr
     """On cuda a micro-batch below fit()'s answer may not fit (the reserved figure falls back at larger
     batches): the row is the largest divisor of the batch whose own estimate fits, not the largest below
     the answer."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    from test_fit import _ids as ids
+    from test_fit import _tiny_llama
 
-    def ids(b):
-        return {"input_ids": ((b, 128), torch.long), "labels": ((b, 128), torch.long)}
-
+    model = _tiny_llama()
     at = {b: memtorch.estimate(model, ids(b), gpu="l4").reserved_peak for b in range(18, 33)}
     falls = [b for b in range(19, 33) if at[b] < at[b - 1]]
     assert falls, "no batch here whose reserved figure falls below the one before"

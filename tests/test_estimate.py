@@ -1276,15 +1276,11 @@ def test_the_dry_run_frees_by_reference_counts_not_by_the_cycle_collector(monkey
     (threshold 1), the figures, phases and module rows are the same, on cuda and on the CPU."""
     import contextlib
 
+    from test_fit import _tiny_llama
+
     from memtorch.estimator import estimate as E
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _tiny_llama(layers=6)
     ids = {"input_ids": ((2, 64), torch.long), "labels": ((2, 64), torch.long)}
 
     def figures(est):

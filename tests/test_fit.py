@@ -190,13 +190,7 @@ def test_the_judged_excess_over_the_peak_is_scaled_with_it():
 
 
 def test_a_start_below_the_settled_pattern_costs_few_dry_runs():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _tiny_llama()
 
     def ids(b):
         return {"input_ids": ((b, 32), torch.long), "labels": ((b, 32), torch.long)}
@@ -304,10 +298,11 @@ def test_a_reserved_figure_that_jumps_past_the_peak_is_said():
     assert not any("reserved figure rises" in n for n in f.notes), f.notes
 
 
-def _tiny_llama():
+def _tiny_llama(layers=2):
+    """A small Llama (64 wide, vocabulary 1024), seeded; test_advise and test_estimate build theirs here."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=172, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
     )  # fmt: skip
     torch.manual_seed(0)
