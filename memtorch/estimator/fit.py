@@ -52,6 +52,10 @@ VARY = ("batch", "seq", "max_new_tokens")
 # by more than this beyond the peak's rise has met the segments' steps, not the step's bytes
 _SEGMENT = 20 << 20
 _MAX_RUNS = 64  # a search that needs more has met a figure that is not monotone in the value
+# values looked at one by one in predicted figures (each a replay of the dry run's events: 0.2 ms for a 4-layer
+# Llama shape, 1.1 ms for a 32-layer one's 20,801 events): below the answer and above the first crossing
+_SCAN = 256
+_SCAN_RANKS = 32  # the same with several ranks: each prediction replays every rank (11 ms, 7B shape, 8 ranks)
 
 
 def fit(
@@ -403,11 +407,10 @@ def _ranges(values):
     return ", ".join(out)
 
 
-def _segment_notes(predicted, lo, hi, budget, max_value, vary, word, scan=None):
+def _segment_notes(predicted, lo, hi, budget, max_value, vary, word, scan=_SCAN):
     """On cuda, what the prediction (_predictor's) says of the values not tried: those below the answer whose
     reserved figure is over the budget (the segments' steps: a smaller value that does not fit), and those
     above the value found not to fit that fit again, up to the last whose peak alone is within it."""
-    scan = _SCAN if scan is None else scan
     notes = []
     low = max(lo - scan, 1)
     holes = [v for v in range(low, lo) if predicted(v)[1] > budget]
@@ -525,12 +528,6 @@ def _frees_sorted(encoded):
     return encoded[numpy.lexsort((-encoded, free, group))]  # ~k falls as k rises: key order among the frees
 
 
-# values looked at one by one in predicted figures (each a replay of the dry run's events: 0.2 ms for a 4-layer
-# Llama shape, 1.1 ms for a 32-layer one's 20,801 events): below the answer and above the first crossing
-_SCAN = 256
-_SCAN_RANKS = 32  # the same with several ranks: each prediction replays every rank (11 ms, 7B shape, 8 ranks)
-
-
 def _checked(predicted, done, pair):
     """Whether ``predicted`` (_predictor's, drawn through ``pair``) gives the figures of every other value run
     (at least one: the answer and the value above it), peak and judged, to the byte: then its figures for the
@@ -566,7 +563,7 @@ def _last_fitting(fits, lo, hi, max_value):
     return good, bad
 
 
-def _largest_predicted(predicted, budget, max_value, scan=None, known=0):
+def _largest_predicted(predicted, budget, max_value, scan=_SCAN, known=0):
     """The largest value whose predicted judged figure fits (0: none does), looked at from the last value
     whose predicted peak fits down (no value above it can fit: the reserved figure is never below the peak;
     found by doubling from ``known``, a value whose peak fits), else the first crossing from 1; None where
@@ -574,14 +571,14 @@ def _largest_predicted(predicted, budget, max_value, scan=None, known=0):
     top = _last_fitting(lambda v: predicted(v)[0] <= budget, known, None, max_value)
     if top is None:
         return None
-    for v in range(top[0], max(0, top[0] - (_SCAN if scan is None else scan)), -1):
-        if predicted(v)[1] <= budget:
-            return v
+    v = _fits_from_top(predicted, budget, top[0], max(0, top[0] - scan))
+    if v is not None:
+        return v
     first = _last_fitting(lambda v: predicted(v)[1] <= budget, 0, None, max_value)
     return None if first is None else first[0]
 
 
-def _predicted_guess(predicted, lo, hi, budget, max_value, scan=None):
+def _predicted_guess(predicted, lo, hi, budget, max_value, scan=_SCAN):
     """The largest value above lo (below hi, up to max_value) whose predicted judged figure fits; lo itself
     where none is predicted to; None where every value up to 2**40 is.
 
@@ -596,13 +593,21 @@ def _predicted_guess(predicted, lo, hi, budget, max_value, scan=None):
     good, bad = first
     top = _last_fitting(lambda v: predicted(v)[0] <= budget, bad, hi, max_value)
     if top is not None and predicted(bad)[0] <= budget:
-        for v in range(top[0], max(bad, top[0] - (_SCAN if scan is None else scan)), -1):
-            if predicted(v)[1] <= budget:
-                return v
+        v = _fits_from_top(predicted, budget, top[0], max(bad, top[0] - scan))
+        if v is not None:
+            return v
     return good
 
 
-def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False, predicted=None, scan=None):
+def _fits_from_top(predicted, budget, top, floor):
+    """The largest value from ``top`` down to above ``floor`` whose predicted judged figure fits, or None."""
+    for v in range(top, floor, -1):
+        if predicted(v)[1] <= budget:
+            return v
+    return None
+
+
+def _next_guess(done, lo, hi, budget, max_value, pair, bisect=False, predicted=None, scan=_SCAN):
     """The next value to try, strictly between lo and hi (0 and None: not known).
 
     predicted (_predictor's, of ``pair``): the largest value it puts within the budget. Else the line is
