@@ -36,6 +36,8 @@ int64_t mt_counters_current(void);
 /* The counted size of the live allocation at ptr, or -1 if not counted. */
 int64_t mt_counters_size_of(const void *ptr);
 int64_t mt_counters_lookup(const void *ptr, int64_t *serial);
+/* The same for n addresses under one hold of the table (see counters.c). */
+void mt_counters_lookup_many(const uintptr_t *ptrs, size_t n, int64_t *sizes, int64_t *serials);
 
 /* ---- eventlog.c and replay.c: the log's kinds and its records as read ---- */
 

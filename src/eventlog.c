@@ -422,14 +422,19 @@ static PyObject *
 mt_lookup_all(PyObject *arg, int want_serial, const char *msg)
 {
     PyObject *py_seq = NULL, *py_out = NULL;
-    py_seq = PySequence_Fast(arg, msg);  /* new ref */
+    uintptr_t *ptrs = NULL;
+    int64_t *sizes = NULL, *serials = NULL;
+    py_seq = PySequence_Fast(arg, msg); /* new reference */
     if (py_seq == NULL) {
         goto error;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(py_seq);
-    /* a list, not an array: track() compares and zips it, and a small array costs more to make */
-    py_out = PyList_New(n);  /* new reference */
-    if (py_out == NULL) {
+    /* the addresses read into C first: no Python under the table's locks */
+    ptrs = PyMem_Malloc(((size_t)n + 1) * sizeof(uintptr_t));
+    sizes = PyMem_Malloc(((size_t)n + 1) * sizeof(int64_t));
+    serials = PyMem_Malloc(((size_t)n + 1) * sizeof(int64_t));
+    if (ptrs == NULL || sizes == NULL || serials == NULL) {
+        PyErr_NoMemory();
         goto error;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -438,16 +443,30 @@ mt_lookup_all(PyObject *arg, int want_serial, const char *msg)
         if (p == (unsigned long long)-1 && PyErr_Occurred()) {
             goto error;
         }
-        int64_t serial = -1, size = p == 0 ? -1 : mt_counters_lookup((const void *)(uintptr_t)p, &serial);
-        PyObject *py_v = PyLong_FromLongLong((long long)(want_serial ? serial : size)); /* new reference */
+        ptrs[i] = (uintptr_t)p;
+    }
+    mt_counters_lookup_many(ptrs, (size_t)n, sizes, serials);
+    /* a list, not an array: track() compares and zips it, and a small array costs more to make */
+    py_out = PyList_New(n); /* new reference */
+    if (py_out == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *py_v = PyLong_FromLongLong((long long)(want_serial ? serials[i] : sizes[i])); /* new reference */
         if (py_v == NULL) {
             goto error;
         }
         PyList_SET_ITEM(py_out, i, py_v); /* steals py_v */
     }
+    PyMem_Free(ptrs);
+    PyMem_Free(sizes);
+    PyMem_Free(serials);
     Py_DECREF(py_seq);
     return py_out;
 error:
+    PyMem_Free(ptrs);
+    PyMem_Free(sizes);
+    PyMem_Free(serials);
     Py_XDECREF(py_seq);
     Py_XDECREF(py_out);
     return NULL;
