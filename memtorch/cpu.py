@@ -132,7 +132,6 @@ _atexit_registered = False
 _counters_serials = _C.counters_serials
 _counters_sizes = _C.counters_sizes
 _counters_last_failure = _C.counters_last_failure  # the out-of-memory post-mortem (tracking, oom)
-_scope_begin = _C.scope_begin
 _scope_end = _C.scope_end
 _eventlog_head = _C.eventlog_head
 _eventlog_mark = _C.eventlog_mark
@@ -378,6 +377,39 @@ def _processes():
     return repr(counter), alive
 
 
+def _workers_between(procs0, procs1):
+    """(processes started, DataLoader workers alive at either end) between two _processes() reads, or ()."""
+    started = _started(procs0[0], procs1[0])
+    workers = len(set(procs0[1]) | set(procs1[1])) if (procs0[1] or procs1[1]) else 0
+    return (started, workers) if (started or workers) else ()
+
+
+def _exact_close(raw):
+    """An exact scope's figures are exact by its scope_end tuple: no table entry lost, its hooks never gone."""
+    return raw[8] == 0 and not raw[5]
+
+
+def _scope_begin_known(timeline, known):
+    """Open an exact scope by its own C call while counting is held, after entering ``known``
+    ((address, bytes) of storages made before counting began, as Scope._adopt enters them):
+    (scope_begin's tuple, the processes now, counters_restarted() now), what Scope._from_calls makes
+    a Scope of, later. track()'s blocks open so, and make their Scope only if it is asked for (raises
+    RuntimeError where another thread stopped counting meanwhile: then the Scope's own path)."""
+    if known:
+        _C.counters_adopt([a for a, _ in known], [n for _, n in known])
+    return _C.scope_begin(timeline), _processes(), _C.counters_restarted()
+
+
+def _closed_calls(opening, closing):
+    """(start, end, peak, exact, first event, other threads' (bytes, allocations), unseen (frees, bytes))
+    of the scope opened and closed by its own calls (``opening``: _scope_begin_known's; ``closing``:
+    (scope_end's tuple, the processes then)), as a Scope made of them would read them, without
+    making one (track()'s block makes it with its report: Scope._from_calls)."""
+    o, c = opening[0], closing[0]
+    exact = _exact_close(c) and not _workers_between(opening[1], closing[1])
+    return c[0], c[1], c[2], exact, o[4], (c[6], c[7]), (c[9] - o[6], c[10] - o[7])
+
+
 def _started(before, after):
     """Processes created between two _processes() counters (numbers, or reprs "count(N)")."""
     if before == after:
@@ -562,14 +594,14 @@ class Scope:
     # The exact mechanism's open and close from the C core's tuples (scope_begin's, or
     # scope_open's with the statistics added; scope_end's) and the processes at that time:
     # also how track()'s counters-only block makes its Scope from its own calls.
-    def _set_open(self, raw, procs):
+    def _set_open(self, raw, procs, restart=None):
         sid, gen, start, t0, ev0, lost0, unseen0, unseen_b0 = raw
         self._handle = (sid, gen)
         self._unseen0 = (unseen0, unseen_b0)
         self._lost0 = lost0
         self._start = self._peak = start
         self._t0, self._ev0 = t0, ev0
-        self._restart = _C.counters_restarted()
+        self._restart = _C.counters_restarted() if restart is None else restart  # read at the open
         self._opened(EXACT, procs)
 
     def _set_closed(self, raw, procs):
@@ -579,7 +611,7 @@ class Scope:
             t, b, self.timeline_dropped = _C.eventlog_read(self._ev0, ev1)
             self._events = (t, b)
         self._lost_entries = lost - self._lost0
-        self._exact = lost == 0 and not self._hook_lost
+        self._exact = _exact_close(raw)
         self.unseen_frees = unseen - self._unseen0[0]
         self.unseen_bytes = unseen_b - self._unseen0[1]
         if self._hook_lost:
@@ -654,10 +686,7 @@ class Scope:
         """(processes started while open, DataLoader workers alive at open or close)."""
         if self._procs0 is None:
             return ()
-        now = self._procs1 if self._procs1 is not None else _processes()
-        started = _started(self._procs0[0], now[0])
-        workers = len(set(self._procs0[1]) | set(now[1])) if (self._procs0[1] or now[1]) else 0
-        return (started, workers) if (started or workers) else ()
+        return _workers_between(self._procs0, self._procs1 if self._procs1 is not None else _processes())
 
     @property
     def other_thread_bytes(self) -> int:

@@ -655,6 +655,11 @@ def _make_report(scope, kw):
     return TrackReport(**kw)
 
 
+def _make_calls_report(calls, kw):
+    """_make_report of a block whose scope was opened and closed by its own C calls: (opening, closing)."""
+    return _make_report(cpu.Scope._from_calls(*calls), kw)
+
+
 def _make_counters_report(opening, closing, seconds):
     """The TrackReport of a counters-only block: ``closing`` its closed cpu.Scope, or (with
     ``opening``) the C core's tuples and processes its own calls read at the open and close."""
@@ -897,6 +902,7 @@ _CUDA_NO_MODULES = (
 # A block's state at its start (Tracker._reset_state), the immutable part.
 _FRESH = dict(
     _phase=None,
+    _raw=None,  # event-log mode: its C scope's opening tuple and processes, until a Scope is made
     _mod_specs=(),  # event-log mode: (name, type name) of the rows, made at the replay
     _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
     _at_peak=None,
@@ -1567,12 +1573,21 @@ class Tracker:
             if self._kind == "cuda" and (self._model is not None or self._optimizer is not None or self._with_log):
                 # at_peak: the allocator's own history for the block (restored as found at the end)
                 self._ctrace = _cuda_trace.Recording.maybe_start(self._index)
-            self._scope = self._open_scope(timeline=self._timeline or self._evmode, known=self._known_storages(),
-                                           keep_events=self._timeline)  # fmt: skip
-            if self._evmode and not self._timeline:
-                # the log runs for this block's replay, read once at the end: the scope itself
-                # need not read it again when it closes
-                self._scope._want_timeline = False
+            known = self._known_storages()
+            if self._evmode and not self._timeline and cpu._held:
+                # counting held: the scope by its own C call, its Scope made only if asked for while
+                # open (_raw_scope) or with the report (_finish); the log runs for the replay
+                try:
+                    self._raw = cpu._scope_begin_known(True, known)
+                except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
+                    pass
+            if self._raw is None:
+                self._scope = self._open_scope(timeline=self._timeline or self._evmode, known=known,
+                                               keep_events=self._timeline)  # fmt: skip
+                if self._evmode and not self._timeline:
+                    # the log runs for this block's replay, read once at the end: the scope itself
+                    # need not read it again when it closes
+                    self._scope._want_timeline = False
             if self._evmode:  # storages live at the start, by address
                 model = None if self._model is None else self._model()
                 if model is not None:
@@ -1588,7 +1603,7 @@ class Tracker:
                 self._marks.in_backward = _in_backward_fn()
                 cpu._eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots.append((cpu._eventlog_head(), self._walk_names()))
-            self._boundaries.append(self._scope.start)
+            self._boundaries.append(self._scope.start if self._raw is None else self._raw[0][2])
             self._install_hooks()
             if self._ctrace is not None:  # storages live at the start, by address
                 self._ctrace.names.append((time.time_ns(), self._cuda_names()))
@@ -1661,7 +1676,7 @@ class Tracker:
         try:
             if cpu._held:  # counting held: one C call, the Scope object made only if asked for
                 try:
-                    self._raw = (cpu._scope_begin(False), cpu._processes())
+                    self._raw = cpu._scope_begin_known(False, None)
                     return self
                 except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
                     pass
@@ -1674,16 +1689,16 @@ class Tracker:
         return self
 
     def _raw_scope(self):
-        """The open cpu.Scope of a counters-only block opened by its own C call."""
+        """The open cpu.Scope of a block opened by its own C call (counters-only, or event-log mode)."""
         raw, self._raw = self._raw, None
         if raw is not None:
             self._scope = cpu.Scope._from_calls(raw)
         return self._scope
 
     def _full_state(self):
-        """A counters-only block asked for more while open: the general path's state now."""
+        """A block asked for more while open: its Scope, and a counters-only block the general path's state."""
+        self._raw_scope()
         if self._quick:
-            self._raw_scope()
             self._quick = False
             self._reset_state()
             self._boundaries.append(self._scope.start)
@@ -1854,6 +1869,9 @@ class Tracker:
             scope = getattr(self, "_scope", None)
             if scope is not None:
                 scopes.append(scope)
+            raw, self._raw = self._raw, None
+            if raw is not None:  # event-log mode's own C scope, ended by an exception before its report
+                cpu._scope_end(raw[0][0], raw[0][1])
             for s in scopes:
                 s.close()
             self._cuda_open = []
@@ -1906,7 +1924,22 @@ class Tracker:
         ct = self._ctrace
         if ct is not None:  # the gradients and optimizer state at the end, by address
             ct.names.append((time.time_ns(), self._cuda_names(full=False)))
-        start, end, peak_bytes, exact = self._close_scope(self._scope, r)
+        calls = None  # event-log mode's scope by its own C calls: (opening, closing)
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            closing = (cpu._scope_end(raw[0][0], raw[0][1]), cpu._processes())
+            if closing[0][5]:  # hooks lost while open: where they went is read now (the Scope reads it)
+                self._scope = cpu.Scope._from_calls(raw, closing)
+            else:
+                calls = (raw, closing)
+        if calls is None:
+            start, end, peak_bytes, exact = self._close_scope(self._scope, r)
+            if self._kind == "cpu":
+                s = self._scope
+                ev0, other, unseen = s._ev0, (s._other_bytes, s._other_allocs), (s.unseen_frees, s.unseen_bytes)
+                del s
+        else:
+            start, end, peak_bytes, exact, ev0, other, unseen = cpu._closed_calls(*calls)
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
             caveats.append(_CUDA_NO_MODULES)
@@ -1928,8 +1961,8 @@ class Tracker:
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
             # as bytes: the array is made at the replay
-            ev, dropped = cpu._eventlog_read_all(self._scope._ev0, head, True)
-            sites = cpu._eventlog_sites(self._scope._ev0, head)  # source lines of "other" (sites.c)
+            ev, dropped = cpu._eventlog_read_all(ev0, head, True)
+            sites = cpu._eventlog_sites(ev0, head)  # source lines of "other" (sites.c)
             opt = None if self._optimizer is None else self._optimizer()
             new_state = opt is not None and len(opt.state) != m.state_n
             # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
@@ -1944,7 +1977,7 @@ class Tracker:
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
                 caveats, exact, self._phases, sites=sites, totals=totals,
-                other=(self._scope._other_bytes, self._scope._other_allocs),
+                other=other,
             )  # fmt: skip
             self._snapshots = []
         if self._timeline:
@@ -1955,11 +1988,10 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         extra = {}  # the rank and world size are read with the report (_make_report)
         if self._kind == "cpu":
-            mechanism = self._scope.mechanism  # what counted this block
+            mechanism = self._scope.mechanism if calls is None else cpu.EXACT  # what counted this block
             exact = exact and mechanism != cpu.FALLBACK
             device = "cpu"
-            extra["unseen_frees"] = self._scope.unseen_frees
-            extra["unseen_bytes"] = self._scope.unseen_bytes
+            extra["unseen_frees"], extra["unseen_bytes"] = unseen
         else:
             mechanism = f"{cuda.MECHANISM} ({self._scope.how})"
             device = f"cuda:{self._index}"
@@ -2003,6 +2035,8 @@ class Tracker:
             caveats=caveats, marks=extra_marks, _row_notes=row_notes, **extra,
         )  # fmt: skip
         # the TrackReport itself is made when t.report is first read (most loops never read it)
+        if calls is not None:
+            return functools.partial(_make_calls_report, calls, kw)
         return functools.partial(_make_report, self._scope, kw)
 
     def _snapshot(self):

@@ -430,6 +430,80 @@ def test_exception_in_optimizer_step_cleans_up():
     no_hooks(model, opt)
 
 
+def test_exception_in_forward_without_timeline_closes_the_blocks_own_scope():
+    # counting held, no timeline: the block's scope is opened by its own C call (no Scope object);
+    # an exception must end it as the Scope path would (no scope left open, no hook left)
+    memtorch.cpu.start()
+    err = Boom("inside forward")
+    model = Exploding(err)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(Boom):
+        with memtorch.track(model, optimizer=opt) as t:
+            print("RAW", t._raw is not None, t._evmode)
+            model(torch.ones(2, 8))
+    no_hooks(model, opt)
+    assert t.report.phases["forward"].calls == 1
+
+
+@exact_only
+def test_block_of_its_own_c_calls_reports_what_the_scope_path_reports(monkeypatch):
+    # the same steps, the block's scope opened by its own C call (counting held, the usual path)
+    # and by a cpu.Scope (the path taken when that call fails): every figure of the report equal
+    memtorch.cpu.start()
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.ones(B, D_IN)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+
+    def report():
+        with memtorch.track(model, optimizer=opt) as t:
+            step()
+            step()  # no t.step(): it makes the Scope (the block's figures so far)
+        return t.report
+
+    own = report()
+
+    def refused(timeline, known):
+        raise RuntimeError("counting stopped")
+
+    monkeypatch.setattr(memtorch.cpu, "_scope_begin_known", refused)
+    scoped = report()
+    assert own.exact and scoped.exact
+    assert (own.start, own.end, own.peak) == (scoped.start, scoped.end, scoped.peak)
+    assert own.unseen_frees == scoped.unseen_frees == 0
+    assert own.caveats == scoped.caveats == []
+    assert {k: (p.calls, p.peak_above_start) for k, p in own.phases.items()} == {
+        k: (p.calls, p.peak_above_start) for k, p in scoped.phases.items()
+    }
+    assert [(m.name, m.calls, m.peak_above_start) for m in own.modules] == [
+        (m.name, m.calls, m.peak_above_start) for m in scoped.modules
+    ]
+    assert [(o.name, o.nbytes) for o in own.at_peak.owners] == [(o.name, o.nbytes) for o in scoped.at_peak.owners]
+    assert own.at_peak.notes == scoped.at_peak.notes
+
+
+@exact_only
+@pytest.mark.parametrize("full", [False, True])
+def test_block_of_its_own_c_calls_keeps_the_baseline_it_opened_with(monkeypatch, full):
+    # a block opened by its own C call makes its Scope later (with the report): whether the counters
+    # had restarted is still what it was at the open (here: a restart after the block, simulated)
+    memtorch.cpu.start()
+    at_open = memtorch._C.counters_restarted()
+    model = mlp()
+    with memtorch.track(model) if full else memtorch.track() as t:
+        model(torch.ones(2, D_IN))
+    assert t._scope is None  # no Scope made yet: the report makes it
+    monkeypatch.setattr(memtorch._C, "counters_restarted", lambda: at_open + 10**9)
+    expected = memtorch.cpu._baseline_sentence(at_open)
+    assert (t.report.baseline is None) == (expected is None)
+
+
 def test_exception_as_decorator():
     err = Boom()
 
@@ -600,6 +674,7 @@ def test_training_step_peak_matches_the_profilers_memory_events(capfd):
     x = torch.ones(B, D_IN)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with memtorch.track(model, optimizer=opt) as t:
+            print("RAW", t._raw is not None, t._evmode)
             model(x).sum().backward()
             opt.step()
             opt.zero_grad()
