@@ -771,34 +771,29 @@ mt_marks_uninstall(mt_marks *m)
     return 0;
 }
 
-/* py_d[py_id] = py_value, recorded in m->installed for uninstall; with front,
- * moved to the front of py_d (an OrderedDict holding other hooks: ours run
- * first, as torch's global hooks run before a module's own). All borrowed. 0,
- * or -1 with an exception set. */
+/* py_d[py_id] = py_value, recorded first in m->installed as (py_d, py_id) for uninstall
+ * (which skips an id the dict does not hold); with front, moved to the front of py_d (an
+ * OrderedDict holding other hooks: ours run first, as torch's global hooks run before a
+ * module's own). All borrowed. 0, or -1 with an exception set. */
 static int
-mt_marks_put(mt_marks *m, PyObject *py_d, PyObject *py_id, PyObject *py_value, int front)
+mt_marks_put(mt_marks *m, const mt_strs *s, PyObject *py_d, PyObject *py_id, PyObject *py_value, int front)
 {
-    PyObject *py_pair = NULL, *py_r = NULL;
-    int rc = -1;
-    Py_ssize_t before = PyObject_Length(py_d);
-    if (before < 0 || PyObject_SetItem(py_d, py_id, py_value) < 0) {
-        goto error;
-    }
-    py_pair = PyTuple_Pack(2, py_d, py_id); /* new reference */
-    if (py_pair == NULL || PyList_Append(m->installed, py_pair) < 0) {
-        goto error;
+    Py_ssize_t before = PyDict_GET_SIZE(py_d); /* the caller checked: a dict (torch's: OrderedDicts) */
+    PyObject *py_pair = PyTuple_Pack(2, py_d, py_id); /* new reference */
+    int rc = py_pair == NULL ? -1 : PyList_Append(m->installed, py_pair);
+    Py_XDECREF(py_pair);
+    if (rc < 0 || PyObject_SetItem(py_d, py_id, py_value) < 0) {
+        return -1;
     }
     if (front && before > 0 && !PyDict_CheckExact(py_d)) {
-        py_r = PyObject_CallMethod(py_d, "move_to_end", "OO", py_id, Py_False); /* new reference */
+        PyObject *py_args[3] = {py_d, py_id, Py_False};                       /* borrowed; py_d is self */
+        PyObject *py_r = PyObject_VectorcallMethod(s->move_to_end, py_args, 3, NULL); /* new reference */
         if (py_r == NULL) {
-            goto error;
+            return -1;
         }
+        Py_DECREF(py_r);
     }
-    rc = 0;
-error:
-    Py_XDECREF(py_pair);
-    Py_XDECREF(py_r);
-    return rc;
+    return 0;
 }
 
 /* The module's own hook dicts (borrowed from its __dict__, held by py_dict, a new
@@ -806,15 +801,17 @@ error:
  * _forward_hooks_always_called. 0, 1 when the module has no such dicts, or -1
  * with an exception set. */
 static int
-mt_marks_module_dicts(PyObject *py_mod, PyObject **py_dict, PyObject *out[3])
+mt_marks_module_dicts(PyObject *py_mod, const mt_strs *s, PyObject **py_dict, PyObject *out[3])
 {
-    static const char *const keys[3] = {"_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"};
     *py_dict = PyObject_GenericGetDict(py_mod, NULL); /* new reference: the instance __dict__ */
     if (*py_dict == NULL) {
         return -1;
     }
     for (size_t j = 0; j < 3; j++) {
-        out[j] = PyDict_GetItemString(*py_dict, keys[j]); /* borrowed */
+        out[j] = PyDict_GetItemWithError(*py_dict, s->hook_keys[j]); /* borrowed */
+        if (out[j] == NULL && PyErr_Occurred()) {
+            return -1;
+        }
         if (out[j] == NULL || !PyDict_Check(out[j])) {
             return 1;
         }
@@ -893,13 +890,13 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         }
         if (py_mod != NULL && py_mod != Py_None) {
             PyObject *dicts[3]; /* borrowed from py_dict */
-            int r = mt_marks_module_dicts(py_mod, &py_dict, dicts);
+            int r = mt_marks_module_dicts(py_mod, s, &py_dict, dicts);
             if (r < 0) {
                 goto error;
             }
-            if (r == 0 && (mt_marks_put(m, dicts[0], py_ids[0], pre, 1) < 0 ||
-                           mt_marks_put(m, dicts[1], py_ids[1], post, 1) < 0 ||
-                           mt_marks_put(m, dicts[2], py_ids[1], Py_True, 0) < 0)) {
+            if (r == 0 && (mt_marks_put(m, s, dicts[0], py_ids[0], pre, 1) < 0 ||
+                           mt_marks_put(m, s, dicts[1], py_ids[1], post, 1) < 0 ||
+                           mt_marks_put(m, s, dicts[2], py_ids[1], Py_True, 0) < 0)) {
                 goto error;
             }
             Py_CLEAR(py_dict);
@@ -907,8 +904,8 @@ marks_install(mt_marks *m, PyObject *const *args, Py_ssize_t nargs)
         Py_CLEAR(py_mod);
     }
     if (py_opt_pre != Py_None &&
-        (mt_marks_put(m, py_opt_pre, py_ids[2], PyTuple_GET_ITEM(py_hooks, 2), 0) < 0 ||
-         mt_marks_put(m, py_opt_post, py_ids[3], PyTuple_GET_ITEM(py_hooks, 3), 0) < 0)) {
+        (mt_marks_put(m, s, py_opt_pre, py_ids[2], PyTuple_GET_ITEM(py_hooks, 2), 0) < 0 ||
+         mt_marks_put(m, s, py_opt_post, py_ids[3], PyTuple_GET_ITEM(py_hooks, 3), 0) < 0)) {
         goto error;
     }
     if (py_seq != NULL) {

@@ -22,6 +22,8 @@ typedef struct {
     PyObject *dict_keys[3]; /* "_modules", "_parameters", "_buffers" */
     PyObject *next_id;      /* RemovableHandle.next_id (marks.c's install) */
     PyObject *compiled_call_impl; /* nn.Module._compiled_call_impl (set by module.compile()) */
+    PyObject *hook_keys[3];       /* "_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called" */
+    PyObject *move_to_end;        /* OrderedDict.move_to_end (marks.c's install) */
     PyObject *parameter, *gradient, *state, *buffer, *input;
 } mt_strs;
 

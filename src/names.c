@@ -18,6 +18,10 @@ mt_names_strs_clear(mt_strs *s)
     }
     Py_CLEAR(s->next_id);
     Py_CLEAR(s->compiled_call_impl);
+    for (size_t j = 0; j < 3; j++) {
+        Py_CLEAR(s->hook_keys[j]);
+    }
+    Py_CLEAR(s->move_to_end);
     Py_CLEAR(s->parameter);
     Py_CLEAR(s->gradient);
     Py_CLEAR(s->state);
@@ -47,13 +51,17 @@ mt_names_strs(PyObject *module)
     s->dict_keys[2] = PyUnicode_InternFromString("_buffers");
     s->next_id = PyUnicode_InternFromString("next_id");
     s->compiled_call_impl = PyUnicode_InternFromString("_compiled_call_impl");
+    s->hook_keys[0] = PyUnicode_InternFromString("_forward_pre_hooks");
+    s->hook_keys[1] = PyUnicode_InternFromString("_forward_hooks");
+    s->hook_keys[2] = PyUnicode_InternFromString("_forward_hooks_always_called");
+    s->move_to_end = PyUnicode_InternFromString("move_to_end");
     s->parameter = PyUnicode_FromString("parameter");
     s->gradient = PyUnicode_FromString("gradient");
     s->state = PyUnicode_FromString("optimizer state");
     s->buffer = PyUnicode_FromString("buffer");
     if (!s->untyped_storage || !s->data_ptr || !s->grad || !s->shape || !s->dtype || !s->state_attr ||
         !s->dict_keys[0] || !s->dict_keys[1] || !s->dict_keys[2] || !s->next_id || !s->compiled_call_impl ||
-        !s->parameter ||
+        !s->hook_keys[0] || !s->hook_keys[1] || !s->hook_keys[2] || !s->move_to_end || !s->parameter ||
         !s->gradient || !s->state || !s->buffer) {
         mt_names_strs_clear(s);
         return NULL;
