@@ -77,6 +77,13 @@ def main():
         f"plan: {t_plan:.1f} s, {len(p.fits)} of {len(p.options)} fit, {p.dry_runs} dry runs, best {p.best}",
         flush=True,
     )
+    # the floor of plan's time: one estimate() of each configuration of its default grid (each row's figures
+    # are one of these dry runs' replayed per rank), one after the other
+    t_grid = 0.0
+    for prec in ("fp32", "bf16-mixed"):
+        for ckpt in (None, "blocks"):
+            t_grid += timed(lambda: memtorch.estimate(model, batch, **dict(kw, precision=prec, checkpointing=ckpt)))[1]
+    print(f"plan's grid, one estimate() each: {t_grid:.1f} s", flush=True)
     # advise's first call imports peft and bitsandbytes (its LoRA and 8-bit rows): a process does it once
     _adv_cold, t_adv_cold = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
     adv, t_adv = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
@@ -123,6 +130,14 @@ def main():
                 if p.best
                 else "none"
             ),
+        ),
+        (
+            "estimate() of each configuration of plan's grid, one after the other (fp32 and bf16-mixed, without "
+            "and with block checkpointing)",
+            t_grid,
+            f"{t_grid / t_est:.1f}",
+            f"plan() takes {t_plan / t_grid:.2f}x their sum: its 4 dry runs, and each world size and sharding "
+            "replayed per rank",
         ),
         (
             "advise(budget='80 GiB'), first call of the process (imports peft and bitsandbytes)",
