@@ -21,6 +21,7 @@ figures the three print are checked to agree with estimate() for the configurati
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -47,6 +48,28 @@ def llama(layers):
     )
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
+
+
+@contextlib.contextmanager
+def dry_runs():
+    """[(seconds)] of each estimate() a call makes inside the block (its dry runs: advise() dry-runs each row's
+    configuration through estimate(), directly or by the engine plan() and fit() share), measured only."""
+    from memtorch.estimator import estimate as module
+
+    real, seen = module.estimate, []
+
+    def timed_estimate(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            seen.append(time.perf_counter() - t0)
+
+    module.estimate = timed_estimate
+    try:
+        yield seen
+    finally:
+        module.estimate = real
 
 
 def timed(fn):
@@ -86,7 +109,8 @@ def main():
     print(f"plan's grid, one estimate() each: {t_grid:.1f} s", flush=True)
     # advise's first call imports peft and bitsandbytes (its LoRA and 8-bit rows): a process does it once
     _adv_cold, t_adv_cold = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
-    adv, t_adv = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
+    with dry_runs() as adv_runs:
+        adv, t_adv = timed(lambda: memtorch.advise(model, batch, budget="80 GiB", **kw))
     print(f"advise: {t_adv:.1f} s (first call {t_adv_cold:.1f} s)", flush=True)
     fit_kw = dict(kw, checkpointing="blocks", world_size=8, sharding="zero3")
     fit, t_fit = timed(lambda: memtorch.fit(model, batch, vary="batch", **fit_kw))
@@ -149,7 +173,9 @@ def main():
             "advise(budget='80 GiB')",
             t_adv,
             f"{t_adv / t_est:.1f}",
-            f"{len(adv.items)} rows; first: {adv.items[0].title if adv.items else '-'}",
+            f"{len(adv.items)} rows; first: {adv.items[0].title if adv.items else '-'}; {len(adv_runs)} dry runs "
+            f"(one estimate() per configuration its rows need) took {sum(adv_runs):.1f} s of it "
+            f"({sum(adv_runs) / t_est:.1f}x estimate())",
         ),
         (
             "fit(gpu='h100', vary='batch', checkpointing='blocks', world_size=8, sharding='zero3')",
