@@ -102,7 +102,7 @@ def test_on_cuda_the_reserved_figure_is_judged_and_the_cap_is_tried_at_once():
     model = _llama()
     c = memtorch.capacity(model, 16, 4, gpu="l4", max_sequences=64)
     assert c.sequences == 64 and c.next_sequences is None and c.judged == "reserved"
-    assert [v for v, _ in c.tried] == [1, 2, 64]  # the line points past the cap: the cap is tried next
+    assert [v for v, _ in c.tried] == [2, 4, 64]  # from 2 (fit never starts at 1); the line points past the cap
     est = memtorch.estimate(model, _batch(64, 16), training=False, max_new_tokens=4, gpu="l4")
     assert c.figures == {"peak": est.peak, "reserved": est.reserved_peak, "judged": est.reserved_peak}
     assert c.device_memory == 24 << 30 and "nominal" in " ".join(c.notes)  # GPU_MEMORY: the board, in GiB

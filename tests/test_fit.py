@@ -189,19 +189,43 @@ def test_the_judged_excess_over_the_peak_is_scaled_with_it():
     assert _line_guess(done, (10, 11), 2500) == 20
 
 
-def test_a_start_below_the_settled_pattern_costs_few_dry_runs():
+def test_a_batch_of_1_starts_the_search_at_2():
     model = _tiny_llama()
 
     def ids(b):
         return {"input_ids": ((b, 32), torch.long), "labels": ((b, 32), torch.long)}
 
     at = {b: memtorch.estimate(model, ids(b), device="cpu") for b in (1, 2, 8, 9)}
-    # at batch 1 and 2 the optimizer's phase is the step's peak; from 2 on the backward's (each its own line)
+    # at batch 1 and 2 the optimizer's phase is the step's peak; from 2 on the backward's: batch 1's events
+    # predict no other value, 2's and 4's every one
     assert at[1].phases["optimizer"].peak == at[1].peak and at[9].phases["backward"].peak == at[9].peak
     f = memtorch.fit(model, ids(1), device_memory=at[8].peak + 1000, reserve=0, device="cpu")
     assert (f.value, f.next_value) == (8, 9) and at[9].peak > at[8].peak + 1000
-    # the step's line through 1 and 2 said 32 (the search took 6 dry runs); the phases' lines say 9
-    assert [v for v, _ in f.tried] == [1, 2, 9, 8]
+    # from batch 1 the search took 5 dry runs (1, 2, then the phases' lines); from 2, the prediction's 4
+    assert [v for v, _ in f.tried] == [2, 4, 8, 9]
+    # where 2 does not fit, 1 is run: the answer is 1 (or nothing)
+    f = memtorch.fit(model, ids(1), device_memory=at[1].peak + 8, reserve=0, device="cpu")
+    assert (f.value, f.next_value) == (1, 2) and at[2].peak > at[1].peak + 8
+    assert [v for v, _ in f.tried] == [2, 1]
+    # max_value=1: the cap itself is the start
+    f = memtorch.fit(model, ids(1), device_memory=at[8].peak, reserve=0, device="cpu", max_value=1)
+    assert f.value == 1 and [v for v, _ in f.tried] == [1]
+
+
+def test_without_a_prediction_each_phase_gets_its_line(monkeypatch):
+    from memtorch.estimator import fit as fit_module
+
+    model = _tiny_llama()
+
+    def ids(b):
+        return {"input_ids": ((b, 32), torch.long), "labels": ((b, 32), torch.long)}
+
+    at = {b: memtorch.estimate(model, ids(b), device="cpu") for b in (2, 4, 8, 9)}
+    # events that predict nothing (as a batch of 1's against 2's): the phases' lines through 2 and 4 guess
+    monkeypatch.setattr(fit_module, "_predictor", lambda *a, **k: None)
+    f = memtorch.fit(model, ids(2), device_memory=at[8].peak + 1000, reserve=0, device="cpu")
+    assert (f.value, f.next_value) == (8, 9)
+    assert [v for v, _ in f.tried] == [2, 4, 8, 9]  # the backward's line through 2 and 4 meets the budget at 8
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,9 @@
     f.value            # the largest batch that fits; f.next_value the first that does not
     print(f)           # the estimate at both, the line, the dry runs made
 
-How fit() searches, without running out of memory. Two dry runs come first: the inputs' own value and
-twice it (half it when it does not fit). Where their events are the same (the same storages made and freed
+How fit() searches, without running out of memory. Two dry runs come first: the inputs' own value (2 where
+it is 1: a batch of 1 runs other paths, and its events predict no other value) and twice it (half it when it
+does not fit). Where their events are the same (the same storages made and freed
 in the same order, only their sizes differing: an activation's grows with the batch, a parameter's stays),
 each storage's size is put on the line through its two sizes and the events are replayed through the
 allocator's model, as estimate() replays its own: a figure for any value without a dry run, to the byte
@@ -19,8 +20,8 @@ large ones), and the first line to meet the budget gives the guess. Either way, 
 next is drawn through the last guess and its neighbour (a tangent where the pattern has settled), and the
 gap is halved where two such guesses in a row did not halve it, until a value known to fit neighbours one
 known not to: the answer is always a value whose estimate fits next to one whose estimate does not.
-Measured on six 4-layer Llama-7B and GPT-2 shapes from batch 1 or 2 (benchmarks/bench_fit.py): four dry
-runs where the first two runs' events are the same, five where they are not (batch 1 and 2).
+Measured on six 4-layer Llama-7B and GPT-2 shapes (benchmarks/bench_fit.py): four dry runs for each search
+by batch, three by sequence length (the cap fits).
 
 On cuda the reserved figure is not monotone in the value everywhere (a larger batch can pack into fewer
 segments): past the first value predicted not to fit, a larger one may fit again, and it is the answer
@@ -154,6 +155,11 @@ def fit(
                 )
     if max_value is not None and start > max_value:
         start = max_value
+    if start == 1 and (max_value is None or max_value > 1):
+        # a value of 1 takes other paths than larger ones (a dimension of 1 broadcasts; the optimizer's step is
+        # the peak at batch 1 and 2, the backward's above), so its dry run's events differ from 2's and predict
+        # no other value: the search starts at 2 and runs 1 only where 2 does not fit
+        start = 2
     eng = _engine
     if eng is None:
         eng = Engine(
