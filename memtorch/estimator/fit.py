@@ -83,10 +83,10 @@ def fit(
     """The largest value of ``vary`` whose estimated step fits one device. Returns a Fit.
 
     inputs: example inputs as estimate() takes them (their values are never read); they give the value
-    the search starts from. vary: "batch" (dimension 0 of every input), "seq" (dimension 1 of every
+    the search starts from (2 where it is 1). vary: "batch" (dimension 0 of every input), "seq" (dimension 1 of every
     input whose dimension 1 is the sequence length: input_ids, labels, an attention mask), or
     "max_new_tokens" (generation: model.generate() of that many tokens after the inputs' prompt;
-    training=False; the search starts from max_new_tokens, default 16). With vary "batch" or "seq",
+    training=False; the search starts from max_new_tokens, default 16, or 2 for 1). With vary "batch" or "seq",
     training=False and max_new_tokens=N: the step is model.generate() of N new tokens (the largest
     number of sequences generated at once: memtorch.capacity()). device_memory: one device's
     memory (a size: "80 GiB", "24 GB", bytes); or gpu: a GPU's name ("h100", "a100-80gb", "l4":
