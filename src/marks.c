@@ -749,11 +749,12 @@ mt_marks_uninstall(mt_marks *m)
         PyObject *py_pair = PyList_GET_ITEM(py_list, j); /* borrowed: a (dict, id) tuple */
         PyObject *py_d = PyTuple_GET_ITEM(py_pair, 0), *py_id = PyTuple_GET_ITEM(py_pair, 1); /* borrowed */
         /* the abstract API: torch's hook dicts are OrderedDicts, whose order a PyDict_DelItem would break */
-        int has = PySequence_Contains(py_d, py_id);
-        if (has > 0 && PyObject_DelItem(py_d, py_id) < 0) {
-            has = -1;
+        int failed = PyObject_DelItem(py_d, py_id) < 0;
+        if (failed && PyErr_ExceptionMatches(PyExc_KeyError)) {
+            PyErr_Clear(); /* the entry is gone already (taken out by other code, or never put in: mt_marks_put) */
+            failed = 0;
         }
-        if (has < 0) { /* keep the first error; the other entries are still taken out */
+        if (failed) { /* keep the first error; the other entries are still taken out */
             PyObject *exc = PyErr_GetRaisedException(); /* new reference */
             if (first == NULL) {
                 first = exc;
