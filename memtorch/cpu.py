@@ -410,6 +410,24 @@ def _closed_calls(opening, closing):
     return c[0], c[1], c[2], exact, o[4], (c[6], c[7]), (c[9] - o[6], c[10] - o[7])
 
 
+class _CallScope:
+    """An exact scope opened and closed by its own C calls while counting is held (_scope_begin_known):
+    what track()'s scopes of a step, a phase or a module call read of one (start, end, peak and exact at
+    its close), without making a Scope. close() is idempotent; it returns _closed_calls' figures."""
+
+    __slots__ = ("_opening", "_closing")
+
+    def __init__(self):
+        self._opening = _scope_begin_known(False, None)  # RuntimeError where counting stopped meanwhile
+        self._closing = None
+
+    def close(self):
+        if self._closing is None:
+            o = self._opening[0]
+            self._closing = (_C.scope_end(o[0], o[1]), _processes())
+        return _closed_calls(self._opening, self._closing)
+
+
 def _started(before, after):
     """Processes created between two _processes() counters (numbers, or reprs "count(N)")."""
     if before == after:

@@ -1013,10 +1013,22 @@ class Tracker:
         self._cuda_open.append(s)
         return s
 
+    def _open_part_scope(self, reading=None):
+        """A scope of a part of the block (a step, a phase, a module's call), which only _close_scope reads:
+        on the CPU while counting is held, by its own C calls (no Scope object); else _open_scope's."""
+        if self._kind == "cpu" and cpu._held:
+            try:
+                return cpu._CallScope()
+            except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
+                pass
+        return self._open_scope(reading=reading)
+
     def _close_scope(self, s, reading=None):
         """Close ``s`` (CUDA: at ``reading``, a shared _read_cuda(), or a new read);
         returns (start, end, peak, exact)."""
         if self._kind == "cpu":
+            if type(s) is cpu._CallScope:  # noqa: E721
+                return s.close()[:4]
             s.close()  # its end is current at the close (the close reads it once, with the hooks' check)
             return s._start, s._end, s._peak, bool(s._exact)  # what close() read (s.exact: False unless exact)
         r = self._read_cuda() if reading is None else reading
@@ -1056,7 +1068,7 @@ class Tracker:
             self._ctrace.marks.append((time.time_ns(), _cuda_trace.PHASE, attribution.PHASE_CODES[name]))
         if name not in self._phases:
             self._phases[name] = PhaseStats(name)
-        self._phase = (name, self._open_scope(reading=r), time.perf_counter(), counted)
+        self._phase = (name, self._open_part_scope(reading=r), time.perf_counter(), counted)
         if self._timeline:
             self._tl_marks.append((self._clock_ns(), "phase", name))
 
@@ -1316,7 +1328,7 @@ class Tracker:
             if self._ctrace is not None:
                 self._ctrace.marks.append((time.time_ns(), _cuda_trace.ENTER, i))
             if self._kind != "cuda":  # CUDA: no counter read per module (see _model_rows)
-                self._mod_stack.append((i, self._open_scope(), again))
+                self._mod_stack.append((i, self._open_part_scope(), again))
 
     def _post(self, module, args, output):  # never keeps ``output``
         k = id(module)
@@ -2099,7 +2111,7 @@ class Tracker:
         self._step_series.append((max(step_peak, now), now))
         if r is not None and not exact:  # CUDA: the step stayed below an older peak of the process
             self._step_lower.add(len(self._step_series) - 1)
-        self._step_scope = self._open_scope(reading=r)
+        self._step_scope = self._open_part_scope(reading=r)
         self._boundaries.append(now)
         k = len(self._boundaries) - 1  # the step just finished, 1-based
         if self._timeline:

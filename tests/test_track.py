@@ -439,7 +439,6 @@ def test_exception_in_forward_without_timeline_closes_the_blocks_own_scope():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(Boom):
         with memtorch.track(model, optimizer=opt) as t:
-            print("RAW", t._raw is not None, t._evmode)
             model(torch.ones(2, 8))
     no_hooks(model, opt)
     assert t.report.phases["forward"].calls == 1
@@ -502,6 +501,57 @@ def test_block_of_its_own_c_calls_keeps_the_baseline_it_opened_with(monkeypatch,
     monkeypatch.setattr(memtorch._C, "counters_restarted", lambda: at_open + 10**9)
     expected = memtorch.cpu._baseline_sentence(at_open)
     assert (t.report.baseline is None) == (expected is None)
+
+
+class _NotLinux:
+    """sys as a non-Linux process sees it: track() takes its Python hooks (a counter scope per phase and
+    per module call) instead of the event log."""
+
+    def __getattr__(self, name):
+        return "darwin" if name == "platform" else getattr(sys, name)
+
+
+@exact_only
+@pytest.mark.parametrize("path", ["event log", "python hooks"])
+def test_part_scopes_of_their_own_c_calls_give_what_scopes_give(monkeypatch, path):
+    # the scopes of a step, a phase and a module call, opened by their own C calls while counting is held
+    # (the usual path) and as cpu.Scopes (the path taken when that call fails): the same per-step figures,
+    # phases and module rows
+    memtorch.cpu.start()
+    if path == "python hooks":
+        monkeypatch.setattr(tracking, "sys", _NotLinux())
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.ones(B, D_IN)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+
+    def report():
+        with memtorch.track(model, optimizer=opt) as t:
+            for _ in range(3):
+                step()
+                t.step()
+        assert t._evmode == (path == "event log")
+        r = t.report
+        return (
+            r.start, r.end, r.peak, r.exact, r.step_series, r.leak.steps, r.leak.exact,
+            {k: (p.calls, p.delta, p.peak_above_start) for k, p in r.phases.items()},
+            [(m.name, m.calls, m.peak_above_start, m.exact) for m in r.modules],
+        )  # fmt: skip
+
+    own = report()
+    assert own[3] and len(own[4]) == 3
+
+    def refused():
+        raise RuntimeError("counting stopped")
+
+    monkeypatch.setattr(memtorch.cpu, "_CallScope", refused)
+    assert report() == own
 
 
 def test_exception_as_decorator():
@@ -674,7 +724,6 @@ def test_training_step_peak_matches_the_profilers_memory_events(capfd):
     x = torch.ones(B, D_IN)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with memtorch.track(model, optimizer=opt) as t:
-            print("RAW", t._raw is not None, t._evmode)
             model(x).sum().backward()
             opt.step()
             opt.zero_grad()
