@@ -6,6 +6,10 @@ One process, interleaved rounds; each round times K steps of every configuration
   track(model, optimizer)    one block per step with phases, per-module figures and the
                              event log that at_peak is computed from (when first read)
   ... + at_peak read         the same, reading t.report.at_peak after each block (the replay)
+  callbacks' block           what the transformers and Lightning callbacks do at each step: one block
+                             (memtorch.integrations.Session, as they open it) around the K steps, its
+                             t.step() and the figures they log after every step (they log every
+                             logging interval); the block opened and closed outside the timing
   torch.profiler             profile(activities=[CPU], profile_memory=True) around the K steps
   MemTracker                 torch.distributed._tools.mem_tracker, `with mt:` around the K steps
                              (mt.reset_mod_stats() after each step, else step 2 raises)
@@ -150,6 +154,26 @@ def measure(label, maker, full_target, peers, device, K, rounds, clock):
                 train_step(model, opt, x)
             t.report.at_peak  # the replay of the event log
 
+    session = {}  # the callbacks' block of the round (opened and closed outside the timing)
+
+    def session_open():
+        from memtorch.integrations import Session
+
+        session["s"] = Session(print_report=False)
+        session["s"].open(model, opt)
+
+    def session_close():
+        session.pop("s").close()
+
+    def run_session():
+        s = session["s"]
+        for _ in range(K):
+            train_step(model, opt, x)
+            s.step()
+            s.figures()
+
+    run_session.before, run_session.after = session_open, session_close
+
     def run_profiler():
         with quiet(), profile(activities=activities, profile_memory=True):
             for _ in range(K):
@@ -172,11 +196,13 @@ def measure(label, maker, full_target, peers, device, K, rounds, clock):
         ("track() counters only", run_counters),
         ("track(model, optimizer) full", run_full),
         ("track(model, optimizer) full, at_peak read", run_full_at_peak),
+        ("callbacks' block: t.step() and the logged figures per step", run_session),
     ]
     targets = {
         "track() counters only": 1.01,
         "track(model, optimizer) full": full_target,
         "track(model, optimizer) full, at_peak read": full_target,
+        "callbacks' block: t.step() and the logged figures per step": full_target,
     }
     notes = []
     if peers:
@@ -198,15 +224,21 @@ def measure(label, maker, full_target, peers, device, K, rounds, clock):
     ratios = {name: [] for name, _ in configs}
 
     def timed(fn):
+        before, after = getattr(fn, "before", None), getattr(fn, "after", None)
+        if before is not None:  # what the configuration opens outside the timing (the callbacks' block)
+            before()
         sync(device)
         t0 = clock()
         fn()
         sync(device)
-        return (clock() - t0) / K
+        seconds = (clock() - t0) / K
+        if after is not None:
+            after()
+        return seconds
 
     others = configs[1:]
     for _, fn in configs:  # one untimed run of each: first calls, caches, the optimizer's hooks
-        fn()
+        timed(fn)
     for rnd in range(rounds):
         # rotate the order each round, so that no configuration always follows the same one;
         # each beside a plain run of its own, before it in even rounds and after it in odd ones
@@ -362,7 +394,10 @@ def main():
         f"{torch.get_num_threads()} thread(s). Clock: "
         f"{'CPU time of the main thread (time.thread_time)' if clock_name == 'thread' else 'wall (perf_counter)'}."
         " `full` keeps the event log and computes at_peak and the per-module and per-phase figures when the"
-        " report is first read; `full, at_peak read` reads it after every block.",
+        " report is first read; `full, at_peak read` reads it after every block. The callbacks' block is"
+        " what the transformers and Lightning callbacks cost per training step: one block (opened as they open"
+        " it, outside the timing) around the round's steps, t.step() and the figures they log after each step"
+        " (they log once per logging interval).",
         "",
     ]
     load0 = os.getloadavg()[0]
