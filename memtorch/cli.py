@@ -929,7 +929,7 @@ def make_parser():
     p.add_argument("--max-value", type=_positive, help="the largest value tried (seq: default the model's positions)")
     p.add_argument("--inference", action="store_true", help="a forward under torch.inference_mode, no training")
     p.add_argument("--max-new-tokens", type=_positive, metavar="N",
-                   help="with --vary max_new_tokens: the value the search starts from (default 16)")
+                   help="with --vary max_new_tokens: the value the search starts from (default 16; 2 for 1)")
     p.set_defaults(func=cmd_fit)
 
     p = sub.add_parser("capacity", help="how many sequences a model generates at once in one device's memory")
