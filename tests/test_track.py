@@ -448,22 +448,14 @@ def test_exception_in_forward_without_timeline_closes_the_blocks_own_scope():
 def test_block_of_its_own_c_calls_reports_what_the_scope_path_reports(monkeypatch):
     # the same steps, the block's scope opened by its own C call (counting held, the usual path)
     # and by a cpu.Scope (the path taken when that call fails): every figure of the report equal
-    memtorch.cpu.start()
-    model = mlp()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.ones(B, D_IN)
-
-    def step():
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
+    model, opt, x = _adam_mlp_counted()
 
     def report():
         with memtorch.track(model, optimizer=opt) as t:
-            step()
-            step()  # no t.step(): it makes the Scope (the block's figures so far)
+            for _ in range(2):  # no t.step(): it makes the Scope (the block's figures so far)
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         return t.report
 
     own = report()
@@ -503,39 +495,21 @@ def test_block_of_its_own_c_calls_keeps_the_baseline_it_opened_with(monkeypatch,
     assert (t.report.baseline is None) == (expected is None)
 
 
-class _NotLinux:
-    """sys as a non-Linux process sees it: track() takes its Python hooks (a counter scope per phase and
-    per module call) instead of the event log."""
-
-    def __getattr__(self, name):
-        return "darwin" if name == "platform" else getattr(sys, name)
-
-
 @exact_only
 @pytest.mark.parametrize("path", ["event log", "python hooks"])
 def test_part_scopes_of_their_own_c_calls_give_what_scopes_give(monkeypatch, path):
     # the scopes of a step, a phase and a module call, opened by their own C calls while counting is held
     # (the usual path) and as cpu.Scopes (the path taken when that call fails): the same per-step figures,
     # phases and module rows
-    memtorch.cpu.start()
     if path == "python hooks":
+        from test_checkpointing import _NotLinux  # sys as a non-Linux process sees it: the Python hooks
+
         monkeypatch.setattr(tracking, "sys", _NotLinux())
-    model = mlp()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.ones(B, D_IN)
-
-    def step():
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
+    model, opt, x = _adam_mlp_counted()
 
     def report():
         with memtorch.track(model, optimizer=opt) as t:
-            for _ in range(3):
-                step()
-                t.step()
+            _train_steps(model, opt, t, 3, x)
         assert t._evmode == (path == "event log")
         r = t.report
         return (
