@@ -411,21 +411,34 @@ def _closed_calls(opening, closing):
 
 
 class _CallScope:
-    """An exact scope opened and closed by its own C calls while counting is held (_scope_begin_known):
-    what track()'s scopes of a step, a phase or a module call read of one (start, end, peak and exact at
-    its close), without making a Scope. close() is idempotent; it returns _closed_calls' figures."""
+    """An exact scope opened and closed by its own C calls while counting is held (_scope_begin_known),
+    with no Scope object: track()'s blocks and the scopes of their steps, phases and module calls. close()
+    is idempotent and returns _closed_calls' figures; scope() makes the Scope that these calls amount to
+    (Scope._from_calls), for what only a Scope says (caveats, the figures so far of an open one)."""
 
     __slots__ = ("_opening", "_closing")
 
-    def __init__(self):
-        self._opening = _scope_begin_known(False, None)  # RuntimeError where counting stopped meanwhile
+    def __init__(self, timeline=False, known=None):
+        self._opening = _scope_begin_known(timeline, known)  # RuntimeError where counting stopped meanwhile
         self._closing = None
+
+    @property
+    def start(self):
+        return self._opening[0][2]
+
+    @property
+    def hooks_lost(self):
+        """Closed: whether memtorch's hooks were found gone while it was open."""
+        return bool(self._closing[0][5])
 
     def close(self):
         if self._closing is None:
             o = self._opening[0]
             self._closing = (_C.scope_end(o[0], o[1]), _processes())
         return _closed_calls(self._opening, self._closing)
+
+    def scope(self):
+        return Scope._from_calls(self._opening, self._closing)
 
 
 def _started(before, after):

@@ -646,6 +646,8 @@ def _make_report(scope, kw):
     """A block's TrackReport from what its end read (Tracker._finish); the sentences of the
     closed scope's caveats are written now, into the list the deferred replay shares, and
     the rank and world size read (of torch.distributed's process group when first read)."""
+    if type(scope) is cpu._CallScope:  # noqa: E721  (opened and closed by its own C calls: its Scope now)
+        scope = scope.scope()
     kw["caveats"].extend(getattr(scope, "caveats", None) or ())
     kw["baseline"] = getattr(scope, "baseline", None) if getattr(scope, "_state", "") != "new" else None
     kw.update(_rank_info())
@@ -655,15 +657,9 @@ def _make_report(scope, kw):
     return TrackReport(**kw)
 
 
-def _make_calls_report(calls, kw):
-    """_make_report of a block whose scope was opened and closed by its own C calls: (opening, closing)."""
-    return _make_report(cpu.Scope._from_calls(*calls), kw)
-
-
-def _make_counters_report(opening, closing, seconds):
-    """The TrackReport of a counters-only block: ``closing`` its closed cpu.Scope, or (with
-    ``opening``) the C core's tuples and processes its own calls read at the open and close."""
-    s = closing if opening is None else cpu.Scope._from_calls(opening, closing)
+def _make_counters_report(closed, seconds):
+    """The TrackReport of a counters-only block: ``closed`` its closed cpu.Scope, or its cpu._CallScope."""
+    s = closed.scope() if type(closed) is cpu._CallScope else closed  # noqa: E721
     kw = dict(
         device="cpu", exact=bool(s._exact) and s._mechanism != cpu.FALLBACK, mechanism=s._mechanism,
         start=s._start, end=s._end, peak=s._peak, seconds=seconds,
@@ -902,7 +898,7 @@ _CUDA_NO_MODULES = (
 # A block's state at its start (Tracker._reset_state), the immutable part.
 _FRESH = dict(
     _phase=None,
-    _raw=None,  # event-log mode: its C scope's opening tuple and processes, until a Scope is made
+    _raw=None,  # event-log mode: its scope by its own C calls (cpu._CallScope), until a Scope is made
     _mod_specs=(),  # event-log mode: (name, type name) of the rows, made at the replay
     _marks=None,  # event-log mode: _C.ModuleMarks, the module and optimizer hooks in C
     _at_peak=None,
@@ -940,7 +936,7 @@ class Tracker:
     _fail0 = 0  # CPU: allocations that had failed when the block opened (_C.counters_last_failure)
     _oom = None  # while an out-of-memory error closes the block: what the post-mortem needs
     _scope = None
-    _raw = None  # its C scope's opening tuple and processes, until a Scope is made
+    _raw = None  # its scope by its own C calls (cpu._CallScope), until a Scope is made
     _marks = None
     _ctrace = None
     _cuda_specs = ()
@@ -1590,7 +1586,7 @@ class Tracker:
                 # counting held: the scope by its own C call, its Scope made only if asked for while
                 # open (_raw_scope) or with the report (_finish); the log runs for the replay
                 try:
-                    self._raw = cpu._scope_begin_known(True, known)
+                    self._raw = cpu._CallScope(True, known)
                 except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
                     pass
             if self._raw is None:
@@ -1615,7 +1611,7 @@ class Tracker:
                 self._marks.in_backward = _in_backward_fn()
                 cpu._eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
                 self._snapshots.append((cpu._eventlog_head(), self._walk_names()))
-            self._boundaries.append(self._scope.start if self._raw is None else self._raw[0][2])
+            self._boundaries.append((self._scope if self._raw is None else self._raw).start)
             self._install_hooks()
             if self._ctrace is not None:  # storages live at the start, by address
                 self._ctrace.names.append((time.time_ns(), self._cuda_names()))
@@ -1688,7 +1684,7 @@ class Tracker:
         try:
             if cpu._held:  # counting held: one C call, the Scope object made only if asked for
                 try:
-                    self._raw = cpu._scope_begin_known(False, None)
+                    self._raw = cpu._CallScope()
                     return self
                 except RuntimeError:  # another thread stopped counting meanwhile: the Scope's own path
                     pass
@@ -1704,7 +1700,7 @@ class Tracker:
         """The open cpu.Scope of a block opened by its own C call (counters-only, or event-log mode)."""
         raw, self._raw = self._raw, None
         if raw is not None:
-            self._scope = cpu.Scope._from_calls(raw)
+            self._scope = raw.scope()
         return self._scope
 
     def _full_state(self):
@@ -1854,7 +1850,7 @@ class Tracker:
             try:
                 raw, self._raw = self._raw, None
                 if raw is not None:  # ended by an exception before its report (_finish_counters)
-                    cpu._scope_end(raw[0][0], raw[0][1])
+                    raw.close()
                 elif self._scope is not None:
                     self._scope.close()
             finally:
@@ -1883,7 +1879,7 @@ class Tracker:
                 scopes.append(scope)
             raw, self._raw = self._raw, None
             if raw is not None:  # event-log mode's own C scope, ended by an exception before its report
-                cpu._scope_end(raw[0][0], raw[0][1])
+                raw.close()
             for s in scopes:
                 s.close()
             self._cuda_open = []
@@ -1904,13 +1900,13 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         raw, self._raw = self._raw, None
         if raw is not None:  # its own C calls: the closed Scope is made with the report
-            closing = (cpu._scope_end(raw[0][0], raw[0][1]), cpu._processes())
-            if not closing[0][5]:
-                return functools.partial(_make_counters_report, raw, closing, seconds)
-            self._scope = cpu.Scope._from_calls(raw, closing)  # hooks lost: where they went is read now
+            raw.close()
+            if not raw.hooks_lost:
+                return functools.partial(_make_counters_report, raw, seconds)
+            self._scope = raw.scope()  # hooks lost: where they went is read now
         s = self._scope
         s.close()
-        return functools.partial(_make_counters_report, None, s, seconds)
+        return functools.partial(_make_counters_report, s, seconds)
 
     def _finish(self):
         if self._quick:
@@ -1936,14 +1932,11 @@ class Tracker:
         ct = self._ctrace
         if ct is not None:  # the gradients and optimizer state at the end, by address
             ct.names.append((time.time_ns(), self._cuda_names(full=False)))
-        calls = None  # event-log mode's scope by its own C calls: (opening, closing)
-        raw, self._raw = self._raw, None
-        if raw is not None:
-            closing = (cpu._scope_end(raw[0][0], raw[0][1]), cpu._processes())
-            if closing[0][5]:  # hooks lost while open: where they went is read now (the Scope reads it)
-                self._scope = cpu.Scope._from_calls(raw, closing)
-            else:
-                calls = (raw, closing)
+        calls, self._raw = self._raw, None  # event-log mode's scope by its own C calls (cpu._CallScope)
+        if calls is not None:
+            figures = calls.close()
+            if calls.hooks_lost:  # where they went is read now (the Scope reads it)
+                self._scope, calls = calls.scope(), None
         if calls is None:
             start, end, peak_bytes, exact = self._close_scope(self._scope, r)
             if self._kind == "cpu":
@@ -1951,7 +1944,7 @@ class Tracker:
                 ev0, other, unseen = s._ev0, (s._other_bytes, s._other_allocs), (s.unseen_frees, s.unseen_bytes)
                 del s
         else:
-            start, end, peak_bytes, exact, ev0, other, unseen = cpu._closed_calls(*calls)
+            start, end, peak_bytes, exact, ev0, other, unseen = figures
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
             caveats.append(_CUDA_NO_MODULES)
@@ -2047,9 +2040,7 @@ class Tracker:
             caveats=caveats, marks=extra_marks, _row_notes=row_notes, **extra,
         )  # fmt: skip
         # the TrackReport itself is made when t.report is first read (most loops never read it)
-        if calls is not None:
-            return functools.partial(_make_calls_report, calls, kw)
-        return functools.partial(_make_report, self._scope, kw)
+        return functools.partial(_make_report, self._scope if calls is None else calls, kw)
 
     def _snapshot(self):
         """A report of the open block so far: start, current as end, peak so far, steps."""
