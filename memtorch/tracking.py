@@ -1626,8 +1626,10 @@ class Tracker:
         counts from what they hold (its start is not 0 B, at_peak names them, their frees are seen:
         cpu.Scope._adopt). Only storages whose memory goes back through libc10's free: resizable (the
         allocator's own; from_numpy, frombuffer, mmap'd and loaded ones are not), not in shared memory,
-        not pinned (asked only once CUDA is initialized: the question initializes nothing). None when
-        there is nothing to give: the first parameter is counted already (one lookup), or no model."""
+        not pinned (asked only once CUDA is initialized: the question initializes nothing). The
+        optimizer's parameters and gradients count too (a block given only the optimizer holds them as
+        the model's would). None when there is nothing to give: the first parameter (the model's, else
+        the optimizer's) is counted already (one lookup), or neither model nor optimizer."""
         if self._kind != "cpu" or (self._model is None and self._optimizer is None) or cpu._counters_open_scopes():
             return None  # another block open: the counters would refuse them (cpu.Scope._adopt)
         model = None if self._model is None else self._model()
@@ -1636,22 +1638,26 @@ class Tracker:
             return None
         plan = None if model is None else self._model_plan(model)
         del model
-        tensors = []
         if plan is not None:
             first = plan.first()
-            if first is not None and cpu.installed() and cpu._counters_sizes([first.data_ptr() or 0])[0] >= 0:
-                return None  # made while counting: the model's storages are counted already
-            del first
-            for _, ref, _ in plan.params:
-                p = ref()
-                if p is not None:
-                    tensors.append(p)
-                    if p.grad is not None:
-                        tensors.append(p.grad)
+        else:  # the optimizer's first parameter
+            first = next((p for g in opt.param_groups for p in g["params"]), None)
+        if first is not None and cpu.installed() and cpu._counters_sizes([first.data_ptr() or 0])[0] >= 0:
+            return None  # made while counting: the model's (or the optimizer's) storages are counted already
+        del first
+        # the optimizer's parameters: the model's (once each: by address below), or all it has without one
+        params = [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
+        tensors = []
+        if plan is not None:
+            params = [p for _, ref, _ in plan.params if (p := ref()) is not None] + params
             tensors += [t for _, ref in plan.buffers if (t := ref()) is not None]
+        for p in params:
+            tensors.append(p)
+            if p.grad is not None:
+                tensors.append(p.grad)
         if opt is not None:
             tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, _torch_mod.Tensor)]
-        del opt
+        del opt, params
         cuda_on = "torch.cuda" in sys.modules and _torch_mod.cuda.is_initialized()
         known = {}
         for t in tensors:

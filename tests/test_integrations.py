@@ -948,6 +948,23 @@ def test_block_counts_from_what_the_model_and_optimizer_hold():
     assert not any("free(s) of memory allocated before counting began" in c for c in caveats)
 
 
+@exact_only
+def test_block_given_only_the_optimizer_counts_from_its_parameters_and_state():
+    # the same step with track(optimizer=opt): the parameters (and their gradients) are the optimizer's
+    # too, so the block counts from them as it does from the model's (was: start = Adam's state alone,
+    # no parameter at the peak, its first block walking the state at every open)
+    import json
+
+    code = _FRESH_STEP.replace("memtorch.track(model, optimizer=opt)", "memtorch.track(optimizer=opt)")
+    assert code != _FRESH_STEP
+    start, kinds, caveats, after = json.loads(_fresh_process(code))
+    assert start == P_BYTES + P_BYTES + ADAM_STATE  # parameters, gradients, exp_avg, exp_avg_sq, steps
+    assert kinds["parameter"] == P_BYTES and kinds["optimizer_state"] == ADAM_STATE
+    assert kinds["gradient"] == P_BYTES
+    assert after == start
+    assert any(f"the {memtorch.units.format(start)} of the model's and optimizer's" in c for c in caveats)
+
+
 @needs_hf
 @exact_only
 @pytest.mark.slow  # a new Python with transformers: 5-10 s
