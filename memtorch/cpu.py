@@ -807,8 +807,9 @@ class Scope:
         elif self._fresh and self._adopted:
             out.append((
                 "Counting began when this block opened: start, end and peak count the storages allocated since "
-                f"and the {units.format(self._adopted)} of the model's and optimizer's tensors found then, not "
-                "other storages made before it (a batch, a dataset); delta and peak above start are exact. Call "
+                f"and the {units.format(self._adopted)} held then by the model and optimizer given to the block "
+                "(parameters, buffers, gradients, optimizer state), not other storages made before it (a batch, a "
+                "dataset, the state of an optimizer it was not given); delta and peak above start are exact. Call "
                 "memtorch.cpu.start() at start-up to count from the start.", False,
             ))  # fmt: skip
         elif self._fresh:

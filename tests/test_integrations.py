@@ -944,7 +944,7 @@ def test_block_counts_from_what_the_model_and_optimizer_hold():
     assert kinds["parameter"] == P_BYTES and kinds["optimizer_state"] == ADAM_STATE
     assert kinds["gradient"] == P_BYTES  # the new ones (zero_grad freed the old: a free seen)
     assert after == start  # the same storages held again, the old gradients' frees counted
-    assert any(f"the {memtorch.units.format(start)} of the model's and optimizer's" in c for c in caveats)
+    assert any(f"the {memtorch.units.format(start)} held then by the model and optimizer given" in c for c in caveats)
     assert not any("free(s) of memory allocated before counting began" in c for c in caveats)
 
 
@@ -962,7 +962,7 @@ def test_block_given_only_the_optimizer_counts_from_its_parameters_and_state():
     assert kinds["parameter"] == P_BYTES and kinds["optimizer_state"] == ADAM_STATE
     assert kinds["gradient"] == P_BYTES
     assert after == start
-    assert any(f"the {memtorch.units.format(start)} of the model's and optimizer's" in c for c in caveats)
+    assert any(f"the {memtorch.units.format(start)} held then by the model and optimizer given" in c for c in caveats)
 
 
 @needs_hf
