@@ -519,6 +519,20 @@ def _add_hook(handles, hooks, hook, always=None, front=False):
     handles.append((hooks, i, always))
 
 
+def _kept_since(first):
+    """The addresses (a set) that the allocations logged since event ``first`` still hold now: each
+    address whose last allocation event since then is an allocation, not a free. None when the ring
+    lost some of those events (then what was kept is not known)."""
+    ev, dropped = cpu._eventlog_read_all(first, cpu._eventlog_head())
+    if dropped:
+        return None
+    ev = ev[ev["kind"] == 0]  # allocations and frees, in order
+    last = {}
+    for ptr, delta in zip(ev["ptr"].tolist(), ev["delta"].tolist()):
+        last[ptr] = delta
+    return {ptr for ptr, delta in last.items() if delta > 0}
+
+
 def _in_backward_fn():
     """torch._C._current_graph_task_id (-1 outside autograd's backward), or None on a torch
     without it (then recomputations count as forwards)."""
@@ -911,6 +925,10 @@ _FRESH = dict(
     _top=None,  # id() of a module of the model, not the root, whose forward began with none running
     _scan0=None,  # leaks.Scan at the first judged step that grew
     _scan0_step=None,
+    # event-log mode: the log's head at the last step boundary while no scan was taken, and the
+    # addresses that the step of the scan allocated and still held at its end (None: not known)
+    _step_head=None,
+    _scan0_fresh=None,
     # the survivors named as the function that called step() returned (a pytest test whose block ends
     # after it: its locals are gone by then): (groups, survivors, notes, function name), or None
     _return_scan=None,
@@ -1610,7 +1628,8 @@ class Tracker:
                 # a module's forward run inside autograd's backward is a recomputation (checkpointing)
                 self._marks.in_backward = _in_backward_fn()
                 cpu._eventlog_mark(3, 0, self._tagbase)  # the block's own tag from its start (sites of "other")
-                self._snapshots.append((cpu._eventlog_head(), self._walk_names()))
+                self._step_head = cpu._eventlog_head()  # where the first step's events begin
+                self._snapshots.append((self._step_head, self._walk_names()))
             self._boundaries.append((self._scope if self._raw is None else self._raw).start)
             self._install_hooks()
             if self._ctrace is not None:  # storages live at the start, by address
@@ -2031,7 +2050,9 @@ class Tracker:
                     notes = list(notes) + [f"the tensors kept were named as `{function}` returned, before the "
                                            "block ended: its locals, which held them, were gone by then"]
             self._return_scan = None
-            after = None if self._scan0_step is None else steps - self._scan0_step
+            # the steps whose survivors are named: from the scan's own step where the log says what it kept
+            after = (None if self._scan0_step is None
+                     else steps - self._scan0_step + (self._scan0_fresh is not None))  # fmt: skip
             leak = LeakReport(growth, warm, survivors, exact, groups, notes, after)
         largest = []
         if self._largest and pending is None:
@@ -2117,7 +2138,11 @@ class Tracker:
             # the first judged step that grew: what lives now is not a survivor of later steps
             self._scan0 = leaks.Scan(_torch().Tensor, _torch().optim.Optimizer, self._kind)
             self._scan0_step = k
+            # what this step itself kept lives now too: by the event log, its storages are survivors
+            self._scan0_fresh = None if self._step_head is None else _kept_since(self._step_head)
             self._arm_return_scan()
+        elif self._scan0 is None and self._step_head is not None:
+            self._step_head = cpu._eventlog_head()  # where the next step's events begin
 
     def _arm_return_scan(self):
         """Name the survivors again as the function that calls step() returns, while its locals live.
@@ -2164,14 +2189,21 @@ class Tracker:
         """Group the tensors new since the first growing step and alive now (bounded)."""
         torch = _torch()
         scan0 = self._scan0
+        fresh = self._scan0_fresh or ()  # kept by the scan's own step: survivors too
         before = set()
         for ref in scan0.tensors.values():
             t = ref()
             if t is not None:
                 before.add(leaks.storage_key(t))
             del t
+        before.difference_update((a, "cpu") for a in fresh)
         scan = leaks.Scan(torch.Tensor, torch.optim.Optimizer, self._kind)
         notes = []
+        if self._scan0_fresh is None:  # CUDA, or the log's ring wrapped in that step
+            notes.append(
+                f"the tensors kept are named from after step {self._scan0_step}, the first judged step that "
+                "grew (the live tensors were listed then): what that step itself kept is in the growth, not named"
+            )
         if scan0.stopped_early or scan.stopped_early:
             notes.append(
                 f"the search for live tensors stopped early (after {leaks.SCAN_SECONDS:g} s or "

@@ -953,16 +953,59 @@ def test_leak_groups_name_the_list_that_keeps_the_losses(unhurried):
     assert culprit.expected is None
     assert culprit.has_graph and culprit.dtype == "float32" and culprit.shape == ""
     assert culprit.holder == "in list `losses` (local of `_train_keeping_losses`)", str(leak)
-    # the first growing step is step 2 (after one warm-up step): what lived then is not new,
-    # so the losses of steps 3..20 are the survivors
-    assert culprit.count == 18, str(leak)
+    # the first growing step is step 2 (after one warm-up step): the live tensors are listed then, and
+    # the event log (exact counters) says which of them step 2 itself made and kept, so the losses of
+    # steps 2..20 are the survivors (was: 3..20, 18, while the growth counted 19), 19 float32 scalars
+    # of 4 B; without the log, 3..20 and a note that says so
+    n = 19 if EXACT else 18
+    assert culprit.count == n and culprit.nbytes == n * 4, str(leak)
+    assert leak.evidence["judged_steps"] == 19 and leak.evidence["net_growth"] == 19 * 4
     line = str(leak).splitlines()[1]
-    assert "18 tensors float32[], 72 B holding autograd graphs" in line and "holding autograd graphs" in line and "one per step" in line
+    assert f"{n} tensors float32[], {n * 4} B holding autograd graphs" in line and "one per step" in line
+    assert any("not named" in x for x in leak.notes) != EXACT, str(leak)
     # parameters, gradients and the last batch are never listed as culprits
     for g in leak.groups:
         if g.expected is None:
             assert g.shape not in (f"{D_H}x{D_IN}", f"{D_OUT}x{D_H}"), str(leak)
     del losses
+
+
+def test_leak_of_a_block_without_the_event_log_says_what_it_names_from(unhurried):
+    # a counters-only block (no model, optimizer or at_peak log) lists the live tensors at the first
+    # judged step that grew and cannot tell which of them that step made: the losses of steps 3..20
+    # are named, and a note says that step 2's is in the growth but not named
+    model = mlp()
+    losses = []
+    with memtorch.track() as t:
+        for _ in range(20):
+            loss = model(torch.randn(8, D_IN)).sum()
+            losses.append(loss)
+            t.step()
+    leak = t.report.leak
+    assert leak.leaking and leak.evidence["net_growth"] > 0, str(leak)
+    culprit = leak.groups[0]
+    assert culprit.count == 18 and culprit.holder == "in list `losses` (local of " + (
+        "`test_leak_of_a_block_without_the_event_log_says_what_it_names_from`)"), str(leak)
+    assert any("named from after step 2" in x and "not named" in x for x in leak.notes), str(leak)
+    assert "named from after step 2" in str(leak)
+
+
+@exact_only
+def test_kept_since_is_what_the_logged_allocations_still_hold():
+    # the event log of an open event-log block: an allocation freed again is not kept, one still
+    # held is, until it is freed too
+    model = mlp()
+    with memtorch.track(model):
+        head = memtorch.cpu._eventlog_head()
+        a = torch.empty(1000)
+        b = torch.empty(1000)
+        pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+        del a
+        kept = tracking._kept_since(head)
+        del b
+        gone = tracking._kept_since(head)
+    assert pb in kept and pa not in kept
+    assert pb not in gone
 
 
 def test_a_tensor_kept_every_50th_step_is_a_leak_with_its_evidence(unhurried):
