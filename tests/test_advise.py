@@ -159,6 +159,44 @@ def test_freeze_largest_child():
     assert s.title.startswith("Freeze 0 (Linear)")
 
 
+class _TiedLM(nn.Module):
+    """A body holding the embedding and a head whose weight is the embedding's (GPT-2's lm_head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.body[0].weight
+
+    def forward(self, ids):
+        return self.head(self.body(ids))
+
+
+def test_freeze_is_not_advised_where_it_would_leave_nothing_to_learn():
+    # the largest child holds every trainable parameter: the head's weight is the body's embedding
+    # (tied), or the other child has none; freezing it would train nothing: no row, a note says why
+    # (was: "Freeze transformer (GPT2Model): it stops learning" for GPT-2, whose lm_head is tied)
+    model = _TiedLM()
+    adv = cpu_advise(model, torch.ones(2, 4, dtype=torch.long), optimizer=torch.optim.Adam(model.parameters()))
+    assert adv.by_kind("freeze") == []
+    assert any(n.startswith("freezing: body (Sequential) holds every trainable parameter of the model (another "
+                            "module's are the same tensors: tied)") for n in adv.notes), adv.notes
+    plain = nn.Sequential(nn.Linear(10, 20), nn.ReLU())
+    adv = cpu_advise(plain, torch.ones(3, 10), optimizer=torch.optim.Adam(plain.parameters()))
+    assert adv.by_kind("freeze") == []
+    assert "freezing: 0 (Linear) holds every trainable parameter of the model: freezing it would leave nothing " \
+           "to learn" in adv.notes, adv.notes
+    # with the head untied, freezing the body leaves the head to learn: the row is there; the optimizer
+    # given by name, freezing counts its state by arithmetic (AdamW: 2 x the parameters' bytes + 4 B steps)
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+    adv = memtorch.advise(model, torch.ones(2, 4, dtype=torch.long), optimizer="adamw", device="cpu", reserve=0)
+    (s,) = adv.by_kind("freeze")
+    assert s.title.startswith("Freeze body (Sequential)")
+    body = list(model.body.parameters())
+    pbytes = sum(p.numel() * 4 for p in body)
+    assert s.saves == pbytes + 2 * pbytes + 4 * len(body)
+
+
 def _manual_peak(model, x, steps=2, wrap=None, autocast=False, dtype=None):
     """A step peak measured without advise(): a copy, the change applied by hand, memtorch.cpu.Scope."""
     m = copy.deepcopy(model)
@@ -412,11 +450,8 @@ def test_gpt2_budget_first_suggestion_is_block_checkpointing():
     # 25 zero-initialised biases: one grouped line among the also-considered, not 25 rows
     assert not adv.by_kind("sparse")
     assert any(n.startswith("also considered") and "parameters as sparse COO" in n for n in adv.notes)
-    # the optimizer given by name: freezing counts its state (AdamW: 2 x the parameters' bytes + 4 B steps)
-    (fr,) = adv.by_kind("freeze")
-    trunk = [p for p in model.transformer.parameters()]
-    pbytes = sum(p.numel() * 4 for p in trunk)
-    assert fr.saves == pbytes + 2 * pbytes + 4 * len(trunk)
+    # GPT-2's lm_head is tied to transformer.wte: freezing the transformer would train nothing, no row
+    assert not adv.by_kind("freeze") and any(n.startswith("freezing: transformer (GPT2Model)") for n in adv.notes)
     # estimated figures are not called measured
     assert "(estimated on cpu, as memtorch.estimate())" in str(adv) and "measured" not in str(adv)
     # over the budget: sharding with plan's figures, CPU offload, 8-bit state (bitsandbytes' counts)

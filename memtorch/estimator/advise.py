@@ -583,6 +583,18 @@ def _freeze(mm_opt, model, optimizer, items, notes, device="cpu"):
     if best is None:
         return
     name, grad_bytes, _row = best
+    # a child that holds every trainable parameter (a language model whose head's weight is tied to the
+    # embedding inside its body): freezing it leaves nothing to learn, no training to advise
+    child = dict(children)[name]
+    inside = {id(p) for p in child.parameters() if p.requires_grad}
+    if all(id(p) in inside for p in model.parameters() if p.requires_grad):
+        shared = any(p.requires_grad for n, c in children if n != name for p in c.parameters())
+        notes.append(
+            f"freezing: {name} ({type(child).__name__}) holds every trainable parameter of the model"
+            + (" (another module's are the same tensors: tied)" if shared else "")
+            + ": freezing it would leave nothing to learn"
+        )
+        return
     state = rows[rows["category"] == "optimizer_state"]
     child_state = sum(
         int(b) for p, b in zip(state["path"].tolist(), state["storage_nbytes"].tolist()) if _under(p, name)
@@ -597,7 +609,7 @@ def _freeze(mm_opt, model, optimizer, items, notes, device="cpu"):
     items.append(
         Suggestion(
             "freeze",
-            f"Freeze {name} ({type(dict(children)[name]).__name__}): it stops learning",
+            f"Freeze {name} ({type(child).__name__}): it stops learning",
             saves,
             EXACT,
             f"model.{name}.requires_grad_(False) and leave its parameters out of the optimizer",
