@@ -47,6 +47,7 @@ import copy
 import functools
 import re
 import sys
+import warnings
 
 from ._torch import torch as _load_torch  # the loader only: torch itself loads on first call
 from .errors import MemtorchError
@@ -62,7 +63,8 @@ def quiet_import():
 
     On a CPU with AVX512-BF16 its import fetches a fused 4-bit kernel from the Hub and logs a warning when
     it cannot (offline). memtorch runs no real 4-bit matmul, so the import memtorch causes (its own, or
-    peft's before a LoRA row) does not print it; the logger's level is put back after."""
+    peft's before a LoRA row) does not print it; the logger's level is put back after. Nor tqdm's warning
+    in a notebook without ipywidgets, which the import reaches."""
     import logging
 
     if "bitsandbytes" in sys.modules:
@@ -71,7 +73,11 @@ def quiet_import():
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
+        # its import reaches tqdm.auto (through the kernels package and huggingface_hub), which warns in a
+        # notebook without ipywidgets ("IProgress not found"): not from an import memtorch causes
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            import bitsandbytes
     except ImportError:
         return None
     finally:

@@ -366,7 +366,11 @@ def _peft():
 
     _quantize.quiet_import()
     try:
-        import peft
+        # peft imports tqdm.auto, which warns in a notebook without ipywidgets ("IProgress not found"):
+        # an import memtorch causes (advise's LoRA row) prints nothing
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            import peft
     except ImportError:
         raise MemtorchError("lora= needs peft (pip install 'memtorch-probe[finetune]')") from None
     return peft

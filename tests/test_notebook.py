@@ -24,6 +24,9 @@ def _outputs(nb):
             continue
         for out in cell.get("outputs", []):
             assert out.get("output_type") != "error", out
+            # nothing on stderr: no warning from an import memtorch causes (tqdm's "IProgress not found",
+            # reached through bitsandbytes' import in advise's rows)
+            assert out.get("name") != "stderr", out
             data = out.get("data", {})
             if "text/html" in data:
                 html.append(data["text/html"])
