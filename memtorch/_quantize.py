@@ -62,16 +62,18 @@ def quiet_import():
     """bitsandbytes, imported without its CPU backend's warning (None when it is not installed).
 
     On a CPU with AVX512-BF16 its import fetches a fused 4-bit kernel from the Hub and logs a warning when
-    it cannot (offline). memtorch runs no real 4-bit matmul, so the import memtorch causes (its own, or
+    it cannot (offline; with HF_HUB_OFFLINE=1 the kernels package logs that it skips a check instead). memtorch runs no real 4-bit matmul, so the import memtorch causes (its own, or
     peft's before a LoRA row) does not print it; the logger's level is put back after. Nor tqdm's warning
     in a notebook without ipywidgets, which the import reaches."""
     import logging
 
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
-    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    # its CPU backend's logger, and the kernels package's (offline: "Skipping publisher trust check")
+    logs = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "kernels")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         # its import reaches tqdm.auto (through the kernels package and huggingface_hub), which warns in a
         # notebook without ipywidgets ("IProgress not found"): not from an import memtorch causes
@@ -81,7 +83,8 @@ def quiet_import():
     except ImportError:
         return None
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
     return bitsandbytes
 
 

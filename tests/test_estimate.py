@@ -1039,6 +1039,48 @@ def test_checkpointed_blocks_do_not_write_the_cache_twice():
     assert any("transformers' gradient checkpointing" in n for n in est.notes)
 
 
+_NO_CACHE_WARNING = """
+import json, sys, torch, transformers, memtorch
+cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(cfg)
+ids = torch.randint(0, 1024, (2, 16))
+est = memtorch.estimate(model, {"input_ids": ids, "labels": ids}, checkpointing="blocks", device="cpu")
+print("-- estimated --", file=sys.stderr, flush=True)
+after = model.config.use_cache
+model.config.use_cache = False  # the user's own way around the warning: the same figures
+quiet = memtorch.estimate(model, {"input_ids": ids, "labels": ids}, checkpointing="blocks", device="cpu")
+model.config.use_cache = True
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.train()
+model(input_ids=ids, labels=ids).loss.backward()  # the user's own checkpointed step: transformers warns once
+print(json.dumps([est.peak, quiet.peak, after]))
+"""
+
+
+def test_checkpointed_estimate_of_a_transformers_model_prints_no_cache_warning():
+    # estimate(checkpointing="blocks") sets transformers' gradient_checkpointing flags, and the model then
+    # logged "`use_cache=True` is incompatible with gradient checkpointing" (once a process: on the command
+    # line above advise's report, and the user's own checkpointed run after it said nothing). Its config's
+    # use_cache is off while memtorch runs it (what transformers does in that step), so the estimate prints
+    # nothing, its figures are those of use_cache=False, the config is as it was, and the user's own
+    # checkpointed step still gets its warning
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-c", _NO_CACHE_WARNING], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    est_peak, quiet_peak, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert est_peak == quiet_peak and after is True
+    memtorchs, users = out.stderr.split("-- estimated --\n")
+    warning = "incompatible with gradient checkpointing"
+    assert warning not in memtorchs and warning not in out.stdout, out.stderr[-3000:]
+    assert users.count(warning) == 1, out.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_checkpointed_bf16_step_estimates_for_cuda():
     """estimate(device='cuda', precision='bf16-mixed', checkpointing='blocks') failed with torch's

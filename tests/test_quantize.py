@@ -623,6 +623,7 @@ def test_bitsandbytes_is_imported_without_its_hub_warning():
         "    from memtorch import models\n"
         "    models._peft()\n"
         "    assert 'bitsandbytes' in sys.modules and log.level == logging.NOTSET, log.level\n"
+        "    assert logging.getLogger('kernels').level == logging.NOTSET\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     for k in ("LD_PRELOAD", "PYTHONMALLOC"):
@@ -633,6 +634,10 @@ def test_bitsandbytes_is_imported_without_its_hub_warning():
     }
     assert runs["memtorch"].returncode == 0, runs["memtorch"].stderr
     assert "Failed to load" not in runs["memtorch"].stderr
+    # nor the kernels package's line for the kernel it would fetch (HF_HUB_OFFLINE=1: "Skipping publisher
+    # trust check for 'kernels-community/quantization-bitsandbytes'"), which `memtorch advise` printed above
+    # its report
+    assert "Skipping publisher trust check" not in runs["memtorch"].stderr, runs["memtorch"].stderr
     # where bitsandbytes does warn (this machine's CPU), memtorch's import is what silenced it
     if "Failed to load" in runs["plain"].stderr:
         assert runs["plain"].stderr.count("Failed to load") == 1

@@ -353,6 +353,9 @@ def checkpointing(model, spec, _on_call=None, _dropped=None):
         for m in patched:
             m.__dict__.pop("forward", None)
         for m, had in flagged:
+            if m is None:  # a config whose use_cache was turned off (had: its value)
+                had[0].use_cache = had[1]
+                continue
             m.gradient_checkpointing = False
             if not had:
                 m.__dict__.pop("_gradient_checkpointing_func", None)
@@ -372,8 +375,11 @@ def _hf_checkpointing_flags(model):
     use_cache off. Set here on such modules (the layers transformers itself would checkpoint,
     GradientCheckpointingLayer's, are recomputed by this module's wrapping instead); a stack that still
     calls ``self._gradient_checkpointing_func(layer, ...)`` gets one that calls the layer, whose wrapped
-    forward recomputes. Returns [(module, whether it had its own function)] to restore."""
-    flagged = []
+    forward recomputes. A flagged module's config with use_cache on has it off meanwhile: what transformers
+    does then in a training step, without the warning it logs once a process for it ("`use_cache=True` is
+    incompatible with gradient checkpointing"), which the user's own checkpointed run would then not print.
+    Returns [(module, whether it had its own function)] and [(None, (config, its use_cache))] to restore."""
+    flagged, configs = [], []
     for m in model.modules():
         flag = m.__dict__.get("gradient_checkpointing")
         if flag is not False or any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__):
@@ -383,7 +389,11 @@ def _hf_checkpointing_flags(model):
             m._gradient_checkpointing_func = _call_through
         m.gradient_checkpointing = True
         flagged.append((m, had))
-    return flagged
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", None) is True and all(c is not cfg for _, (c, _) in configs):
+            configs.append((None, (cfg, True)))
+            cfg.use_cache = False
+    return flagged + configs
 
 
 # ---------------------------------------------------------------------------
