@@ -906,7 +906,8 @@ def make_parser():
         "plan", help="which world sizes, shardings, precisions and micro-batches fit a device, cheapest first"
     )
     common(p, ["text", "json", "html"], inputs=True)
-    p.add_argument("--device-memory", default="80 GiB", help="memory of one device (default 80 GiB)")
+    p.add_argument("--device-memory",
+                   help="memory of one device (default: --gpu NAME's nominal memory, else 80 GiB)")
     p.add_argument("--world-sizes", help="world sizes to try, comma-separated (default: powers of two)")
     p.add_argument("--max-world-size", type=int, help="largest world size tried (default 1024)")
     p.add_argument("--shardings", help="comma-separated: none, ddp, zero1, zero1-even, zero2, zero3")
@@ -956,7 +957,8 @@ def make_parser():
 
     p = sub.add_parser("advise", help="ranked changes that cut memory, with the bytes each saves")
     common(p, ["text", "json", "html"], inputs=True)
-    p.add_argument("--budget", help="a size to fit, e.g. '80 GiB': each change judged against it, as plan judges")
+    p.add_argument("--budget", help="a size to fit, e.g. '80 GiB': each change judged against it, as plan judges "
+                                    "(default: --gpu NAME's nominal memory, else none)")
     p.add_argument("--reserve", help="memory kept free of the budget (default 1 GiB, as plan and fit)")
     p.add_argument("--framework", choices=["torch", "transformers", "lightning"],
                    help="whose one-line changes to print (default: the model's)")

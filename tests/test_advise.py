@@ -623,3 +623,22 @@ def test_micro_batch_row_skips_a_divisor_the_caching_allocators_segments_keep_fr
     want = max(fitting)
     assert f"Micro-batches of {want} with {batch // want} gradient accumulation steps" in row.title, row.title
     assert row.fits and f"but {hole} does not" in row.detail, row.detail
+
+
+def test_advise_for_a_gpu_by_name_judges_against_its_memory():
+    # one answer per question: with gpu= and no budget, advise judged nothing ('-' in every row) while
+    # fit(gpu=...) and plan(gpu=...) judge against the GPU's nominal memory; now the same budget, and the
+    # note on the budget says where it came from; without inputs there is no step to judge (no budget)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    x = torch.ones(64, 256)
+    named = memtorch.advise(model, x, gpu="l4")
+    sized = memtorch.advise(model, x, gpu="l4", budget="24 GiB")
+    assert named.budget == sized.budget == 24 << 30
+    assert [(s.title, s.after, s.fits) for s in named] == [(s.title, s.after, s.fits) for s in sized]
+    (said,) = [n for n in named.notes if n.startswith("budget: the step as it is fits 24.0 GiB")]
+    assert said.endswith("; 24.0 GiB is the L4 24GB's nominal memory (NVIDIA's specification; torch reports a "
+                         "little less)"), said
+    assert "nominal memory" not in next(n for n in sized.notes if n.startswith("budget:"))
+    assert memtorch.advise(model, gpu="l4").budget is None
+    with pytest.raises(memtorch.MemtorchError, match="no memory size known for gpu='a100'.*pass budget="):
+        memtorch.advise(model, x, gpu="a100")

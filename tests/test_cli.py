@@ -253,6 +253,13 @@ def test_plan_subcommand(models, capsys):
     assert len(data["options"]) == 2 + 2 * 2 * 2 and data["device_memory"] == 1024**2
     code, text = run(*args)
     assert code == 0 and "combination(s) fit in 1.0 MiB per device" in text
+    # no --device-memory: --gpu's nominal memory (as fit's), else 80 GiB
+    small = ["plan", f"{name}:mlp", "--input", "8x784", "--world-sizes", "1", "--precisions", "fp32",
+             "--checkpointing", "none"]  # fmt: skip
+    code, text = run(*small, "--gpu", "l4")
+    assert code == 0 and "fit in 24.0 GiB per device" in text and "device memory: the L4 24GB's" in text
+    code, text = run(*small)
+    assert code == 0 and "fit in 80.0 GiB per device" in text
     code, _ = run("plan", f"{name}:mlp", "--input", "8x784", "--world-sizes", "two")
     assert code == 2 and "--world-sizes: 'two' is not a comma-separated list of ints" in capsys.readouterr().err
     code, _ = run("plan", f"{name}:mlp", "--input", "8x784", "--shardings", "zero9")
@@ -269,10 +276,14 @@ def test_step_options_reach_plan_and_advise(models, capsys):
     one = ["--world-sizes", "1", "--shardings", "ddp", "--precisions", "fp32", "--checkpointing", "none", "--reserve",
            "0", "--format", "json"]  # fmt: skip
     for gpu in ("a100", "h100"):
-        code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cuda", "--gpu", gpu, *one)
+        code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cuda", "--gpu", gpu,
+                         "--device-memory", "80 GiB", *one)  # fmt: skip
         assert code == 0, text
         est = memtorch.estimate(model, x, device="cuda", gpu=gpu)
         assert json.loads(text)["options"][0]["peak"] == est.peak
+    # a100 names boards of 40 and 80 GB: without --device-memory, plan asks for it (as fit does)
+    code, _ = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cuda", "--gpu", "a100", *one)
+    assert code == 2 and "no memory size known for gpu='a100'" in capsys.readouterr().err
     code, text = run("plan", f"{name}:mlp", "--input", "8x784", "--device", "cpu", "--loss", "output", *one)
     # --loss reached plan's estimates: the output is a plain 8 x 10 tensor, with no .loss
     assert code == 2 and "--loss output: the model's output has no .loss" in capsys.readouterr().err

@@ -315,7 +315,7 @@ def test_plan_takes_gpu_and_loss_fn_as_estimate_does():
     # the GPU modelled: cuBLAS's workspace is not the same on compute capability 8.0 and 9.0
     peaks = {}
     for gpu in ("a100", "h100"):
-        (o,) = memtorch.plan(model, (32, 64), device="cuda", gpu=gpu, **kw).options
+        (o,) = memtorch.plan(model, (32, 64), device="cuda", gpu=gpu, device_memory="80 GiB", **kw).options
         est = memtorch.estimate(model, (32, 64), device="cuda", gpu=gpu)
         assert (o.peak, o.reserved) == (est.peak, est.reserved_peak)
         peaks[gpu] = est.peak
@@ -329,6 +329,29 @@ def test_plan_takes_gpu_and_loss_fn_as_estimate_does():
     est = memtorch.estimate(model, (32, 64), device="cpu", loss_fn=loss_fn)
     plain = memtorch.estimate(model, (32, 64), device="cpu")
     assert o.peak == est.peak and est.peak > 32 * 8 * 4096 * 4 > plain.peak
+
+
+def test_plan_for_a_gpu_by_name_judges_against_its_memory():
+    # one answer per question: plan(gpu="l4") judged against 80 GiB (its default device_memory), so a step
+    # whose reserved figure is 30 GiB "fit" an L4 while fit(gpu="l4") said it did not; now the GPU's nominal
+    # memory, as fit() takes it, with the same note, the rows those of device_memory="24 GiB"
+    import torch
+    from torch import nn
+
+    import memtorch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    kw = dict(world_sizes=[1], shardings=["ddp"], precisions=["fp32"], checkpointing=[None], device="cuda")
+    named = memtorch.plan(model, (32, 64), gpu="l4", **kw)
+    sized = memtorch.plan(model, (32, 64), gpu="l4", device_memory="24 GiB", **kw)
+    assert named.device_memory == sized.device_memory == 24 << 30
+    assert [(o.peak, o.reserved, o.fits) for o in named.options] == [(o.peak, o.reserved, o.fits) for o in sized.options]
+    assert "note: device memory: the L4 24GB's nominal memory" in str(named)
+    assert not any(n.startswith("device memory") for n in sized.notes)  # given: nothing to say
+    assert memtorch.plan(model, (32, 64), **kw).device_memory == 80 << 30  # no GPU named: the default
+    with pytest.raises(MemtorchError, match="no memory size known for gpu='a100'.*pass device_memory="):
+        memtorch.plan(model, (32, 64), gpu="a100", **kw)  # boards of 40 and 80 GB
 
 
 def _same_as_estimate(model, p, spec, device):

@@ -984,7 +984,8 @@ def advise(
     world_size, sharding, fsdp_units, keep_output: the configuration advised, as estimate() takes them and
     with its defaults (optimizer "adamw", device "cuda"). budget: a size ("80 GiB"): each change is judged
     as plan() and fit() judge, its reserved figure on cuda (the peak on the CPU) plus ``reserve`` against
-    the budget; the sharding row is plan()'s cheapest configuration that fits it. framework: whose one-line
+    the budget; the sharding row is plan()'s cheapest configuration that fits it; by default, with inputs
+    on cuda, the nominal memory of the GPU ``gpu`` names (as fit() and plan() take it), else none. framework: whose one-line
     changes are printed ("torch", "transformers", "lightning"; default: the model's, a Hugging Face
     PreTrainedModel or a LightningModule, else torch); to_dict() has all three.
 
@@ -1012,8 +1013,16 @@ def advise(
             "advise(optimizer=...) expects a name ('adamw'), a torch.optim.Optimizer or a callable taking the "
             f"parameters, got {type(optimizer).__name__}"
         )
+    budget_source = None
     if budget is not None:
         budget = units.parse(budget)
+    elif inputs and gpu is not None and (device is None or str(device).split(":")[0] == "cuda"):
+        # the GPU named: its memory is the budget of the step, as fit() and plan() take it ("a100": boards
+        # of two sizes, an error as theirs)
+        # lazy: the engine loads estimation only when this path runs (importing advice stays cheap)
+        from .engine import device_memory_of
+
+        budget, budget_source = device_memory_of(None, gpu, "advise()", keyword="budget")
     keep = units.parse(reserve)
     if budget is not None and keep >= budget:
         raise MemtorchError(f"advise(): the reserve ({_fmt(keep)}, kept free for what no estimate sees: the CUDA "
@@ -1107,7 +1116,8 @@ def advise(
             )
         if budget is not None:
             verdict = "fits" if base["judged"] + keep <= budget else "does not fit"
-            notes.append(f"budget: the step as it is {verdict} {_fmt(budget)} ({_judged_words(base, keep)})")
+            source = "" if budget_source is None else f"; {_fmt(budget)} is {budget_source}"
+            notes.append(f"budget: the step as it is {verdict} {_fmt(budget)} ({_judged_words(base, keep)}){source}")
         # keeps the model and what it learns, cheapest in step time first
         if checkpointing is None:
             _checkpointing(model, run, base, items, notes, budget, keep)

@@ -266,9 +266,10 @@ class Engine:
         return f.peak, f.judged
 
 
-def device_memory_of(device_memory, gpu, who):
+def device_memory_of(device_memory, gpu, who, keyword="device_memory"):
     """(bytes, where the figure came from) of one device: device_memory (a size) or the nominal memory of
-    the GPU named (memtorch.estimator.allocator.GPU_MEMORY)."""
+    the GPU named (memtorch.estimator.allocator.GPU_MEMORY); ``keyword``: the caller's argument for a size,
+    which an unknown GPU's error asks for."""
     if device_memory is not None:
         return units.parse(device_memory), "given"
     if gpu is None:
@@ -284,7 +285,7 @@ def device_memory_of(device_memory, gpu, who):
     if key is None:
         raise MemtorchError(
             f"{who}: no memory size known for gpu={gpu!r} (known: {', '.join(sorted(GPU_MEMORY))}); pass "
-            "device_memory=, e.g. torch.cuda.get_device_properties(0).total_memory"
+            f"{keyword}=, e.g. torch.cuda.get_device_properties(0).total_memory"
         )
     nbytes, what = GPU_MEMORY[key]
     return nbytes, f"the {what}'s nominal memory (NVIDIA's specification; torch reports a little less)"

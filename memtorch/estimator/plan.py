@@ -66,7 +66,7 @@ from collections import namedtuple
 
 from .. import errors, units
 from ..errors import MemtorchError
-from .engine import DEFAULT_DEVICE_NOTE  # cheap: the engine loads estimation when it runs
+from .engine import DEFAULT_DEVICE_NOTE, device_memory_of  # cheap: the engine loads estimation when it runs
 from ..reports.plan import Plan  # the result type's home; its old name stays
 
 __all__ = ["SHARDINGS", "Breakdown", "Option", "Plan", "per_rank", "plan", "plan_from", "zero_model_states"]
@@ -399,7 +399,7 @@ def breakdown_of(estimate_report, model):
 def plan(
     model,
     *inputs,
-    device_memory="80 GiB",
+    device_memory=None,
     world_sizes=None,
     max_world_size=1024,
     shardings=SHARDINGS,
@@ -419,6 +419,10 @@ def plan(
     _engine=None,
 ):
     """Which (world size, sharding, precision, checkpointing, micro-batch) fit in ``device_memory``, cheapest first.
+
+    device_memory: one device's memory (a size: "80 GiB", "24 GB", bytes); by default the nominal memory of
+    the GPU ``gpu`` names (as fit()'s: "l4" is 24 GiB; a name whose boards come in several sizes, "a100",
+    needs device_memory=), else 80 GiB.
 
     inputs: one micro-batch of example inputs, as estimate() takes them
     (tensors, shapes such as (8, 128), (shape, dtype) pairs such as ((1, 2048),
@@ -480,7 +484,10 @@ def plan(
     shardings = [s for s in shardings if s is not None] or ["ddp"]
     for s in shardings:
         _check_sharding(s)
-    memory = units.parse(device_memory)
+    if device_memory is None and gpu is not None:  # the GPU named: its memory, as fit() takes it
+        memory, source = device_memory_of(None, gpu, "plan()")
+    else:
+        memory, source = units.parse("80 GiB" if device_memory is None else device_memory), None
     keep = units.parse(reserve)
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
                                      or global_batch < 1):  # fmt: skip
@@ -490,6 +497,8 @@ def plan(
     if unwrapped_only:
         worlds = [1]
     notes = []
+    if source is not None:
+        notes.append(f"device memory: {source}")
     checkpointing = list(checkpointing)
     if "blocks" in checkpointing:
         if not any(isinstance(m, torch.nn.ModuleList) and len(m) for m in model.modules()):
