@@ -338,8 +338,10 @@ def breakdown(report, modules=5, tensors=5, owners=5):
             f"  who held the bytes at the peak ({_fmt(at_peak.peak)}{how}; the {min(owners_n, len(owners))} "
             f"largest of {len(owners)} owners):"
         )
-        for o in owners[:owners_n]:
-            lines.append(f"    {_fmt(o.nbytes)}  {o.name} ({o.kind})")
+        shown = owners[:owners_n]
+        width = max((len(_fmt(o.nbytes)) for o in shown), default=0)  # the sizes right-aligned, as at_peak's
+        for o in shown:
+            lines.append(f"    {_fmt(o.nbytes):>{width}}  {o.name} ({o.kind})")
             # "other": where the largest came from (two lines), or why no line is known
             for text in (o.site_lines(limit=2)[:2] if getattr(o, "site_lines", None) else []):
                 lines.append(f"      {text}")

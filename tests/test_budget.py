@@ -250,3 +250,26 @@ def test_an_estimate_is_not_read_as_a_bound():
     # an Estimate has exact=False (a model, not a measurement) and no counters' mechanism: judged as is
     r = fake_report(start=0, peak=50 * MiB, end=0, device="cuda", exact=False)
     assert check_budget(r, peak="50 MiB") == []
+
+
+@pytest.mark.skipif(not memtorch.cpu.exact(), reason="at_peak needs the exact CPU counters")
+def test_breakdown_owners_sizes_are_right_aligned():
+    # the owners at the peak, as at_peak prints them: "   512 B  input" above "    16 B  bias" (was: each
+    # size where its own width left it, "    16 B" one column left of "    512 B")
+    import torch
+
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memtorch.track(model, opt) as t:
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    lines = breakdown(t.report, owners=10).splitlines()
+    start = next(i for i, x in enumerate(lines) if "who held the bytes at the peak" in x) + 1
+    rows = []
+    for x in lines[start:]:
+        if not x.startswith("    ") or x.startswith("    note:"):
+            break
+        rows.append(x)
+    ends = {r.index("  ", len(r) - len(r.lstrip())) for r in rows}  # where each size ends: one column
+    assert len(rows) >= 3 and len(ends) == 1, rows
+    assert len({len(r.split()[0]) for r in rows}) > 1, rows  # sizes of several widths: the case checked
