@@ -89,6 +89,37 @@ def test_a_failing_allocation_in_the_forward_leaves_a_report_of_who_held_what(co
     assert err_text.count("memtorch: out of memory on cpu") == 1  # printed once
     assert "running: in the forward, in module 2.1 (Huge)" in err_text and "0.weight.exp_avg" in err_text
     assert json.loads(json.dumps(r.to_dict()))["requested"] == ASK * 4
+    assert not any("counting began" in n for n in r.notes)  # counting since the fixture: nothing left out
+
+
+_FRESH_OOM = """
+import json, sys, torch, memtorch
+sys.path.insert(0, sys.argv[1])
+from test_oom import Huge, _model
+model = _model(Huge())
+x = torch.randn(32, 64)  # made before counting began: not among the bytes held
+try:
+    with memtorch.track(model):
+        model(x)
+except RuntimeError as e:
+    r = e.memtorch_report
+    print(json.dumps([r.notes, r.by_kind()]))
+"""
+
+
+def test_a_block_that_began_counting_says_what_the_bytes_held_leave_out():
+    # in a new process counting begins with the block: the batch made before it is not among the bytes held
+    # (was: no word of it), as the block's own report says "Counting began when this block opened"
+    if not memtorch.cpu.exact():
+        pytest.skip("needs the exact CPU counters")
+    here = str(pathlib.Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", _FRESH_OOM, here], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    notes, kinds = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "input" not in kinds  # the batch, made before counting began
+    assert any(n.startswith("counting began when this block opened") and "(a batch, a dataset)" in n
+               for n in notes), notes
+    assert "note: counting began when this block opened" in out.stderr  # printed with the report
 
 
 def test_in_the_backward(counting, capsys):
