@@ -62,9 +62,10 @@ def quiet_import():
     """bitsandbytes, imported without its CPU backend's warning (None when it is not installed).
 
     On a CPU with AVX512-BF16 its import fetches a fused 4-bit kernel from the Hub and logs a warning when
-    it cannot (offline; with HF_HUB_OFFLINE=1 the kernels package logs that it skips a check instead). memtorch runs no real 4-bit matmul, so the import memtorch causes (its own, or
-    peft's before a LoRA row) does not print it; the logger's level is put back after. Nor tqdm's warning
-    in a notebook without ipywidgets, which the import reaches."""
+    it cannot (offline; with HF_HUB_OFFLINE=1 the kernels package logs that it skips a check instead).
+    memtorch runs no real 4-bit matmul, so the import memtorch causes (its own, or peft's before a LoRA
+    row) prints neither, nor tqdm's warning in a notebook without ipywidgets, which the import reaches;
+    the loggers' levels are put back after."""
     import logging
 
     if "bitsandbytes" in sys.modules:

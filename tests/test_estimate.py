@@ -1071,7 +1071,8 @@ def test_checkpointed_estimate_of_a_transformers_model_prints_no_cache_warning()
     import sys
 
     pytest.importorskip("transformers")
-    out = subprocess.run([sys.executable, "-c", _NO_CACHE_WARNING], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _NO_CACHE_WARNING], capture_output=True, text=True, timeout=300,
+                         check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     est_peak, quiet_peak, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert est_peak == quiet_peak and after is True

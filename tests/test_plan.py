@@ -342,7 +342,7 @@ def test_plan_for_a_gpu_by_name_judges_against_its_memory():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
-    kw = dict(world_sizes=[1], shardings=["ddp"], precisions=["fp32"], checkpointing=[None], device="cuda")
+    kw = {"world_sizes": [1], "shardings": ["ddp"], "precisions": ["fp32"], "checkpointing": [None], "device": "cuda"}
     named = memtorch.plan(model, (32, 64), gpu="l4", **kw)
     sized = memtorch.plan(model, (32, 64), gpu="l4", device_memory="24 GiB", **kw)
     assert named.device_memory == sized.device_memory == 24 << 30

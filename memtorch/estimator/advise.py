@@ -985,9 +985,9 @@ def advise(
     with its defaults (optimizer "adamw", device "cuda"). budget: a size ("80 GiB"): each change is judged
     as plan() and fit() judge, its reserved figure on cuda (the peak on the CPU) plus ``reserve`` against
     the budget; the sharding row is plan()'s cheapest configuration that fits it; by default, with inputs
-    on cuda, the nominal memory of the GPU ``gpu`` names (as fit() and plan() take it), else none. framework: whose one-line
-    changes are printed ("torch", "transformers", "lightning"; default: the model's, a Hugging Face
-    PreTrainedModel or a LightningModule, else torch); to_dict() has all three.
+    on cuda, the nominal memory of the GPU ``gpu`` names (as fit() and plan() take it), else none.
+    framework: whose one-line changes are printed ("torch", "transformers", "lightning"; default: the
+    model's, a Hugging Face PreTrainedModel or a LightningModule, else torch); to_dict() has all three.
 
     The rows, by group: what keeps the model and what it learns, cheapest in step time first (activation
     checkpointing of the repeated blocks, mixed precision, a smaller micro-batch with gradient accumulation,
@@ -1117,7 +1117,8 @@ def advise(
         if budget is not None:
             verdict = "fits" if base["judged"] + keep <= budget else "does not fit"
             source = "" if budget_source is None else f"; {_fmt(budget)} is {budget_source}"
-            notes.append(f"budget: the step as it is {verdict} {_fmt(budget)} ({_judged_words(base, keep)}){source}")
+            judged = _judged_words(base, keep)
+            notes.append(f"budget: the step as it is {verdict} {_fmt(budget)} ({judged}){source}")
         # keeps the model and what it learns, cheapest in step time first
         if checkpointing is None:
             _checkpointing(model, run, base, items, notes, budget, keep)
