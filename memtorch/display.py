@@ -1101,7 +1101,7 @@ def _plan_parts(plan, limit):
     shown = ordered if limit is None else ordered[:limit]
     rows = []
     for o in shown:
-        row = [_devices(o.world_size, device), o.sharding or "-", o.precision, o.checkpointing or "-",
+        row = [_devices(o.world_size, device), o.sharding or "-", plan.precision_label(o.precision), o.checkpointing or "-",
                str(o.micro_batch), "-" if o.accumulation is None else str(o.accumulation), f(o.peak)]  # fmt: skip
         if upper:
             row.append(f(o.peak_upper if o.peak_upper is not None else o.peak))

@@ -354,6 +354,29 @@ def test_plan_for_a_gpu_by_name_judges_against_its_memory():
         memtorch.plan(model, (32, 64), gpu="a100", **kw)  # boards of 40 and 80 GB
 
 
+def test_plan_of_a_bfloat16_model_says_as_given_not_fp32():
+    # precision "fp32" casts nothing: for a bfloat16 model its rows are the weights as given, and the table
+    # said "fp32" (a fine-tuner read: train in float32); now "as given" with a note, the JSON's value kept
+    import json
+
+    import torch
+    from torch import nn
+
+    import memtorch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(torch.bfloat16)
+    x = torch.ones(32, 64, dtype=torch.bfloat16)
+    kw = {"world_sizes": [1], "shardings": ["ddp"], "checkpointing": [None], "device": "cpu"}
+    p = memtorch.plan(model, x, precisions=["fp32", "bf16-mixed"], **kw)
+    text = str(p)
+    assert p.weights == "bfloat16" and " as given " in text and " fp32 " not in text
+    assert "note: precision 'as given': the parameters in their own dtypes (bfloat16), no autocast" in text
+    assert {o["precision"] for o in json.loads(json.dumps(p.to_dict()))["options"]} == {"fp32", "bf16-mixed"}
+    plain = memtorch.plan(model.float(), x.float(), precisions=["fp32"], **kw)  # all float32: fp32 it is
+    assert plain.weights is None and " fp32 " in str(plain) and "as given" not in str(plain)
+
+
 def _same_as_estimate(model, p, spec, device):
     import memtorch
 

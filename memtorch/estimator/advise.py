@@ -1303,7 +1303,7 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, item
         return
     devices = f"{best.world_size} GPU" + ("s" if best.world_size > 1 else "") if engine.device == "cuda" else \
         f"{best.world_size} process" + ("es" if best.world_size > 1 else "")  # fmt: skip
-    parts = [devices] + ([best.sharding] if best.sharding else []) + [best.precision] + (
+    parts = [devices] + ([best.sharding] if best.sharding else []) + [p.precision_label(best.precision)] + (
         [f"checkpointing {best.checkpointing}"] if best.checkpointing else [])  # fmt: skip
     # plan's judged figure: the reserved segments on cuda, the peak with gloo's scratch late on the CPU
     judged = best.reserved if best.reserved is not None else best.peak_upper

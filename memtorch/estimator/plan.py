@@ -499,6 +499,12 @@ def plan(
     notes = []
     if source is not None:
         notes.append(f"device memory: {source}")
+    # precision "fp32" casts nothing: for a model not all in float32 the table says "as given"
+    weights = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
+    weights = ", ".join(weights) if weights and weights != ["float32"] else None
+    if weights is not None and "fp32" in precisions:
+        notes.append(f"precision 'as given': the parameters in their own dtypes ({weights}), no autocast "
+                     "(precision='fp32' in the API and the JSON)")  # fmt: skip
     checkpointing = list(checkpointing)
     if "blocks" in checkpointing:
         if not any(isinstance(m, torch.nn.ModuleList) and len(m) for m in model.modules()):
@@ -597,4 +603,5 @@ def plan(
                      "the figures (the reserve is for them)")  # fmt: skip
     if eng.defaulted:
         notes.append(DEFAULT_DEVICE_NOTE)
-    return Plan(options, memory, keep, notes, time.perf_counter() - t0, eng.dry_runs - runs0, dev, beyond + cannot + flat)
+    return Plan(options, memory, keep, notes, time.perf_counter() - t0, eng.dry_runs - runs0, dev, beyond + cannot + flat,
+                weights)  # fmt: skip

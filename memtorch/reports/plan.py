@@ -21,6 +21,9 @@ class Plan(Report):
     device: "str | None" = None  # the device modelled: "cuda" or "cpu" (None: plan_from's arithmetic)
     hidden: int = 0  # larger world sizes not computed (each combination stops at the first that fits, or
     # where what no sharding splits is over the device already)
+    # the parameters' floating dtypes where not all float32 ("bfloat16"): precision "fp32" is then the
+    # weights as given, no autocast, and the table says "as given"; None when all are float32
+    weights: "str | None" = None
     fits: list = field(init=False, to_dict=False)  # the options that fit (in the JSON as each option's "fits")
     best: "Option | None" = field(init=False)  # the first that fits, or None
 
@@ -37,6 +40,11 @@ class Plan(Report):
 
     def to_html(self, limit=40):
         return render("html", self, limit)
+
+    def precision_label(self, precision: str) -> str:
+        """How the table names a precision: "as given" for "fp32" (no cast, no autocast) where the
+        parameters are not all float32 (a bfloat16 model is not trained in float32 by it)."""
+        return "as given" if precision == "fp32" and self.weights else precision
 
     def __repr__(self):
         return f"Plan({len(self.fits)} of {len(self.options)} fit, best={self.best})"
