@@ -1013,10 +1013,12 @@ def advise(
             "advise(optimizer=...) expects a name ('adamw'), a torch.optim.Optimizer or a callable taking the "
             f"parameters, got {type(optimizer).__name__}"
         )
+    defaulted = device is None and gpu is None
+    device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
     budget_source = None
     if budget is not None:
         budget = units.parse(budget)
-    elif inputs and gpu is not None and (device is None or str(device).split(":")[0] == "cuda"):
+    elif inputs and gpu is not None and device == "cuda":
         # the GPU named: its memory is the budget of the step, as fit() and plan() take it ("a100": boards
         # of two sizes, an error as theirs)
         # lazy: the engine loads estimation only when this path runs (importing advice stays cheap)
@@ -1043,8 +1045,6 @@ def advise(
         framework = _framework_of(model)
     elif framework not in FRAMEWORKS:
         raise ValueError(f"advise(framework=...) expects one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    defaulted = device is None and gpu is None
-    device = DEFAULT_DEVICE if device is None else str(device).split(":")[0]
     _check_args(optimizer if optimizer is not None else "sgd", precision, device, world_size, sharding,
                 checkpointing, None)  # fmt: skip
     inputs = _inputs.read(inputs, "advise()")
