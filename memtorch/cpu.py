@@ -107,6 +107,9 @@ __all__ = [
 
 EXACT = "libc10-got"
 FALLBACK = "rss-fallback"
+# how the caveat of a scope that began counting opens (Scope.caveats); track()'s out-of-memory report
+# looks for it among its block's caveats
+COUNTING_BEGAN = "Counting began when this block opened"
 ENV = "MEMTORCH_CPU_MECHANISM"
 KEEP_ENV = "MEMTORCH_CPU_KEEP"
 _CHOICES = ("auto", "libc10-got", "rss")
@@ -806,7 +809,7 @@ class Scope:
             out.append((base, False))
         elif self._fresh and self._adopted:
             out.append((
-                "Counting began when this block opened: start, end and peak count the storages allocated since "
+                f"{COUNTING_BEGAN}: start, end and peak count the storages allocated since "
                 f"and the {units.format(self._adopted)} held then by the model and optimizer given to the block "
                 "(parameters, buffers, gradients, optimizer state), not other storages made before it (a batch, a "
                 "dataset, the state of an optimizer it was not given); delta and peak above start are exact. Call "
@@ -814,7 +817,7 @@ class Scope:
             ))  # fmt: skip
         elif self._fresh:
             out.append((
-                "Counting began when this block opened: start, end and peak count only the storages allocated "
+                f"{COUNTING_BEGAN}: start, end and peak count only the storages allocated "
                 "since (not the model's parameters or a batch made before it); delta and peak above start are "
                 "exact. Call memtorch.cpu.start() at start-up to count from the start.", False,
             ))  # fmt: skip

@@ -1838,7 +1838,7 @@ class Tracker:
                 notes.append("the block kept no event log (no model or optimizer given to track()): the bytes "
                              "held are the counters' when the allocation failed, not named")  # fmt: skip
             if self._report is not None and any(
-                c.startswith("Counting began when this block opened") for c in self.report.caveats
+                c.startswith(cpu.COUNTING_BEGAN) for c in self.report.caveats
             ):  # what the bytes held leave out, as the block's own report says it
                 notes.append("counting began when this block opened: the bytes held count the storages allocated "
                              "since and those of the model and optimizer given to it, not others made before it "
