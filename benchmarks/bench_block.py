@@ -103,6 +103,21 @@ def _skeleton(model, opt):
     return open_, close
 
 
+def _timed_block(model, opt, x, kw):
+    """(Tracker(), __enter__, __exit__) in ns of a block around a training step, opened right after one."""
+    ns = time.perf_counter_ns
+    train_step(model, opt, x)
+    a = ns()
+    t = memtorch.track(**kw)
+    b = ns()
+    t.__enter__()
+    c = ns()
+    train_step(model, opt, x)
+    d = ns()
+    t.__exit__(None, None, None)
+    return b - a, c - b, ns() - d
+
+
 def measure(label, maker, blocks):
     model, opt, x = maker("cpu")
     for _ in range(5):
@@ -115,19 +130,8 @@ def measure(label, maker, blocks):
     parts = {name: ([], [], []) for name in configs}
     for _ in range(blocks):
         for name, kw in configs.items():
-            train_step(model, opt, x)
-            a = ns()
-            t = memtorch.track(**kw)
-            b = ns()
-            t.__enter__()
-            c = ns()
-            train_step(model, opt, x)
-            d = ns()
-            t.__exit__(None, None, None)
-            e = ns()
-            parts[name][0].append(b - a)
-            parts[name][1].append(c - b)
-            parts[name][2].append(e - d)
+            for part, took in zip(parts[name], _timed_block(model, opt, x, kw)):
+                part.append(took)
     med = {name: [statistics.median(v) / 1e3 for v in p] for name, p in parts.items()}
     step = []
     for _ in range(blocks // 3 or 1):
@@ -154,19 +158,10 @@ def measure(label, maker, blocks):
             for install, _restore in used:
                 install()
             try:
-                train_step(model, opt, x)
-                a = ns()
-                t = memtorch.track(**full)
-                t.__enter__()
-                b = ns()
-                train_step(model, opt, x)
-                c = ns()
-                t.__exit__(None, None, None)
-                d = ns()
+                totals[name].append(sum(_timed_block(model, opt, x, full)))
             finally:
                 for _install, restore in used:
                     restore()
-            totals[name].append((b - a) + (d - c))
         train_step(model, opt, x)
         a = ns()
         state = skeleton_open()
