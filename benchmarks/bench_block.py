@@ -56,7 +56,7 @@ def _stubs(model):
     return {
         "the model's fingerprint check (Tracker())": (setter(_C, "modules_fingerprint", lambda mods: fp),
                                                        setter(_C, "modules_fingerprint", real_fp)),
-        "the known storages (open)": (setter(tracking.Tracker, "_known_storages", lambda self: None),
+        "the known storages (open)": (setter(tracking.Tracker, "_known_storages", lambda self, *a: None),
                                       setter(tracking.Tracker, "_known_storages", real_known)),
         "the torch.compile check (close)": (setter(tracking, "_any_compiled", lambda refs: False),
                                             setter(tracking, "_any_compiled", real_any)),

@@ -671,6 +671,32 @@ def _make_report(scope, kw):
     return TrackReport(**kw)
 
 
+def _lean_report(calls, figures):
+    """The TrackReport of a block that Tracker._finish_lean ended, from what it read: the phases the marks
+    timed, the replay of its log (deferred further: made when at_peak or the module rows are first read)."""
+    (start, end, peak_bytes, exact, ev, dropped, snapshots, sizes, token, specs, m, caveats, row_notes, sites,
+     other, unseen, seconds, largest_n) = figures  # fmt: skip
+    phases = {}
+    for name, (n, took) in zip(PHASES, m.phases):  # what marks.c timed
+        if n:
+            p = phases[name] = PhaseStats(name)
+            p.calls, p.seconds = n, took
+    # the log wrapped: the calls and bytes the hooks counted
+    totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
+    rows = []
+    pending = functools.partial(
+        _replay, ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, m.forwards, caveats, exact,
+        phases, sites=sites, totals=totals, other=other,
+    )  # fmt: skip
+    kw = dict(
+        device="cpu", exact=exact, mechanism=cpu.EXACT if type(calls) is cpu._CallScope else calls.mechanism,  # noqa: E721
+        start=start, end=end, peak=peak_bytes, _phases=dict(phases), _modules=rows, timeline=None, leak=None,
+        _largest=[], seconds=seconds, steps=0, _pending=pending, step_series=[], _largest_n=largest_n,
+        caveats=caveats, marks=[], _row_notes=row_notes, unseen_frees=unseen[0], unseen_bytes=unseen[1],
+    )  # fmt: skip
+    return _make_report(calls, kw)
+
+
 def _make_counters_report(closed, seconds):
     """The TrackReport of a counters-only block: ``closed`` its closed cpu.Scope, or its cpu._CallScope."""
     s = closed.scope() if type(closed) is cpu._CallScope else closed  # noqa: E721
@@ -934,6 +960,7 @@ _FRESH = dict(
     _return_scan=None,
     _return_armed=None,  # the trace function armed for that return (removed at the block's end)
     _step_scope=None,
+    _ended=False,  # _finish_lean ended the block (see _cleanup)
     _adopting=False,  # the optimizer is the first that steps the model's parameters (_hook_any_optimizer)
 )
 
@@ -949,6 +976,8 @@ class Tracker:
     _evmode = False
     _with_log = False  # run the event log (at_peak) even without a model: the pytest plugin
     _quick = False  # an open counters-only block (_enter_counters)
+    _lean = False  # its block may open by _enter_lean (set by __init__)
+    _ended = False  # _finish_lean ended the block (see _cleanup)
     _return_armed = None  # the trace function of _arm_return_scan, while armed
     _return_scan = None
     _fail0 = 0  # CPU: allocations that had failed when the block opened (_C.counters_last_failure)
@@ -993,6 +1022,10 @@ class Tracker:
         self._kind, self._index = _parse_device(device, first)
         del first
         self._timeline = bool(timeline)
+        self._lean = (
+            self._kind == "cpu" and not timeline and (model is not None or optimizer is not None)
+            and sys.platform.startswith("linux")  # event-log mode's (see __enter__)
+        )  # fmt: skip
         self._modules_on = bool(modules) and model is not None
         self._leaks = bool(leaks)
         self._warmup = warmup
@@ -1575,6 +1608,8 @@ class Tracker:
             and not self._largest and self._kind == "cpu"
         ):  # fmt: skip
             return self._enter_counters()
+        if self._lean and cpu._held and self._enter_lean():
+            return self
         self._open = True
         self._quick = False
         if not self._plan_fresh:  # a decorator's Tracker: the model may have changed since
@@ -1639,7 +1674,76 @@ class Tracker:
             raise
         return self
 
-    def _known_storages(self):
+    def _enter_lean(self):
+        """__enter__ of the common block (CPU on Linux with counting held, a model or optimizer, no
+        timeline): the general path's event-log mode with its scope by its own C call, in fewer steps (a
+        loop that opens a block per training step pays each one with the caches the step left cold). False,
+        having changed nothing, where the general path is needed: counting stopped meanwhile, or torch's
+        hook dicts are not where _hook_dicts and _opt_hook_dicts find them."""
+        direct = _direct[0] if _direct else _hook_dicts()
+        opt = None if self._optimizer is None else self._optimizer()
+        opt_direct = None if opt is None or direct is None else _opt_hook_dicts(opt)
+        if direct is None or (opt is not None and opt_direct is None):
+            return False
+        if not self._plan_fresh:  # a decorator's Tracker: the model may have changed since
+            self._plan = None
+        self._plan_fresh = False
+        model = None if self._model is None else self._model()
+        plan = None if model is None else self._model_plan(model)
+        self._report = None
+        self._reset_state()
+        self._evmode = True
+        self._thread = threading.get_ident()
+        self._t0 = time.perf_counter()
+        with _lock:
+            _active.append(self)
+            _token[0] = token = _token[0] % 255 + 1  # _next_token()
+        self._open = True
+        self._quick = False
+        try:
+            try:
+                self._raw = raw = cpu._CallScope(True, self._known_storages(plan, opt))
+            except RuntimeError:  # another thread stopped counting meanwhile: the general path
+                self._cleanup()
+                return False
+            self._tagbase = tagbase = token << attribution.TAG_BITS
+            if model is not None:  # _model_rows
+                self._root_id = id(model)
+                if self._modules_on:
+                    self._mod_specs = plan.specs
+                    self._ids = plan.ids
+            m = self._marks = _C.ModuleMarks(
+                self._ids, self._root_id or 0, tagbase, self._snapshots, _torch_mod.is_grad_enabled, None,
+                bool(self._largest),
+            )  # fmt: skip
+            m.closure_hook = functools.partial(_closure_args, weakref.ref(self))
+            m.in_backward = _in_backward_fn()
+            cpu._eventlog_mark(3, 0, tagbase)  # the block's own tag from its start (sites of "other")
+            self._step_head = head = cpu._eventlog_head()  # where the first step's events begin
+            self._snapshots.append((head, self._walk_names()))
+            self._boundaries.append(raw.start)
+            # _install_hooks' event-log path: all of the block's hooks in C, in one call
+            m.install(
+                None if plan is None else plan.mods if self._ids else plan.mods[:1],
+                *(opt_direct if opt is not None else (None, None)),
+                (_skip_traced(m.pre), _skip_traced(m.post), _skip_traced(m.opt_pre), _skip_traced(m.opt_post)),
+                direct[3],
+            )  # fmt: skip
+            self._handles.append(m)
+            if model is not None:
+                d = model.__dict__.get("_forward_pre_hooks_with_kwargs")  # _root_kwargs
+                i = m.pre_id
+                if i is not None and isinstance(d, dict) and i not in d:
+                    d[i] = True
+                    self._handles.append((d, i, None))
+                if opt is None:
+                    self._hook_any_optimizer()
+        except BaseException:
+            self._cleanup()
+            raise
+        return True
+
+    def _known_storages(self, plan=False, opt=False):
         """CPU: (address, bytes) of the storages of the model (parameters, buffers, gradients) and the
         optimizer (its state) that PyTorch's CPU allocator made before counting began, so that the block
         counts from what they hold (its start is not 0 B, at_peak names them, their frees are seen:
@@ -1648,15 +1752,18 @@ class Tracker:
         not pinned (asked only once CUDA is initialized: the question initializes nothing). The
         optimizer's parameters and gradients count too (a block given only the optimizer holds them as
         the model's would). None when there is nothing to give: the first parameter (the model's, else
-        the optimizer's) is counted already (one lookup), or neither model nor optimizer."""
+        the optimizer's) is counted already (one lookup), or neither model nor optimizer. ``plan`` and
+        ``opt``: the model's plan and the optimizer (or None) where the caller has them."""
         if self._kind != "cpu" or (self._model is None and self._optimizer is None) or cpu._counters_open_scopes():
             return None  # another block open: the counters would refuse them (cpu.Scope._adopt)
-        model = None if self._model is None else self._model()
-        opt = None if self._optimizer is None else self._optimizer()
-        if model is None and opt is None:
+        if opt is False:
+            opt = None if self._optimizer is None else self._optimizer()
+        if plan is False:
+            model = None if self._model is None else self._model()
+            plan = None if model is None else self._model_plan(model)
+            del model
+        if plan is None and opt is None:
             return None
-        plan = None if model is None else self._model_plan(model)
-        del model
         if plan is not None:
             first = plan.first()
         else:  # the optimizer's first parameter
@@ -1876,6 +1983,18 @@ class Tracker:
         """Remove every hook and close every scope; never raises for a closed block."""
         self._disarm_return_scan()
         self._return_scan = None
+        if self._ended:  # ended by _finish_lean: its hooks are out and its scope closed already
+            self._ended = False
+            self._ids = {}
+            if self._adopting:  # found, not given: the next block looks again
+                self._adopting = False
+                self._optimizer = None
+            self._marks = None
+            self._open = False
+            with _lock:
+                if self in _active:
+                    _active.remove(self)
+            return
         if self._quick:
             self._quick = False
             try:
@@ -1920,7 +2039,6 @@ class Tracker:
                 self._optimizer = None
             self._marks = None
             self._scope = None
-            self._snap = None
             self._open = False
             with _lock:
                 if self in _active:
@@ -1942,6 +2060,8 @@ class Tracker:
     def _finish(self):
         if self._quick:
             return self._finish_counters()
+        if self._lean and self._evmode and self._raw is not None:
+            return self._finish_lean()
         self._remove_hooks()
         while self._mod_stack:  # forwards interrupted by an exception
             i, s, again = self._mod_stack.pop()
@@ -2074,6 +2194,50 @@ class Tracker:
         )  # fmt: skip
         # the TrackReport itself is made when t.report is first read (most loops never read it)
         return functools.partial(_make_report, self._scope if calls is None else calls, kw)
+
+    def _finish_lean(self):
+        """_finish of a block in event-log mode whose scope is still its own C calls (no t.step(), no
+        report read while open, no timeline: _enter_lean's, a block per training step): what only the
+        block's end can read (the scope's figures, the log, the gradients' names, the sizes now, whether
+        a module is compiled) is read now; the rest when the report is first read (_lean_report)."""
+        self._remove_hooks()
+        m = self._marks
+        m.end_phase()
+        cpu._eventlog_mark(3, 0, _outer_tag(self))  # the enclosing block's tag again, if any
+        head = cpu._eventlog_head()
+        calls, self._raw = self._raw, None
+        start, end, peak_bytes, exact, ev0, other, unseen = calls.close()
+        if calls.hooks_lost:  # where they went is read now (the Scope reads it), as _finish does
+            s = calls = calls.scope()
+            s.close()
+            start, end, peak_bytes, exact, ev0 = s._start, s._end, s._peak, bool(s._exact), s._ev0
+            exact = exact and s.mechanism != cpu.FALLBACK
+            other, unseen = (s._other_bytes, s._other_allocs), (s.unseen_frees, s.unseen_bytes)
+            del s
+        caveats, row_notes = [], []  # the closed scope's caveats are added when the report is made
+        plan = None if self._model is None or self._model() is None else self._plan
+        forwards = m.forwards
+        if plan is not None and (_any_compiled(plan.mods) or (forwards == 0 and _graphs_compiled())):
+            caveats, row_notes = _compiled_notes([(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)],
+                                                 forwards)  # fmt: skip
+        ev, dropped = cpu._eventlog_read_all(ev0, head, True)  # the ring and the counters move on
+        sites = cpu._eventlog_sites(ev0, head)  # source lines of "other" (sites.c)
+        opt = None if self._optimizer is None else self._optimizer()
+        snapshots = self._snapshots
+        snapshots.reverse()
+        snapshots.insert(0, (head, self._walk_names(full=False, state=opt is not None and len(opt.state) != m.state_n)))
+        del opt
+        addrs = list(set().union(*[names for _, names in snapshots]))
+        sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
+        if self._oom is not None and self._oom["kind"] == "cpu":
+            self._oom_at_failure(ev, dropped, start, snapshots, sizes, sites)
+        self._snapshots = []
+        seconds = time.perf_counter() - self._t0
+        self._ended = True  # what _cleanup has left to do is little (see there)
+        return functools.partial(_lean_report, calls, (
+            start, end, peak_bytes, exact, ev, dropped, snapshots, sizes, self._tagbase >> attribution.TAG_BITS,
+            self._mod_specs, m, caveats, row_notes, sites, other, unseen, seconds, self._largest,
+        ))  # fmt: skip
 
     def _snapshot(self):
         """A report of the open block so far: start, current as end, peak so far, steps."""

@@ -168,6 +168,31 @@ def test_a_submodule_compiled_in_place_is_one_region_inside_its_parents_row():
     torch._dynamo.reset()
 
 
+def test_a_module_compiled_inside_a_block_or_before_it_is_said_by_every_block():
+    """m[2].compile() before a block, and m2[2].compile() inside one, whose compiled code dynamo may take
+    from its cache (the same module class compiled before: no frame compiled, no counter of dynamo moves):
+    each block's end reads the modules themselves, so each says the region is compiled."""
+    memtorch.cpu.start()  # counting held: the blocks take the per-step path (Tracker._enter_lean)
+    torch._dynamo.reset()
+    m, x = _mlp(), torch.randn(2, 8)
+    with memtorch.track(m) as t:
+        m(x).sum().backward()
+    assert not any("compiled" in c for c in t.report.caveats)
+    m[2].compile(backend="eager")
+    for _ in range(2):  # the first may be the block that compiles it
+        with memtorch.track(m) as t:
+            m(x).sum().backward()
+        r = t.report
+        assert _by_name(r)["2"].calls == 0 and any(c.startswith("2 is compiled (2.compile())") for c in r.caveats)
+    m2 = _mlp()
+    with memtorch.track(m2) as t:
+        m2[2].compile(backend="eager")
+        m2(x).sum().backward()
+    r = t.report
+    assert _by_name(r)["2"].calls == 0 and any(c.startswith("2 is compiled (2.compile())") for c in r.caveats)
+    torch._dynamo.reset()
+
+
 def test_a_root_compiled_in_place_says_that_it_has_no_phases():
     torch._dynamo.reset()
     m = _mlp()

@@ -528,6 +528,53 @@ def test_part_scopes_of_their_own_c_calls_give_what_scopes_give(monkeypatch, pat
     assert report() == own
 
 
+def _block_figures(r):
+    """What a block's report says, but the time and the addresses: figures, phases, rows, at_peak."""
+    ap = r.at_peak
+    return (
+        r.start, r.end, r.peak, r.exact, r.mechanism, r.steps, r.leak, list(r.caveats), r.step_series,
+        {k: (p.calls, p.delta, p.peak_above_start, p.exact) for k, p in r.phases.items()},
+        [(m.name, m.type, m.calls, m.peak_above_start, m.activation_bytes, m.exact, m.note) for m in r.modules],
+        ap.peak, ap.exact, list(ap.by_kind().items()), list(ap.by_module().items()),
+        sorted((o.name, o.kind, o.nbytes) for o in ap.owners), list(ap.notes),
+    )  # fmt: skip
+
+
+@exact_only
+@pytest.mark.parametrize("given", ["model and optimizer", "model", "optimizer"])
+def test_a_block_per_step_reads_as_the_general_path(monkeypatch, given):
+    """A block opened around one training step, counting held (the loop that opens one per step):
+    Tracker._enter_lean and _finish_lean, with their report made when first read (_lean_report), say
+    what the general path says of the same step, figure for figure and name for name."""
+    model, opt, x = _adam_mlp_counted()
+    kw = {"model and optimizer": {"model": model, "optimizer": opt}, "model": {"model": model},
+          "optimizer": {"optimizer": opt}}[given]  # fmt: skip
+    took = []
+    real_finish = tracking.Tracker._finish_lean
+    monkeypatch.setattr(tracking.Tracker, "_finish_lean", lambda self: took.append(1) or real_finish(self))
+
+    def block(lean):
+        x.grad = None
+        t = memtorch.track(**kw)
+        t._lean = lean
+        with t:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+        return _block_figures(t.report)
+
+    block(True)  # the first block after the model was built: its plan and names are made here
+    lean = block(True)
+    assert len(took) == 2  # both by the per-step path
+    general = block(False)
+    assert len(took) == 2 and lean == general
+    assert lean[3] and lean[2] > lean[0]  # exact, and the step allocated
+    assert tracking._debug_leftovers() == []
+    no_hooks(model)
+
+
 def test_exception_as_decorator():
     err = Boom()
 
