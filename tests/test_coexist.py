@@ -186,6 +186,34 @@ def test_a_tool_that_writes_libc_back_is_noticed_and_the_scope_is_not_exact():
     assert [c[:37] for c in r["next_caveats"]] == ["Counting began when this block opened"]
 
 
+def test_a_tool_that_writes_libc_back_inside_a_block_per_step_is_noticed_as_by_the_general_path():
+    """The same tool inside a track(model, optimizer) block with counting held (a block per training
+    step: Tracker._enter_lean and _finish_lean, the block's scope by its own C calls): its end finds the
+    hooks gone, reads where they went, and says what the general path says (the block opened as it is),
+    each in a process of its own."""
+    body = '''
+    import memtorch
+    cpu.start()
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    t = memtorch.track(model, opt)
+    t._lean = LEAN
+    with t:
+        model(torch.ones(8, 64)).sum().backward()
+        _C._counters_tool("libc")
+        opt.step()
+        _C._counters_tool("uninstall")    # writes libc back, over memtorch's hooks
+        opt.zero_grad()
+    r = t.report
+    out["said"] = [r.exact, r.caveats, r.mechanism, t._scope is None, sorted(r.phases)]
+    '''
+    lean, general = (run(body.replace("LEAN", str(lean)))["said"] for lean in (True, False))
+    assert lean[0] is False and any("Another tool replaced memtorch's allocation hooks" in c for c in lean[1])
+    assert lean[3] is True  # its scope by its own C calls until then
+    assert lean == general
+    assert lean[4] == ["backward", "forward", "optimizer"]
+
+
 def test_a_naive_tool_restoring_under_memtorch_is_noticed():
     r = run('''
     original = slot()
