@@ -564,6 +564,21 @@ def test_lora_and_qlora_rows_are_estimates_of_the_wrapped_model_and_change_nothi
     assert isinstance(peft.LoraConfig(r=16), peft.LoraConfig)
 
 
+def test_the_bf16_weights_row_estimated_takes_the_batch_in_bfloat16_as_the_measured_row_does():
+    # a float32 Sequential given a float32 batch: the row's dry run failed ("mat1 and mat2 must have the same
+    # dtype", the whole error quoted under "checked") where the measured row casts the batch; it is now the
+    # estimate of that step, figure for figure
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x = torch.randn(32, 64)
+    adv = memtorch.advise(model, x, optimizer="adam", device="cpu")
+    assert not any("did not run" in n for n in adv.notes), adv.notes
+    (bf,) = adv.by_kind("bf16_weights")
+    est = memtorch.estimate(model, x.bfloat16(), optimizer="adam", device="cpu", precision="bf16-true")
+    assert bf.basis.startswith("estimated") and bf.after == est.peak and bf.saves == adv.peak - est.peak
+    assert bf.saves > 0 and x.dtype == torch.float32  # the caller's batch as it was
+
+
 def test_the_bf16_weights_row_names_the_step_it_starts_from():
     # from a bf16-mixed step the weights are float32 under autocast: the row says so, not "in float32"
     transformers = pytest.importorskip("transformers")

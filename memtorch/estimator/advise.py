@@ -171,6 +171,10 @@ def _step_estimate(model, inputs, optimizer, loss_fn, autocast=None, checkpoint=
     if checkpoint:
         base["checkpointing"] = checkpoint if checkpoint == "blocks" else list(checkpoint)
     run_inputs = inputs if batch is None else inputs.with_batch(batch)
+    if dtype is not None and autocast is None:
+        # the whole model in ``dtype``: its floating-point inputs too, as _step_peak measures it (estimate's
+        # precision='bf16-true' casts the parameters only, as the user's own step would cast the batch)
+        run_inputs = run_inputs.map(lambda x: x.to(dtype) if x.is_floating_point() else x)
     if engine is not None and model is engine.model:
         f = engine.figures(base["precision"], base.get("checkpointing"), run_inputs,
                            world_size=base.get("world_size", 1), sharding=base.get("sharding"))  # fmt: skip
