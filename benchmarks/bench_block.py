@@ -4,7 +4,9 @@
 
 Each block is opened right after a training step, as a loop that opens one per step does, so its code
 runs with the caches the step left (cold): the medians of Tracker() (made per step by such a loop),
-__enter__ and __exit__, per configuration, interleaved. Then, for track(model, optimizer), what each part
+__enter__ and __exit__, per configuration, interleaved; track(model, optimizer) also by the general path
+(the steps any block can take) beside the per-step path such a loop's blocks take (counting held, no
+timeline: Tracker._enter_lean and _finish_lean). Then, for track(model, optimizer), what each part
 of the block would save if it cost nothing (the part replaced by a stub that returns at once; the report's
 figures are then wrong: a measurement of cost only), and the block's bare C calls with none of the Python
 around them (scope, ModuleMarks and its hooks, the log, the names): the floor of a block of this design.
@@ -32,9 +34,15 @@ MODELS = [("MLP 256-512-512-10, batch 64, Adam", make_mlp), (
     "nn.TransformerEncoder, 2 layers, d_model 128, batch 16 x 32 tokens, Adam", make_transformer)]
 
 
+# The general path: the same block opened and ended by the steps every block can take (Tracker._lean off),
+# beside the per-step path a loop's blocks take (Tracker._enter_lean, _finish_lean): what that path saves.
+GENERAL = "track(model, optimizer), by the general path"
+
+
 def _configs(model, opt):
     return {
         "track(model, optimizer)": {"model": model, "optimizer": opt},
+        GENERAL: {"model": model, "optimizer": opt},
         "track(model)": {"model": model},
         "track(optimizer=opt)": {"optimizer": opt},
         "track() counters only": {},
@@ -103,13 +111,17 @@ def _skeleton(model, opt):
     return open_, close
 
 
-def _timed_block(model, opt, x, kw):
-    """(Tracker(), __enter__, __exit__) in ns of a block around a training step, opened right after one."""
+def _timed_block(model, opt, x, kw, general=False):
+    """(Tracker(), __enter__, __exit__) in ns of a block around a training step, opened right after one;
+    general: by the general path (GENERAL)."""
     ns = time.perf_counter_ns
     train_step(model, opt, x)
     a = ns()
     t = memtorch.track(**kw)
     b = ns()
+    if general:
+        t._lean = False
+        b = ns()
     t.__enter__()
     c = ns()
     train_step(model, opt, x)
@@ -119,19 +131,26 @@ def _timed_block(model, opt, x, kw):
 
 
 def measure(label, maker, blocks):
-    model, opt, x = maker("cpu")
-    for _ in range(5):
-        train_step(model, opt, x)
     ns = time.perf_counter_ns
-    configs = _configs(model, opt)
-    for kw in configs.values():  # first blocks: plans, caches
-        with memtorch.track(**kw):
+    # a model, optimizer and batch of its own per configuration (the same ones), as a loop has: what a
+    # block keeps of its model between blocks (its plan, the names of its tensors) is then that loop's
+    setups, configs = {}, {}
+    for name in _configs(None, None):
+        model, opt, x = setups[name] = maker("cpu")
+        configs[name] = _configs(model, opt)[name]
+        for _ in range(5):
+            train_step(model, opt, x)
+        with memtorch.track(**configs[name]):  # the first block: plans, caches
             train_step(model, opt, x)
     parts = {name: ([], [], []) for name in configs}
-    for _ in range(blocks):
-        for name, kw in configs.items():
-            for part, took in zip(parts[name], _timed_block(model, opt, x, kw)):
+    names = list(configs)
+    for i in range(blocks):
+        # the order rotated from round to round: a block's cost depends on what ran before it
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            model, opt, x = setups[name]
+            for part, took in zip(parts[name], _timed_block(model, opt, x, configs[name], name == GENERAL)):
                 part.append(took)
+    model, opt, x = setups["track(model, optimizer)"]
     med = {name: [statistics.median(v) / 1e3 for v in p] for name, p in parts.items()}
     step = []
     for _ in range(blocks // 3 or 1):
@@ -153,8 +172,22 @@ def measure(label, maker, blocks):
     totals = {name: [] for name in variants}
     totals["its C calls alone (no Python logic)"] = []
     full = configs["track(model, optimizer)"]
-    for _ in range(blocks):
-        for name, used in variants.items():
+    skeleton = "its C calls alone (no Python logic)"
+    rows = list(totals)
+    for i in range(blocks):
+        for name in rows[i % len(rows):] + rows[:i % len(rows)]:  # rotated, as above
+            if name == skeleton:
+                train_step(model, opt, x)
+                a = ns()
+                state = skeleton_open()
+                b = ns()
+                train_step(model, opt, x)  # its hooks in: the step runs them, as in a block
+                c = ns()
+                skeleton_close(state)
+                totals[skeleton].append((b - a) + (ns() - c))
+                del state
+                continue
+            used = variants[name]
             for install, _restore in used:
                 install()
             try:
@@ -162,15 +195,6 @@ def measure(label, maker, blocks):
             finally:
                 for _install, restore in used:
                     restore()
-        train_step(model, opt, x)
-        a = ns()
-        state = skeleton_open()
-        b = ns()
-        train_step(model, opt, x)  # its hooks in: the step runs them, as in a block
-        c = ns()
-        skeleton_close(state)
-        totals["its C calls alone (no Python logic)"].append((b - a) + (ns() - c))
-        del state
     base = statistics.median(totals["the block as it is"]) / 1e3
     lines += ["", "track(model, optimizer), Tracker() + open + close after a step, with a part of it costing nothing "
               "(a stub: the figures are then wrong, a measurement of cost only):", "",
