@@ -5,6 +5,9 @@ One process, interleaved rounds; each round times K steps of every configuration
   track() counters           one `with memtorch.track():` block per step
   track(model, optimizer)    one block per step with phases, per-module figures and the
                              event log that at_peak is computed from (when first read)
+  ... by the general path    the same block opened and ended by the steps any block can take, not the
+                             per-step path a loop's blocks take (counting held, no timeline:
+                             Tracker._enter_lean and _finish_lean): what that path saves, in the same run
   ... + at_peak read         the same, reading t.report.at_peak after each block (the replay)
   callbacks' block           what the transformers and Lightning callbacks do at each step: one block
                              (memtorch.integrations.Session, as they open it) around the K steps, its
@@ -148,6 +151,13 @@ def measure(label, maker, full_target, peers, device, K, rounds, clock):
             with memtorch.track(model, optimizer=opt, device=device):
                 train_step(model, opt, x)
 
+    def run_full_general():
+        for _ in range(K):
+            t = memtorch.track(model, optimizer=opt, device=device)
+            t._lean = False  # the steps any block can take, not the per-step path (Tracker._enter_lean)
+            with t:
+                train_step(model, opt, x)
+
     def run_full_at_peak():
         for _ in range(K):
             with memtorch.track(model, optimizer=opt, device=device) as t:
@@ -195,6 +205,7 @@ def measure(label, maker, full_target, peers, device, K, rounds, clock):
         ("plain", run_plain),
         ("track() counters only", run_counters),
         ("track(model, optimizer) full", run_full),
+        ("track(model, optimizer) full, by the general path", run_full_general),
         ("track(model, optimizer) full, at_peak read", run_full_at_peak),
         ("callbacks' block: t.step() and the logged figures per step", run_session),
     ]
@@ -394,7 +405,9 @@ def main():
         f"{torch.get_num_threads()} thread(s). Clock: "
         f"{'CPU time of the main thread (time.thread_time)' if clock_name == 'thread' else 'wall (perf_counter)'}."
         " `full` keeps the event log and computes at_peak and the per-module and per-phase figures when the"
-        " report is first read; `full, at_peak read` reads it after every block. The callbacks' block is"
+        " report is first read; `full, by the general path` is the same block opened and ended by the steps"
+        " any block can take instead of the per-step path (Tracker._enter_lean, _finish_lean) that a loop's"
+        " blocks take; `full, at_peak read` reads at_peak after every block. The callbacks' block is"
         " what the transformers and Lightning callbacks cost per training step: one block (opened as they open"
         " it, outside the timing) around the round's steps, t.step() and the figures they log after each step"
         " (they log once per logging interval).",
