@@ -685,15 +685,17 @@ def _lean_report(calls, figures):
     totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
     rows = []
     pending = functools.partial(
-        _replay, ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, m.forwards, caveats, exact,
-        phases, sites=sites, totals=totals, other=other,
+        _replay, ev, dropped, start, peak_bytes, snapshots, sizes, token, rows, specs, m.forwards, caveats,
+        exact, phases, sites=sites, totals=totals, other=other,
     )  # fmt: skip
-    kw = dict(
-        device="cpu", exact=exact, mechanism=cpu.EXACT if type(calls) is cpu._CallScope else calls.mechanism,  # noqa: E721
-        start=start, end=end, peak=peak_bytes, _phases=dict(phases), _modules=rows, timeline=None, leak=None,
-        _largest=[], seconds=seconds, steps=0, _pending=pending, step_series=[], _largest_n=largest_n,
-        caveats=caveats, marks=[], _row_notes=row_notes, unseen_frees=unseen[0], unseen_bytes=unseen[1],
-    )  # fmt: skip
+    own = type(calls) is cpu._CallScope  # noqa: E721  (else the Scope made where the hooks were lost)
+    kw = {
+        "device": "cpu", "exact": exact, "mechanism": cpu.EXACT if own else calls.mechanism, "start": start,
+        "end": end, "peak": peak_bytes, "_phases": dict(phases), "_modules": rows, "timeline": None,
+        "leak": None, "_largest": [], "seconds": seconds, "steps": 0, "_pending": pending, "step_series": [],
+        "_largest_n": largest_n, "caveats": caveats, "marks": [], "_row_notes": row_notes,
+        "unseen_frees": unseen[0], "unseen_bytes": unseen[1],
+    }  # fmt: skip
     return _make_report(calls, kw)
 
 
@@ -1726,8 +1728,7 @@ class Tracker:
             m.install(
                 None if plan is None else plan.mods if self._ids else plan.mods[:1],
                 *(opt_direct if opt is not None else (None, None)),
-                (_skip_traced(m.pre), _skip_traced(m.post), _skip_traced(m.opt_pre), _skip_traced(m.opt_post)),
-                direct[3],
+                tuple(_skip_traced(h) for h in (m.pre, m.post, m.opt_pre, m.opt_post)), direct[3],
             )  # fmt: skip
             self._handles.append(m)
             if model is not None:
@@ -2218,15 +2219,17 @@ class Tracker:
         plan = None if self._model is None or self._model() is None else self._plan
         forwards = m.forwards
         if plan is not None and (_any_compiled(plan.mods) or (forwards == 0 and _graphs_compiled())):
-            caveats, row_notes = _compiled_notes([(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)],
-                                                 forwards)  # fmt: skip
+            named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
+            caveats, row_notes = _compiled_notes(named, forwards)
+            del named
         ev, dropped = cpu._eventlog_read_all(ev0, head, True)  # the ring and the counters move on
         sites = cpu._eventlog_sites(ev0, head)  # source lines of "other" (sites.c)
         opt = None if self._optimizer is None else self._optimizer()
         snapshots = self._snapshots
         snapshots.reverse()
-        snapshots.insert(0, (head, self._walk_names(full=False, state=opt is not None and len(opt.state) != m.state_n)))
+        new_state = opt is not None and len(opt.state) != m.state_n
         del opt
+        snapshots.insert(0, (head, self._walk_names(full=False, state=new_state)))
         addrs = list(set().union(*[names for _, names in snapshots]))
         sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
         if self._oom is not None and self._oom["kind"] == "cpu":
@@ -2234,9 +2237,10 @@ class Tracker:
         self._snapshots = []
         seconds = time.perf_counter() - self._t0
         self._ended = True  # what _cleanup has left to do is little (see there)
+        token = self._tagbase >> attribution.TAG_BITS
         return functools.partial(_lean_report, calls, (
-            start, end, peak_bytes, exact, ev, dropped, snapshots, sizes, self._tagbase >> attribution.TAG_BITS,
-            self._mod_specs, m, caveats, row_notes, sites, other, unseen, seconds, self._largest,
+            start, end, peak_bytes, exact, ev, dropped, snapshots, sizes, token, self._mod_specs, m, caveats,
+            row_notes, sites, other, unseen, seconds, self._largest,
         ))  # fmt: skip
 
     def _snapshot(self):

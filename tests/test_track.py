@@ -534,7 +534,8 @@ def _block_figures(r):
     return (
         r.start, r.end, r.peak, r.exact, r.mechanism, r.steps, r.leak, list(r.caveats), r.step_series,
         {k: (p.calls, p.delta, p.peak_above_start, p.exact) for k, p in r.phases.items()},
-        [(m.name, m.type, m.calls, m.peak_above_start, m.activation_bytes, m.exact, m.note) for m in r.modules],
+        [(m.name, m.type, m.calls, m.peak_above_start, m.activation_bytes, m.exact, m.note)
+         for m in r.modules],
         ap.peak, ap.exact, list(ap.by_kind().items()), list(ap.by_module().items()),
         sorted((o.name, o.kind, o.nbytes) for o in ap.owners), list(ap.notes),
     )  # fmt: skip
