@@ -123,6 +123,32 @@ def expected_keys(scan, model_names=()):
     return out
 
 
+def _may_clear(frame, optimized, snapshot):
+    """Whether the f_locals ``snapshot`` of ``frame`` (a dict before Python 3.13, which would keep its
+    values alive) may be emptied after reading: not where the frame has a trace function. While a trace
+    function runs for a frame (a debugger's, or track()'s at the return of the function that called
+    t.step()), the interpreter writes that dict back into the frame's locals when it returns, and an
+    emptied one would delete them: a nested function's free variables too, the enclosing function's."""
+    return optimized and sys.version_info < (3, 13) and isinstance(snapshot, dict) and frame.f_trace is None
+
+
+def frame_items(frame):
+    """[(name, value)] of ``frame``'s locals, leaving no reference behind where that is safe (_may_clear):
+    before Python 3.13 reading f_locals keeps a snapshot dict on the frame that holds the values (a
+    batch the loop that caught an out-of-memory error then deletes would stay allocated)."""
+    optimized = bool(frame.f_code.co_flags & 0x1)  # CO_OPTIMIZED: a function's fast locals
+    try:
+        snap = frame.f_locals
+    except Exception:
+        return []
+    try:
+        return list(snap.items())
+    finally:
+        if _may_clear(frame, optimized, snap):
+            snap.clear()
+        del snap
+
+
 def stack_locals(skip_prefix=_HERE, depth=50):
     """{id(object): 'local `name` of `function`'} for the locals of the running frames
     outside memtorch (leaves no reference behind)."""
@@ -141,7 +167,7 @@ def stack_locals(skip_prefix=_HERE, depth=50):
                     for k, v in snap.items():
                         out.setdefault(id(v), f"local `{k}` of `{frame.f_code.co_name}`")
                 finally:
-                    if optimized and sys.version_info < (3, 13) and isinstance(snap, dict):
+                    if _may_clear(frame, optimized, snap):
                         snap.clear()
                     del snap
         frame = frame.f_back

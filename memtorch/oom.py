@@ -25,6 +25,7 @@ Under torch.distributed each rank prints its own, headed with its rank.
 import re
 import sys
 
+from .leaks import frame_items
 from .reports.oom import OomReport  # the result type's home (no torch)
 
 __all__ = ["on_oom", "is_oom", "report_of", "ENV"]
@@ -219,7 +220,7 @@ def _names_from_frames(tb):
     modules = {}  # the outermost module's {dotted name: type name}, for the by-module table
     # modules from the outermost frame in: the model's own names ("2.0.weight"), not a submodule's ("0.weight")
     for frame in frames:
-        for value in list(frame.f_locals.values()):
+        for _, value in frame_items(frame):
             if isinstance(value, torch.nn.Module):
                 if not modules:
                     modules = {n: type(m).__name__ for n, m in value.named_modules()}
@@ -234,7 +235,7 @@ def _names_from_frames(tb):
                 optimizers.append(value)
     for frame in reversed(frames):  # plain tensors from the innermost frame out: the most specific name
         where = frame.f_code.co_name
-        for var, value in list(frame.f_locals.items()):
+        for var, value in frame_items(frame):
             if isinstance(value, torch.Tensor):
                 out.setdefault(id(value), (f"local `{var}` of `{where}`", "activation" if value.grad_fn is not None
                                            else "other"))  # fmt: skip

@@ -250,7 +250,7 @@ def _local_name(frame, t):
                 return f"{k} (in {frame.f_code.co_name})"
         return None
     finally:
-        if optimized and sys.version_info < (3, 13) and isinstance(snapshot, dict):
+        if leaks._may_clear(frame, optimized, snapshot):
             snapshot.clear()
         del snapshot
 
@@ -961,6 +961,7 @@ _FRESH = dict(
     # after it: its locals are gone by then): (groups, survivors, notes, function name), or None
     _return_scan=None,
     _return_armed=None,  # the trace function armed for that return (removed at the block's end)
+    _return_frame=None,  # (that function's frame, its trace function) while armed
     _step_scope=None,
     _ended=False,  # _finish_lean ended the block (see _cleanup)
     _adopting=False,  # the optimizer is the first that steps the model's parameters (_hook_any_optimizer)
@@ -981,6 +982,7 @@ class Tracker:
     _lean = False  # its block may open by _enter_lean (set by __init__)
     _ended = False  # _finish_lean ended the block (see _cleanup)
     _return_armed = None  # the trace function of _arm_return_scan, while armed
+    _return_frame = None  # (the frame it traces, that frame's trace function), while armed
     _return_scan = None
     _fail0 = 0  # CPU: allocations that had failed when the block opened (_C.counters_last_failure)
     _oom = None  # while an out-of-memory error closes the block: what the post-mortem needs
@@ -1588,7 +1590,8 @@ class Tracker:
     def _reset_state(self):
         """The per-block state of the general path (phases, modules, steps, event log)."""
         d = self.__dict__
-        d.update(_FRESH)  # the immutable part, in one call
+        if "_handles" in d:  # a Tracker whose block opened before: the immutable part back to the class's
+            d.update(_FRESH)
         d["_handles"] = []
         d["_cuda_open"] = []
         d["_phases"] = {}  # name -> PhaseStats, made when the phase first begins
@@ -2339,8 +2342,12 @@ class Tracker:
         def on_frame(_frame, event, _arg):
             t = me()
             if event == "return" and t is not None and t._open and t._return_armed is not None:
+                t._disarm_return_scan(keep_frame=True)
+                # the frame's trace function still set while its locals are read: their snapshot is
+                # written back into the frame as this function returns (leaks._may_clear)
+                found = t._leak_groups(len(t._boundaries) - 1)
                 t._disarm_return_scan()
-                t._return_scan = (*t._leak_groups(len(t._boundaries) - 1), name)
+                t._return_scan = (*found, name)
                 return None
             return on_frame
 
@@ -2349,15 +2356,24 @@ class Tracker:
 
         frame.f_trace_lines = False
         frame.f_trace = on_frame
+        self._return_frame = (frame, on_frame)  # only while armed: the frame is running meanwhile
         del frame
         self._return_armed = on_call
         sys.settrace(on_call)
 
-    def _disarm_return_scan(self):
+    def _disarm_return_scan(self, keep_frame=False):
+        """The global trace function out, and (unless keep_frame) the armed frame's own: a frame that
+        outlives the block (the function that opened it) keeps no trace function of memtorch's."""
         if self._return_armed is not None:
             if sys.gettrace() is self._return_armed:
                 sys.settrace(None)
             self._return_armed = None
+        if not keep_frame and self._return_frame is not None:
+            frame, on_frame = self._return_frame
+            self._return_frame = None
+            if frame.f_trace is on_frame:
+                frame.f_trace = None
+            del frame
 
     def _leak_groups(self, steps):
         """Group the tensors new since the first growing step and alive now (bounded)."""
@@ -2517,6 +2533,14 @@ class Tracker:
 
     def _describe(self):
         return f"on {self._kind}{'' if self._index is None else ':' + str(self._index)} (opened in thread {self._thread})"
+
+
+# The immutable part of a block's state at its start, as class defaults: a Tracker's first block (a
+# loop's block per step makes a Tracker per step) reads them there, and _reset_state puts them back on
+# the instance only for a Tracker whose block opened before.
+for _name, _value in _FRESH.items():
+    setattr(Tracker, _name, _value)
+del _name, _value
 
 
 def track(

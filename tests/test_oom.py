@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -174,10 +175,17 @@ def test_no_block_the_switch_names_the_tracebacks_locals(counting):
 
         with FakeTensorMode():
             fake = torch.empty(8)  # noqa: F841 (a live tensor with no data pointer: passed over, not an error)
+        batch = torch.randn(4, 64)
         try:
-            train(model, torch.randn(4, 64))
+            train(model, batch)
         except RuntimeError as e:
             sys.excepthook(type(e), e, e.__traceback__)
+        # the report read this frame's locals (the traceback's first frame): it keeps no reference to
+        # them (before Python 3.13 a read leaves a snapshot of them on the frame), so a batch the loop
+        # deletes after the error is freed, as a retry with a smaller one needs
+        gone = weakref.ref(batch)
+        del batch
+        assert gone() is None
     finally:
         memtorch.on_oom(False)
     assert sys.excepthook is before

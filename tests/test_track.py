@@ -293,6 +293,8 @@ def test_summed_loss_with_graph_is_named(unhurried):
             x = torch.ones(b, D_IN)
             total = total + model(x).sum()  # no .item(), no backward: the graph stays attached
             t.step()
+    # the trace function armed on this frame to name the survivors as it returns is gone with the block
+    assert sys.gettrace() is None and sys._getframe().f_trace is None
     leak = t.report.leak
     assert leak.leaking and leak.per_step >= 0.5 * per_step
     if EXACT:
@@ -574,6 +576,81 @@ def test_a_block_per_step_reads_as_the_general_path(monkeypatch, given):
     assert lean[3] and lean[2] > lean[0]  # exact, and the step allocated
     assert tracking._debug_leftovers() == []
     no_hooks(model)
+
+
+@exact_only
+def test_the_leak_scan_at_a_nested_loops_return_leaves_the_variables_it_shares():
+    """The survivors of a leak are named as the function that called t.step() returns, by a trace
+    function on its frame; reading that frame's locals there and emptying the snapshot made the
+    interpreter write the empty snapshot back (Python < 3.13): the function's free variables, shared
+    with the enclosing one, were deleted, so `model`, `opt` and `kept` were gone after the loop (a
+    NameError; the model freed with them: the block's end read 0 B)."""
+    model, opt, x = _adam_mlp_counted()
+    kept = []
+
+    def loop(t):
+        for _ in range(4):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            kept.append(loss.detach().reshape(1).repeat(64))  # 256 B a step
+            t.step()
+
+    with memtorch.track(model, optimizer=opt) as t:
+        loop(t)
+    r = t.report
+    assert r.leak.leaking and r.leak.per_step == 256
+    assert len(kept) == 4 and isinstance(model, torch.nn.Module) and opt.state
+    assert r.end - r.start == 4 * 256  # the kept losses; the model and optimizer still held
+    assert any("kept" in str(g) for g in r.leak.groups), r.leak.groups
+
+
+@exact_only
+def test_a_tracker_of_a_model_reused_opens_its_next_block_afresh():
+    """A Tracker's second block reads as a new Tracker's block of the same step: what its first block set
+    (steps, the leak's scan, phases, the step scope) is back to the defaults (Tracker._reset_state)."""
+    model, opt, x = _adam_mlp_counted()
+
+    def one_step():
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    kept = []
+
+    def leaky(t, n):  # each step keeps its loss: a leak found after the warm-up, its scan taken
+        for _ in range(n):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            kept.append(loss.detach().reshape(1).repeat(64))
+            t.step()
+
+    def leak_of(r):
+        return r.steps, r.leak.steps, r.leak.leaking, [(g.count, g.nbytes) for g in r.leak.groups]
+
+    t = memtorch.track(model, optimizer=opt)
+    with t:
+        leaky(t, 4)
+    assert t.report.leak.leaking
+    with t:
+        leaky(t, 4)
+    again = leak_of(t.report)
+    with memtorch.track(model, optimizer=opt) as fresh:
+        leaky(fresh, 4)
+    assert again == leak_of(fresh.report) and again[2]
+    with memtorch.track(model, optimizer=opt):  # the names and plan made for this configuration
+        one_step()
+    with t:
+        one_step()
+    again = _block_figures(t.report)
+    with memtorch.track(model, optimizer=opt) as fresh:
+        one_step()
+    assert again == _block_figures(fresh.report)
+    assert again[5] == 0 and again[6] is None  # no steps, no leak
 
 
 def test_exception_as_decorator():
