@@ -218,8 +218,11 @@ def main():
         f"memtorch CPU counters: {cpu.mechanism()} (exact: {cpu.exact()}); torch on 1 thread.",
         "",
         f"Each block opened right after a training step (as a loop with a block per step opens it: its code "
-        f"runs with the caches the step left), {args.blocks} per configuration, interleaved; medians of wall "
-        "time (perf_counter_ns) of Tracker() (a loop makes one per step), __enter__ and __exit__. "
+        f"runs with the caches the step left), {args.blocks} per configuration, interleaved in an order rotated "
+        "from round to round, each configuration with a model, optimizer and batch of its own; medians of wall "
+        "time (perf_counter_ns) of Tracker() (a loop makes one per step), __enter__ and __exit__. The general "
+        "path: the same block opened and ended by the steps any block can take, beside the per-step path a "
+        "loop's blocks take (Tracker._enter_lean, _finish_lean). "
         "`python benchmarks/bench_block.py` rewrites this section.",
         "",
     ]
