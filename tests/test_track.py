@@ -557,7 +557,6 @@ def test_a_block_per_step_reads_as_the_general_path(monkeypatch, given):
     monkeypatch.setattr(tracking.Tracker, "_finish_lean", lambda self: took.append(1) or real_finish(self))
 
     def block(lean):
-        x.grad = None
         t = memtorch.track(**kw)
         t._lean = lean
         with t:
