@@ -1682,9 +1682,9 @@ class Tracker:
     def _enter_lean(self):
         """__enter__ of the common block (CPU on Linux with counting held, a model or optimizer, no
         timeline): the general path's event-log mode with its scope by its own C call, in fewer steps (a
-        loop that opens a block per training step pays each one with the caches the step left cold). False,
-        having changed nothing, where the general path is needed: counting stopped meanwhile, or torch's
-        hook dicts are not where _hook_dicts and _opt_hook_dicts find them."""
+        loop that opens a block per training step pays each one with the caches the step left cold). False
+        where the general path is needed: torch's hook dicts are not where _hook_dicts and _opt_hook_dicts
+        find them (nothing changed yet), or counting stopped meanwhile (what it began undone)."""
         direct = _direct[0] if _direct else _hook_dicts()
         opt = None if self._optimizer is None else self._optimizer()
         opt_direct = None if opt is None or direct is None else _opt_hook_dicts(opt)
