@@ -961,7 +961,7 @@ _FRESH = dict(
     # after it: its locals are gone by then): (groups, survivors, notes, function name), or None
     _return_scan=None,
     _return_armed=None,  # the trace function armed for that return (removed at the block's end)
-    _return_frame=None,  # (that function's frame, its trace function) while armed
+    _return_frame=None,  # (that function's frame, its trace function, its f_trace_lines before) while armed
     _step_scope=None,
     _ended=False,  # _finish_lean ended the block (see _cleanup)
     _adopting=False,  # the optimizer is the first that steps the model's parameters (_hook_any_optimizer)
@@ -982,7 +982,7 @@ class Tracker:
     _lean = False  # its block may open by _enter_lean (set by __init__)
     _ended = False  # _finish_lean ended the block (see _cleanup)
     _return_armed = None  # the trace function of _arm_return_scan, while armed
-    _return_frame = None  # (the frame it traces, that frame's trace function), while armed
+    _return_frame = None  # (the frame it traces, its trace function, its f_trace_lines before), while armed
     _return_scan = None
     _fail0 = 0  # CPU: allocations that had failed when the block opened (_C.counters_last_failure)
     _oom = None  # while an out-of-memory error closes the block: what the post-mortem needs
@@ -2354,9 +2354,10 @@ class Tracker:
         def on_call(_frame, _event, _arg):
             return None  # no other frame is traced
 
+        lines = frame.f_trace_lines  # put back with the trace function (a debugger's later trace reads it)
         frame.f_trace_lines = False
         frame.f_trace = on_frame
-        self._return_frame = (frame, on_frame)  # only while armed: the frame is running meanwhile
+        self._return_frame = (frame, on_frame, lines)  # only while armed: the frame is running meanwhile
         del frame
         self._return_armed = on_call
         sys.settrace(on_call)
@@ -2369,10 +2370,11 @@ class Tracker:
                 sys.settrace(None)
             self._return_armed = None
         if not keep_frame and self._return_frame is not None:
-            frame, on_frame = self._return_frame
+            frame, on_frame, lines = self._return_frame
             self._return_frame = None
             if frame.f_trace is on_frame:
                 frame.f_trace = None
+                frame.f_trace_lines = lines
             del frame
 
     def _leak_groups(self, steps):
