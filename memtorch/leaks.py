@@ -157,19 +157,8 @@ def stack_locals(skip_prefix=_HERE, depth=50):
     d = 0
     while frame is not None and d < depth:
         if not frame.f_code.co_filename.startswith(skip_prefix):
-            optimized = bool(frame.f_code.co_flags & 0x1)
-            try:
-                snap = frame.f_locals
-            except Exception:
-                snap = None
-            if snap is not None:
-                try:
-                    for k, v in snap.items():
-                        out.setdefault(id(v), f"local `{k}` of `{frame.f_code.co_name}`")
-                finally:
-                    if _may_clear(frame, optimized, snap):
-                        snap.clear()
-                    del snap
+            for k, v in frame_items(frame):
+                out.setdefault(id(v), f"local `{k}` of `{frame.f_code.co_name}`")
         frame = frame.f_back
         d += 1
     return out

@@ -230,29 +230,12 @@ def _graph_bytes(t, limit=200_000, keys=None, leaves=None, group=None):
 
 
 def _local_name(frame, t):
-    """The name of a local of ``frame`` bound to ``t``, or None; leaves no reference behind.
-
-    Before Python 3.13, reading a function frame's f_locals stores a snapshot
-    dict on the frame that would keep ``t`` alive after the user deletes it: that
-    snapshot is emptied again (the interpreter refills it from the real locals
-    before any use). From 3.13 f_locals is a live view that holds nothing.
-    """
-    import sys
-
-    optimized = bool(frame.f_code.co_flags & 0x1)  # CO_OPTIMIZED: a function's fast locals
-    try:
-        snapshot = frame.f_locals
-    except Exception:
-        return None
-    try:
-        for k, v in snapshot.items():
-            if v is t:
-                return f"{k} (in {frame.f_code.co_name})"
-        return None
-    finally:
-        if leaks._may_clear(frame, optimized, snapshot):
-            snapshot.clear()
-        del snapshot
+    """The name of a local of ``frame`` bound to ``t``, or None; leaves no reference behind where that is
+    safe (leaks.frame_items)."""
+    for k, v in leaks.frame_items(frame):
+        if v is t:
+            return f"{k} (in {frame.f_code.co_name})"
+    return None
 
 
 def _name_of(t):
@@ -671,16 +654,23 @@ def _make_report(scope, kw):
     return TrackReport(**kw)
 
 
+def _timed_phases(marks):
+    """{name: PhaseStats} of the phases a block's ModuleMarks timed (calls and seconds; their bytes come
+    with the replay)."""
+    phases = {}
+    for name, (calls, seconds) in zip(PHASES, marks.phases):
+        if calls:
+            p = phases[name] = PhaseStats(name)
+            p.calls, p.seconds = calls, seconds
+    return phases
+
+
 def _lean_report(calls, figures):
     """The TrackReport of a block that Tracker._finish_lean ended, from what it read: the phases the marks
     timed, the replay of its log (deferred further: made when at_peak or the module rows are first read)."""
     (start, end, peak_bytes, exact, ev, dropped, snapshots, sizes, token, specs, m, caveats, row_notes, sites,
      other, unseen, seconds, largest_n) = figures  # fmt: skip
-    phases = {}
-    for name, (n, took) in zip(PHASES, m.phases):  # what marks.c timed
-        if n:
-            p = phases[name] = PhaseStats(name)
-            p.calls, p.seconds = n, took
+    phases = _timed_phases(m)
     # the log wrapped: the calls and bytes the hooks counted
     totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
     rows = []
@@ -1702,7 +1692,7 @@ class Tracker:
         self._t0 = time.perf_counter()
         with _lock:
             _active.append(self)
-            _token[0] = token = _token[0] % 255 + 1  # _next_token()
+        token = _next_token()
         self._open = True
         self._quick = False
         try:
@@ -1712,11 +1702,8 @@ class Tracker:
                 self._cleanup()
                 return False
             self._tagbase = tagbase = token << attribution.TAG_BITS
-            if model is not None:  # _model_rows
-                self._root_id = id(model)
-                if self._modules_on:
-                    self._mod_specs = plan.specs
-                    self._ids = plan.ids
+            if model is not None:
+                self._model_rows(model)
             m = self._marks = _C.ModuleMarks(
                 self._ids, self._root_id or 0, tagbase, self._snapshots, _torch_mod.is_grad_enabled, None,
                 bool(self._largest),
@@ -1735,11 +1722,7 @@ class Tracker:
             )  # fmt: skip
             self._handles.append(m)
             if model is not None:
-                d = model.__dict__.get("_forward_pre_hooks_with_kwargs")  # _root_kwargs
-                i = m.pre_id
-                if i is not None and isinstance(d, dict) and i not in d:
-                    d[i] = True
-                    self._handles.append((d, i, None))
+                self._root_kwargs(m.pre_id)
                 if opt is None:
                     self._hook_any_optimizer()
         except BaseException:
@@ -1989,15 +1972,7 @@ class Tracker:
         self._return_scan = None
         if self._ended:  # ended by _finish_lean: its hooks are out and its scope closed already
             self._ended = False
-            self._ids = {}
-            if self._adopting:  # found, not given: the next block looks again
-                self._adopting = False
-                self._optimizer = None
-            self._marks = None
-            self._open = False
-            with _lock:
-                if self in _active:
-                    _active.remove(self)
+            self._release()
             return
         if self._quick:
             self._quick = False
@@ -2009,10 +1984,7 @@ class Tracker:
                     self._scope.close()
             finally:
                 self._scope = None
-                self._open = False
-                with _lock:
-                    if self in _active:
-                        _active.remove(self)
+                self._release()
             return
         try:
             self._remove_hooks()
@@ -2037,16 +2009,21 @@ class Tracker:
             for s in scopes:
                 s.close()
             self._cuda_open = []
-            self._ids = {}
-            if getattr(self, "_adopting", False):  # found, not given: the next block looks again
-                self._adopting = False
-                self._optimizer = None
-            self._marks = None
             self._scope = None
-            self._open = False
-            with _lock:
-                if self in _active:
-                    _active.remove(self)
+            self._release()
+
+    def _release(self):
+        """The last of every block's end: the model's rows by id, an optimizer found rather than given
+        (the next block looks again), the marks, and the block's place among the open ones."""
+        self._ids = {}
+        if self._adopting:
+            self._adopting = False
+            self._optimizer = None
+        self._marks = None
+        self._open = False
+        with _lock:
+            if self in _active:
+                _active.remove(self)
 
     def _finish_counters(self):
         """The end of a counters-only block (see _enter_counters)."""
@@ -2080,10 +2057,7 @@ class Tracker:
             head = cpu._eventlog_head()
             m = self._marks
             self._forwards = m.forwards
-            for name, (calls, seconds) in zip(PHASES, m.phases):  # what marks.c timed
-                if calls:
-                    p = self._phases[name] = PhaseStats(name)
-                    p.calls, p.seconds = calls, seconds
+            self._phases.update(_timed_phases(m))  # what marks.c timed
         ct = self._ctrace
         if ct is not None:  # the gradients and optimizer state at the end, by address
             ct.names.append((time.time_ns(), self._cuda_names(full=False)))
@@ -2103,43 +2077,24 @@ class Tracker:
         caveats = []  # the closed scope's, filled when the report is made (_make_report)
         if self._kind == "cuda" and self._root_id is not None and self._args["modules"]:
             caveats.append(_CUDA_NO_MODULES)
-        row_notes = []
-        model = None if self._model is None else self._model()
-        if model is not None:  # torch.compile'd regions: modules without figures of their own
-            plan = self._model_plan(model)
-            # else _compiled_notes has nothing to say (no region, and the model ran or nothing was compiled)
-            if _any_compiled(plan.mods) or (self._forwards == 0 and _graphs_compiled()):
-                named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
-                more, row_notes = _compiled_notes(named, self._forwards)
-                caveats += more
-                del named
-            del plan
-        del model
+        more, row_notes = self._compiled_caveats(self._forwards)
+        caveats += more
         timeline = None
         extra_marks = []
         pending = None
         if self._evmode:
             # read now (the ring and the counters move on); replayed when the report is first read
             # as bytes: the array is made at the replay
-            ev, dropped = cpu._eventlog_read_all(ev0, head, True)
-            sites = cpu._eventlog_sites(ev0, head)  # source lines of "other" (sites.c)
-            opt = None if self._optimizer is None else self._optimizer()
-            new_state = opt is not None and len(opt.state) != m.state_n
+            ev, dropped, sites, snapshots, sizes = self._log_at_end(m, ev0, head, start)
             # the ring lost the oldest events (and marks): the calls and bytes the hooks counted
             totals = (m.module_totals, m.phase_deltas, m.recompute_totals) if dropped else None
-            del opt, m
-            snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
-            addrs = list(set().union(*[names for _, names in snapshots]))
-            sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
-            if self._oom is not None and self._oom["kind"] == "cpu":
-                self._oom_at_failure(ev, dropped, start, snapshots, sizes, sites)
+            del m
             pending = functools.partial(
                 _replay, ev, dropped, start, peak_bytes, snapshots, sizes,
                 self._tagbase >> attribution.TAG_BITS, self._mod_rows, self._mod_specs, self._forwards,
                 caveats, exact, self._phases, sites=sites, totals=totals,
                 other=other,
             )  # fmt: skip
-            self._snapshots = []
         if self._timeline:
             t, b = self._scope.timeline()
             timeline = (t - t[0] if len(t) else t, b)
@@ -2199,6 +2154,38 @@ class Tracker:
         # the TrackReport itself is made when t.report is first read (most loops never read it)
         return functools.partial(_make_report, self._scope if calls is None else calls, kw)
 
+    def _compiled_caveats(self, forwards):
+        """(caveats, row notes) of the model's torch.compile'd regions, modules without figures of their
+        own (_compiled_notes); ([], []) without a model, or when there is none and the model ran or
+        nothing was compiled. ``forwards``: the root's forwards the block's hooks saw."""
+        model = None if self._model is None else self._model()
+        if model is None:
+            return [], []
+        plan = self._model_plan(model)
+        del model
+        if not (_any_compiled(plan.mods) or (forwards == 0 and _graphs_compiled())):
+            return [], []
+        return _compiled_notes([(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)], forwards)
+
+    def _log_at_end(self, m, ev0, head, start):
+        """Event-log mode's end, read now (the ring and the counters move on): the block's events from
+        ``ev0`` to ``head`` and the source lines of "other" (sites.c), the names walked (the gradients
+        and any new optimizer state now, then the block's earlier walks, latest first) and the sizes of
+        every storage they name now; the out-of-memory post-mortem from them. ``m``: the block's
+        ModuleMarks. (ev, dropped, sites, snapshots, sizes)."""
+        ev, dropped = cpu._eventlog_read_all(ev0, head, True)
+        sites = cpu._eventlog_sites(ev0, head)
+        opt = None if self._optimizer is None else self._optimizer()
+        new_state = opt is not None and len(opt.state) != m.state_n
+        del opt
+        snapshots = [(head, self._walk_names(full=False, state=new_state))] + self._snapshots[::-1]
+        self._snapshots = []
+        addrs = list(set().union(*[names for _, names in snapshots]))
+        sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
+        if self._oom is not None and self._oom["kind"] == "cpu":
+            self._oom_at_failure(ev, dropped, start, snapshots, sizes, sites)
+        return ev, dropped, sites, snapshots, sizes
+
     def _finish_lean(self):
         """_finish of a block in event-log mode whose scope is still its own C calls (no t.step(), no
         report read while open, no timeline: _enter_lean's, a block per training step): what only the
@@ -2218,26 +2205,9 @@ class Tracker:
             exact = exact and s.mechanism != cpu.FALLBACK
             other, unseen = (s._other_bytes, s._other_allocs), (s.unseen_frees, s.unseen_bytes)
             del s
-        caveats, row_notes = [], []  # the closed scope's caveats are added when the report is made
-        plan = None if self._model is None or self._model() is None else self._plan
-        forwards = m.forwards
-        if plan is not None and (_any_compiled(plan.mods) or (forwards == 0 and _graphs_compiled())):
-            named = [(name, ref()) for (name, _), ref in zip(plan.specs, plan.mods)]
-            caveats, row_notes = _compiled_notes(named, forwards)
-            del named
-        ev, dropped = cpu._eventlog_read_all(ev0, head, True)  # the ring and the counters move on
-        sites = cpu._eventlog_sites(ev0, head)  # source lines of "other" (sites.c)
-        opt = None if self._optimizer is None else self._optimizer()
-        snapshots = self._snapshots
-        snapshots.reverse()
-        new_state = opt is not None and len(opt.state) != m.state_n
-        del opt
-        snapshots.insert(0, (head, self._walk_names(full=False, state=new_state)))
-        addrs = list(set().union(*[names for _, names in snapshots]))
-        sizes = dict(zip(addrs, cpu._counters_sizes(addrs)))
-        if self._oom is not None and self._oom["kind"] == "cpu":
-            self._oom_at_failure(ev, dropped, start, snapshots, sizes, sites)
-        self._snapshots = []
+        # the closed scope's caveats are added to these when the report is made
+        caveats, row_notes = self._compiled_caveats(m.forwards)
+        ev, dropped, sites, snapshots, sizes = self._log_at_end(m, ev0, head, start)
         seconds = time.perf_counter() - self._t0
         self._ended = True  # what _cleanup has left to do is little (see there)
         token = self._tagbase >> attribution.TAG_BITS
