@@ -615,6 +615,37 @@ def test_scalar_wrapping_measured():
     assert s.peak - s.start == scalar_extra(torch.ops.aten.add_.Tensor, (t, 1), t) == 12
 
 
+class _Scaled(nn.Module):
+    """Linear, then three multiplications by Python numbers (as peft's LoRA scales its adapter's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * 1.5
+        h = 2 * h
+        h = h / 3.0
+        return self.b(h)
+
+
+def test_a_number_autograd_keeps_is_held_until_backward():
+    # x * 2.0 wraps 2.0 into an 8-byte float64 tensor (2 into an int64 one) that MulBackward0 / DivBackward0
+    # keep until backward runs them: 24 bytes a step here that no output shows
+    def make():
+        torch.manual_seed(0)
+        return _Scaled()
+
+    measured, model, x, _opt = measured_peak(make, lambda: torch.randn(8, 16), "sgd")
+    report, _ = real_steps(make(), x, "sgd")
+    kept = [report.phases["forward"].delta // report.phases["forward"].calls]
+    est = cpu_estimate(model, x, optimizer="sgd")
+    # the forward holds the three numbers beside its activations: a's input is x (held anyway), b's is h
+    assert kept == [est.phases["forward"].delta] == [8 * 16 * 4 + 8 * 4 * 4 + 3 * 8]
+    assert est.peak == measured
+
+
 # ---------------------------------------------------------------- pytest
 
 

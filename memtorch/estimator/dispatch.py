@@ -21,7 +21,7 @@ import contextlib
 import weakref
 
 from .kernels import (  # Around, Composite: the kernel tables' entries
-    Around, Composite, check_real, probe_extra, scalar_extra,
+    Around, Composite, check_real, probe_extra, saved_number_names, scalar_extra,
 )
 from ..errors import MemtorchError
 from .._torch import torch as _load_torch  # the loader only: torch itself loads on first call
@@ -68,6 +68,9 @@ class Ledger:
         self.to_host = False  # set while a factory makes a tensor in host memory (host_factories)
         self.gone = set()  # keys freed before their storage dies (replay.py): its death is not counted again
         self.on_free = None  # fn(key) told of each storage's death (replay.py)
+        # [(weakref to an output, names, phase, module)]: an operator given a Python number where it takes a
+        # Tensor, whose autograd node may keep that number's 8-byte tensor (settle_saved_numbers)
+        self.saved_numbers = []
 
     def add_host(self, storage):
         """``storage`` lives in host memory: never counted, whatever operator returns it later."""
@@ -115,6 +118,31 @@ class Ledger:
             self.current -= int(nbytes)
             return None
         return key
+
+    def settle_saved_numbers(self):
+        """Counts the wrapped Python numbers the last operators' autograd nodes saved, as held from then on.
+
+        The real step wraps ``x * 2.0``'s 2.0 into an 8-byte CPU tensor before the operator runs, and
+        MulBackward0 keeps it until backward runs that node; the operator's outputs do not show it (this
+        mode sees the number, not the tensor). The node is known only once autograd has made it, after the
+        operator returns, so it is read here: at the next operator, a module's end or a phase's end. Its
+        phase and module are the operator's."""
+        pending, self.saved_numbers = self.saved_numbers, []
+        for ref, names, phase, module in pending:
+            out = ref()
+            node = getattr(out, "grad_fn", None)
+            if node is None:
+                continue
+            for name in names:
+                try:
+                    kept = getattr(node, "_saved_" + name)
+                except (AttributeError, RuntimeError):  # not saved, or already released
+                    continue
+                if kept is None or kept.dim() != 0 or kept.device.type != "cpu" or type(kept).__name__ != "Tensor":
+                    continue
+                key = self.add_storage(kept.untyped_storage())
+                if key is not None:
+                    self.info[key][1:3] = [phase, module]
 
     def free_key(self, key):
         self.events.append((key, -1))
@@ -233,6 +261,8 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 # step): FakeTensorMode's own answer, without the way down to it; it allocates nothing
                 fake = args[0]
                 return torch.device("meta") if fake.fake_mode.in_kernel_invocation else fake.fake_device
+            if ledger.saved_numbers:  # not at prim.device: autograd asks it before it gives the output its node
+                ledger.settle_saved_numbers()
             kwargs = kwargs or {}
             if func is item:
                 func = local_scalar
@@ -319,6 +349,11 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 ledger.add_extra(extra)
                 if owners is not None and owners(None) is not None:
                     ledger.owner[ledger._next - 1] = owners(None)
+            if scalars and isinstance(out, torch.Tensor) and any(
+                    isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                names = saved_number_names(func, args)
+                if names:
+                    ledger.saved_numbers.append((weakref.ref(out), names, ledger.phase, ledger.module))
             post = after.get(func)
             if post is not None:
                 post(ledger, args, kwargs, out)  # allocations the kernel keeps after its outputs (workspaces)

@@ -427,6 +427,8 @@ class _Hooks:
         i = self.ids.get(id(mod))
         if i is None or not self.recording:
             return
+        if self.ledger.saved_numbers:
+            self.ledger.settle_saved_numbers()  # what the module's last operator kept, inside its call
         for j in range(len(self.stack) - 1, -1, -1):
             if self.stack[j][0] == i:
                 _, start, _cur = self.stack.pop(j)
@@ -451,6 +453,8 @@ class _Hooks:
         try:
             yield
         finally:
+            if self.ledger.saved_numbers:
+                self.ledger.settle_saved_numbers()
             self.spans.append((name, start, len(self.ledger.events)))
             self.ledger.phase = None
 
@@ -1242,13 +1246,18 @@ def estimate(
     est.max_new_tokens = max_new_tokens
     est.inputs = inputs.describe()
     if precision == "fp32":  # no cast: the parameters' own dtypes, which the title names where not all float32
-        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
-        if dtypes and dtypes != ["float32"]:
-            est._weights = ", ".join(dtypes)
+        est._weights = weights_as_given(model)
     if not training:
         est.mechanism = "estimate (dry run on fake tensors, " + (
             f"generate, {max_new_tokens} new tokens)" if max_new_tokens else "forward under inference_mode)")
     return est
+
+
+def weights_as_given(model):
+    """The parameters' floating-point dtypes where not all float32 ("bfloat16", "bfloat16, float32"), else
+    None: what precision "fp32", which casts nothing, keeps, and what every report names instead of "fp32"."""
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
+    return ", ".join(dtypes) if dtypes and dtypes != ["float32"] else None
 
 
 def _compiled(model):

@@ -153,6 +153,16 @@ def _rnn_backward(args, kwargs, out):
 _tensor_slots = {}  # op -> positions of its Tensor-typed arguments
 
 
+def _slots(func):
+    slots = _tensor_slots.get(func)
+    if slots is None:
+        slots = tuple(
+            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only
+        )
+        _tensor_slots[func] = slots
+    return slots
+
+
 def scalar_extra(func, args, out):
     """Bytes a CPU kernel allocates for Python numbers passed where its schema takes a Tensor.
 
@@ -162,12 +172,7 @@ def scalar_extra(func, args, out):
     """
     import torch
 
-    slots = _tensor_slots.get(func)
-    if slots is None:
-        slots = tuple(
-            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only
-        )
-        _tensor_slots[func] = slots
+    slots = _slots(func)
     if not slots or not isinstance(out, torch.Tensor):
         return 0
     extra = 0
@@ -176,6 +181,15 @@ def scalar_extra(func, args, out):
             wrapped = torch.float64 if isinstance(args[i], float) else torch.int64
             extra += 8 + (out.element_size() if out.dtype != wrapped else 0)
     return extra
+
+
+def saved_number_names(func, args):
+    """Names of ``func``'s Tensor arguments given a Python number in ``args`` (autograd saves such a wrapped
+    number under ``_saved_<name>`` where its formula needs it: ``x * 2.0``'s MulBackward0 keeps 8 bytes)."""
+    return tuple(
+        func._schema.arguments[i].name for i in _slots(func)
+        if i < len(args) and isinstance(args[i], (int, float)) and not isinstance(args[i], bool)
+    )
 
 
 def kernels_for(device):
