@@ -1203,7 +1203,9 @@ def _capacity_parts(c):
     seq = f"{c.prompt_len:,} + {c.max_new_tokens:,} tokens"
     if c.sequences >= 1:
         title = (f"memtorch.capacity (estimated): {c.sequences:,} sequence(s) of {seq} generated at once fit "
-                 f"in {where}; {c.model_type}, {c.precision}")  # fmt: skip
+                 f"in {where}; {c.model_type}, "
+                 + (f"{c.weights_as_given} parameters as given, no autocast" if c.weights_as_given
+                    else c.precision))  # fmt: skip
     else:
         title = f"memtorch.capacity (estimated): not one sequence of {seq} fits in {where}; {c.model_type}"
     budget = c.device_memory - c.reserve

@@ -72,11 +72,16 @@ def test_answer_is_estimates_and_a_real_generate_is_within_3_percent():
     assert abs(c.figures["peak"] - measured) <= 0.03 * measured
 
 
-@pytest.mark.parametrize("make, precision", [(_llama, "fp32"), (_gpt2, "fp32"), (_llama, "bf16-true")])
-def test_kv_cache_per_token_is_the_real_caches(make, precision):
+@pytest.mark.parametrize(
+    "make, dtype, precision",
+    [(_llama, None, "fp32"), (_gpt2, None, "fp32"), (_llama, torch.bfloat16, "bf16-true"),
+     (_llama, torch.bfloat16, "fp32"), (_gpt2, torch.float16, "fp32")],
+)  # fmt: skip
+def test_kv_cache_per_token_is_the_real_caches(make, dtype, precision):
+    # "fp32" casts nothing: a bfloat16 model's cache is bfloat16 (it was counted in float32, twice the bytes)
     model = make()
-    if precision == "bf16-true":
-        model = model.to(torch.bfloat16)
+    if dtype is not None:
+        model = model.to(dtype)
     ids = torch.ones(3, 10, dtype=torch.long)
     with torch.inference_mode():
         cache = model(ids, use_cache=True).past_key_values
@@ -117,6 +122,15 @@ def test_report_text_and_json():
     d = json.loads(json.dumps(c.to_dict()))
     assert d["sequences"] == c.sequences and d["kv_per_token"] == c.kv_per_token == 2 * 2 * 2 * 16 * 4
     assert "seconds" not in d and c._repr_html_().startswith('<div class="memtorch memtorch-capacity">')
+    assert text.splitlines()[0].endswith("; LlamaForCausalLM, fp32") and d["weights_as_given"] is None
+
+
+def test_a_bfloat16_model_as_given_is_named_so_and_its_cache_counted_in_bfloat16():
+    model = _llama().to(torch.bfloat16)
+    c = memtorch.capacity(model, 16, 8, device_memory="4 MiB", reserve=0, device="cpu")
+    assert c.precision == "fp32" and c.weights_as_given == "bfloat16"
+    assert str(c).splitlines()[0].endswith("; LlamaForCausalLM, bfloat16 parameters as given, no autocast")
+    assert c.kv_per_token == 2 * 2 * 2 * 16 * 2 and c.kv_cache == c.kv_per_token * c.tokens
 
 
 @pytest.mark.parametrize(

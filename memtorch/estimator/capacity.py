@@ -27,13 +27,25 @@ from ..reports.capacity import Capacity  # the result type's home
 
 __all__ = ["capacity", "Capacity", "kv_bytes_per_token"]
 
-# the dtype a precision keeps activations (and so the KV cache) in
-_KV_ITEMSIZE = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2, "bf16-true": 2, "fp16-true": 2}
+# the bytes of the dtype a precision keeps activations (and so the KV cache) in; "fp32" casts nothing: the
+# parameters' own dtype (_compute_dtype)
+_KV_ITEMSIZE = {"fp32": None, "bf16-mixed": 2, "fp16-mixed": 2, "bf16-true": 2, "fp16-true": 2}
+
+
+def _compute_dtype(model):
+    """The floating-point dtype of most of ``model``'s parameter elements (what precision "fp32", which casts
+    nothing, computes in: a bfloat16 model's keys and values are bfloat16), or None without any."""
+    count = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            count[p.dtype] = count.get(p.dtype, 0) + p.numel()
+    return max(count, key=count.get) if count else None
 
 
 def kv_bytes_per_token(model, precision="fp32"):
     """Bytes of KV cache one token of one sequence adds, counted from the model's config:
-    2 (keys, values) x layers x key/value heads x head dim x the precision's activation bytes. None when
+    2 (keys, values) x layers x key/value heads x head dim x the precision's activation bytes (for "fp32",
+    which casts nothing, the parameters' own dtype's). None when
     the config does not give them, or names a cache of another shape (sliding windows, latent attention,
     encoder-decoder cross attention, state-space models)."""
     cfg = getattr(model, "config", None)
@@ -56,7 +68,11 @@ def kv_bytes_per_token(model, precision="fp32"):
     head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
     if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
         return None
-    return 2 * layers * kv_heads * head_dim * _KV_ITEMSIZE[precision]
+    itemsize = _KV_ITEMSIZE[precision]
+    if itemsize is None:
+        dtype = _compute_dtype(model)
+        itemsize = 4 if dtype is None else dtype.itemsize
+    return 2 * layers * kv_heads * head_dim * itemsize
 
 
 def capacity(
@@ -82,8 +98,9 @@ def capacity(
     """
     import torch
 
-    # lazy: _inputs loads only when this path runs (importing capacity stays cheap)
+    # lazy: _inputs and estimation load only when this path runs (importing capacity stays cheap)
     from .. import _inputs
+    from .estimate import weights_as_given  # lazy: estimation loads only when this path runs
 
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
@@ -166,4 +183,6 @@ def capacity(
         f.tried,
         notes,
         time.perf_counter() - t0,
+        weights_as_given(model) if precision == "fp32" else None,
     )
+

@@ -456,6 +456,7 @@ def plan(
 
     # lazy: the engine loads estimation only when this path runs (importing planning stays cheap)
     from .engine import Engine
+    from .estimate import weights_as_given  # lazy: estimation loads only when this path runs
 
     t0 = time.perf_counter()
 
@@ -500,8 +501,7 @@ def plan(
     if source is not None:
         notes.append(f"device memory: {source}")
     # precision "fp32" casts nothing: for a model not all in float32 the table says "as given"
-    weights = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
-    weights = ", ".join(weights) if weights and weights != ["float32"] else None
+    weights = weights_as_given(model)
     if weights is not None and "fp32" in precisions:
         notes.append(f"precision 'as given': the parameters in their own dtypes ({weights}), no autocast "
                      "(precision='fp32' in the API and the JSON)")  # fmt: skip

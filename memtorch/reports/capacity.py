@@ -35,6 +35,8 @@ class Capacity(Report):
     tried: list  # [(batch, judged bytes)] in the order the dry runs were made
     notes: list  # what was assumed, what could not be counted
     seconds: float = field(to_dict=False)  # wall time (not in the JSON: a timing)
+    # precision "fp32" casts nothing: the parameters' dtypes where not all float32 ("bfloat16"), else None
+    weights_as_given: "str | None" = None
 
     @property
     def tokens(self):
