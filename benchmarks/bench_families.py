@@ -30,8 +30,8 @@ CAVEAT = (
     "`activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})`, formerly `gradient_checkpointing_enable`: each "
     "GradientCheckpointingLayer recomputed, run without its cache), else this script's wrapping of each block "
     "of the outermost ModuleLists in `torch.utils.checkpoint(..., use_reentrant=False)`: what "
-    "`estimate(checkpointing='blocks')` models. The rows without checkpointing are the truth the sweep holds "
-    "(tests/test_family_sweep.py, 0.1%)."
+    "`estimate(checkpointing='blocks')` models. The float32 rows, with and without checkpointing, are the truth "
+    "the sweep holds, to the byte (tests/test_family_sweep.py)."
 )
 
 
@@ -132,7 +132,10 @@ def main():
         md.append(f"| {name} | {prec} | {ck} | {cells[0]} | {cells[1]} | {cells[2]} | {err} |")
     off = [f"{n} {p}{' blocks' if c == 'blocks' else ''} ({e})" for n, p, c, r, _s, d, e in rows
            if r is None or abs(d) > 0.001 * r]  # fmt: skip
+    inexact = [f"{n} {p}{' blocks' if c == 'blocks' else ''} ({d:+,} B)" for n, p, c, r, _s, d, _e in rows
+               if r is not None and d != 0]  # fmt: skip
     md += ["", f"Rows more than 0.1% off or refused ({len(off)} of {len(rows)}): " + ("; ".join(off) or "none") + ".",
+           f"Rows not to the byte ({len(inexact)} of {len(rows)}): " + ("; ".join(inexact) or "none") + ".",
            "", CAVEAT, "", "The H200 cases (tests/data/h200/cases.json, true figures measured on the GPU): the "
                "\"estimate\" section's CUDA table (`benchmarks/bench_estimate.py`) checks each against its "
                f"max_memory_allocated() ({len(cases.get('cases', cases))} steps).", ""]  # fmt: skip

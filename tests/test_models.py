@@ -436,11 +436,13 @@ def test_only_the_adapters_train():
 @needs_peft
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
 def test_a_lora_estimate_is_the_real_peft_steps_peak(dropout):
+    _peft_by_hand(dropout)  # the process's first get_peft_model keeps 128 B of its own (not the model's)
     measured, real, _ = _real_step_peak(lambda: _peft_by_hand(dropout), 2, 64)
     assert sum(p.numel() for p in real.parameters() if p.requires_grad) == ADAPTER_NUMEL
     model = models.load_model(LLAMA, lora=f"r=8,alpha=16,targets=q_proj,v_proj,dropout={dropout}")
     est = memtorch.estimate(model, models.example_inputs(model, 2, 64), device="cpu", optimizer="adamw")
-    assert abs(est.peak - measured) <= 0.001 * measured, (est.peak, measured)
+    # to the byte: each adapter's output is scaled by a Python number, which autograd keeps (8 B each)
+    assert est.peak == measured, (est.peak, measured)
 
 
 @needs_peft

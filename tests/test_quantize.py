@@ -185,7 +185,7 @@ def test_gpt2_conv1d_layers_quantized_as_transformers_does():
     real = report.peak - b0
     del opt
     est = memtorch.estimate(model, ids, optimizer="adamw", device="cpu")
-    assert abs(est.peak - real) <= real // 1000, (est.peak, real)
+    assert est.peak == real, (est.peak, real)
 
 
 # ---------------------------------------------------------------- storage: exact, as bitsandbytes keeps it
@@ -292,8 +292,8 @@ def _llama_states(kind, nested, itemsize=4):
 def test_qlora_step_estimate_matches_track(kind, nested, dtype):
     """A real LoRA step on a Llama with bitsandbytes' quantized base (forward, backward, AdamW) on
     the CPU, tracked, against estimate(device="cpu") of the same model (the base in float32, or in
-    bfloat16 as QLoRA users load it). Measured: the estimate is 32 B under the real peak (-0.006% in
-    float32, -0.008% in bfloat16) in every case, as for the same Llama with LoRA and no quantization."""
+    bfloat16 as QLoRA users load it): equal to the byte in every case (it was 32 B under, the Python
+    numbers each adapter scales by, which autograd keeps, until the dry run counted them)."""
     _bnb()
     test_estimate = pytest.importorskip("test_estimate")
     base = _llama().to(getattr(torch, dtype))
@@ -308,7 +308,7 @@ def test_qlora_step_estimate_matches_track(kind, nested, dtype):
     opt.zero_grad(set_to_none=True)
     del opt
     est = memtorch.estimate(model, ids, optimizer="adamw", device="cpu")
-    assert abs(est.peak - real) <= real // 1000, (est.peak, real)
+    assert est.peak == real, (est.peak, real)
     itemsize = getattr(torch, dtype).itemsize
     assert est.model_states["parameter"] == _llama_states(kind, nested, itemsize)["parameter"]
     assert est.model_states["buffer"] == _llama_states(kind, nested, itemsize)["buffer"]
@@ -343,7 +343,7 @@ def test_qlora_autocast_step_estimate_matches_track(kind):
     real = t.report.peak - b0
     del opt
     est = memtorch.estimate(model, ids, optimizer="adamw", device="cpu", precision="bf16-mixed")
-    assert abs(est.peak - real) <= real // 1000, (est.peak, real)
+    assert est.peak == real, (est.peak, real)
 
 
 def test_the_dequantized_weight_is_in_the_forward():
@@ -374,7 +374,7 @@ def test_the_dequantized_weight_is_in_the_forward():
     est = memtorch.estimate(model, x, optimizer="adamw", device="cpu")
     for phase in ("forward", "backward"):
         assert abs(est.phases[phase].peak_above_start - report.phases[phase].peak_above_start) <= 16, phase
-    assert abs(est.peak - real) <= real // 1000, (est.peak, real)
+    assert est.peak == real, (est.peak, real)
     # up's weight (1024 x 512) dequantized: 1 MiB in bfloat16 in forward; 2 MiB in float32 plus its
     # 1 MiB bfloat16 cast in backward
     assert est.phases["forward"].peak_above_start > 1024 * 512 * 2
@@ -605,7 +605,7 @@ def test_int8_out_of_training_runs_and_says_what_it_leaves_out():
         out = model(ids)
         del out
     est = memtorch.estimate(model, ids, device="cpu", training=False)
-    assert abs(est.peak - (t.report.peak - b0)) <= 64
+    assert est.peak == t.report.peak - b0, (est.peak, t.report.peak - b0)
 
 
 def test_bitsandbytes_is_imported_without_its_hub_warning():
