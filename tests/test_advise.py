@@ -496,13 +496,26 @@ def test_sharding_row_is_plans_cheapest_fit_and_estimates_figure():
     model = blocks(n=4, d=256)
     x = torch.randn(64, 256)
     one = memtorch.estimate(model, x, device="cpu")
-    budget = one.peak - 1  # one process misses it by a byte
-    adv = memtorch.advise(model, x, budget=budget, reserve=0, device="cpu")
-    p = memtorch.plan(model, x, device_memory=budget, reserve=0, device="cpu", precisions=["fp32", "bf16-mixed"],
-                      checkpointing=[None, "blocks"])  # fmt: skip
+
+    def both(budget):
+        adv = memtorch.advise(model, x, budget=budget, reserve=0, device="cpu")
+        p = memtorch.plan(model, x, device_memory=budget, reserve=0, device="cpu", precisions=["fp32", "bf16-mixed"],
+                          checkpointing=[None, "blocks"])  # fmt: skip
+        return adv, p.best
+
+    # one process misses it by a byte: plan's answer is one process under bf16 autocast, the mixed-precision
+    # row's own figures, so no second row says it (the note does)
+    adv, b = both(one.peak - 1)
+    assert (b.world_size, b.precision, b.checkpointing) == (1, "bf16-mixed", None) and not adv.by_kind("sharding")
+    (mixed,) = adv.by_kind("autocast_bf16")
+    assert mixed.after == b.peak
+    assert any(n.startswith("sharding: not needed; memtorch.plan's cheapest configuration that fits is 1 process, "
+                            f"bf16-mixed ({memtorch.units.format(b.peak)} per rank), the figures of the row "
+                            f"'{mixed.title}'") for n in adv.notes)  # fmt: skip
+    # half of it: only sharding fits
+    adv, b = both(one.peak // 2)
     (row,) = adv.by_kind("sharding")
-    b = p.best
-    assert b is not None and row.after == b.peak and row.fits and row.group == "keeps the model"
+    assert b is not None and b.world_size > 1 and row.after == b.peak and row.fits and row.group == "keeps the model"
     est = memtorch.estimate(model, (b.micro_batch, 256), device="cpu", precision=b.precision,
                             checkpointing=b.checkpointing, world_size=b.world_size, sharding=b.sharding)  # fmt: skip
     assert est.peak == b.peak

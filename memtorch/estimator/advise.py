@@ -1309,8 +1309,15 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, item
         f"{best.world_size} process" + ("es" if best.world_size > 1 else "")  # fmt: skip
     parts = [devices] + ([best.sharding] if best.sharding else []) + [p.precision_label(best.precision)] + (
         [f"checkpointing {best.checkpointing}"] if best.checkpointing else [])  # fmt: skip
-    # plan's judged figure: the reserved segments on cuda, the peak with gloo's scratch late on the CPU
     judged = best.reserved if best.reserved is not None else best.peak_upper
+    same = [s for s in items if best.world_size == 1 and s.after == best.peak and s.judged_after == judged
+            and s.kind in ("checkpointing", "autocast_bf16", "micro_batch")]  # fmt: skip
+    if same:
+        # plan's answer is one device with a change a row above already makes: that row, not a second one
+        notes.append(f"sharding: not needed; memtorch.plan's cheapest configuration that fits is {', '.join(parts)}"
+                     f" ({_fmt(best.peak)} per rank), the figures of the row '{same[0].title}'")  # fmt: skip
+        return
+    # plan's judged figure (above): the reserved segments on cuda, the peak with gloo's scratch late on the CPU
     n = best.world_size
     fill = {"torch_sharding": "", "hf_sharding": "", "pl_sharding": ""}
     if best.sharding:
