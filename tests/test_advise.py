@@ -248,7 +248,9 @@ def test_checkpointing_and_autocast_match_a_manual_run():
     (bf,) = adv.by_kind("bf16_weights")
     assert bf.saves == base - _manual_peak(model, x, dtype=torch.bfloat16) and bf.basis == "measured"
     # of which held all through: parameters and gradients, 4 blocks of 2 Linear(32, 32), halved
-    assert "= 66.0 KiB; in bfloat16 half: 33.0 KiB" in bf.detail  # 2 x 8 x (32*32 + 32) x 4 B = 67,584 B
+    # 2 x 8 x (32*32 + 32) x 4 B = 67,584 B, the parameters' and their gradients' halves
+    assert "in float32 now: parameters 33.0 KiB, gradients 33.0 KiB, 66.0 KiB in all; in bfloat16, half: 33.0 KiB" \
+        in bf.detail
 
 
 def test_depth_for_a_budget():

@@ -287,7 +287,9 @@ def _precision(mm, items, notes):
         c: int(rows["storage_nbytes"][sel & (rows["category"] == c)].sum())
         for c in ("parameter", "gradient", "optimizer_state")
     }
-    parts = ", ".join(f"{c.replace('_', ' ')} {_fmt(b)}" for c, b in by.items() if b)
+    words = {"parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state"}
+    parts = [f"{words[c]} {_fmt(b)}" for c, b in by.items() if b]
+    now = parts[0] if len(parts) == 1 else ", ".join(parts) + f", {_fmt(fp32)} in all"
     items.append(
         Suggestion(
             "bf16_weights",
@@ -296,7 +298,7 @@ def _precision(mm, items, notes):
             EXACT,
             "model.to(torch.bfloat16) before creating the optimizer (consider fp32 master weights, e.g. an "
             "optimizer with Kahan summation, if accuracy suffers)",
-            f"float32 tensors now: {parts} = {_fmt(fp32)}; in bfloat16 half: {_fmt(fp32 // 2)}"
+            f"in float32 now: {now}; in bfloat16, half: {_fmt(fp32 // 2)}"
             + ("" if by["gradient"] else " (no gradients exist yet: after backward they add as much again)"),
             group="changes the training",
             code=_code("bf16_weights"),
