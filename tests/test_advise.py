@@ -512,7 +512,7 @@ def test_sharding_row_is_plans_cheapest_fit_and_estimates_figure():
     (mixed,) = adv.by_kind("autocast_bf16")
     assert mixed.after == b.peak
     assert any(n.startswith("sharding: not needed; memtorch.plan's cheapest configuration that fits is 1 process, "
-                            f"bf16-mixed ({memtorch.units.format(b.peak)} per rank), the figures of the row "
+                            f"bf16-mixed (peak {memtorch.units.format(b.peak)}), the figures of the row "
                             f"'{mixed.title}'") for n in adv.notes)  # fmt: skip
     # half of it: only sharding fits
     adv, b = both(one.peak // 2)

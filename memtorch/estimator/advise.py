@@ -1317,7 +1317,7 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, item
     if same:
         # plan's answer is one device with a change a row above already makes: that row, not a second one
         notes.append(f"sharding: not needed; memtorch.plan's cheapest configuration that fits is {', '.join(parts)}"
-                     f" ({_fmt(best.peak)} per rank), the figures of the row '{same[0].title}'")  # fmt: skip
+                     f" (peak {_fmt(best.peak)}), the figures of the row '{same[0].title}'")  # fmt: skip
         return
     # plan's judged figure (above): the reserved segments on cuda, the peak with gloo's scratch late on the CPU
     n = best.world_size

@@ -185,4 +185,3 @@ def capacity(
         time.perf_counter() - t0,
         weights_as_given(model) if precision == "fp32" else None,
     )
-
