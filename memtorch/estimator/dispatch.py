@@ -307,7 +307,7 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 # scratch in order and returns fake outputs, counted below
                 out = fix(ledger, func, args, kwargs)
                 known.follow(func, args, kwargs, out)
-                extra = 0
+                extra = (fix.extra(func, args, kwargs, out) or 0) if fix.extra is not None else 0
             else:
                 kind = _kind(func)
                 if kind == "inplace" and all(isinstance(t, FakeTensor) for t in tree_leaves(args)

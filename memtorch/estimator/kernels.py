@@ -25,10 +25,13 @@ from .._quantize import kernel_rules  # bitsandbytes' operators (empty unless bi
 
 
 class Around:
-    """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs."""
+    """A kernel table entry that runs in place of the operator: fn(ledger, func, args, kwargs) -> outputs.
+    extra(func, args, kwargs, out): bytes the kernel allocates and frees inside itself once its outputs
+    exist (counted after them), or None for none."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, extra=None):
         self.fn = fn
+        self.extra = extra
 
     def __call__(self, ledger, func, args, kwargs):
         return self.fn(ledger, func, args, kwargs)
@@ -241,7 +244,51 @@ def _grouped_mm(cuda):
         stride = [size[1] * padded, padded, 1] if (a.dim() == 2) == (b.dim() == 2) else [padded, 1]
         return torch.empty_strided(size, stride, dtype=dtype, device=a.device)
 
-    return Around(run)
+    return Around(run, None if cuda else _grouped_mm_scratch)
+
+
+def _grouped_mm_scratch(func, args, kwargs, out):
+    """The CPU kernel's scratch, measured on the real kernel as any other's (probe_extra). In bfloat16 it
+    multiplies each expert's rows in float32 copies, so the scratch grows with the largest expert's share
+    of the tokens, which the router decides by value (the family sweep's Mixtral: 38,528 B for an even
+    split, 42,624 B for every row to one expert). It is measured with every row in one group, the most,
+    and a note says by how much an even split takes less. float32 takes none."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    given = dict(zip(names, args), **kwargs)
+    offs, a, b = given.get("offs"), given["mat_a"], given["mat_b"]
+    if offs is None or (a.dim() == 3 and b.dim() == 3):
+        return probe_extra(func, args, kwargs, out)  # no split by value: measured as it is
+    # what offs splits: a's rows (2d x 3d, the forward), the inner dimension (2d x 2d, a weight's gradient),
+    # b's columns (3d x 2d)
+    rows = a.size(0) if b.dim() == 3 else a.size(1) if a.dim() == 2 else b.size(1)
+    groups = offs.size(0)
+    with _disable_current_modes():  # real tensors: the splits' values, which the probe runs on
+        one = torch.full((groups,), rows, dtype=offs.dtype)
+        even = torch.tensor([-(-rows * (i + 1) // groups) for i in range(groups)], dtype=offs.dtype)
+    most = probe_extra(func, args, kwargs, out, values=lambda t: one if t is offs else None)
+    if most:
+        typical = probe_extra(func, args, kwargs, out, values=lambda t: even if t is offs else None) or 0
+        if most > typical:
+            # one note per dtype, with the largest difference of any call (notes is cleared per estimate)
+            dtype = str(a.dtype).replace("torch.", "")
+            said, before = _grouped_said.get(dtype, (None, 0))
+            if said not in notes:
+                before = 0
+            if most - typical > before:
+                notes.discard(said)
+                said = (f"the experts' grouped matrix products (a mixture of experts) in {dtype} on the CPU take "
+                        "scratch space that grows with the largest expert's share of the tokens, which the router "
+                        "decides by value: counted for every token routed to one expert, the most (up to "
+                        f"{most - typical:,} B a call more than an even split)")  # fmt: skip
+                notes.add(said)
+                _grouped_said[dtype] = (said, most - typical)
+    return most
+
+
+_grouped_said = {}  # dtype -> (the note said, its bytes) of _grouped_mm_scratch
 
 
 # ---------------------------------------------------------------------------
