@@ -45,7 +45,15 @@ def _real(sweep, name, precision, ckpt):
     before the model exists."""
     import torch.utils.checkpoint as tc
 
+    cast = precision == "bf16 model"  # the model and its floating-point inputs in bfloat16, no autocast
+
+    def batch_of(name):
+        b = sweep._batch(name)
+        return {k: v.to(torch.bfloat16) if cast and v.is_floating_point() else v for k, v in b.items()}
+
     def prepare(model):
+        if cast:
+            model = model.to(torch.bfloat16)
         if ckpt and getattr(model, "supports_gradient_checkpointing", False):
             # transformers' own gradient checkpointing, as its users turn it on (what estimate's "blocks"
             # models: each block under torch.utils.checkpoint, run without its cache)
@@ -73,13 +81,13 @@ def _real(sweep, name, precision, ckpt):
         del out  # the output kept until the step ends, as estimate()'s keep_output=True
 
     warm = prepare(sweep._model(name))
-    run(warm, sweep._batch(name), torch.optim.AdamW(warm.parameters(), foreach=False))
+    run(warm, batch_of(name), torch.optim.AdamW(warm.parameters(), foreach=False))
     del warm
     gc.collect()
     cpu.start()
     base = cpu.allocated()
     model = prepare(sweep._model(name))
-    batch = sweep._batch(name)
+    batch = batch_of(name)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     with memtorch.track() as t:
         for _ in range(2):
@@ -87,7 +95,9 @@ def _real(sweep, name, precision, ckpt):
     measured = t.report.peak - base
     del opt
     plain = sweep._model(name)  # the estimate's model: unwrapped (estimate checkpoints the blocks itself)
-    est = memtorch.estimate(plain, batch, device="cpu", precision=precision,
+    if cast:
+        plain = plain.to(torch.bfloat16)
+    est = memtorch.estimate(plain, batch, device="cpu", precision="fp32" if cast else precision,
                             checkpointing="blocks" if ckpt else None)  # fmt: skip
     return measured, est.peak, t.report.exact
 
@@ -101,7 +111,7 @@ def main():
     rows = []
     for name in sorted(sweep.FAMILIES):
         blocks = _has_blocks(sweep._model(name))
-        for precision in ("fp32", "bf16-mixed"):
+        for precision in ("fp32", "bf16-mixed", "bf16 model"):
             for ckpt in (False, True) if blocks else (False,):
                 try:
                     real, est, exact = _real(sweep, name, precision, ckpt)
@@ -122,7 +132,8 @@ def main():
         "`estimate(device='cpu')` of a training step against `track()` of two real AdamW steps of the same "
         "model and batch, counted from before the model exists, each step's output kept until the step ends as "
         "`estimate()`'s `keep_output=True` keeps it (bf16-mixed: the forward under CPU autocast; blocks: the "
-        "model's own gradient checkpointing, see below). Bytes.",
+        "model's own gradient checkpointing, see below; bf16 model: the model and its floating-point inputs in "
+        "bfloat16, estimated with precision='fp32', which casts nothing). Bytes.",
         "",
         "| family | precision | checkpointing | track() | estimate() | difference | error |",
         "|---|---|---|---:|---:|---:|---:|",

@@ -138,7 +138,8 @@ class Ledger:
                     kept = getattr(node, "_saved_" + name)
                 except (AttributeError, RuntimeError):  # not saved, or already released
                     continue
-                if kept is None or kept.dim() != 0 or kept.device.type != "cpu" or type(kept).__name__ != "Tensor":
+                # a wrapped number: a plain 0-dim CPU tensor (not a fake, not anything else the node keeps)
+                if type(kept).__name__ != "Tensor" or kept.dim() != 0 or kept.device.type != "cpu":
                     continue
                 key = self.add_storage(kept.untyped_storage())
                 if key is not None:
