@@ -31,7 +31,11 @@ CAVEAT = (
     "GradientCheckpointingLayer recomputed, run without its cache), else this script's wrapping of each block "
     "of the outermost ModuleLists in `torch.utils.checkpoint(..., use_reentrant=False)`: what "
     "`estimate(checkpointing='blocks')` models. The float32 rows, with and without checkpointing, are the truth "
-    "the sweep holds, to the byte (tests/test_family_sweep.py)."
+    "the sweep holds, to the byte (tests/test_family_sweep.py). In the bf16 model rows a mixture of experts' "
+    "figure is a bound: the experts' grouped matrix products take scratch in bfloat16 on the CPU that grows "
+    "with the largest expert's share of the tokens, counted for every token sent to one expert (the estimate's "
+    "note says so); ViT's can differ by a few hundred bytes either way from run to run (the CPU attention "
+    "backward's scratch is per thread and varies from call to call)."
 )
 
 
