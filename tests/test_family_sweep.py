@@ -233,8 +233,10 @@ def test_cpu_estimate_is_the_real_step(name, request):
 # a bfloat16 model's CPU estimate, where it is not to the byte: (estimate - real) / real within these bounds
 BF16_NEAR = {
     # the experts' grouped matrix products: their scratch counted for every token routed to one expert (the
-    # test below): over, never under
+    # test below): over, never under (Qwen2-MoE's peak is elsewhere without checkpointing: exact here, and
+    # 8,320 B over with it, in BENCHMARKS.md)
     "mixtral": (0.0, 0.05),
+    "qwen2_moe": (0.0, 0.05),
     # the CPU flash attention backward's scratch is per thread and varies from call to call, in the real step
     # and in the probe alike (seen: 408 B over, and 408 B under)
     "vit": (-0.002, 0.002),
