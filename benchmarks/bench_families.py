@@ -30,12 +30,12 @@ CAVEAT = (
     "`activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})`, formerly `gradient_checkpointing_enable`: each "
     "GradientCheckpointingLayer recomputed, run without its cache), else this script's wrapping of each block "
     "of the outermost ModuleLists in `torch.utils.checkpoint(..., use_reentrant=False)`: what "
-    "`estimate(checkpointing='blocks')` models. The float32 rows, with and without checkpointing, are the truth "
-    "the sweep holds, to the byte (tests/test_family_sweep.py). In the bf16 model rows a mixture of experts' "
-    "figure is a bound: the experts' grouped matrix products take scratch in bfloat16 on the CPU that grows "
-    "with the largest expert's share of the tokens, counted for every token sent to one expert (the estimate's "
-    "note says so); ViT's can differ by a few hundred bytes either way from run to run (the CPU attention "
-    "backward's scratch is per thread and varies from call to call)."
+    "`estimate(checkpointing='blocks')` models. The float32 rows, with and without checkpointing, are the "
+    "truth the sweep holds, to the byte (tests/test_family_sweep.py). In the bf16 model rows a mixture of "
+    "experts' figure is a bound: the experts' grouped matrix products take scratch in bfloat16 on the CPU "
+    "that grows with the largest expert's share of the tokens, counted for every token sent to one expert "
+    "(the estimate's note says so); ViT's can differ by a few hundred bytes either way from run to run (the "
+    "CPU attention backward's scratch is per thread and varies from call to call)."
 )
 
 
@@ -136,8 +136,8 @@ def main():
         "`estimate(device='cpu')` of a training step against `track()` of two real AdamW steps of the same "
         "model and batch, counted from before the model exists, each step's output kept until the step ends as "
         "`estimate()`'s `keep_output=True` keeps it (bf16-mixed: the forward under CPU autocast; blocks: the "
-        "model's own gradient checkpointing, see below; bf16 model: the model and its floating-point inputs in "
-        "bfloat16, estimated with precision='fp32', which casts nothing). Bytes.",
+        "model's own gradient checkpointing, see below; bf16 model: the model and its floating-point inputs "
+        "in bfloat16, estimated with precision='fp32', which casts nothing). Bytes.",
         "",
         "| family | precision | checkpointing | track() | estimate() | difference | error |",
         "|---|---|---|---:|---:|---:|---:|",

@@ -249,8 +249,9 @@ def test_checkpointing_and_autocast_match_a_manual_run():
     assert bf.saves == base - _manual_peak(model, x, dtype=torch.bfloat16) and bf.basis == "measured"
     # of which held all through: parameters and gradients, 4 blocks of 2 Linear(32, 32), halved
     # 2 x 8 x (32*32 + 32) x 4 B = 67,584 B, the parameters' and their gradients' halves
-    assert "in float32 now: parameters 33.0 KiB, gradients 33.0 KiB, 66.0 KiB in all; in bfloat16, half: 33.0 KiB" \
-        in bf.detail
+    held = ("in float32 now: parameters 33.0 KiB, gradients 33.0 KiB, 66.0 KiB in all; "
+            "in bfloat16, half: 33.0 KiB")
+    assert held in bf.detail
 
 
 def test_depth_for_a_budget():
@@ -501,23 +502,25 @@ def test_sharding_row_is_plans_cheapest_fit_and_estimates_figure():
 
     def both(budget):
         adv = memtorch.advise(model, x, budget=budget, reserve=0, device="cpu")
-        p = memtorch.plan(model, x, device_memory=budget, reserve=0, device="cpu", precisions=["fp32", "bf16-mixed"],
-                          checkpointing=[None, "blocks"])  # fmt: skip
+        p = memtorch.plan(model, x, device_memory=budget, reserve=0, device="cpu",
+                          precisions=["fp32", "bf16-mixed"], checkpointing=[None, "blocks"])  # fmt: skip
         return adv, p.best
 
     # one process misses it by a byte: plan's answer is one process under bf16 autocast, the mixed-precision
     # row's own figures, so no second row says it (the note does)
     adv, b = both(one.peak - 1)
-    assert (b.world_size, b.precision, b.checkpointing) == (1, "bf16-mixed", None) and not adv.by_kind("sharding")
+    assert (b.world_size, b.precision, b.checkpointing) == (1, "bf16-mixed", None)
+    assert not adv.by_kind("sharding")
     (mixed,) = adv.by_kind("autocast_bf16")
     assert mixed.after == b.peak
-    assert any(n.startswith("sharding: not needed; memtorch.plan's cheapest configuration that fits is 1 process, "
-                            f"bf16-mixed (peak {memtorch.units.format(b.peak)}), the figures of the row "
-                            f"'{mixed.title}'") for n in adv.notes)  # fmt: skip
+    said = ("sharding: not needed; memtorch.plan's cheapest configuration that fits is 1 process, bf16-mixed "
+            f"(peak {memtorch.units.format(b.peak)}), the figures of the row '{mixed.title}'")
+    assert said in adv.notes
     # half of it: only sharding fits
     adv, b = both(one.peak // 2)
     (row,) = adv.by_kind("sharding")
-    assert b is not None and b.world_size > 1 and row.after == b.peak and row.fits and row.group == "keeps the model"
+    assert b is not None and b.world_size > 1 and row.after == b.peak and row.fits
+    assert row.group == "keeps the model"
     est = memtorch.estimate(model, (b.micro_batch, 256), device="cpu", precision=b.precision,
                             checkpointing=b.checkpointing, world_size=b.world_size, sharding=b.sharding)  # fmt: skip
     assert est.peak == b.peak

@@ -1,7 +1,8 @@
 """The family sweep (issue 36): every family memtorch estimates, small, held to the same checks.
 
 Per family: the CPU estimate of a training step equals track() of the real step (two AdamW steps, counted
-from before the model exists) to the byte, with and without checkpointing; a larger batch never estimates lower; inference estimates below
+from before the model exists) to the byte, with and without checkpointing, and for the model in bfloat16
+(bounded where BF16_NEAR says why); a larger batch never estimates lower; inference estimates below
 training; the breakdown sums to the peak on the CPU and on cuda; two dry runs give the same figures;
 plan() rows equal estimate() of the same configuration (one GPU, and two ranks under zero3); a rank's
 optimizer state under zero3 at 4 ranks is about a quarter of the whole. Families whose estimate is known
@@ -90,8 +91,8 @@ def _wav2vec2():
 
 
 def _lora(make_base):
-    """A decoder fine-tuned with LoRA, as peft's get_peft_model makes it: the base frozen, adapters on q_proj and
-    v_proj (each scales its output by a Python number, which autograd keeps)."""
+    """A decoder fine-tuned with LoRA, as peft's get_peft_model makes it: the base frozen, adapters on q_proj
+    and v_proj (each scales its output by a Python number, which autograd keeps)."""
 
     def make():
         peft = pytest.importorskip("peft")
@@ -343,7 +344,7 @@ def test_bfloat16_experts_on_the_cpu_are_bounded_by_the_most_and_say_so():
         return FAMILIES["mixtral"][0]().to(torch.bfloat16)
 
     measured, model, batch = _measured(lambda: make(0), "mixtral")
-    other, _, _ = _measured(lambda: make(7), "mixtral")  # another router's weights: another split of the batch
+    other, _, _ = _measured(lambda: make(7), "mixtral")  # another router's weights: another split
     est = memtorch.estimate(model, batch, device="cpu")
     said = [n for n in est.notes if n.startswith("the experts' grouped matrix products")]
     if said:
@@ -392,8 +393,8 @@ def test_plan_rows_are_estimates_and_zero3_splits_the_state(name):
 
 
 # the families with a generate(): decoders, state-space, mixtures of experts, encoder-decoders, speech
-GENERATES = ["bart", "gemma", "gpt2", "llama", "llama_lora", "mamba", "mistral", "mixtral", "phi", "qwen2", "qwen2_moe", "t5",
-             "whisper"]  # fmt: skip
+GENERATES = ["bart", "gemma", "gpt2", "llama", "llama_lora", "mamba", "mistral", "mixtral", "phi", "qwen2",
+             "qwen2_moe", "t5", "whisper"]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -1316,10 +1316,11 @@ def _sharding(model, inputs, engine, base, budget, reserve, cfg, precision, item
             and s.kind in ("checkpointing", "autocast_bf16", "micro_batch")]  # fmt: skip
     if same:
         # plan's answer is one device with a change a row above already makes: that row, not a second one
-        notes.append(f"sharding: not needed; memtorch.plan's cheapest configuration that fits is {', '.join(parts)}"
-                     f" (peak {_fmt(best.peak)}), the figures of the row '{same[0].title}'")  # fmt: skip
+        notes.append("sharding: not needed; memtorch.plan's cheapest configuration that fits is "
+                     f"{', '.join(parts)} (peak {_fmt(best.peak)}), the figures of the row '{same[0].title}'")
         return
-    # plan's judged figure (above): the reserved segments on cuda, the peak with gloo's scratch late on the CPU
+    # plan's judged figure (above): the reserved segments on cuda, the peak with gloo's scratch late on the
+    # CPU
     n = best.world_size
     fill = {"torch_sharding": "", "hf_sharding": "", "pl_sharding": ""}
     if best.sharding:

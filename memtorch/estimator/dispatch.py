@@ -262,7 +262,8 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 # step): FakeTensorMode's own answer, without the way down to it; it allocates nothing
                 fake = args[0]
                 return torch.device("meta") if fake.fake_mode.in_kernel_invocation else fake.fake_device
-            if ledger.saved_numbers:  # not at prim.device: autograd asks it before it gives the output its node
+            # not at prim.device above: autograd asks it before it gives the operator's output its node
+            if ledger.saved_numbers:
                 ledger.settle_saved_numbers()
             kwargs = kwargs or {}
             if func is item:

@@ -279,10 +279,10 @@ def _grouped_mm_scratch(func, args, kwargs, out):
                 before = 0
             if most - typical > before:
                 notes.discard(said)
-                said = (f"the experts' grouped matrix products (a mixture of experts) in {dtype} on the CPU take "
-                        "scratch space that grows with the largest expert's share of the tokens, which the router "
-                        "decides by value: counted for every token routed to one expert, the most (up to "
-                        f"{most - typical:,} B a call more than an even split)")  # fmt: skip
+                said = (f"the experts' grouped matrix products (a mixture of experts) in {dtype} on the "
+                        "CPU take scratch space that grows with the largest expert's share of the tokens, which "
+                        "the router decides by value: counted for every token routed to one expert, the most "
+                        f"(up to {most - typical:,} B a call more than an even split)")
                 notes.add(said)
                 _grouped_said[dtype] = (said, most - typical)
     return most
