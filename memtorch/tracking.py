@@ -927,6 +927,13 @@ _CUDA_NO_MODULES = (
     "boundaries; a CPU run of the same step gives exact per-module figures."
 )
 
+# What Tracker.__init__ sets for a block of counters only on the CPU (no model, optimizer or timeline;
+# the other arguments as their defaults): what its general path would set for them.
+_COUNTERS_ONLY = dict(
+    _plan=None, _plan_fresh=False, _model=None, _optimizer=None, _kind="cpu", _index=None, _timeline=False,
+    _lean=False, _modules_on=False, _leaks=True, _warmup=1, _largest=0,
+)
+
 # A block's state at its start (Tracker._reset_state), the immutable part.
 _FRESH = dict(
     _phase=None,
@@ -986,6 +993,18 @@ class Tracker:
         self, model: torch.nn.Module | None = None, optimizer: Any = None, device: str | torch.device = "auto",
         timeline: bool = False, modules: bool = True, leaks: bool = True, warmup: int = 1, largest: int = 0,
     ) -> None:  # fmt: skip
+        if (
+            model is None and optimizer is None and timeline is False and modules is True and leaks is True
+            and warmup.__class__ is int and warmup == 1 and largest.__class__ is int and largest == 0
+            and (device is None or (device.__class__ is str and (device == "auto" or device == "cpu")))
+        ):  # fmt: skip
+            # the common `with memtorch.track():` of a loop (a block per step): counters on the CPU, the
+            # general path's checks and parsing answered already (see _enter_counters)
+            if _torch_mod is None:  # torch loaded, as the general path loads it
+                _torch()
+            self._args = dict(device=device, timeline=False, modules=True, leaks=True, warmup=1, largest=0)
+            self.__dict__.update(_COUNTERS_ONLY)
+            return
         torch = _torch_mod or _torch()
         if model is not None and not isinstance(model, torch.nn.Module):
             if callable(model) and not isinstance(model, type) and optimizer is None:
@@ -1833,6 +1852,16 @@ class Tracker:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
     ) -> Literal[False]:
+        if exc_type is None and self._quick:
+            # the common `with memtorch.track():` of a loop, still counters only: _finish and _cleanup's
+            # steps for it alone (a block per step closes with the caches the step left cold)
+            try:
+                self._report = self._finish_counters()
+            finally:
+                self._quick = False
+                self._scope = None
+                self._release()
+            return False
         if exc_type is not None and "torch.distributed" in sys.modules:
             # lazy: distributed loads only when this path runs (importing tracking stays cheap)
             from .distributed import note_failure
@@ -2030,8 +2059,7 @@ class Tracker:
         seconds = time.perf_counter() - self._t0
         raw, self._raw = self._raw, None
         if raw is not None:  # its own C calls: the closed Scope is made with the report
-            raw.close()
-            if not raw.hooks_lost:
+            if not raw.end():
                 return functools.partial(_make_counters_report, raw, seconds)
             self._scope = raw.scope()  # hooks lost: where they went is read now
         s = self._scope

@@ -214,6 +214,30 @@ def test_a_tool_that_writes_libc_back_inside_a_block_per_step_is_noticed_as_by_t
     assert lean[4] == ["backward", "forward", "optimizer"]
 
 
+def test_a_tool_that_writes_libc_back_inside_a_counters_only_block_is_noticed_either_way():
+    """The same tool inside `with memtorch.track():`, with counting held (the block's scope by its own C
+    calls, ended by its own short way: Tracker.__exit__) and without (a cpu.Scope): each end finds the
+    hooks gone and says so alike, each in a process of its own."""
+    body = '''
+    import memtorch
+    if HOLD:
+        cpu.start()
+    with memtorch.track() as t:
+        a = torch.empty(1000, 1000)
+        _C._counters_tool("libc")
+        b = torch.empty(10, 10)
+        _C._counters_tool("uninstall")    # writes libc back, over memtorch's hooks
+    r = t.report
+    out["said"] = [r.exact, [c[:60] for c in r.caveats if "Another tool" in c], r.mechanism, r.delta]
+    out["left"] = [t._scope, t._raw, t._open, memtorch.tracking._debug_leftovers()]
+    '''
+    held, plain = (run(body.replace("HOLD", str(hold))) for hold in (True, False))
+    assert held["said"] == plain["said"]
+    assert held["said"][0] is False and len(held["said"][1]) == 1
+    assert held["said"][3] >= 4_000_000  # a counted; b went to libc unseen
+    assert held["left"] == plain["left"] == [None, None, False, []]
+
+
 def test_a_naive_tool_restoring_under_memtorch_is_noticed():
     r = run('''
     original = slot()

@@ -374,6 +374,26 @@ def test_counters_only_block_grows_its_state_when_asked():
     del a, b
 
 
+def test_a_counters_only_tracker_is_made_as_the_general_path_makes_it():
+    """track() with the defaults (and device "cpu") takes a shorter way through Tracker.__init__ (a loop makes
+    one per step): the state it sets is the general path's, and every argument off its default goes the
+    general way, its checks included."""
+    def state(t):
+        return {k: v for k, v in vars(t).items()}
+
+    general = state(memtorch.Tracker(device=torch.device("cpu")))  # a torch.device: the general path
+    general_args = general.pop("_args")
+    for t in (memtorch.track(), memtorch.track(device="cpu"), memtorch.Tracker(None, None, None)):
+        got = state(t)
+        assert got.pop("_args") == dict(general_args, device=t._args["device"])
+        assert got == general
+    for bad, err in ((dict(warmup=True), ValueError), (dict(largest=-1), ValueError),
+                     (dict(timeline=1), TypeError), (dict(device="tpu"), ValueError)):  # fmt: skip
+        with pytest.raises(err):
+            memtorch.track(**bad)
+    assert memtorch.track(warmup=2)._warmup == 2 and memtorch.track(device="cpu:0")._kind == "cpu"
+
+
 def test_leaks_off_and_not_judged():
     with memtorch.track(leaks=False, warmup=2) as t:
         t.step()
