@@ -35,7 +35,8 @@ CAVEAT = (
     "experts' figure is a bound: the experts' grouped matrix products take scratch in bfloat16 on the CPU "
     "that grows with the largest expert's share of the tokens, counted for every token sent to one expert "
     "(the estimate's note says so); ViT's can differ by a few hundred bytes either way from run to run (the "
-    "CPU attention backward's scratch is per thread and varies from call to call)."
+    "CPU attention backward's scratch is per thread and varies from call to call; the estimate counts the "
+    "most of up to 16 runs of that kernel and its note says so where the runs differed)."
 )
 
 

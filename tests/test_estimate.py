@@ -1376,3 +1376,55 @@ def test_the_dry_run_frees_by_reference_counts_not_by_the_cycle_collector(monkey
             monkeypatch.undo()
         assert paused == collecting, device
     assert gc.isenabled()  # as it was
+
+
+def test_a_kernel_whose_scratch_varies_from_run_to_run_is_counted_at_the_most_and_said(monkeypatch):
+    # a parallel kernel's scratch can depend on how its threads interleave (the CPU flash attention's backward
+    # in bfloat16 on 2 threads: 38,564 to 52,648 B at one shape); the probe runs it again where more than one
+    # thread runs it, and where the runs differ, 16 times, and counts the most. Here a scripted counter stands
+    # for that kernel (the scratch each run reports), so the test does not depend on the scheduler.
+    from memtorch import cpu
+    from memtorch.estimator import kernels
+
+    scratch = []
+
+    class Scripted:
+        def __enter__(self):
+            self.start = 0
+            return self
+
+        def __exit__(self, *exc):
+            self.peak = scratch.pop(0) + 3 * 7 * 4  # the scratch, and mm's (3, 7) float32 output
+            return False
+
+    monkeypatch.setattr(cpu, "exact", lambda: True)
+    monkeypatch.setattr(cpu, "Scope", Scripted)
+    mm = torch.ops.aten.mm.default
+    a, b = torch.zeros(3, 5), torch.zeros(5, 7)
+    threads = torch.get_num_threads()
+    kernels._probe_cache.clear()
+    kernels.reset_notes()
+    try:
+        torch.set_num_threads(2)
+        scratch[:] = [100] * 8  # eight equal runs: it does not vary, no more runs
+        assert kernels.probe_extra(mm, (a, b), {}, torch.zeros(3, 7)) == 100
+        assert scratch == [] and not kernels.notes
+        kernels._probe_cache.clear()
+        scratch[:] = [100, 100, 340] + [100] * 10 + [260, 100, 100]
+        assert kernels.probe_extra(mm, (a, b), {}, torch.zeros(3, 7)) == 340
+        assert scratch == []  # 16 runs
+        (note,) = kernels.notes
+        assert note.startswith("mm (float32) on the CPU with 2 threads takes scratch space that depends on how")
+        assert "(100 to 340 B in 16 runs of the real kernel at one shape)" in note
+        # the next estimate meets the same kernel in the cache: its notes say it again
+        kernels.reset_notes()
+        assert kernels.probe_extra(mm, (a, b), {}, torch.zeros(3, 7)) == 340 and kernels.notes == {note}
+        kernels._probe_cache.clear()
+        torch.set_num_threads(1)  # one thread: one run, as before
+        scratch[:] = [100]
+        kernels.reset_notes()
+        assert kernels.probe_extra(mm, (a, b), {}, torch.zeros(3, 7)) == 100 and not kernels.notes
+    finally:
+        torch.set_num_threads(threads)
+        kernels._probe_cache.clear()
+        kernels.reset_notes()

@@ -1164,7 +1164,7 @@ def estimate(
         )
     skipped0 = _kernels.probe_stats["skipped_large"]
     # the kernels' notes are this dry run's: one an earlier estimate left (another model's LSTM) is not this one's
-    _kernels.notes.clear()
+    _kernels.reset_notes()
     try:
         # whatever torch.compile wraps (the model, a submodule, a function its forward calls) runs eagerly
         with torch.compiler.set_stance("force_eager"), _collector_paused():
@@ -1175,7 +1175,7 @@ def estimate(
             try:
                 ledger, hooks, facts = run(replay=training and _replay.ENABLED)
             except _replay.Mismatch:  # the blocks do not repeat: the step runs whole
-                _kernels.notes.clear()
+                _kernels.reset_notes()
                 _kernels.probe_stats["skipped_large"] = skipped0
                 ledger, hooks, facts = run(replay=False)
     except _kernels.KernelRefuses as e:
