@@ -929,10 +929,10 @@ _CUDA_NO_MODULES = (
 
 # What Tracker.__init__ sets for a block of counters only on the CPU (no model, optimizer or timeline;
 # the other arguments as their defaults): what its general path would set for them.
-_COUNTERS_ONLY = dict(
-    _plan=None, _plan_fresh=False, _model=None, _optimizer=None, _kind="cpu", _index=None, _timeline=False,
-    _lean=False, _modules_on=False, _leaks=True, _warmup=1, _largest=0,
-)
+_COUNTERS_ONLY = {
+    "_plan": None, "_plan_fresh": False, "_model": None, "_optimizer": None, "_kind": "cpu", "_index": None,
+    "_timeline": False, "_lean": False, "_modules_on": False, "_leaks": True, "_warmup": 1, "_largest": 0,
+}
 
 # A block's state at its start (Tracker._reset_state), the immutable part.
 _FRESH = dict(
@@ -1002,7 +1002,8 @@ class Tracker:
             # general path's checks and parsing answered already (see _enter_counters)
             if _torch_mod is None:  # torch loaded, as the general path loads it
                 _torch()
-            self._args = dict(device=device, timeline=False, modules=True, leaks=True, warmup=1, largest=0)
+            self._args = {"device": device, "timeline": False, "modules": True, "leaks": True, "warmup": 1,
+                          "largest": 0}
             self.__dict__.update(_COUNTERS_ONLY)
             return
         torch = _torch_mod or _torch()

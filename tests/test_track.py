@@ -385,10 +385,10 @@ def test_a_counters_only_tracker_is_made_as_the_general_path_makes_it():
     general_args = general.pop("_args")
     for t in (memtorch.track(), memtorch.track(device="cpu"), memtorch.Tracker(None, None, None)):
         got = state(t)
-        assert got.pop("_args") == dict(general_args, device=t._args["device"])
+        assert got.pop("_args") == {**general_args, "device": t._args["device"]}
         assert got == general
-    for bad, err in ((dict(warmup=True), ValueError), (dict(largest=-1), ValueError),
-                     (dict(timeline=1), TypeError), (dict(device="tpu"), ValueError)):  # fmt: skip
+    for bad, err in (({"warmup": True}, ValueError), ({"largest": -1}, ValueError),
+                     ({"timeline": 1}, TypeError), ({"device": "tpu"}, ValueError)):  # fmt: skip
         with pytest.raises(err):
             memtorch.track(**bad)
     assert memtorch.track(warmup=2)._warmup == 2 and memtorch.track(device="cpu:0")._kind == "cpu"
