@@ -351,10 +351,9 @@ def _accounting_mode(ledger, kernels, allow_item, check=True):
                 ledger.add_extra(extra)
                 if owners is not None and owners(None) is not None:
                     ledger.owner[ledger._next - 1] = owners(None)
-            if scalars and isinstance(out, torch.Tensor) and any(
-                    isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                names = saved_number_names(func, args)
-                if names:
+            if scalars and isinstance(out, torch.Tensor):
+                names = saved_number_names(func, args)  # usually none: then no look for an input needing grad
+                if names and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                     ledger.saved_numbers.append((weakref.ref(out), names, ledger.phase, ledger.module))
             post = after.get(func)
             if post is not None:
