@@ -435,9 +435,7 @@ class _CallScope:
         return bool(self._closing[0][5])
 
     def close(self):
-        if self._closing is None:
-            o = self._opening[0]
-            self._closing = (_C.scope_end(o[0], o[1]), _processes())
+        self.end()
         return _closed_calls(self._opening, self._closing)
 
     def end(self):
