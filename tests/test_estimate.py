@@ -1390,6 +1390,9 @@ def test_a_kernel_whose_scratch_varies_from_run_to_run_is_counted_at_the_most_an
 
     class Scripted:
         def __enter__(self):
+            if scratch[0] == "raise":  # the kernel refuses its stand-ins on a later run (it wrote them)
+                scratch.pop(0)
+                raise RuntimeError("refused")
             self.start = 0
             return self
 
@@ -1419,6 +1422,9 @@ def test_a_kernel_whose_scratch_varies_from_run_to_run_is_counted_at_the_most_an
         # the next estimate meets the same kernel in the cache: its notes say it again
         kernels.reset_notes()
         assert kernels.probe_extra(mm, (a, b), {}, torch.zeros(3, 7)) == 340 and kernels.notes == {note}
+        kernels._probe_cache.clear()
+        scratch[:] = [100, 120, "raise"]  # a later run that raises ends the runs: the most of those before
+        assert kernels.probe_extra(mm, (a, b), {}, torch.zeros(3, 7)) == 120 and scratch == []
         kernels._probe_cache.clear()
         torch.set_num_threads(1)  # one thread: one run, as before
         scratch[:] = [100]
