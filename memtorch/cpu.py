@@ -443,7 +443,7 @@ class _CallScope:
         if self._closing is None:
             o = self._opening[0]
             self._closing = (_C.scope_end(o[0], o[1]), _processes())
-        return bool(self._closing[0][5])
+        return self.hooks_lost
 
     def scope(self):
         return Scope._from_calls(self._opening, self._closing)

@@ -1859,9 +1859,7 @@ class Tracker:
             try:
                 self._report = self._finish_counters()
             finally:
-                self._quick = False
-                self._scope = None
-                self._release()
+                self._end_counters()
             return False
         if exc_type is not None and "torch.distributed" in sys.modules:
             # lazy: distributed loads only when this path runs (importing tracking stays cheap)
@@ -2005,16 +2003,7 @@ class Tracker:
             self._release()
             return
         if self._quick:
-            self._quick = False
-            try:
-                raw, self._raw = self._raw, None
-                if raw is not None:  # ended by an exception before its report (_finish_counters)
-                    raw.close()
-                elif self._scope is not None:
-                    self._scope.close()
-            finally:
-                self._scope = None
-                self._release()
+            self._end_counters()
             return
         try:
             self._remove_hooks()
@@ -2039,6 +2028,20 @@ class Tracker:
             for s in scopes:
                 s.close()
             self._cuda_open = []
+            self._scope = None
+            self._release()
+
+    def _end_counters(self):
+        """The end of a counters-only block after its report (or an exception): its scope closed if still
+        open, the block released."""
+        self._quick = False
+        try:
+            raw, self._raw = self._raw, None
+            if raw is not None:  # ended by an exception before its report (_finish_counters)
+                raw.close()
+            elif self._scope is not None:
+                self._scope.close()  # idempotent: _finish_counters closed it already
+        finally:
             self._scope = None
             self._release()
 

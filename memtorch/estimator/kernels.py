@@ -275,15 +275,12 @@ def _grouped_mm_scratch(func, args, kwargs, out):
         if most > typical:
             # one note per dtype, with the largest difference of any call (reset_notes empties both per estimate)
             dtype = str(a.dtype).replace("torch.", "")
-            said, before = _said.get(("grouped_mm", dtype), (None, 0))
-            if most - typical > before:
-                notes.discard(said)
-                said = (f"the experts' grouped matrix products (a mixture of experts) in {dtype} on the "
-                        "CPU take scratch space that grows with the largest expert's share of the tokens, which "
-                        "the router decides by value: counted for every token routed to one expert, the most "
-                        f"(up to {most - typical:,} B a call more than an even split)")
-                notes.add(said)
-                _said[("grouped_mm", dtype)] = (said, most - typical)
+            _say_widest(("grouped_mm", dtype), most - typical, (
+                f"the experts' grouped matrix products (a mixture of experts) in {dtype} on the CPU take scratch "
+                "space that grows with the largest expert's share of the tokens, which the router decides by "
+                "value: counted for every token routed to one expert, the most (up to "
+                f"{most - typical:,} B a call more than an even split)"
+            ))  # fmt: skip
     return most
 
 
@@ -520,7 +517,9 @@ def probe_extra(func, args, kwargs, out, values=None, count=True):
                     break
             if len(set(seen)) > 1:
                 extra = max(seen)
-                spread = (_dtype_of(args), min(seen), extra, len(seen), threads)
+                first = next(tensors(list(args)), None)
+                dtype = "" if first is None else str(first.dtype).replace("torch.", "")
+                spread = (dtype, min(seen), extra, len(seen), threads)
                 _spread_note(func, *spread)
         del rargs, rkwargs, made
     probe_stats["probed"] += 1
@@ -533,31 +532,26 @@ _RUNS_SAME = 8  # runs of a parallel kernel that, all equal, say its scratch doe
 _RUNS = 16  # runs where they differ: the figure is the most of them
 
 
-def _dtype_of(args):
-    """The dtype of the first tensor among ``args`` (its name), or ""."""
-    import torch
-
-    for a in args:
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, torch.Tensor):
-                return str(t.dtype).replace("torch.", "")
-    return ""
-
-
 def _spread_note(func, dtype, low, high, runs, threads):
     """The note of a kernel whose scratch varied from run to run (probe_extra): one per operator and dtype,
     with the widest spread of any of its signatures in this estimate."""
-    key = (func.overloadpacket, dtype)
+    name = str(func.overloadpacket).replace("aten.", "", 1)
+    _say_widest((func.overloadpacket, dtype), high - low, (
+        f"{name} ({dtype}) on the CPU with {threads} threads takes scratch space that depends on how its "
+        f"threads interleave, which changes from run to run ({low:,} to {high:,} B in {runs} runs of the real "
+        "kernel at one shape): counted at the most seen, which the real step may not reach, or rarely exceed; "
+        "torch.set_num_threads(1) makes it exact"
+    ))  # fmt: skip
+
+
+def _say_widest(key, amount, note):
+    """``note`` among the notes in place of ``key``'s earlier one where it says more bytes (``amount``): one
+    note per key in an estimate, the widest."""
     said, before = _said.get(key, (None, 0))
-    if high - low > before:
+    if amount > before:
         notes.discard(said)
-        name = str(func.overloadpacket).replace("aten.", "", 1)
-        said = (f"{name} ({dtype}) on the CPU with {threads} threads takes scratch space that depends on how "
-                f"its threads interleave, which changes from run to run ({low:,} to {high:,} B in {runs} runs of "
-                "the real kernel at one shape): counted at the most seen, which the real step may not reach, "
-                "or rarely exceed; torch.set_num_threads(1) makes it exact")
-        notes.add(said)
-        _said[key] = (said, high - low)
+        notes.add(note)
+        _said[key] = (note, amount)
 
 
 def reset_notes():
